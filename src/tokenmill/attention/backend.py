@@ -1,0 +1,78 @@
+"""Reference attention for a flattened batch: each sequence's new tokens attend to its whole context.
+
+The batch is "token-centric": sequence b contributes `query_start_loc[b+1] - query_start_loc[b]` new tokens
+and, after this step, has `seq_lens[b]` tokens of context (cached + new). A prefill, a prefill chunk and a
+decode are the same thing with different numbers. Keys and values of the new tokens are written to the KV
+store first, then read back whole; with no store (`kv_cache="none"`) the context is just the new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class KVStore(Protocol):
+    """Where a sequence's keys and values live between steps."""
+
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([n, num_kv_heads, head_dim]) at positions start .. start+n of sequence `slot`."""
+        ...
+
+    def read(self, layer: int, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0 .. end, each [num_kv_heads, end, head_dim]."""
+        ...
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about the batch; passed explicitly, never global."""
+
+    query_start_loc: list[int]  # [B+1] offsets of each sequence's new tokens in the flattened batch
+    seq_lens: list[int]  # [B] context length after this step (cached + new)
+    slots: list[int]  # [B] each sequence's slot in the KV store
+    kv: KVStore | None  # None: no cache, the new tokens are the whole context
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
+    """[q_len, ctx_len] bool: query i (absolute position ctx_len - q_len + i) sees keys at positions <= its own."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    k_pos = torch.arange(ctx_len, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+def attend(
+    layer: int,
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    for b in range(meta.num_seqs):
+        start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+        q_len, ctx_len = end - start, meta.seq_lens[b]
+        if meta.kv is not None:
+            meta.kv.write(layer, meta.slots[b], ctx_len - q_len, k[start:end], v[start:end])
+            keys, values = meta.kv.read(layer, meta.slots[b], ctx_len)  # [Hkv, ctx, D]
+        else:
+            assert q_len == ctx_len, "without a KV cache every step must carry the whole context"
+            keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+        queries = q[start:end].transpose(0, 1)  # [H, q_len, D]
+        if q_len == 1:
+            o = F.scaled_dot_product_attention(queries, keys, values, enable_gqa=gqa)
+        elif q_len == ctx_len:
+            o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa)
+        else:
+            mask = _causal_mask(q_len, ctx_len, q.device)
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=gqa)
+        out[start:end] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,153 @@
+"""`tokenmill generate | make-model`: parse flags, delegate, and turn user errors into one line + exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from dataclasses import replace
+from typing import Any, NoReturn
+
+from tokenmill.config import DTYPES, KV_CACHE_MODES
+from tokenmill.errors import TokenmillError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line on stderr, exit status 2 (argparse's default also prints the whole usage)."""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder or hub id (default: the demo model)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--kv-cache", choices=KV_CACHE_MODES, default="contiguous")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        dtype=a.dtype,
+        device=a.device,
+        kv_cache=a.kv_cache,
+        max_model_len=a.max_model_len,
+        revision=a.revision,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tokenmill", description="A fast, exact, readable LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    _engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    gen.add_argument("--max-tokens", type=int, default=None, help="default: the model's generation config, or 128")
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+    mk = sub.add_parser("make-model", help="write a random-weight checkpoint at a real model's shape")
+    from tokenmill.make_model import ARCHS, SHAPES
+
+    mk.add_argument("--arch", choices=ARCHS, required=True)
+    mk.add_argument("--shape", choices=list(SHAPES), required=True)
+    mk.add_argument("--tokenizer", required=True, help="folder with a Hugging Face tokenizer")
+    mk.add_argument("--out", required=True)
+    mk.add_argument("--dtype", choices=[d for d in DTYPES if d != "auto"], default="bfloat16")
+    mk.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from tokenmill import LLM
+
+    llm = LLM(a.model, **_engine_kwargs(a))
+    defaults = llm.get_default_sampling_params()
+    gen_max = llm.loaded.generation_config.get("max_new_tokens")
+    overrides = {
+        "max_tokens": a.max_tokens if a.max_tokens is not None else (gen_max if isinstance(gen_max, int) else 128),
+        "temperature": a.temperature,
+        "top_p": a.top_p,
+        "top_k": a.top_k,
+        "min_p": a.min_p,
+        "repetition_penalty": a.repetition_penalty,
+        "seed": a.seed,
+        "ignore_eos": a.ignore_eos,
+    }
+    params = replace(defaults, **{k: v for k, v in overrides.items() if v is not None})
+    if a.chat:
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+        prompt: Any = {"prompt_token_ids": ids, "prompt": a.prompt}
+    else:
+        prompt = a.prompt
+    start = time.perf_counter()
+    final = None
+    for out in llm.stream(prompt, params):
+        if not a.json:
+            sys.stdout.write(out.new_text[0])
+            sys.stdout.flush()
+        final = out
+    assert final is not None and final.metrics is not None
+    m, c = final.metrics, final.outputs[0]
+    timings = {
+        "prompt_tokens": m.num_prompt_tokens,
+        "tokenization_ms": round(m.tokenization_ms, 3),
+        "ttft_ms": round(m.ttft_ms or 0.0, 3),
+        "decode_tokens_per_sec": round(m.decode_tokens_per_sec or 0.0, 3),
+        "total_ms": round((time.perf_counter() - start) * 1000, 3),
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+    }
+    if a.json:
+        print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                          "timings": timings}))  # fmt: skip
+    else:
+        print()
+        print(
+            f"[prompt tokens: {timings['prompt_tokens']} | tokenization: {timings['tokenization_ms']:.1f} ms | "
+            f"TTFT: {timings['ttft_ms']:.1f} ms | decode: {timings['decode_tokens_per_sec']:.1f} tok/s | "
+            f"generated: {len(c.token_ids)} ({c.finish_reason}) | peak RSS: {timings['peak_rss_mb']:.0f} MB]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_make_model(a: argparse.Namespace) -> int:
+    from tokenmill.make_model import make_model
+
+    out = make_model(a.arch, a.shape, a.tokenizer, a.out, a.dtype, a.seed)
+    print(f"wrote {a.arch} {a.shape} ({a.dtype}) to {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = {"generate": cmd_generate, "make-model": cmd_make_model}[args.command]
+    try:
+        return handler(args)
+    except (TokenmillError, ValueError) as e:
+        print(f"tokenmill {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

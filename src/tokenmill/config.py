@@ -1,0 +1,176 @@
+"""Frozen configuration: the model's shape normalised from a Hugging Face config, and the engine's knobs.
+
+`ModelConfig.from_hf` accepts both the transformers v4 layout (`rope_theta` + `rope_scaling`, `torch_dtype`)
+and the v5 layout (`rope_parameters`, `dtype`), so checkpoints from either era load the same way.
+Nothing here touches devices or reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tokenmill.errors import ConfigError
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+KVCacheMode = Literal["contiguous", "none"]
+KV_CACHE_MODES: tuple[str, ...] = ("contiguous", "none")
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+ACTIVATIONS: tuple[str, ...] = ("silu",)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `kind` is HF's `rope_type`, `params` its extra fields (factor, ...)."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    hidden_act: str = "silu"
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        checks = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+        }
+        for name, value in checks.items():
+            if value < 1:
+                raise ConfigError(f"config.json: {name}={value} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"config.json: num_attention_heads={self.num_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.rope.kind not in ROPE_TYPES:
+            raise ConfigError(
+                f"config.json: rope type {self.rope.kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+            )
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(
+                f"config.json: hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Normalise a parsed `config.json` dict."""
+        archs = hf.get("architectures") or []
+        model_type = str(hf.get("model_type", ""))
+        architecture = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, model_type or "<missing>")
+        try:
+            hidden = int(hf["hidden_size"])
+            num_heads = int(hf["num_attention_heads"])
+            head_dim = hf.get("head_dim") or hidden // num_heads
+            eos = hf.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+            is_qwen3 = model_type == "qwen3" or architecture.startswith("Qwen3")
+            is_qwen2 = model_type == "qwen2" or architecture.startswith("Qwen2")
+            if is_qwen2:  # Qwen2 always has q/k/v bias and no o_proj bias; the config has no switch
+                qkv_bias, o_bias = True, False
+            else:
+                qkv_bias = o_bias = bool(hf.get("attention_bias", False))
+            return cls(
+                architecture=architecture,
+                model_type=model_type,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(head_dim),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope=_rope_from_hf(hf),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                attention_bias=qkv_bias,
+                o_proj_bias=o_bias,
+                mlp_bias=bool(hf.get("mlp_bias", False)),
+                qk_norm=is_qwen3,
+                hidden_act=str(hf.get("hidden_act", "silu")),
+                torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json is missing the required field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config.json has an invalid value: {e}") from None
+
+
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    """Merge v5 `rope_parameters` and v4 `rope_theta`/`rope_scaling` into one RopeConfig."""
+    params: dict[str, Any] = {}
+    v5 = hf.get("rope_parameters")
+    if isinstance(v5, dict):
+        params.update(v5)
+    v4 = hf.get("rope_scaling")
+    if isinstance(v4, dict):
+        params.update(v4)
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = str(params.pop("rope_type", params.pop("type", "default")))
+    if kind == "yarn":
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("config.json: partial_rotary_factor != 1 is not supported")
+    return RopeConfig(theta=theta, kind=kind, params=params)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model. Validated here so the CLI and the offline API share one set of messages."""
+
+    model: str | None = None
+    dtype: DType = "auto"
+    device: str = "auto"
+    kv_cache: KVCacheMode = "contiguous"
+    max_model_len: int | None = None
+    seed: int = 0
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache={self.kv_cache!r} is not supported; allowed: {', '.join(KV_CACHE_MODES)}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r} is not supported; allowed: auto, cpu, cuda, cuda:N")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")

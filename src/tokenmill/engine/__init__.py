@@ -1,0 +1,1 @@
+"""The engine: the step loop (`core`), output processing (`output`), loading, and the offline `LLM` API."""

@@ -1,0 +1,138 @@
+"""The offline API, shaped like vLLM's `LLM` so its users feel at home.
+
+llm = LLM(model="path-or-hub-id", dtype="float32", device="cpu")
+outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.loading import LoadedModel, load
+from tokenmill.outputs import RequestOutput
+from tokenmill.runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
+Message = dict[str, Any]
+
+_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, **engine_kwargs)
+        self.loaded: LoadedModel = load(self.config)
+        self.tokenizer = self.loaded.tokenizer
+        runner = ModelRunner(self.loaded.model, self.loaded.device, self.config.kv_cache, self.config.seed)
+        self.engine = EngineCore(
+            runner,
+            self.tokenizer,
+            vocab_size=self.loaded.config.vocab_size,
+            max_model_len=self.loaded.max_model_len,
+            eos_token_ids=self.loaded.eos_token_ids,
+            use_cache=self.config.kv_cache != "none",
+        )
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json sampling defaults (what vLLM uses when none are given)."""
+        gen = self.loaded.generation_config
+        kwargs = {k: gen[k] for k in _GENERATION_CONFIG_KEYS if gen.get(k) is not None}
+        if gen.get("do_sample") is False:
+            kwargs["temperature"] = 0.0
+        if isinstance(gen.get("max_new_tokens"), int):
+            kwargs["max_tokens"] = gen["max_new_tokens"]
+        return SamplingParams(**kwargs)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int], float]:
+        start = time.perf_counter()
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt), (time.perf_counter() - start) * 1000
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]], 0.0
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+        arrival = time.perf_counter()
+        text, token_ids, tokenization_ms = self._tokenize(prompt)
+        request_id = self.engine.new_request_id()
+        self.engine.add_request(request_id, token_ids, params, text, arrival, tokenization_ms)
+        return request_id
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        batch = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params = self._params_for(len(batch), sampling_params)
+        ids: list[str] = []
+        try:
+            for p, sp in zip(batch, params):
+                ids.append(self._add(p, sp))
+        except Exception:
+            for rid in ids:  # a bad prompt fails the call without leaving the others running
+                self.engine.abort(rid)
+            raise
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            ids = self.tokenizer.apply_chat_template(
+                conv,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            prompts.append({"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids, False)})
+        return self.generate(prompts, sampling_params)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield a `RequestOutput` after every step for one prompt; `new_text` holds each step's text."""
+        request_id = self._add(prompt, sampling_params or self.get_default_sampling_params())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)
+
+    def _params_for(
+        self, count: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} sampling params for {count} prompts; they must match")
+        return list(sampling_params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        pending, done = set(request_ids), {}
+        while pending:
+            if not self.engine.has_unfinished():
+                raise RuntimeError(f"requests {sorted(pending)} vanished from the engine")
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    done[out.request_id] = out
+                    pending.discard(out.request_id)
+        return [done[rid] for rid in request_ids]

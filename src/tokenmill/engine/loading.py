@@ -1,0 +1,101 @@
+"""From a model reference to ready parts: checkpoint folder, configs, tokenizer and a loaded model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.errors import ModelLoadError
+from tokenmill.models import CausalLM, model_class
+from tokenmill.tokenizer import Tokenizer
+from tokenmill.weights import load_weights, resolve_model
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    model: CausalLM
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """EOS ids from generation_config.json, config.json and the tokenizer, together."""
+        ids = set(self.config.eos_token_ids)
+        eos = self.generation_config.get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+
+def default_model_ref() -> str:
+    if not (DEMO_MODEL / "config.json").is_file():
+        raise ModelLoadError("no model given and the built-in demo model is not installed; pass a model folder")
+    return str(DEMO_MODEL)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was requested but this PyTorch build sees no CUDA GPU; use cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
+    name = config.torch_dtype if dtype == "auto" else dtype
+    return _TORCH_DTYPES.get(name, torch.float32)
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(f"{path} does not exist")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def load(cfg: EngineConfig) -> LoadedModel:
+    path = resolve_model(cfg.model or default_model_ref(), cfg.revision)
+    model_config = ModelConfig.from_hf(_read_json(path / "config.json", required=True))
+    cls = model_class(model_config.architecture)  # fail on the architecture before reading any weights
+    max_len = cfg.max_model_len or model_config.max_position_embeddings
+    if max_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+            f"{model_config.max_position_embeddings}"
+        )
+    device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, model_config)
+    tokenizer = Tokenizer(path)
+    with torch.device("meta"):
+        model = cls(model_config)
+    load_weights(model, path, dtype, device)
+    return LoadedModel(
+        path=path,
+        config=model_config,
+        tokenizer=tokenizer,
+        model=model,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_len,
+        generation_config=_read_json(path / "generation_config.json", required=False),
+    )

@@ -1,0 +1,102 @@
+"""Write real checkpoint folders with random weights at real model shapes (no hub needed).
+
+Benchmarks need realistic models: the same matmul sizes, vocabulary and tokenizer cost as the real thing.
+transformers builds and initialises the model from its config and `save_pretrained` writes the folder, so
+the result is exactly what a Hugging Face user would have on disk, minus the training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
+    ),
+    "smollm-135m": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rope_theta=10000.0,
+        tie_word_embeddings=True, rms_norm_eps=1e-5,
+    ),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+        tie_word_embeddings=True, rms_norm_eps=1e-6,
+    ),
+    "llama-3.2-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        tie_word_embeddings=True, rms_norm_eps=1e-5,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+}  # fmt: skip
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def hf_config(arch: str, **fields: Any) -> Any:
+    """A transformers config object for one of our families."""
+    import transformers
+
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }
+    if arch not in classes:
+        raise ValueError(f"--arch {arch!r} is not supported; allowed: {', '.join(ARCHS)}")
+    fields = dict(fields)
+    theta = fields.pop("rope_theta", 10000.0)
+    scaling = fields.pop("rope_scaling", None)
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, **(scaling or {})}
+    return classes[arch](**fields)
+
+
+def write_checkpoint(
+    config: Any, tokenizer_dir: str | Path | None, out: str | Path, dtype: str = "float32", seed: int = 0
+) -> Path:
+    """Initialise a model from `config` with `seed`, save it with its tokenizer into `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir is not None else None
+    if tokenizer is not None:
+        if len(tokenizer) > config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {config.vocab_size}"
+            )
+        eos = tokenizer.eos_token_id
+        config.eos_token_id = eos
+        config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+        config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    model.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def make_model(arch: str, shape: str, tokenizer_dir: str | Path, out: str | Path, dtype: str, seed: int) -> Path:
+    if shape not in SHAPES:
+        raise ValueError(f"--shape {shape!r} is not supported; allowed: {', '.join(SHAPES)}")
+    if not Path(tokenizer_dir).is_dir():
+        raise ValueError(f"--tokenizer {str(tokenizer_dir)!r} is not a folder holding a Hugging Face tokenizer")
+    from transformers import AutoTokenizer
+
+    fields = dict(SHAPES[shape])
+    if "vocab_size" not in fields:  # tiny: as large as the tokenizer, rounded up like real vocabularies
+        n = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+        fields["vocab_size"] = (n + 63) // 64 * 64
+    return write_checkpoint(hf_config(arch, **fields), tokenizer_dir, out, dtype, seed)

@@ -1,0 +1,216 @@
+"""Layers shared by the decoder-only families: RMSNorm, rotary embeddings, attention, gated MLP, the stack.
+
+Shapes: T = tokens in the flattened batch, D = hidden size, H / Hkv = query / key-value heads,
+Dh = head dim. Projections are fused (q|k|v and gate|up) to halve the matmul calls per layer; the weight
+loader splits Hugging Face's separate tensors into the fused ones (see `STACKED_PARAMS`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention import AttentionMetadata, attend
+from tokenmill.config import ModelConfig, RopeConfig
+
+# fused parameter -> (HF sub-module name, shard index) in the order they are concatenated
+STACKED_PARAMS: dict[str, tuple[tuple[str, int], ...]] = {
+    "qkv_proj": (("q_proj", 0), ("k_proj", 1), ("v_proj", 2)),
+    "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [Dh/2] and the cos/sin scale for each supported `rope_type` (HF's formulas)."""
+    p = rope.params
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "default":
+        return inv_freq, 1.0
+    if rope.kind == "linear":
+        return inv_freq / float(p["factor"]), 1.0
+    if rope.kind == "llama3":
+        factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old_len = float(p["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
+    raise ValueError(f"rope type {rope.kind!r} is not supported")
+
+
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    p = rope.params
+    factor, orig_len = float(p["factor"]), float(p["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = p.get("attention_factor")
+    if attn_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attn_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attn_factor = mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(orig_len / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attn_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for the batch's positions, computed once per forward and shared by every layer."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+        super().__init__()
+        self.rope, self.head_dim = rope, head_dim
+        inv_freq, self.scale = rope_inv_freq(rope, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [Dh/2] float32
+
+    def materialize(self, device: torch.device) -> None:
+        """Recompute the buffer on `device` (the model was built on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.rope, self.head_dim)[0].to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, Dh]; cos/sin: [T, Dh] (rotate-half convention, as HF)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, D]
+        cos: torch.Tensor,  # [T, Dh]
+        sin: torch.Tensor,  # [T, Dh]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, D]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, Dh]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = attend(self.layer_idx, q, k, v, meta)  # [T, H, Dh]
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [T, D]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings -> decoder layers -> final norm. Named like HF's `model.*` so weights map one to one."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, D]
+        cos, sin = self.rotary(positions, x.dtype)  # [T, Dh] each
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model: `forward` gives final hidden states, `compute_logits` the vocabulary scores.
+
+    A family subclasses this and, where its checkpoint differs, adjusts the config or the modules.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, D]
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
+        return self.lm_head(hidden).float()

@@ -1,0 +1,18 @@
+"""Llama family: Llama 2/3/3.x (incl. `llama3` RoPE scaling), TinyLlama, SmolLM, and Mistral.
+
+Llama is the reference decoder: pre-norm RMSNorm, rotary attention with grouped-query heads, SiLU-gated MLP.
+Everything it needs lives in `layers.py`; Llama-specific options (`attention_bias`, `mlp_bias`, `head_dim`,
+RoPE scaling) arrive normalised in `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+from tokenmill.models.layers import CausalLM
+
+
+class LlamaForCausalLM(CausalLM):
+    pass
+
+
+class MistralForCausalLM(CausalLM):
+    """Mistral is Llama with a sliding-window option; we attend over the full context (exact up to the window)."""

@@ -1,0 +1,63 @@
+"""What the engine hands back: pure data, shaped like vLLM's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# token id -> log-probability; holds the sampled (or prompt) token plus the top-k
+Logprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock facts about one request (seconds from `time.perf_counter`, except the *_ms fields)."""
+
+    arrival_time: float
+    tokenization_ms: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    @property
+    def ttft_ms(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return (self.first_token_time - self.arrival_time) * 1000
+
+    @property
+    def decode_tokens_per_sec(self) -> float | None:
+        """Tokens after the first over the time after the first (the decode rate; TTFT excluded)."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_generated_tokens < 2:
+            return None
+        elapsed = self.last_token_time - self.first_token_time
+        return (self.num_generated_tokens - 1) / elapsed if elapsed > 0 else None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[Logprobs | None] | None = None
+    metrics: RequestMetrics | None = None
+    new_text: list[str] = field(default_factory=list)  # per completion: text added since the last output

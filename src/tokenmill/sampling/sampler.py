@@ -1,0 +1,180 @@
+"""The batched sampler. One call handles every row of the batch with tensors; per-row Python is limited to
+seeded random draws and building the logprob dicts the caller asked for.
+
+Order (as Hugging Face / vLLM): suppress tokens (min_tokens) -> repetition, presence and frequency
+penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw. Draws use the exponential-race
+trick (argmax of p / q with q ~ Exp(1)), which lets each seeded row use its own generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings as tensors ([B] each) plus the token history penalties need."""
+
+    temperature: torch.Tensor  # [B] float32, 0 for greedy rows
+    top_k: torch.Tensor  # [B] int64, 0 when off
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B] float32
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    generators: list[torch.Generator | None]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    suppressed_token_ids: list[list[int]]  # per row: ids that must not be sampled this step
+    num_logprobs: list[int | None]
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[list[int]],
+        output_token_ids: Sequence[list[int]],
+        generators: Sequence[torch.Generator | None],
+        suppressed_token_ids: Sequence[list[int]],
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        def col(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=col([p.temperature for p in params]),
+            top_k=col([max(p.top_k, 0) for p in params], torch.int64),
+            top_p=col([p.top_p for p in params]),
+            min_p=col([p.min_p for p in params]),
+            repetition_penalty=col([p.repetition_penalty for p in params]),
+            presence_penalty=col([p.presence_penalty for p in params]),
+            frequency_penalty=col([p.frequency_penalty for p in params]),
+            generators=list(generators),
+            prompt_token_ids=list(prompt_token_ids),
+            output_token_ids=list(output_token_ids),
+            suppressed_token_ids=list(suppressed_token_ids),
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # [B]
+    logprobs: list[dict[int, float] | None]  # [B]: sampled token + top-k, where asked for
+
+
+def _token_mask(rows: Sequence[list[int]], vocab: int, device: torch.device) -> torch.Tensor | None:
+    """[B, V] counts of each token id per row (None when every row is empty)."""
+    if not any(rows):
+        return None
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), vocab, dtype=torch.int64, device=device)  # pad with an extra column
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64, device=device)
+    counts = torch.zeros((len(rows), vocab + 1), dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # [B, V] -> [B, V]
+    vocab, device = logits.shape[1], logits.device
+    if bool((batch.repetition_penalty != 1).any()):
+        seen = _token_mask([p + o for p, o in zip(batch.prompt_token_ids, batch.output_token_ids)], vocab, device)
+        if seen is not None:
+            penalty = batch.repetition_penalty[:, None]
+            penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen > 0, penalized, logits)
+    if bool((batch.presence_penalty != 0).any() or (batch.frequency_penalty != 0).any()):
+        counts = _token_mask(batch.output_token_ids, vocab, device)
+        if counts is not None:
+            logits = logits - batch.frequency_penalty[:, None] * counts
+            logits = logits - batch.presence_penalty[:, None] * (counts > 0).float()
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # [B, V] -> [B, V]
+    """top-k, top-p and min-p on temperature-scaled logits; filtered entries become -inf."""
+    use_top_k, use_top_p = bool((batch.top_k > 0).any()), bool((batch.top_p < 1).any())
+    if use_top_k or use_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if use_top_k:
+            rank = torch.arange(logits.shape[1], device=logits.device)[None, :]
+            k = torch.where(batch.top_k > 0, batch.top_k, logits.shape[1])[:, None]
+            drop |= rank >= k
+        if use_top_p:
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop |= mass_before >= batch.top_p[:, None]
+        drop[:, 0] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    if bool((batch.min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def topk_logprobs(
+    logprobs: torch.Tensor,  # [N, V]
+    token_ids: torch.Tensor,  # [N]
+    num_top: Sequence[int],  # [N] how many top entries each row wants
+) -> list[dict[int, float]]:
+    """Per row: {chosen token: logprob} plus that row's most likely tokens."""
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    k_max = max(num_top, default=0)
+    top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (logprobs[:, :0], logprobs[:, :0].long())
+    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    rows: list[dict[int, float]] = []
+    for i, tok in enumerate(token_ids.tolist()):
+        row = {tok: chosen[i]}
+        row.update(zip(top_ids_l[i][: num_top[i]], top_vals_l[i][: num_top[i]]))
+        rows.append(row)
+    return rows
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.default_generator = torch.Generator().manual_seed(seed)  # rows without a seed of their own
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:  # logits [B, V] float32
+        raw = logits
+        if any(batch.suppressed_token_ids):
+            logits = logits.clone()
+            for i, ids in enumerate(batch.suppressed_token_ids):
+                if ids:
+                    logits[i, ids] = float("-inf")
+        logits = apply_penalties(logits, batch)
+        tokens = logits.argmax(dim=-1)  # [B], final for greedy rows
+        sampled_rows = batch.temperature > 0
+        if bool(sampled_rows.any()):
+            temperature = torch.where(sampled_rows, batch.temperature, 1.0)[:, None]
+            probs = apply_filters(logits / temperature, batch).softmax(dim=-1)  # [B, V]
+            race = probs / self._exponentials(probs, batch.generators)
+            tokens = torch.where(sampled_rows, race.argmax(dim=-1), tokens)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(raw, tokens, batch))
+
+    def _exponentials(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        q = torch.empty(probs.shape, dtype=torch.float32)  # drawn on CPU so seeds reproduce on any device
+        q.exponential_(generator=self.default_generator)
+        for i, gen in enumerate(generators):
+            if gen is not None:
+                q[i].exponential_(generator=gen)
+        return q.to(probs.device)
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[dict[int, float] | None]:
+        wanted = [i for i, k in enumerate(batch.num_logprobs) if k is not None]
+        out: list[dict[int, float] | None] = [None] * len(batch.num_logprobs)
+        if not wanted:
+            return out
+        rows = torch.tensor(wanted, device=raw.device)
+        num_top = [batch.num_logprobs[i] or 0 for i in wanted]
+        for i, d in zip(wanted, topk_logprobs(raw[rows].log_softmax(dim=-1), tokens[rows], num_top)):
+            out[i] = d
+        return out

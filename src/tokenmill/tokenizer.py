@@ -1,0 +1,94 @@
+"""The Hugging Face tokenizer, chat templates, and incremental detokenization that is safe for multi-byte UTF-8.
+
+Must not import torch: the server side uses it too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenmill.errors import ModelLoadError
+
+# How many earlier tokens to re-decode with each new one, so word boundaries and spaces come out right.
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    def __init__(self, folder: Path | str) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(folder))
+        except Exception as e:
+            raise ModelLoadError(f"cannot load the tokenizer from {folder}: {str(e).splitlines()[0]}") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.hf.eos_token_id
+        return eos if isinstance(eos, int) else None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def token_to_str(self, token_id: int) -> str:
+        return str(self.hf.convert_ids_to_tokens(token_id))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of a conversation rendered through the tokenizer's own chat template."""
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        rendered = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        )
+        # The template already holds any BOS it wants; do not add another.
+        return self.encode(str(rendered), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a small window (a few context tokens + the new ones) and emits only the text past the context;
+    while the window ends in an incomplete UTF-8 sequence (U+FFFD), it waits for more tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes (possibly empty)."""
+        self.token_ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of a sequence: emit whatever is held back, incomplete characters included."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += delta
+        return delta

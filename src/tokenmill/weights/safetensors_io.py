@@ -1,0 +1,51 @@
+"""Stream `(name, tensor)` pairs from a checkpoint's safetensors files (single or sharded), memory-mapped."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tokenmill.errors import ModelLoadError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from the shard index when there is one."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index} is not a valid safetensors index ({e})") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"weight file {f} is listed in {INDEX_FILE} but does not exist")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise ModelLoadError(
+            f"{folder} holds only PyTorch pickle weights (.bin/.pt); tokenmill loads safetensors. Convert with "
+            "transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+        )
+    raise ModelLoadError(f"no weight file (*.safetensors) found in {folder}")
+
+
+def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """Yield (tensor name, tensor, file) for every tensor in the checkpoint. Tensors are mmap-backed."""
+    for path in weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, f.get_tensor(name), path
+        except ModelLoadError:
+            raise
+        except Exception as e:  # safetensors raises several types for truncated / garbage files
+            raise ModelLoadError(f"weight file {path} is corrupt or not a safetensors file: {e}") from None

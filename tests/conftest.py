@@ -1,0 +1,89 @@
+"""Shared fixtures: a tiny byte-level BPE tokenizer and tiny random checkpoints, all made inside the tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CORPUS = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "To be, or not to be, that is the question.",
+    "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 and symbols {} [] () <> = + - * / are tokens too.",
+    "Ünïcödé: café, naïve, 日本語, emoji 🙂 and ß must round-trip through bytes.",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(out: Path, vocab_size: int = 384) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+TINY = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=384, max_position_embeddings=512,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Callable[..., Path]:
+    """make_checkpoint(arch, dtype="float32", seed=0, **config_overrides) -> folder (cached per arguments)."""
+    from tokenmill.make_model import hf_config, write_checkpoint
+
+    cache: dict[str, Path] = {}
+
+    def make(arch: str, dtype: str = "float32", seed: int = 0, **overrides: Any) -> Path:
+        key = repr((arch, dtype, seed, sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            write_checkpoint(hf_config(arch, **{**TINY, **overrides}), tokenizer_dir, out, dtype, seed)
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Print the parity table (family x config -> max |logit diff|) when parity tests ran."""
+    try:
+        from tests.parity.test_models import PARITY_TABLE
+    except ImportError:
+        return
+    if not PARITY_TABLE:
+        return
+    columns = sorted({c for row in PARITY_TABLE.values() for c in row})
+    terminalreporter.write_sep("=", "parity vs transformers: max |logit diff|")
+    terminalreporter.write_line("| config | " + " | ".join(columns) + " |")
+    terminalreporter.write_line("|---" * (len(columns) + 1) + "|")
+    for name, row in PARITY_TABLE.items():
+        cells = " | ".join(f"{row[c]:.2e}" if c in row else "-" for c in columns)
+        terminalreporter.write_line(f"| {name} | {cells} |")

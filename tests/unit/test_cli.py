@@ -1,0 +1,116 @@
+"""The `tokenmill` command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tokenmill", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def folder(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("qwen2", initializer_range=0.1)
+
+
+def test_generate_json(folder: Path) -> None:
+    proc = run_cli("generate", str(folder), "--prompt", "Hello", "--max-tokens", "7", "--temperature", "0",
+                   "--ignore-eos", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result) == {"text", "token_ids", "finish_reason", "timings"}
+    assert len(result["token_ids"]) == 7 and result["finish_reason"] == "length"
+    timings = result["timings"]
+    assert set(timings) == {"prompt_tokens", "tokenization_ms", "ttft_ms", "decode_tokens_per_sec", "total_ms",
+                            "peak_rss_mb"}  # fmt: skip
+    assert timings["prompt_tokens"] >= 1
+    for key in ("tokenization_ms", "ttft_ms", "decode_tokens_per_sec", "total_ms", "peak_rss_mb"):
+        assert timings[key] > 0, key
+    from tokenmill.tokenizer import Tokenizer
+
+    assert result["text"] == Tokenizer(folder).decode(result["token_ids"])
+
+
+def test_generate_streams_text_then_summary(folder: Path) -> None:
+    proc = run_cli("generate", str(folder), "--prompt", "Hello", "--max-tokens", "5", "--temperature", "0",
+                   "--ignore-eos")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = proc.stderr.strip().splitlines()[-1]
+    for key in ("prompt tokens:", "tokenization:", "TTFT:", "decode:", "tok/s", "peak RSS:"):
+        assert key in summary
+    as_json = json.loads(run_cli("generate", str(folder), "--prompt", "Hello", "--max-tokens", "5",
+                                 "--temperature", "0", "--ignore-eos", "--json").stdout)  # fmt: skip
+    assert proc.stdout.rstrip("\n") == as_json["text"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (
+            ["generate", "m", "--prompt", "x", "--temperature", "abc"],
+            ["--temperature", "invalid float value"],
+        ),
+        (["generate", "m", "--prompt", "x", "--dtype", "float8"], ["--dtype", "invalid choice"]),
+        (["generate", "m"], ["--prompt"]),
+        (["frobnicate"], ["invalid choice"]),
+        (["make-model", "--arch", "gpt9", "--shape", "tiny", "--tokenizer", "t", "--out", "o"], ["--arch"]),
+    ],
+)
+def test_bad_arguments_are_one_line(args: list[str], fragments: list[str]) -> None:
+    assert_one_line_error(run_cli(*args), *fragments)
+
+
+def test_bad_values_and_models_are_one_line(folder: Path, tmp_path: Path) -> None:
+    proc = run_cli("generate", str(folder), "--prompt", "x", "--temperature", "-1")
+    assert_one_line_error(proc, "temperature=-1.0", "allowed values >= 0")
+    assert_one_line_error(run_cli("generate", str(tmp_path / "a" / "b"), "--prompt", "x"), "does not exist")
+    offline = run_cli("generate", "nobody/nothing", "--prompt", "x", env={"HF_HUB_OFFLINE": "1"})
+    assert_one_line_error(offline, "nobody/nothing", "local checkpoint folder")
+    bad = tmp_path / "ckpt"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"], "hidden_size": 8,
+                                                 "num_attention_heads": 2, "num_hidden_layers": 1,
+                                                 "intermediate_size": 8, "vocab_size": 8}))  # fmt: skip
+    assert_one_line_error(run_cli("generate", str(bad), "--prompt", "x"), "GPTNeoXForCausalLM", "supported")
+
+
+def test_make_model_tiny_loads_in_both(tokenizer_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tiny"
+    proc = run_cli("make-model", "--arch", "qwen3", "--shape", "tiny", "--tokenizer", str(tokenizer_dir),
+                   "--out", str(out), "--dtype", "float32", "--seed", "3")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+        assert (out / name).is_file()
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill import LLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(out))
+    assert hf.config.num_hidden_layers == 2 and hf.config.model_type == "qwen3"
+    assert LLM(str(out)).loaded.config.qk_norm
+    bad = run_cli("make-model", "--arch", "llama", "--shape", "tiny", "--tokenizer", str(tmp_path / "none"),
+                  "--out", str(tmp_path / "x"))  # fmt: skip
+    assert_one_line_error(bad, "--tokenizer")

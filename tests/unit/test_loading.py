@@ -1,0 +1,150 @@
+"""Loading real checkpoint folders, and a clear error for every way a checkpoint can be wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tokenmill import LLM
+from tokenmill.errors import ConfigError, ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def folder(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("llama")
+
+
+def _copy(folder: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(folder, tmp_path / "ckpt"))
+
+
+def _edit_config(folder: Path, **changes: object) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _greedy(llm: LLM) -> list[int]:
+    from tokenmill import SamplingParams
+
+    return llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_sharded_checkpoint_loads_identically(folder: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(str(folder)).save_pretrained(str(sharded), max_shard_size="50KB")
+    for f in folder.glob("tokenizer*"):
+        shutil.copy(f, sharded)
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 2
+    assert _greedy(LLM(str(sharded), dtype="float32")) == _greedy(LLM(str(folder), dtype="float32"))
+
+
+def test_dtype_auto_follows_config(make_checkpoint: Callable[..., Path]) -> None:
+    llm = LLM(str(make_checkpoint("llama", dtype="bfloat16")))
+    assert llm.loaded.dtype == torch.bfloat16 and llm.loaded.model.lm_head.weight.dtype == torch.bfloat16
+    assert LLM(str(make_checkpoint("llama", dtype="bfloat16")), dtype="float32").loaded.dtype == torch.float32
+
+
+def test_unknown_architecture_lists_supported(folder: Path, tmp_path: Path) -> None:
+    bad = _copy(folder, tmp_path)
+    _edit_config(bad, architectures=["FancyNetForCausalLM"])
+    with pytest.raises(ConfigError, match="FancyNetForCausalLM.*supported architectures: LlamaForCausalLM"):
+        LLM(str(bad))
+
+
+def test_missing_folder_and_missing_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "nope" / "model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLM(str(tmp_path / "empty"))
+
+
+def test_missing_weight_files(folder: Path, tmp_path: Path) -> None:
+    bad = _copy(folder, tmp_path)
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"no weight file \(\*\.safetensors\)"):
+        LLM(str(bad))
+    (bad / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="only PyTorch pickle weights"):
+        LLM(str(bad))
+
+
+def test_index_names_a_missing_shard(folder: Path, tmp_path: Path) -> None:
+    bad = _copy(folder, tmp_path)
+    names = load_file(str(bad / "model.safetensors")).keys()
+    index = {"metadata": {}, "weight_map": {n: "model-00002-of-00002.safetensors" for n in names}}
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors is listed .* does not exist"):
+        LLM(str(bad))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_weight_file_is_named(folder: Path, tmp_path: Path, damage: str) -> None:
+    bad = _copy(folder, tmp_path)
+    path = bad / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(b"\x00garbage" * 10 if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors is corrupt"):
+        LLM(str(bad))
+
+
+def test_missing_tensor_is_named(folder: Path, tmp_path: Path) -> None:
+    bad = _copy(folder, tmp_path)
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"missing tensor\(s\): model\.layers\.1\.self_attn\.k_proj\.weight"):
+        LLM(str(bad))
+
+
+def test_shape_mismatch_names_tensor_and_shapes(folder: Path, tmp_path: Path) -> None:
+    bad = _copy(folder, tmp_path)
+    _edit_config(bad, intermediate_size=80)
+    pattern = r"tensor .model\.layers\.0\.mlp\.\w+_proj\.weight. in .* has shape \[\d+, \d+\], but config\.json implies"
+    with pytest.raises(ModelLoadError, match=pattern):
+        LLM(str(bad))
+
+
+def test_unexpected_tensor_is_named(folder: Path, tmp_path: Path) -> None:
+    bad = _copy(folder, tmp_path)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.extra\.weight'"):
+        LLM(str(bad))
+
+
+def test_config_errors_are_clear(folder: Path, tmp_path: Path) -> None:
+    bad = _copy(folder, tmp_path)
+    _edit_config(bad, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0})
+    with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
+        LLM(str(bad))
+    cfg = json.loads((bad / "config.json").read_text())
+    del cfg["hidden_size"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="missing the required field 'hidden_size'"):
+        LLM(str(bad))
+
+
+def test_offline_hub_id_gives_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="unreachable .*offline.*pass a local checkpoint folder"):
+        LLM("tokenmill-tests/not-a-cached-model")
+
+
+def test_engine_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="dtype='float8' is not supported; allowed: auto, float32"):
+        LLM("x", dtype="float8")
+    with pytest.raises(ValueError, match="kv_cache='paged2'"):
+        LLM("x", kv_cache="paged2")
