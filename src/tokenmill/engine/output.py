@@ -45,12 +45,12 @@ class SequenceText:
         self.text += delta
         if not check_stops:
             return None
-        for stop in self.stops:
-            idx = self.text.find(stop, search_from)
-            if idx >= 0:
-                self.text = self.text[: idx + (len(stop) if self.include_stop else 0)]
-                return stop
-        return None
+        found = [(idx, stop) for stop in self.stops if (idx := self.text.find(stop, search_from)) >= 0]
+        if not found:
+            return None
+        idx, stop = min(found)  # the stop string that appears first in the text wins
+        self.text = self.text[: idx + (len(stop) if self.include_stop else 0)]
+        return stop
 
     def take_delta(self, finished: bool) -> str:
         visible = len(self.text) if finished else max(len(self.text) - self.hold_back, self.sent)

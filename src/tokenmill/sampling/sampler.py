@@ -111,7 +111,7 @@ def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  
         if use_top_p:
             probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
-            drop |= mass_before >= batch.top_p[:, None]
+            drop |= (mass_before >= batch.top_p[:, None]) & (batch.top_p < 1)[:, None]  # top_p=1 rows: off
         drop[:, 0] = False  # always keep the most likely token
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     if bool((batch.min_p > 0).any()):
@@ -128,7 +128,7 @@ def topk_logprobs(
 ) -> list[dict[int, float]]:
     """Per row: {chosen token: logprob} plus that row's most likely tokens."""
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
-    k_max = max(num_top, default=0)
+    k_max = min(max(num_top, default=0), logprobs.shape[-1])
     top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (logprobs[:, :0], logprobs[:, :0].long())
     top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
     rows: list[dict[int, float]] = []

@@ -1,0 +1,169 @@
+"""Incremental detokenization (multi-byte UTF-8 safe) and stop-string handling with streaming hold-back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokenmill.engine.output import SequenceText
+from tokenmill.outputs import RequestMetrics
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.types import Request
+
+TEXTS = [
+    "café 日本語 🙂 naïve",
+    "Hello world! Ünïcödé: café, naïve, 日本語, emoji 🙂🙂 and ß must round-trip through bytes.",
+    "🙂日本語🙂 ß",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer(tokenizer_dir)
+
+
+def byte_ids(tok: Tokenizer, text: str) -> list[int]:
+    """One token per UTF-8 byte (the byte-level alphabet), the worst case for multi-byte characters."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    byte_char = dict(zip(bs, map(chr, cs)))
+    ids = tok.hf.convert_tokens_to_ids([byte_char[b] for b in text.encode()])
+    assert all(isinstance(i, int) for i in ids)  # every byte has its own token
+    return list(ids)
+
+
+def stream(tok: Tokenizer, ids: list[int], prompt: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tok, prompt)
+    return [detok.add(i) for i in ids] + [detok.flush()]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("split", ["bpe", "bytes"])
+def test_deltas_concatenate_to_full_decode(tok: Tokenizer, text: str, split: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False) if split == "bpe" else byte_ids(tok, text)
+    assert tok.decode(ids) == text
+    prompt = tok.encode("The quick brown fox ", add_special_tokens=False)
+    deltas = stream(tok, ids, prompt)
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert deltas[-1] == ""  # nothing left to flush for complete text
+
+
+def test_multibyte_char_emitted_only_when_complete(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok, [])
+    ids = byte_ids(tok, "a🙂b")  # 1 + 4 + 1 bytes
+    assert [detok.add(i) for i in ids] == ["a", "", "", "", "🙂", "b"]
+    assert detok.text == "a🙂b"
+
+
+def test_flush_releases_incomplete_tail_once(tok: Tokenizer) -> None:
+    ids = byte_ids(tok, "ok 日")[:-1]  # the last character lacks its final byte
+    detok = IncrementalDetokenizer(tok, [])
+    emitted = "".join(detok.add(i) for i in ids)
+    assert emitted == "ok "
+    rest = detok.flush()
+    assert rest and "\ufffd" in rest
+    assert emitted + rest == tok.decode(ids)
+    assert detok.flush() == ""
+
+
+def test_special_tokens_skipped_or_kept(tok: Tokenizer) -> None:
+    end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    ids = [*tok.encode("Hi", add_special_tokens=False), end, *tok.encode(" there", add_special_tokens=False)]
+    skipped = IncrementalDetokenizer(tok, [])
+    assert "".join(skipped.add(i) for i in ids) + skipped.flush() == "Hi there"
+    kept = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    assert "".join(kept.add(i) for i in ids) + kept.flush() == "Hi<|im_end|> there"
+
+
+def make_request(tok: Tokenizer, **params: object) -> Request:
+    return Request(
+        request_id="r0",
+        parent_id="r0",
+        index=0,
+        prompt_token_ids=tok.encode("Say:", add_special_tokens=False),
+        params=SamplingParams(**params),  # type: ignore[arg-type]
+        max_tokens=64,
+        eos_token_ids=frozenset(),
+        metrics=RequestMetrics(arrival_time=0.0),
+    )
+
+
+def run_stream(tok: Tokenizer, text: str, **params: object) -> tuple[SequenceText, str | None, list[str]]:
+    """Feed `text` token by token, taking a streaming delta after each; stop at the first stop string."""
+    seq = SequenceText(tok, make_request(tok, **params))
+    streamed: list[str] = []
+    stop = None
+    for i in tok.encode(text, add_special_tokens=False):
+        stop = seq.add(i, check_stops=True)
+        if stop is not None:
+            break
+        streamed.append(seq.take_delta(finished=False))
+    if stop is None:
+        seq.finish()
+    streamed.append(seq.take_delta(finished=True))
+    return seq, stop, streamed
+
+
+TEXT = "Hello world! The quick brown fox jumps over the lazy dog."
+
+
+@pytest.mark.parametrize("stop", ["The q", "fox", "!", "e lazy d", "日本"])
+def test_stop_string_truncates_and_streams_no_part_of_it(tok: Tokenizer, stop: str) -> None:
+    text = TEXT.replace("lazy dog", "lazy dog 日本語") if stop == "日本" else TEXT
+    seq, got, streamed = run_stream(tok, text, stop=[stop, "never here"])
+    assert got == stop
+    assert seq.text == text[: text.index(stop)]
+    partial = ""
+    for delta in streamed[:-1]:
+        partial += delta
+        assert seq.text.startswith(partial)  # nothing streamed that the stop later removed
+    assert "".join(streamed) == seq.text
+
+
+def test_include_stop_str_in_output(tok: Tokenizer) -> None:
+    seq, got, streamed = run_stream(tok, TEXT, stop=["The q"], include_stop_str_in_output=True)
+    assert got == "The q"
+    assert seq.text == "Hello world! The q"
+    assert "".join(streamed) == seq.text
+
+
+def test_hold_back_released_when_prefix_is_not_a_stop(tok: Tokenizer) -> None:
+    text = "Hello world! The quick brown fox"
+    seq, got, streamed = run_stream(tok, text, stop=["The cat", "fox!"])
+    assert got is None and seq.text == text
+    assert "".join(streamed[:-1]) == text[: len(text) - (len("The cat") - 1)]  # the held-back tail
+    assert streamed[-1] == text[-(len("The cat") - 1) :]
+    assert "".join(streamed) == text
+
+
+def test_no_stops_streams_everything_immediately(tok: Tokenizer) -> None:
+    text = "café 日本語 🙂 naïve"
+    seq, got, streamed = run_stream(tok, text)
+    assert got is None and seq.text == text
+    assert "".join(streamed[:-1]) == text and streamed[-1] == ""
+
+
+def test_stop_ignored_while_check_disabled(tok: Tokenizer) -> None:
+    seq = SequenceText(tok, make_request(tok, stop=["world"]))
+    ids = tok.encode("Hello world! The end", add_special_tokens=False)
+    assert all(seq.add(i, check_stops=False) is None for i in ids)
+    assert seq.text == "Hello world! The end"
+
+
+def test_earliest_stop_wins_within_one_delta(tok: Tokenizer) -> None:
+    first = tok.encode("Hello", add_special_tokens=False)[0]
+    piece = tok.decode([first])
+    assert piece == "Hel"  # one token holding both stop strings
+    seq = SequenceText(tok, make_request(tok, stop=["l", "e"]))
+    got = seq.add(first, check_stops=True)
+    assert got == "e"
+    assert seq.text == "H"
