@@ -7,10 +7,10 @@ import json
 import resource
 import sys
 import time
-from dataclasses import replace
-from typing import Any, NoReturn
+from dataclasses import fields, replace
+from typing import Any, NoReturn, get_args, get_type_hints
 
-from tokenmill.config import DTYPES, KV_CACHE_MODES
+from tokenmill.config import BATCHING_MODES, DTYPES, KV_CACHE_MODES, SCHEDULING_POLICIES, EngineConfig
 from tokenmill.errors import TokenmillError
 
 EXIT_USAGE = 2
@@ -22,23 +22,33 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+_CHOICES = {"dtype": DTYPES, "kv_cache": KV_CACHE_MODES, "batching": BATCHING_MODES,
+            "scheduling_policy": SCHEDULING_POLICIES}  # fmt: skip
+
+
+_NOT_FLAGS = ("model", "seed")  # MODEL is positional; `generate --seed` is the request's seed
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    """One dashed flag per `EngineConfig` field, typed and defaulted from the dataclass itself."""
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder or hub id (default: the demo model)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--kv-cache", choices=KV_CACHE_MODES, default="contiguous")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    hints = get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        if f.name in _NOT_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.name in _CHOICES:
+            p.add_argument(flag, choices=_CHOICES[f.name], default=f.default)
+        else:
+            kind = next(t for t in (int, float, str) if t is hint or t in get_args(hint))
+            p.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        dtype=a.dtype,
-        device=a.device,
-        kv_cache=a.kv_cache,
-        max_model_len=a.max_model_len,
-        revision=a.revision,
-    )
+    return {f.name: getattr(a, f.name) for f in fields(EngineConfig) if f.name not in _NOT_FLAGS}
 
 
 def build_parser() -> argparse.ArgumentParser:

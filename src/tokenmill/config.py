@@ -14,8 +14,8 @@ from tokenmill.errors import ConfigError
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
-KVCacheMode = Literal["contiguous", "none"]
-KV_CACHE_MODES: tuple[str, ...] = ("contiguous", "none")
+KVCacheMode = Literal["paged", "contiguous", "none"]
+KV_CACHE_MODES: tuple[str, ...] = ("paged", "contiguous", "none")
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS: tuple[str, ...] = ("silu",)
 
@@ -153,24 +153,54 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     return RopeConfig(theta=theta, kind=kind, params=params)
 
 
+Batching = Literal["continuous", "static"]
+BATCHING_MODES: tuple[str, ...] = ("continuous", "static")
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs a model. Validated here so the CLI and the offline API share one set of messages."""
+    """How the engine runs a model. Validated here so the CLI and the offline API share one set of messages.
+
+    Every optimisation is a switch: `kv_cache`, `batching`, `enable_chunked_prefill`, `enable_prefix_caching`.
+    """
 
     model: str | None = None
     dtype: DType = "auto"
     device: str = "auto"
-    kv_cache: KVCacheMode = "contiguous"
+    kv_cache: KVCacheMode = "paged"
     max_model_len: int | None = None
     seed: int = 0
     revision: str | None = None
+    # scheduling
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    batching: Batching = "continuous"
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    # paged KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
-        if self.kv_cache not in KV_CACHE_MODES:
-            raise ValueError(f"kv_cache={self.kv_cache!r} is not supported; allowed: {', '.join(KV_CACHE_MODES)}")
+        choices = {
+            "dtype": DTYPES,
+            "kv_cache": KV_CACHE_MODES,
+            "batching": BATCHING_MODES,
+            "scheduling_policy": SCHEDULING_POLICIES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported; allowed: {', '.join(allowed)}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r} is not supported; allowed: auto, cpu, cuda, cuda:N")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+        positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} is invalid: allowed an integer >= 1")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: allowed values > 0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 # token id -> log-probability; holds the sampled (or prompt) token plus the top-k
@@ -25,7 +26,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock facts about one request (seconds from `time.perf_counter`, except the *_ms fields)."""
+    """Facts about one request. Times are `time.perf_counter()` seconds; derived figures are in ms."""
 
     arrival_time: float
     tokenization_ms: float = 0.0
@@ -34,13 +35,34 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or shared with a sibling sample)
     num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    token_times: list[float] = field(default_factory=list)  # when each generated token appeared
+
+    @property
+    def queue_time_ms(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return (self.first_scheduled_time - self.arrival_time) * 1000
+
+    @property
+    def prefill_ms(self) -> float | None:
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return (self.first_token_time - self.first_scheduled_time) * 1000
 
     @property
     def ttft_ms(self) -> float | None:
         if self.first_token_time is None:
             return None
         return (self.first_token_time - self.arrival_time) * 1000
+
+    @property
+    def itl_ms(self) -> list[float]:
+        """Gaps between consecutive generated tokens."""
+        t = self.token_times
+        return [(b - a) * 1000 for a, b in itertools.pairwise(t)]
 
     @property
     def decode_tokens_per_sec(self) -> float | None:

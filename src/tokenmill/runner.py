@@ -1,7 +1,7 @@
 """The model runner: turns the scheduled requests into one flattened batch, runs the model once, samples.
 
-It owns every tensor of a step (inputs, KV storage, sampler state) and nothing about who runs: the engine
-core hands it the requests and how many new tokens each computes this step.
+It owns every tensor of a step (inputs, KV storage, sampler state) and nothing about who runs: the
+scheduler's output says which requests compute how many new tokens, and in which KV blocks they live.
 """
 
 from __future__ import annotations
@@ -12,16 +12,12 @@ import torch
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.attention.contiguous import ContiguousKVStore
+from tokenmill.attention.paged import PagedKVStore
 from tokenmill.models import CausalLM
 from tokenmill.outputs import Logprobs
 from tokenmill.sampling import Sampler, SamplingBatch, topk_logprobs
+from tokenmill.scheduler import SchedulerOutput
 from tokenmill.types import Request
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # computed this step, starting at request.num_computed_tokens
 
 
 @dataclass
@@ -33,45 +29,79 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, device: torch.device, kv_cache: str, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        device: torch.device,
+        kv_cache: str,
+        num_kv_blocks: int = 0,
+        block_size: int = 16,
+        seed: int = 0,
+    ) -> None:
         cfg = model.config
         self.model, self.device = model, device
         self.dtype = model.lm_head.weight.dtype
-        self.use_cache = kv_cache != "none"
-        self.kv = ContiguousKVStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, device)
+        self.kv_mode = kv_cache
+        self.paged: PagedKVStore | None = None
+        self.contiguous: ContiguousKVStore | None = None
+        if kv_cache == "paged":
+            self.paged = PagedKVStore(
+                cfg.num_layers, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, device
+            )
+        elif kv_cache == "contiguous":
+            self.contiguous = ContiguousKVStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, device)
+        self.block_size = block_size
         self.sampler = Sampler(seed)
-        self._slots: dict[str, int] = {}
+        self._slots: dict[str, int] = {}  # contiguous store: request id -> buffer
         self._next_slot = 0
         self._generators: dict[str, torch.Generator] = {}
 
     def free(self, request_id: str) -> None:
+        """Forget a finished request: its contiguous buffer and its random generator."""
         slot = self._slots.pop(request_id, None)
-        if slot is not None:
-            self.kv.free(slot)
+        if slot is not None and self.contiguous is not None:
+            self.contiguous.free(slot)
         self._generators.pop(request_id, None)
 
-    def _slot(self, req: Request) -> int:
-        slot = self._slots.get(req.request_id)
-        if slot is None:
+    def _first_sight(self, req: Request) -> None:
+        if req.seed is not None and req.request_id not in self._generators:
+            self._generators[req.request_id] = torch.Generator().manual_seed(req.seed)
+        if self.contiguous is not None and req.request_id not in self._slots:
             slot = self._slots[req.request_id] = self._next_slot
             self._next_slot += 1
-            if self.use_cache:
-                self.kv.allocate(slot, req.num_prompt_tokens + req.max_tokens)
-            if req.seed is not None:
-                self._generators[req.request_id] = torch.Generator().manual_seed(req.seed)
-        return slot
+            self.contiguous.allocate(slot, req.num_prompt_tokens + req.max_tokens)
+
+    def _slots_of(self, block_table: list[int], start: int, end: int) -> torch.Tensor:  # [end - start]
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.int64)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+
+    def _metadata(self, so: SchedulerOutput, query_start_loc: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        meta = AttentionMetadata(query_start_loc, seq_lens)
+        if self.paged is not None:
+            tables = [so.block_tables[s.request.request_id] for s in so.scheduled]
+            meta.kv = self.paged
+            meta.context_slots = [self._slots_of(t, 0, n) for t, n in zip(tables, seq_lens)]
+            meta.slot_mapping = torch.cat(
+                [ctx[n - (query_start_loc[i + 1] - query_start_loc[i]) :] for i, (ctx, n) in
+                 enumerate(zip(meta.context_slots, seq_lens))]
+            )  # fmt: skip
+        elif self.contiguous is not None:
+            meta.kv = self.contiguous
+            meta.slots = [self._slots[s.request.request_id] for s in so.scheduled]
+        return meta
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
         input_ids: list[int] = []
         positions: list[int] = []
-        query_start_loc, seq_lens, slots = [0], [], []
+        query_start_loc, seq_lens = [0], []
         sample_rows: list[int] = []  # flattened index of the last token of each request that samples
         sampling_reqs: list[Request] = []
         prompt_rows: list[tuple[Request, int, int]] = []  # (request, first flat index, count)
-        for item in scheduled:
+        for item in so.scheduled:
             req, start, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
-            slots.append(self._slot(req))
+            self._first_sight(req)
             offset = len(input_ids)
             input_ids += req.all_token_ids[start : start + n]
             positions += range(start, start + n)
@@ -87,7 +117,7 @@ class ModelRunner:
                 if count > 0:
                     prompt_rows.append((req, offset + first - start, count))
 
-        meta = AttentionMetadata(query_start_loc, seq_lens, slots, self.kv if self.use_cache else None)
+        meta = self._metadata(so, query_start_loc, seq_lens)
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids_t, pos_t, meta)  # [T, D]
@@ -113,3 +143,35 @@ class ModelRunner:
             for req, tok, lp in zip(sampling_reqs, result.token_ids, result.logprobs):
                 out.sampled[req.request_id] = (tok, lp)
         return out
+
+
+def plan_num_kv_blocks(
+    model: CausalLM,
+    device: torch.device,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    num_kv_blocks: int | None = None,
+    kv_cache_memory_gb: float | None = None,
+) -> int:
+    """How many KV blocks to allocate: explicit, or from a memory budget.
+
+    The default budget is a quarter of available RAM capped at 4 GiB on CPU (vLLM's CPU default), or 80% of
+    free GPU memory after the weights on CUDA; it is never more than `max_num_seqs` full-length requests need.
+    """
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    cfg = model.config
+    dtype = model.lm_head.weight.dtype
+    per_block = PagedKVStore.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    useful = max_num_seqs * -(-max_model_len // block_size)
+    if kv_cache_memory_gb is not None:
+        return max(1, int(kv_cache_memory_gb * 2**30 // per_block))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = 0.8 * free
+    else:
+        import psutil
+
+        budget = min(0.25 * psutil.virtual_memory().available, 4 * 2**30)
+    return max(1, min(int(budget // per_block), useful))

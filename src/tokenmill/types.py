@@ -29,7 +29,10 @@ class Request:
     max_tokens: int  # output budget, already capped by the model's context
     eos_token_ids: frozenset[int]
     metrics: RequestMetrics
+    arrival_order: int = 0  # ties in priority break by arrival
+    priority: int = 0  # lower runs first under the "priority" policy (vLLM's convention)
     seed: int | None = None
+    fork_of: str | None = None  # sibling whose computed prompt blocks this sample shares (n > 1)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
     status: RequestStatus = RequestStatus.WAITING
@@ -54,6 +57,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_order)
 
     def stop_ids_active(self) -> list[int]:
         """Tokens that would end this sequence now; `min_tokens` suppresses them until it is reached."""

@@ -25,6 +25,13 @@ def llm(folder: Path) -> LLM:
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
+def assert_pool_full(llm: LLM) -> None:
+    kv = llm.engine.kv
+    assert kv is not None
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
 def test_batch_equals_each_prompt_alone(llm: LLM) -> None:
     together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     alone = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
@@ -106,7 +113,8 @@ def test_bad_requests_raise_and_leave_nothing_running(llm: LLM) -> None:
         llm.generate([{"prompt_token_ids": []}], GREEDY)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
-    assert not llm.engine.has_unfinished() and llm.engine.runner.kv.num_allocated == 0
+    assert not llm.engine.has_unfinished()
+    assert_pool_full(llm)
 
 
 def test_streaming_deltas_add_up(llm: LLM) -> None:
@@ -116,7 +124,7 @@ def test_streaming_deltas_add_up(llm: LLM) -> None:
         final = out
     assert final is not None and "".join(deltas) == final.outputs[0].text
     assert final.metrics is not None and final.metrics.ttft_ms is not None and final.metrics.ttft_ms > 0
-    assert llm.engine.runner.kv.num_allocated == 0
+    assert_pool_full(llm)
 
 
 def test_generation_config_supplies_defaults_and_eos(folder: Path, tmp_path: Path) -> None:

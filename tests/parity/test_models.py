@@ -63,7 +63,7 @@ def case(request: pytest.FixtureRequest, make_checkpoint: Callable[..., Path]) -
 
 def _full_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V]
     model = llm.loaded.model
-    meta = AttentionMetadata([0, len(ids)], [len(ids)], [0], None)
+    meta = AttentionMetadata([0, len(ids)], [len(ids)])
     with torch.inference_mode():
         return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), meta))
 
@@ -94,13 +94,13 @@ def test_incremental_decode_equals_full_recompute(case: tuple[str, Path, Any, LL
         # prefill in two chunks (exercises the chunk mask), then one token at a time
         split = len(ids) // 2
         for lo, hi in ((0, split), (split, len(ids))):
-            meta = AttentionMetadata([0, hi - lo], [hi], [0], store)
+            meta = AttentionMetadata([0, hi - lo], [hi], kv=store, slots=[0])
             h = model(torch.tensor(seq[lo:hi]), torch.arange(lo, hi), meta)
         for _ in range(steps):
             logits = model.compute_logits(h[-1:])[0]
             cached.append(logits)
             seq.append(int(logits.argmax()))
-            meta = AttentionMetadata([0, 1], [len(seq)], [0], store)
+            meta = AttentionMetadata([0, 1], [len(seq)], kv=store, slots=[0])
             h = model(torch.tensor(seq[-1:]), torch.tensor([len(seq) - 1]), meta)
     full = _full_logits(llm, seq)[len(ids) - 1 : len(ids) - 1 + steps]
     diff = (torch.stack(cached) - full).abs().max().item()

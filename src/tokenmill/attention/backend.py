@@ -2,29 +2,19 @@
 
 The batch is "token-centric": sequence b contributes `query_start_loc[b+1] - query_start_loc[b]` new tokens
 and, after this step, has `seq_lens[b]` tokens of context (cached + new). A prefill, a prefill chunk and a
-decode are the same thing with different numbers. Keys and values of the new tokens are written to the KV
-store first, then read back whole; with no store (`kv_cache="none"`) the context is just the new tokens.
+decode are the same thing with different numbers. The keys and values of every new token in the batch are
+written to the KV store first (so a sequence may read blocks another sequence fills in this very step),
+then each sequence reads its context back whole. With no store (`kv_cache="none"`) the context is just the
+new tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
-
-class KVStore(Protocol):
-    """Where a sequence's keys and values live between steps."""
-
-    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v ([n, num_kv_heads, head_dim]) at positions start .. start+n of sequence `slot`."""
-        ...
-
-    def read(self, layer: int, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions 0 .. end, each [num_kv_heads, end, head_dim]."""
-        ...
 
 
 @dataclass
@@ -33,12 +23,26 @@ class AttentionMetadata:
 
     query_start_loc: list[int]  # [B+1] offsets of each sequence's new tokens in the flattened batch
     seq_lens: list[int]  # [B] context length after this step (cached + new)
-    slots: list[int]  # [B] each sequence's slot in the KV store
-    kv: KVStore | None  # None: no cache, the new tokens are the whole context
+    kv: KVStore | None = None  # None: no cache, the new tokens are the whole context
+    slots: list[int] = field(default_factory=list)  # contiguous store: each sequence's buffer
+    slot_mapping: torch.Tensor | None = None  # paged store: [T] cache slot of each new token
+    context_slots: list[torch.Tensor] = field(default_factory=list)  # paged store: [ctx] slots per sequence
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+
+class KVStore(Protocol):
+    """Where keys and values live between steps."""
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store the batch's new keys/values (each [T, num_kv_heads, head_dim])."""
+        ...
+
+    def read(self, layer: int, seq: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence `seq`'s whole context: keys and values, each [num_kv_heads, seq_len, head_dim]."""
+        ...
 
 
 def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
@@ -57,12 +61,13 @@ def attend(
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
+    if meta.kv is not None:
+        meta.kv.write(layer, k, v, meta)
     for b in range(meta.num_seqs):
         start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
         q_len, ctx_len = end - start, meta.seq_lens[b]
         if meta.kv is not None:
-            meta.kv.write(layer, meta.slots[b], ctx_len - q_len, k[start:end], v[start:end])
-            keys, values = meta.kv.read(layer, meta.slots[b], ctx_len)  # [Hkv, ctx, D]
+            keys, values = meta.kv.read(layer, b, meta)  # [Hkv, ctx, D]
         else:
             assert q_len == ctx_len, "without a KV cache every step must carry the whole context"
             keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)

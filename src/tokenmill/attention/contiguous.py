@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.attention.backend import AttentionMetadata
+
 
 class ContiguousKVStore:
     """Per-sequence buffers of shape [num_layers, 2, num_kv_heads, max_len, head_dim]."""
@@ -22,22 +24,18 @@ class ContiguousKVStore:
     def free(self, slot: int) -> None:
         self._buffers.pop(slot, None)
 
-    def capacity(self, slot: int) -> int:
-        return self._buffers[slot].shape[3]
-
     @property
     def num_allocated(self) -> int:
         return len(self._buffers)
 
-    def bytes_allocated(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        for b in range(meta.num_seqs):
+            start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+            pos = meta.seq_lens[b] - (end - start)  # first new position
+            buf = self._buffers[meta.slots[b]][layer]  # [2, Hkv, max_len, D]
+            buf[0, :, pos : pos + end - start] = k[start:end].transpose(0, 1)
+            buf[1, :, pos : pos + end - start] = v[start:end].transpose(0, 1)
 
-    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        buf = self._buffers[slot][layer]  # [2, Hkv, max_len, D]
-        n = k.shape[0]
-        buf[0, :, start : start + n] = k.transpose(0, 1)
-        buf[1, :, start : start + n] = v.transpose(0, 1)
-
-    def read(self, layer: int, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        buf = self._buffers[slot][layer]
-        return buf[0, :, :end], buf[1, :, :end]
+    def read(self, layer: int, seq: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = self._buffers[meta.slots[seq]][layer]
+        return buf[0, :, : meta.seq_lens[seq]], buf[1, :, : meta.seq_lens[seq]]

@@ -14,7 +14,6 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.loading import LoadedModel, load
 from tokenmill.outputs import RequestOutput
-from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
@@ -28,15 +27,7 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_kwargs)
         self.loaded: LoadedModel = load(self.config)
         self.tokenizer = self.loaded.tokenizer
-        runner = ModelRunner(self.loaded.model, self.loaded.device, self.config.kv_cache, self.config.seed)
-        self.engine = EngineCore(
-            runner,
-            self.tokenizer,
-            vocab_size=self.loaded.config.vocab_size,
-            max_model_len=self.loaded.max_model_len,
-            eos_token_ids=self.loaded.eos_token_ids,
-            use_cache=self.config.kv_cache != "none",
-        )
+        self.engine = EngineCore.build(self.loaded, self.config)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json sampling defaults (what vLLM uses when none are given)."""
@@ -58,25 +49,32 @@ class LLM:
             return self._tokenize(prompt["prompt"])
         raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> str:
         arrival = time.perf_counter()
         text, token_ids, tokenization_ms = self._tokenize(prompt)
         request_id = self.engine.new_request_id()
-        self.engine.add_request(request_id, token_ids, params, text, arrival, tokenization_ms)
+        self.engine.add_request(request_id, token_ids, params, text, arrival, tokenization_ms, priority)
         return request_id
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        `priority` (one per prompt, lower first) matters with `scheduling_policy="priority"`.
+        """
         batch = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         params = self._params_for(len(batch), sampling_params)
+        priorities = list(priority) if priority is not None else [0] * len(batch)
+        if len(priorities) != len(batch):
+            raise ValueError(f"got {len(priorities)} priorities for {len(batch)} prompts; they must match")
         ids: list[str] = []
         try:
-            for p, sp in zip(batch, params):
-                ids.append(self._add(p, sp))
+            for p, sp, prio in zip(batch, params, priorities):
+                ids.append(self._add(p, sp, prio))
         except Exception:
             for rid in ids:  # a bad prompt fails the call without leaving the others running
                 self.engine.abort(rid)

@@ -127,5 +127,12 @@ class OutputProcessor:
             new_text=deltas,
         )
 
-    def abort(self, parent_id: str) -> None:
-        self._groups.pop(parent_id, None)
+    def abort(self, parent_id: str) -> RequestOutput | None:
+        """Forget an aborted request; return its final output (None if unknown)."""
+        group = self._groups.pop(parent_id, None)
+        if group is None:
+            return None
+        for text in group.texts:
+            if text is not None:
+                text.finish()
+        return self._build(parent_id, group)

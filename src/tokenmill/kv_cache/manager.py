@@ -1,0 +1,224 @@
+"""Per-request block tables on top of the block pool: the scheduler's only door into the KV cache.
+
+The scheduler drives one request through `get_computed_blocks` (prefix hit, new requests only), then
+`allocate_slots` every step it runs, `fork` for n > 1 sampling, and `free` when it finishes or is preempted.
+Everything here is block ids and token ids; the runner turns block tables into slot mappings.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokenmill.kv_cache.block_pool import BlockPool
+from tokenmill.kv_cache.hashing import hash_block_tokens
+
+
+@dataclass
+class _RequestBlocks:
+    block_ids: list[int] = field(default_factory=list)
+    # NOTE: chained hashes of the request's leading full blocks, one per block in [0, num_tokens // block_size)
+    # when prefix caching is on (always empty when off); kept so hashing on each step is incremental.
+    block_hashes: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # highest num_computed_tokens + num_new_tokens allocated so far (lookahead excluded)
+
+
+class KVCacheManager:
+    """Block tables for requests over a pool of `num_blocks` blocks of `block_size` tokens each."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks)
+        self._requests: dict[str, _RequestBlocks] = {}
+        self.prefix_cache_queries = 0  # tokens looked up by get_computed_blocks, cumulative
+        self.prefix_cache_hits = 0  # tokens those lookups covered, cumulative
+
+    # ---- queries ----
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request references (cached-but-unreferenced blocks count: they are evictable)."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block ids in token order; [] for an unknown request."""
+        req = self._requests.get(request_id)
+        return list(req.block_ids) if req is not None else []
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+        """Prefix-cache lookup for a new request: (block ids, tokens covered) of the longest run of leading full
+        blocks whose chained hashes are cached. Never covers every token (the last one must be computed for its
+        logits). Takes no references: pass the result to `allocate_slots` in the same scheduling step."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        # NOTE: (n - 1) // bs full blocks at most, so at least one token is always left to compute.
+        max_blocks = max(0, (len(token_ids) - 1) // bs)
+        block_ids: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            block_id = self.block_pool.get_cached_block(parent)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        num_hit_tokens = len(block_ids) * bs
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += num_hit_tokens
+        return block_ids, num_hit_tokens
+
+    # ---- state changes ----
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
+        """Grow the request's block table to cover `num_computed_tokens + num_new_tokens` tokens (plus
+        `num_lookahead_tokens` unhashed slots, e.g. for speculative tokens). False, with nothing changed, if the
+        pool has too few free blocks.
+
+        `token_ids` are the request's known tokens, at least `num_computed_tokens + num_new_tokens` of them; with
+        prefix caching, every block that becomes full within that range is registered under its chained hash.
+        `new_computed_blocks` (from `get_computed_blocks`, only for a request with no blocks yet) start the table
+        and are already counted in `num_computed_tokens`.
+        """
+        bs = self.block_size
+        num_tokens = num_computed_tokens + num_new_tokens
+        if num_computed_tokens < 0 or num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError(
+                f"token counts must be >= 0, got num_computed_tokens={num_computed_tokens}, "
+                f"num_new_tokens={num_new_tokens}, num_lookahead_tokens={num_lookahead_tokens}"
+            )
+        if len(token_ids) < num_tokens:
+            raise ValueError(f"request {request_id!r}: {len(token_ids)} token ids given, {num_tokens} to allocate")
+        req = self._requests.get(request_id)
+        old_block_ids = req.block_ids if req is not None else []
+        old_hashes = req.block_hashes if req is not None else []
+        if new_computed_blocks:
+            if old_block_ids:
+                raise ValueError(f"request {request_id!r} already has blocks; new_computed_blocks is for new requests")
+            if not self.enable_prefix_caching:
+                raise ValueError("new_computed_blocks given but prefix caching is disabled")
+            if len(new_computed_blocks) * bs > num_computed_tokens:
+                raise ValueError(
+                    f"{len(new_computed_blocks)} computed blocks cover {len(new_computed_blocks) * bs} tokens, "
+                    f"more than num_computed_tokens={num_computed_tokens}"
+                )
+        num_table_blocks = len(old_block_ids) + len(new_computed_blocks)
+        if num_computed_tokens > num_table_blocks * bs:
+            raise ValueError(
+                f"request {request_id!r}: num_computed_tokens={num_computed_tokens} but its blocks hold only "
+                f"{num_table_blocks * bs} tokens"
+            )
+
+        # Hash first (no side effects) so a stale or wrong new_computed_blocks fails before anything changes.
+        new_hashes = self._hash_new_full_blocks(old_hashes, token_ids, num_tokens)
+        for i, block_id in enumerate(new_computed_blocks):
+            if self.block_pool.block_hash(block_id) != new_hashes[i]:
+                raise ValueError(f"computed block {block_id} no longer holds this prompt's block {i} (evicted?)")
+
+        num_required = max(0, self.num_blocks_needed(num_tokens + num_lookahead_tokens) - num_table_blocks)
+        # NOTE: prefix-hit blocks with ref count 0 sit in the free queue; taking them shrinks what is left to pop.
+        num_reclaimed = sum(1 for b in new_computed_blocks if self.block_pool.ref_count(b) == 0)
+        if num_required > self.num_free_blocks - num_reclaimed:
+            return False
+
+        if req is None:
+            req = self._requests[request_id] = _RequestBlocks()
+        # NOTE: touch the hit blocks before popping fresh ones, or the pop could evict one of them.
+        self.block_pool.touch(new_computed_blocks)
+        req.block_ids.extend(new_computed_blocks)
+        req.block_ids.extend(self.block_pool.allocate(num_required))
+        for i, block_hash in enumerate(new_hashes, start=len(req.block_hashes)):
+            # A no-op for hit blocks (already registered) and when another block already holds this hash.
+            self.block_pool.cache_block(req.block_ids[i], block_hash)
+        req.block_hashes.extend(new_hashes)
+        req.num_tokens = max(req.num_tokens, num_tokens)
+        return True
+
+    def fork(self, src_id: str, dst_id: str, num_tokens: int) -> int:
+        """Share src's full blocks covering its first `num_tokens` tokens with dst (which has no blocks yet),
+        taking a reference on each. Returns the tokens shared, a multiple of block_size; dst recomputes the rest."""
+        src = self._requests.get(src_id)
+        if src is None:
+            raise ValueError(f"fork: unknown source request {src_id!r}")
+        if src_id == dst_id:
+            raise ValueError(f"fork: source and destination are the same request {src_id!r}")
+        dst = self._requests.get(dst_id)
+        if dst is not None and dst.block_ids:
+            raise ValueError(f"fork: destination {dst_id!r} already has {len(dst.block_ids)} blocks")
+        if not 0 <= num_tokens <= src.num_tokens:
+            raise ValueError(f"fork: num_tokens={num_tokens} outside [0, {src.num_tokens}] allocated for {src_id!r}")
+        num_shared_blocks = num_tokens // self.block_size
+        shared = src.block_ids[:num_shared_blocks]
+        self.block_pool.touch(shared)
+        self._requests[dst_id] = _RequestBlocks(
+            block_ids=list(shared),
+            block_hashes=src.block_hashes[:num_shared_blocks],
+            num_tokens=num_shared_blocks * self.block_size,
+        )
+        return num_shared_blocks * self.block_size
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's references (unknown id: no-op). Freed blocks join the free queue tail in reverse
+        table order, so a sequence's last blocks are evicted first; cached ones stay reusable until evicted."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self.block_pool.release(reversed(req.block_ids))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes; refused (False) while any block is referenced by a request."""
+        return self.block_pool.reset_prefix_cache()
+
+    def _hash_new_full_blocks(self, known: list[int], token_ids: Sequence[int], num_tokens: int) -> list[int]:
+        """Chained hashes of the full blocks in [len(known), num_tokens // block_size); [] without caching."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        parent = known[-1] if known else None
+        hashes: list[int] = []
+        for i in range(len(known), num_tokens // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    # ---- invariants ----
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the pool or any block table breaks an invariant."""
+        self.block_pool.check_integrity()
+        assert self.num_free_blocks == len(self.block_pool.free_queue())
+        occurrences: Counter[int] = Counter()
+        for request_id, req in self._requests.items():
+            block_ids, hashes = req.block_ids, req.block_hashes
+            assert len(set(block_ids)) == len(block_ids), f"request {request_id!r} holds a block twice: {block_ids}"
+            occurrences.update(block_ids)
+            assert len(block_ids) * self.block_size >= req.num_tokens, f"request {request_id!r}: table too short"
+            expected_hashes = req.num_tokens // self.block_size if self.enable_prefix_caching else 0
+            assert len(hashes) == expected_hashes, f"request {request_id!r}: {len(hashes)} hashes, {expected_hashes=}"
+            for i, block_id in enumerate(block_ids):
+                stored = self.block_pool.block_hash(block_id)
+                # NOTE: a registered block in a table sits where its hash says; unhashed positions hold no hash.
+                allowed = (None, hashes[i]) if i < len(hashes) else (None,)
+                assert stored in allowed, f"request {request_id!r} block {block_id} at {i} stores hash {stored}"
+        for block_id in range(self.num_blocks):
+            ref = self.block_pool.ref_count(block_id)
+            assert ref == occurrences[block_id], f"block {block_id}: ref count {ref}, in {occurrences[block_id]} tables"

@@ -1,0 +1,136 @@
+"""The background-loop engine: concurrent streams, abort (explicit and by closing the stream), errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenmill.outputs import RequestOutput
+
+PROMPTS = ["Hello world!", "To be, or not to be", "The quick brown fox", "café", "Shall I compare"] * 2
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("qwen3", initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def llm(folder: Path) -> LLM:
+    """Only ever driven by the engine thread of the test using it (the core is single-threaded)."""
+    return LLM(str(folder), dtype="float32")
+
+
+@pytest.fixture()
+def engine(llm: LLM) -> Iterator[AsyncEngine]:
+    eng = AsyncEngine(llm.engine)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(engine: AsyncEngine, prompt: str, params: SamplingParams) -> RequestOutput:
+    final = None
+    async for out in engine.generate(prompt, params):
+        final = out
+    assert final is not None
+    return final
+
+
+def _pool_full(engine: AsyncEngine) -> bool:
+    kv = engine.core.kv
+    assert kv is not None
+    kv.check_integrity()
+    return not engine.core.has_unfinished() and kv.num_free_blocks == kv.num_blocks
+
+
+async def _wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_streams_equal_offline_generate(folder: Path, engine: AsyncEngine) -> None:
+    offline = LLM(str(folder), dtype="float32")
+    expected = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY)]
+
+    async def main() -> list[RequestOutput]:
+        return await asyncio.gather(*(_collect(engine, p, GREEDY) for p in PROMPTS))
+
+    outs = asyncio.run(main())
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert _pool_full(engine)
+
+
+def test_closing_a_stream_aborts_within_a_step(engine: AsyncEngine) -> None:
+    async def main() -> None:
+        stream = engine.generate("Hello", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        seen = 0
+        async for _ in stream:  # type: ignore[attr-defined]
+            seen += 1
+            if seen == 3:
+                break
+        await stream.aclose()  # type: ignore[attr-defined]
+        await _wait_until(lambda: _pool_full(engine))
+        assert engine.core.stats.num_aborted >= 1
+
+    asyncio.run(main())
+
+
+def test_explicit_abort_ends_stream_with_abort(engine: AsyncEngine) -> None:
+    async def main() -> RequestOutput:
+        final = None
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=400, ignore_eos=True), request_id="r1"):
+            final = out
+            if len(out.outputs[0].token_ids) == 2:
+                engine.abort("r1")
+        assert final is not None
+        return final
+
+    final = asyncio.run(main())
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert 2 <= len(final.outputs[0].token_ids) < 400
+    assert _pool_full(engine)
+
+
+def test_bad_request_fails_at_once_and_harms_no_one(engine: AsyncEngine) -> None:
+    async def main() -> None:
+        good = asyncio.create_task(_collect(engine, "Hello", GREEDY))
+        with pytest.raises(ValueError, match="maximum context length"):
+            await _collect(engine, "Hello", SamplingParams(max_tokens=10**6))
+        assert (await good).outputs[0].finish_reason == "length"
+
+    asyncio.run(main())
+    assert _pool_full(engine)
+
+
+def test_dead_engine_is_unhealthy_and_fails_open_streams(llm: LLM) -> None:
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+    runner = llm.engine.runner
+    original = runner.execute
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("simulated device failure")
+
+    runner.execute = broken  # type: ignore[method-assign,assignment]
+    try:
+
+        async def main() -> None:
+            with pytest.raises(EngineDeadError, match="simulated device failure"):
+                await _collect(engine, "Hello", GREEDY)
+
+        asyncio.run(main())
+        assert not engine.is_healthy
+    finally:
+        runner.execute = original  # type: ignore[method-assign]
+        for rid in list(llm.engine.requests):
+            llm.engine.abort(rid)

@@ -1,0 +1,144 @@
+"""Continuous batching, chunked prefill, preemption, prefix caching and abort never change greedy output,
+and never leak a KV block."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.core import EngineCore
+
+
+@pytest.fixture(scope="module")
+def folder(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("llama", initializer_range=0.1)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 384) for _ in range(rng.randrange(1, 60))] for _ in range(n)]
+
+
+PROMPTS = _prompts(32)
+PARAMS = [SamplingParams(temperature=0, max_tokens=4 + i % 13, ignore_eos=True) for i in range(32)]
+
+
+def _llm(folder: Path, **kwargs: Any) -> LLM:
+    return LLM(str(folder), dtype="float32", device="cpu", **kwargs)
+
+
+def _run(llm: LLM, prompts: list[list[int]] = PROMPTS, params: list[SamplingParams] = PARAMS) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_pool_full(engine: EngineCore) -> None:
+    assert engine.kv is not None and not engine.has_unfinished()
+    engine.kv.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def alone(folder: Path) -> list[list[int]]:
+    """Each request run by itself: the reference every batched configuration must reproduce."""
+    llm = _llm(folder, enable_prefix_caching=False)
+    return [_run(llm, [p], [sp])[0] for p, sp in zip(PROMPTS, PARAMS)]
+
+
+def test_32_concurrent_equal_each_alone(folder: Path, alone: list[list[int]]) -> None:
+    llm = _llm(folder, enable_prefix_caching=False)
+    assert _run(llm) == alone
+    assert llm.engine.stats.max_batch_size == 32
+    assert_pool_full(llm.engine)
+
+
+def test_chunked_prefill_with_tiny_budget(folder: Path, alone: list[list[int]]) -> None:
+    llm = _llm(folder, max_num_batched_tokens=8, enable_prefix_caching=False)
+    assert _run(llm) == alone
+    steps = llm.engine.stats.recent_steps
+    assert max(s.num_tokens for s in steps) <= 8
+    assert any(s.num_decode_tokens and s.num_tokens > s.num_decode_tokens for s in steps)  # decodes mixed with prefill
+    assert_pool_full(llm.engine)
+
+
+def test_preemption_under_a_tiny_kv_pool(folder: Path, alone: list[list[int]]) -> None:
+    llm = _llm(folder, num_kv_blocks=12, block_size=8)  # 96 token slots for 32 requests of up to 76 tokens
+    assert _run(llm) == alone
+    assert llm.engine.stats.num_preemptions > 0
+    assert_pool_full(llm.engine)
+
+
+def test_static_batching_and_other_kv_modes(folder: Path, alone: list[list[int]]) -> None:
+    llm = _llm(folder, batching="static", max_num_seqs=8)
+    assert _run(llm) == alone
+    assert llm.engine.stats.max_batch_size == 8
+    assert _run(_llm(folder, kv_cache="contiguous")) == alone
+    assert _run(_llm(folder, kv_cache="none")) == alone
+
+
+def test_prefix_cache_hit_same_output_fewer_computed_tokens(folder: Path) -> None:
+    prefix = _prompts(1, seed=5)[0] * 2  # > 64 tokens: several full blocks
+    prompts = [[*prefix, 7, 8, 9], [*prefix, 10, 11]]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 2
+    cold = _llm(folder, enable_prefix_caching=False)
+    expected = [_run(cold, [p], params[:1])[0] for p in prompts]
+    llm = _llm(folder, block_size=16)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params[0])[0]
+    second = llm.generate([{"prompt_token_ids": prompts[1]}], params[1])[0]
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == expected
+    assert first.metrics is not None and second.metrics is not None
+    assert first.metrics.num_cached_tokens == 0
+    assert second.metrics.num_cached_tokens == len(prefix) // 16 * 16
+    kv = llm.engine.kv
+    assert kv is not None and kv.prefix_cache_hits == second.metrics.num_cached_tokens
+    assert_pool_full(llm.engine)
+
+
+def test_n_samples_share_prompt_blocks(folder: Path) -> None:
+    prompt = _prompts(1, seed=9)[0] * 3  # well over 4 blocks of 16
+    llm = _llm(folder, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.8, max_tokens=6, n=4, seed=3, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    assert len(out.outputs) == 4
+    computed = sum(s.num_tokens - s.num_decode_tokens for s in llm.engine.stats.recent_steps)
+    tail = len(prompt) - (len(prompt) - 1) // 16 * 16  # what each later sample recomputes itself
+    assert computed == len(prompt) + 3 * tail + 4 * 0  # not 4 full prefills
+    assert_pool_full(llm.engine)
+
+
+def test_abort_mid_generation_returns_every_block(folder: Path) -> None:
+    llm = _llm(folder)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], params)
+    engine.add_request("b", PROMPTS[1], params)
+    for _ in range(3):
+        engine.step()
+    assert engine.kv is not None and engine.kv.num_free_blocks < engine.kv.num_blocks
+    assert engine.abort("a") and not engine.abort("missing")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["b"]
+    assert_pool_full(engine)
+
+
+def test_priority_policy_runs_urgent_requests_first(folder: Path) -> None:
+    llm = _llm(folder, scheduling_policy="priority", max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, priority=[3, 1, 2, 0])
+    order = sorted(range(4), key=lambda i: outs[i].metrics.first_token_time)  # type: ignore[union-attr]
+    assert order == [3, 1, 2, 0]
+
+
+def test_requests_that_can_never_fit_are_rejected(folder: Path) -> None:
+    llm = _llm(folder, num_kv_blocks=4, block_size=8)
+    with pytest.raises(ValueError, match="needs 5 KV blocks .* the whole pool has 4"):
+        llm.generate([{"prompt_token_ids": [5] * 30}], SamplingParams(max_tokens=10))
+    assert _run(llm, [[5] * 20], [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)])
+    assert_pool_full(llm.engine)
