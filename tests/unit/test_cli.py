@@ -114,3 +114,12 @@ def test_make_model_tiny_loads_in_both(tokenizer_dir: Path, tmp_path: Path) -> N
     bad = run_cli("make-model", "--arch", "llama", "--shape", "tiny", "--tokenizer", str(tmp_path / "none"),
                   "--out", str(tmp_path / "x"))  # fmt: skip
     assert_one_line_error(bad, "--tokenizer")
+
+
+def test_generate_without_model_uses_the_demo() -> None:
+    from tests.parity.test_demo_model import GOLDEN_TEXT
+
+    proc = run_cli("generate", "--prompt", "ROMEO:", "--max-tokens", "40", "--temperature", "0", "--dtype",
+                   "float32", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["text"] == GOLDEN_TEXT

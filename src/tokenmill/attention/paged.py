@@ -25,7 +25,9 @@ class PagedKVStore:
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
-        self.cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, 2, slots, Hkv, D]
+        # NOTE: empty, not zeros: a slot is always written before any sequence reads it, and untouched pages
+        # of a large CPU pool then cost no resident memory.
+        self.cache = torch.empty(shape, dtype=dtype, device=device)  # [L, 2, slots, Hkv, D]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
