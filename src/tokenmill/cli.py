@@ -1,4 +1,4 @@
-"""`tokenmill generate | make-model`: parse flags, delegate, and turn user errors into one line + exit 2."""
+"""`tokenmill serve | generate | make-model`: parse flags, delegate, and turn user errors into one line + exit 2."""
 
 from __future__ import annotations
 
@@ -69,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    _engine_args(srv)
+    srv.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the name clients use (default: MODEL as given)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--max-waiting-requests", type=int, default=None, help="beyond this, answer 503")
+    srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint at a real model's shape")
     from tokenmill.make_model import ARCHS, SHAPES
 
@@ -138,6 +149,58 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    import uvicorn
+
+    from tokenmill.engine.loading import default_model_ref
+    from tokenmill.server.app import ServerConfig, build_app
+    from tokenmill.weights import resolve_model
+
+    if a.max_waiting_requests is not None and a.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests={a.max_waiting_requests} is invalid: allowed an integer >= 1")
+    cfg = EngineConfig(model=a.model, seed=a.seed, **_engine_kwargs(a))
+    path = resolve_model(cfg.model or default_model_ref(), cfg.revision)  # fail fast, before the port opens
+    _check_architecture(path)
+    name = a.served_model_name or a.model or "tokenmill-demo"
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tokenmill")
+
+    def load() -> Any:
+        import torch
+
+        from tokenmill.engine.async_engine import AsyncEngine
+
+        try:
+            engine = AsyncEngine.from_config(replace(cfg, model=str(path)))
+        except (TokenmillError, ValueError) as e:
+            print(f"tokenmill serve: error: {e}", file=sys.stderr, flush=True)
+            os._exit(EXIT_USAGE)
+        loaded, kv = engine.loaded, engine.core.kv
+        assert loaded is not None
+        capacity = f"{kv.num_blocks * kv.block_size} tokens ({kv.num_blocks} blocks)" if kv else cfg.kv_cache
+        log.info(
+            "model %s from %s: %s on %s, %d threads, KV capacity %s, max_model_len %d",
+            name, path, loaded.dtype, loaded.device, torch.get_num_threads(), capacity, loaded.max_model_len,
+        )  # fmt: skip
+        log.info("serving at http://%s:%d/v1", a.host, a.port)
+        return engine
+
+    app = build_app(load, ServerConfig(name, a.api_key, a.max_waiting_requests))
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=a.grace_period)
+    return 0
+
+
+def _check_architecture(path: Any) -> None:
+    from tokenmill.config import ModelConfig
+    from tokenmill.engine.loading import _read_json
+    from tokenmill.models import model_class
+
+    model_class(ModelConfig.from_hf(_read_json(path / "config.json", required=True)).architecture)
+
+
 def cmd_make_model(a: argparse.Namespace) -> int:
     from tokenmill.make_model import make_model
 
@@ -149,7 +212,7 @@ def cmd_make_model(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = {"generate": cmd_generate, "make-model": cmd_make_model}[args.command]
+    handler = {"generate": cmd_generate, "serve": cmd_serve, "make-model": cmd_make_model}[args.command]
     try:
         return handler(args)
     except (TokenmillError, ValueError) as e:

@@ -1,12 +1,15 @@
-"""Engine-wide statistics: what each step did and running totals. Pure data, filled by the engine core.
-
-(Per-request facts live in `outputs.RequestMetrics`.)
-"""
+"""Engine-wide statistics (what each step did, running totals) and the Prometheus collectors that export
+them. Filled by the engine core and the server; never called from model code. Per-request facts live in
+`outputs.RequestMetrics`."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.outputs import RequestMetrics
 
 
 @dataclass
@@ -39,3 +42,108 @@ class EngineStats:
     @property
     def mean_batch_size(self) -> float:
         return self.sum_batch_size / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass
+class EngineSnapshot:
+    """Gauges read at scrape time (from another thread: plain ints and floats, no locking needed)."""
+
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)  # fmt: skip
+
+
+class PrometheusMetrics:
+    """The server's Prometheus collectors, named after vLLM's with a `tokenmill:` prefix."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        kw: dict[str, Any] = {"labelnames": ["model_name"], "registry": self.registry}
+
+        def hist(name: str, doc: str) -> Any:
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
+
+        self.ttft = hist("tokenmill:time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("tokenmill:inter_token_latency_seconds", "Gap between consecutive output tokens.")
+        self.e2e = hist("tokenmill:e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue = hist("tokenmill:request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed.", **kw).labels(model_name)
+        self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", **kw).labels(model_name)
+        self.success = Counter(
+            "tokenmill:request_success",
+            "Finished requests by reason.",
+            labelnames=["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes
+        self.registry.register(_EngineCollector(model_name, snapshot))
+
+    def observe_finished(self, m: RequestMetrics, finish_reasons: list[str | None]) -> None:
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generation_tokens.inc(m.num_generated_tokens)
+        for reason in finish_reasons:
+            self.success.labels(self.model_name, reason or "unknown").inc()
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        if m.last_token_time is not None:
+            self.e2e.observe(m.last_token_time - m.arrival_time)
+        for gap_ms in m.itl_ms:
+            self.itl.observe(gap_ms / 1000)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return bytes(generate_latest(self.registry))
+
+
+class _EngineCollector:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+        import psutil
+
+        self.model_name, self.snapshot = model_name, snapshot
+        self.process = psutil.Process()
+        self.process.cpu_percent(None)  # first call primes the counter
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.snapshot()
+        label = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            return c
+
+        yield gauge("tokenmill:num_requests_running", "Requests computing tokens.", s.running)
+        yield gauge("tokenmill:num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
+        yield gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s.kv_usage)
+        yield counter("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)  # fmt: skip
+        yield counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter("tokenmill:num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions)
+        yield gauge("tokenmill:process_cpu_percent", "CPU use of this process since the last scrape.",
+                    self.process.cpu_percent(None))  # fmt: skip
+        yield gauge("tokenmill:process_rss_bytes", "Resident memory of this process.", self.process.memory_info().rss)

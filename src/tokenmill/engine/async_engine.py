@@ -19,7 +19,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
+from tokenmill.engine.loading import LoadedModel, load
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -53,15 +55,56 @@ class _Stop:
 _Command = _Add | _Abort | _Stop
 
 
+class RequestStream:
+    """The outputs of one request, as an async iterator. `close()` before the end aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.engine, self.request_id = engine, request_id
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine._forget(self.request_id)
+            if not self.finished:
+                self.engine.abort(self.request_id)
+
+
 class AsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, loaded: LoadedModel | None = None) -> None:
         self.core = core
+        self.loaded = loaded  # the model's facts (tokenizer, dtype, device, defaults) for the server
         self.tokenizer = core.output.tokenizer
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._lock = threading.Lock()  # guards _streams between the caller threads and the loop thread
         self._thread: threading.Thread | None = None
         self.errored: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
+        """Load the model `cfg` names and start the loop thread."""
+        loaded = load(cfg)
+        engine = cls(EngineCore.build(loaded, cfg), loaded)
+        engine.start()
+        return engine
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -83,20 +126,21 @@ class AsyncEngine:
         return len(self._streams)
 
     # -- requests -----------------------------------------------------------------------------------------
-    async def generate(
+    def add_request(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (one per step that produced something) until it finishes.
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue a request; iterate the returned stream for its outputs (one per step that produced any).
 
-        Raises ValueError at once for a request that can never run. Closing the iterator early aborts it.
+        Raises ValueError at once for a request that can never run. Closing the stream early aborts it.
         """
         if self.errored is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self.errored!r}")
-        arrival = time.perf_counter()
+        arrival = arrival_time or time.perf_counter()
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass token ids")
@@ -104,30 +148,36 @@ class AsyncEngine:
             token_ids = self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-        tokenization_ms = (time.perf_counter() - arrival) * 1000
+        tokenization_ms = (time.perf_counter() - arrival) * 1000 if text is not None else 0.0
         self.core.validate(token_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        stream: asyncio.Queue[Any] = asyncio.Queue()
+        stream = RequestStream(self, request_id)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (asyncio.get_running_loop(), stream)
+            self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
         self._commands.put(_Add(request_id, token_ids, params, text, arrival, tokenization_ms, priority))
-        finished = False
+        return stream
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """`add_request` as an async generator (validation happens on the first iteration)."""
+        stream = self.add_request(prompt, params, request_id, priority)
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for out in stream:
+                yield out
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(_Abort(request_id))
+            stream.close()
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    @property
+    def num_pending(self) -> int:
+        """Requests not yet computing: waiting in the scheduler or not yet picked up by the loop."""
+        return len(self.core.scheduler.waiting) + self._commands.qsize()
 
     def abort(self, request_id: str) -> None:
         """Stop a request within one step; its stream ends with finish_reason "abort"."""

@@ -80,7 +80,7 @@ class EngineCore:
         if max_tokens < 1 or num_prompt + max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max(max_tokens, 1)} tokens ({num_prompt} in the prompt, {max(max_tokens, 1)} in the "
+                f"{num_prompt + max(max_tokens, 1)} tokens ({num_prompt} in the messages, {max(max_tokens, 1)} in the "
                 "completion). Please reduce the length of the prompt or the completion."
             )
         if self.kv is not None:

@@ -19,8 +19,6 @@ from tokenmill.sampling_params import SamplingParams
 Prompt = str | dict[str, Any]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
 Message = dict[str, Any]
 
-_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
@@ -31,13 +29,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json sampling defaults (what vLLM uses when none are given)."""
-        gen = self.loaded.generation_config
-        kwargs = {k: gen[k] for k in _GENERATION_CONFIG_KEYS if gen.get(k) is not None}
-        if gen.get("do_sample") is False:
-            kwargs["temperature"] = 0.0
-        if isinstance(gen.get("max_new_tokens"), int):
-            kwargs["max_tokens"] = gen["max_new_tokens"]
-        return SamplingParams(**kwargs)
+        return self.loaded.default_sampling_params()
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int], float]:
         start = time.perf_counter()

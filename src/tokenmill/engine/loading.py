@@ -12,6 +12,7 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.models import CausalLM, model_class
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.weights import load_weights, resolve_model
 
@@ -39,6 +40,17 @@ class LoadedModel:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json sampling defaults (what vLLM uses when none are given)."""
+        gen = self.generation_config
+        kwargs = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                  if gen.get(k) is not None}  # fmt: skip
+        if gen.get("do_sample") is False:
+            kwargs["temperature"] = 0.0
+        if isinstance(gen.get("max_new_tokens"), int):
+            kwargs["max_tokens"] = gen["max_new_tokens"]
+        return SamplingParams(**kwargs)
 
 
 def default_model_ref() -> str:

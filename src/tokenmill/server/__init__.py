@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server. Never imports torch: the engine arrives as an object."""

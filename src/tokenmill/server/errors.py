@@ -1,0 +1,81 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("tokenmill.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers)
+
+
+def bad_value(e: ValueError) -> APIError:
+    """A ValueError from parameter validation -> 400 naming the parameter when the message starts with it."""
+    message = str(e)
+    match = re.match(r"^(\w+)=", message)
+    return APIError(400, message, param=match.group(1) if match else None)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('msg')}", None
+    if first.get("type") == "extra_forbidden":
+        return f"unsupported parameter: {'.'.join(loc)} (tokenmill does not implement it)", param
+    if first.get("type") == "missing":
+        return f"missing required parameter: {'.'.join(loc)}", param
+    return f"invalid value for {'.'.join(loc) or 'body'}: {first.get('msg')}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(400, message, param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        request_id = request.headers.get("x-request-id", "-")
+        log.exception("unexpected error on %s %s (request id %s)", request.method, request.url.path, request_id)
+        return JSONResponse(error_body(500, f"internal server error ({type(exc).__name__})"), 500)
