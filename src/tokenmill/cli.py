@@ -152,6 +152,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     import logging
     import os
+    import signal
 
     import uvicorn
 
@@ -189,6 +190,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return engine
 
     app = build_app(load, ServerConfig(name, a.api_key, a.max_waiting_requests))
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it to the handler that was there before; make
+    # that handler a no-op so a graceful stop exits 0 instead of dying by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=a.grace_period)
     return 0
 

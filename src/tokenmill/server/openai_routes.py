@@ -15,6 +15,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import StreamingResponse
 
 from tokenmill.outputs import Logprobs, RequestOutput
+from tokenmill.sampling_params import MAX_LOGPROBS
 from tokenmill.server.errors import APIError, bad_value, error_body
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -226,6 +227,14 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         top = body.top_logprobs or 0
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs={top} is invalid: allowed an integer in [0, {MAX_LOGPROBS}]",
+                           param="top_logprobs")  # fmt: skip
+        if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
+            raise APIError(400, f"max_completion_tokens={body.max_completion_tokens} is invalid: allowed an integer "
+                           ">= 1", param="max_completion_tokens")  # fmt: skip
         try:
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             params = body.sampling_params(_defaults(engine), max_tokens, top if body.logprobs else None, None)

@@ -1,0 +1,71 @@
+"""A server started with `--api-key` and a tiny waiting queue: 401 without the right bearer token, and overload
+refused with 503 + Retry-After instead of being queued without bound."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.server.helpers import Server, assert_openai_error
+
+KEY = "sekret-key"
+SERVER_FLAGS = ("--api-key", KEY, "--max-waiting-requests", "1", "--max-num-seqs", "1")
+SERVED_MODEL_NAME = "tiny"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+COMPLETION = {"model": SERVED_MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+CHAT = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}],
+    ids=["missing", "wrong", "no-bearer-scheme", "key-prefix"],
+)
+def test_missing_or_wrong_key_is_401(http: httpx.Client, headers: dict[str, str]) -> None:
+    assert_openai_error(http.post("/v1/completions", json=COMPLETION, headers=headers), 401)
+    assert_openai_error(http.post("/v1/chat/completions", json=CHAT, headers=headers), 401)
+    assert_openai_error(http.get("/v1/models", headers=headers), 401)
+
+
+def test_right_key_is_served(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json=COMPLETION, headers=AUTH)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    r = http.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    assert http.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == SERVED_MODEL_NAME
+    assert http.get("/health").status_code == 200  # probes need no key
+
+
+def test_full_waiting_queue_is_503_with_retry_after(server: Server, http: httpx.Client) -> None:
+    # one running (--max-num-seqs 1) + one waiting (--max-waiting-requests 1): of 6 long requests sent at once,
+    # some must be refused at once instead of queued
+    long = {**COMPLETION, "max_tokens": 200, "ignore_eos": True}
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=AUTH) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=long) for _ in range(6)))
+
+    responses = asyncio.run(main())
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) == {200, 503}, statuses
+    assert 1 <= statuses.count(200) <= 5
+    for r in responses:
+        if r.status_code == 503:
+            assert_openai_error(r, 503)
+            assert r.headers.get("retry-after", "").strip().isdigit(), r.headers
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 200
+    # overload passed: the server serves again
+    r = http.post("/v1/completions", json=COMPLETION, headers=AUTH)
+    assert r.status_code == 200
+    stats = http.get("/stats", headers=AUTH).json()
+    assert stats["running"] == stats["waiting"] == 0

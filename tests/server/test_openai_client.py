@@ -1,0 +1,206 @@
+"""The official `openai` SDK, sync and async, streaming and not, against a real `tokenmill serve` subprocess.
+
+The model name is the MODEL argument as given (no --served-model-name here). Expected texts come from the
+offline `LLM` in this process: the server must produce exactly what the engine produces for the same request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+import pytest
+
+from tests.server.helpers import Server, offline, offline_chat
+from tokenmill import LLM
+
+PROMPT = "The quick brown fox"
+MESSAGES: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello world!"},
+]
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=60, max_retries=0)
+
+
+def _async_client(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=60, max_retries=0)
+
+
+def _complete(client: openai.OpenAI, server: Server, prompt: Any = PROMPT, **kwargs: Any) -> Any:
+    """A completion request, greedy with ignore_eos unless overridden."""
+    kwargs = {"temperature": 0, "extra_body": IGNORE_EOS, **kwargs}
+    return client.completions.create(model=server.model, prompt=prompt, **kwargs)
+
+
+def _chat(client: openai.OpenAI, server: Server, **kwargs: Any) -> Any:
+    kwargs = {"messages": MESSAGES, "temperature": 0, "extra_body": IGNORE_EOS, **kwargs}
+    return client.chat.completions.create(model=server.model, **kwargs)
+
+
+def test_completion_greedy_equals_offline_with_usage(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    expected = offline(llm, PROMPT, 12)
+    r = _complete(client, server, max_tokens=12)
+    assert r.object == "text_completion" and r.model == server.model and r.id and isinstance(r.created, int)
+    assert len(r.choices) == 1
+    choice = r.choices[0]
+    assert (choice.index, choice.text, choice.finish_reason) == (0, expected.text, "length")
+    n_prompt = len(llm.tokenizer.encode(PROMPT))
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 12, n_prompt + 12)
+
+
+def test_completion_stream_equals_offline(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    expected = offline(llm, PROMPT, 10)
+    chunks = list(_complete(client, server, max_tokens=10, stream=True))
+    assert chunks and all(c.object == "text_completion" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage anywhere
+
+
+def test_prompt_forms_strings_and_token_ids(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    prompts = [PROMPT, "To be, or not to be", "café"]
+    expected = [offline(llm, p, 6).text for p in prompts]
+    r = _complete(client, server, prompts, max_tokens=6)
+    assert [(c.index, c.text) for c in r.choices] == list(enumerate(expected))
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    assert _complete(client, server, ids[0], max_tokens=6).choices[0].text == expected[0]
+    r = _complete(client, server, ids, max_tokens=6)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == expected
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+
+
+def test_n_greater_than_one(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    expected = offline(llm, PROMPT, 5).text
+    r = _complete(client, server, max_tokens=5, n=3)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.text == expected for c in r.choices)
+    assert r.usage.completion_tokens == 15
+    finished = {}
+    for chunk in _complete(client, server, max_tokens=5, temperature=1, seed=3, n=2, stream=True):
+        finished.update({c.index: c.finish_reason for c in chunk.choices if c.finish_reason})
+    assert finished == {0: "length", 1: "length"}
+    chat = _chat(client, server, max_tokens=4, n=2)
+    want = offline_chat(llm, MESSAGES, 4).text
+    assert sorted((c.index, c.message.content) for c in chat.choices) == [(0, want), (1, want)]
+
+
+def test_completion_logprobs_match_engine(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    expected = offline(llm, PROMPT, 6, logprobs=2)
+    assert expected.logprobs is not None
+    lp = _complete(client, server, max_tokens=6, logprobs=2).choices[0].logprobs
+    assert lp is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    want = [step[tok] for step, tok in zip(expected.logprobs, expected.token_ids)]
+    assert lp.token_logprobs == pytest.approx(want, abs=1e-3)
+    for got, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and all(v <= 0 for v in top.values())
+        # greedy: the sampled token is the most likely one (>=: distinct tokens decoding to the same string, like
+        # two partial UTF-8 bytes shown as U+FFFD, share one key in this dict)
+        assert got >= max(top.values()) - 1e-4
+
+
+def test_chat_logprobs(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    expected = offline_chat(llm, MESSAGES, 5, logprobs=2)
+    assert expected.logprobs is not None
+    content = _chat(client, server, max_tokens=5, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert content is not None and len(content) == 5
+    want = [step[tok] for step, tok in zip(expected.logprobs, expected.token_ids)]
+    assert [c.logprob for c in content] == pytest.approx(want, abs=1e-3)
+    for entry in content:
+        assert isinstance(entry.token, str) and 1 <= len(entry.top_logprobs) <= 2
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-4)
+
+
+def test_chat_equals_offline_chat(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    expected = offline_chat(llm, MESSAGES, 8)
+    r = _chat(client, server, max_completion_tokens=8)
+    assert r.object == "chat.completion" and r.model == server.model and r.id
+    msg = r.choices[0].message
+    assert (msg.role, msg.content, r.choices[0].finish_reason) == ("assistant", expected.text, "length")
+    n_prompt = len(llm.tokenizer.apply_chat_template(MESSAGES))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 8, n_prompt + 8)
+    parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Hello world!"}]}]
+    assert _chat(client, server, messages=parts, max_tokens=8).choices[0].message.content == expected.text
+
+
+def test_chat_stream_equals_offline(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    expected = offline_chat(llm, MESSAGES, 8)
+    chunks = list(_chat(client, server, max_tokens=8, stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_stop_strings(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    full = offline(llm, PROMPT, 16).text
+    # two characters from the second half, clear of U+FFFD (a partial UTF-8 sequence in a random model's text)
+    starts = [i for i in range(len(full) // 2, len(full) - 1) if "\ufffd" not in full[i : i + 2]]
+    assert starts, f"no usable stop string in {full!r}"
+    stop = full[starts[0] : starts[0] + 2]
+    want = full[: full.find(stop)]
+    for stops in (stop, [stop, "never-generated"]):
+        r = _complete(client, server, max_tokens=16, stop=stops)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    chunks = [c for c in _complete(client, server, max_tokens=16, stop=[stop], stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_reproduces_at_temperature_one(client: openai.OpenAI, server: Server) -> None:
+    def sample(seed: int) -> str:
+        return str(_complete(client, server, max_tokens=12, temperature=1, seed=seed).choices[0].text)
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert len({first, sample(1), sample(2)}) > 1, "different seeds should not all give the same sample"
+
+
+def test_echo(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    expected = offline(llm, PROMPT, 6).text
+    assert _complete(client, server, max_tokens=6, echo=True).choices[0].text == PROMPT + expected
+
+
+def test_stream_include_usage_final_chunk(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    *body, last = list(_complete(client, server, max_tokens=7, stream=True, stream_options={"include_usage": True}))
+    assert last.choices == [] and last.usage is not None
+    n_prompt = len(llm.tokenizer.encode(PROMPT))
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
+        n_prompt, 7, n_prompt + 7,
+    )  # fmt: skip
+    assert body and all(c.usage is None for c in body)
+
+
+def test_async_client_streaming_and_not(server: Server, llm: LLM) -> None:
+    want_text = offline(llm, PROMPT, 9).text
+    want_chat = offline_chat(llm, MESSAGES, 6).text
+    greedy: dict[str, Any] = {"model": server.model, "temperature": 0, "extra_body": IGNORE_EOS}
+
+    async def main() -> tuple[str, str, str, Any]:
+        async with _async_client(server) as client:
+            r = await client.completions.create(prompt=PROMPT, max_tokens=9, **greedy)
+            stream = await client.completions.create(prompt=PROMPT, max_tokens=9, stream=True, **greedy)
+            streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+            chat = await client.chat.completions.create(
+                messages=MESSAGES, max_tokens=6, stream=True, stream_options={"include_usage": True}, **greedy
+            )
+            chunks = [c async for c in chat]
+            chat_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return r.choices[0].text, streamed, chat_text, chunks[-1].usage
+
+    text, streamed, chat_text, usage = asyncio.run(main())
+    assert text == streamed == want_text
+    assert chat_text == want_chat
+    assert usage is not None and usage.completion_tokens == 6
+    assert usage.prompt_tokens == len(llm.tokenizer.apply_chat_template(MESSAGES))
