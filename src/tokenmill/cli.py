@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | make-model`: parse flags, delegate, and turn user errors into one line + exit 2."""
+"""`tokenmill serve | generate | bench | make-model`: parse flags, delegate; user errors are one line + exit 2."""
 
 from __future__ import annotations
 
@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting-requests", type=int, default=None, help="beyond this, answer 503")
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+    from tokenmill.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, _engine_args)
 
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint at a real model's shape")
     from tokenmill.make_model import ARCHS, SHAPES
@@ -205,6 +209,15 @@ def _check_architecture(path: Any) -> None:
     model_class(ModelConfig.from_hf(_read_json(path / "config.json", required=True)).architecture)
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from tokenmill.bench.cli import run_bench
+
+    engine_kwargs = _engine_kwargs(a) if hasattr(a, "kv_cache") else {}
+    path = run_bench(a, engine_kwargs)
+    print(f"results: {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_make_model(a: argparse.Namespace) -> int:
     from tokenmill.make_model import make_model
 
@@ -216,7 +229,9 @@ def cmd_make_model(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = {"generate": cmd_generate, "serve": cmd_serve, "make-model": cmd_make_model}[args.command]
+    handler = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "make-model": cmd_make_model}[
+        args.command
+    ]
     try:
         return handler(args)
     except (TokenmillError, ValueError) as e:

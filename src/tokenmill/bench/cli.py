@@ -1,0 +1,61 @@
+"""`tokenmill bench <latency|throughput|serve|compare|sweep|report>`: parsers and dispatch."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SUBCOMMANDS = ("latency", "throughput", "serve", "compare", "sweep", "report")
+
+
+def add_bench_parser(sub: Any, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    bench = sub.add_parser("bench", help="measure: latency, throughput, serve, compare, sweep, report")
+    bsub = bench.add_subparsers(dest="bench_command", required=True, parser_class=type(bench))
+    from tokenmill.bench.compare import add_compare_parser
+    from tokenmill.bench.latency import add_latency_parser
+    from tokenmill.bench.throughput import add_throughput_parser
+
+    add_latency_parser(bsub, engine_args)
+    add_throughput_parser(bsub, engine_args)
+    add_compare_parser(bsub)
+    from tokenmill.bench.report import add_report_parser
+    from tokenmill.bench.sweep import add_sweep_parser
+
+    add_sweep_parser(bsub, engine_args)
+    add_report_parser(bsub)
+    try:
+        from tokenmill.bench.serve import add_serve_parser
+
+        add_serve_parser(bsub)
+    except ImportError:  # pragma: no cover - being written
+        pass
+
+
+def run_bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path:
+    if args.bench_command == "latency":
+        from tokenmill.bench.latency import run_latency
+
+        return run_latency(args, engine_kwargs)
+    if args.bench_command == "throughput":
+        from tokenmill.bench.throughput import run_throughput
+
+        return run_throughput(args, engine_kwargs)
+    if args.bench_command == "serve":
+        from tokenmill.bench.serve import run_serve
+
+        return run_serve(args)
+    if args.bench_command == "compare":
+        from tokenmill.bench.compare import run_compare
+
+        return run_compare(args)
+    if args.bench_command == "sweep":
+        from tokenmill.bench.sweep import run_sweep
+
+        return run_sweep(args, engine_kwargs)
+    if args.bench_command == "report":
+        from tokenmill.bench.report import run_report
+
+        return run_report(args)
+    raise ValueError(f"bench {args.bench_command!r} is unknown; allowed: {', '.join(SUBCOMMANDS)}")

@@ -1,0 +1,201 @@
+"""`tokenmill bench compare`: the same weights and prompts through tokenmill, transformers and llama.cpp.
+
+Each backend runs in its own process (`worker.py`), so its memory is its own; the parent samples the child's
+RSS every 50 ms for `peak_memory_mib`. A backend that is not installed is reported as such, never a crash.
+llama.cpp gets a GGUF of the same weights (converted with `gguf_export.py`, or `--gguf PATH`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.stats import summarize
+from tokenmill.bench.store import Run
+
+BACKENDS = ("tokenmill", "transformers", "llama.cpp")
+GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "auto": "bf16"}
+
+
+def _run_worker(backend: str, model: str, spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
+    import psutil
+
+    spec_path, out_path = workdir / f"{backend}.spec.json", workdir / f"{backend}.result.json"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.bench.worker",
+        "--backend",
+        backend,
+        "--model",
+        model,
+        "--spec",
+        str(spec_path),
+        "--out",
+        str(out_path),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ps, peak, deadline = psutil.Process(proc.pid), 0, time.monotonic() + timeout
+    while proc.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            peak = max(peak, ps.memory_info().rss)
+        if time.monotonic() > deadline:
+            proc.kill()
+            return {"status": "error", "error": f"timed out after {timeout:.0f} s"}
+        time.sleep(0.05)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    if not out_path.exists():
+        return {"status": "error", "error": (stderr.strip().splitlines() or ["worker died"])[-1]}
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    result["peak_memory_mib"] = peak / 2**20
+    return result
+
+
+def _summarize_backend(backend: str, result: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {"backend": backend, "status": result.get("status")}
+    if result.get("status") != "ok":
+        row["error"] = result.get("error")
+        return row
+    runs = result["runs"]
+    gen_time = sum(r["generate_time_s"] for r in runs)
+    tokens = sum(r["completion_tokens"] for r in runs)
+    row.update(
+        load_time_s=result["load_time_s"],
+        generate_time_s=gen_time,
+        completion_tokens=tokens,
+        tokens_per_second=tokens / gen_time if gen_time else 0.0,
+        ttft_ms=summarize([r["ttft_ms"] for r in runs])["mean"],
+        peak_memory_mib=result.get("peak_memory_mib"),
+        text=runs[0]["text"],
+    )
+    return row
+
+
+def run_compare(args: argparse.Namespace) -> Path:
+    from tokenmill.engine.loading import default_model_ref
+    from tokenmill.tokenizer import Tokenizer
+    from tokenmill.weights import resolve_model
+
+    model = str(resolve_model(args.model or default_model_ref()))
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"--backends {','.join(unknown)} unknown; allowed: {', '.join(BACKENDS)}")
+    tok = Tokenizer(model)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(tok.vocab_size) for _ in range(args.prompt_tokens)] for _ in range(args.num_prompts)]
+    config = {
+        "model": model,
+        "backends": backends,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "num_prompts": args.num_prompts,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+        "gguf": args.gguf,
+    }
+    run = Run.create(args.output_dir, "compare", config)
+    spec: dict[str, Any] = {
+        "prompts": prompts,
+        "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "n_ctx": args.prompt_tokens + args.max_tokens + 8,
+    }
+    rows, raw = [], []
+    for backend in backends:
+        if backend == "llama.cpp":
+            try:
+                spec["gguf"] = args.gguf or str(_export(model, run.path / "model.gguf", args.dtype))
+            except Exception as e:
+                rows.append({"backend": backend, "status": "error", "error": f"GGUF export failed: {e}"})
+                continue
+        result = _run_worker(backend, model, spec, run.path / "raw", args.timeout)
+        raw += [{"backend": backend, "prompt": i, **r} for i, r in enumerate(result.get("runs", []))]
+        rows.append(_summarize_backend(backend, result))
+        print(f"{backend}: {rows[-1].get('status')} {rows[-1].get('tokens_per_second', '')}", file=sys.stderr)
+    reference = next((r for r in raw if r["backend"] == "tokenmill" and r["prompt"] == 0), None)
+    for row in rows:
+        mine = next((r for r in raw if r["backend"] == row["backend"] and r["prompt"] == 0), None)
+        if reference and mine:
+            same = sum(a == b for a, b in zip(reference["token_ids"], mine["token_ids"]))
+            row["greedy_agreement_with_tokenmill"] = same / max(len(reference["token_ids"]), 1)
+    run.save_raw(raw)
+    run.save_summary(rows)
+    _plot(run, rows)
+    report = _report(rows, config, run.manifest["command"])
+    print(report)
+    best = max((r.get("tokens_per_second", 0.0) for r in rows if r["backend"] == "tokenmill"), default=0.0)
+    return run.finish(report, ("tokenmill tok/s", best, "tok/s"), model, ",".join(backends))
+
+
+def _export(model: str, out: Path, dtype: str) -> Path:
+    from tokenmill.bench.gguf_export import export_gguf
+
+    return export_gguf(Path(model), out, GGUF_DTYPES.get(dtype, "bf16"))
+
+
+def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) -> str:
+    lines = [
+        f"# compare: {Path(config['model']).name}, {config['num_prompts']} prompts x {config['prompt_tokens']} "
+        f"tokens, {config['max_tokens']} generated, {config['dtype']}, threads={config['threads']}\n",
+        "| backend | status | load s | generate s | tokens | tok/s | TTFT ms | peak MiB | greedy agreement |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v: Any, spec: str) -> str:
+        return format(v, spec) if isinstance(v, int | float) else "-"
+
+    for r in rows:
+        lines.append(
+            f"| {r['backend']} | {r['status']} | {f(r.get('load_time_s'), '.1f')} | "
+            f"{f(r.get('generate_time_s'), '.1f')} | {f(r.get('completion_tokens'), 'd')} | "
+            f"{f(r.get('tokens_per_second'), '.1f')} | {f(r.get('ttft_ms'), '.0f')} | "
+            f"{f(r.get('peak_memory_mib'), '.0f')} | {f(r.get('greedy_agreement_with_tokenmill'), '.2f')} |"
+        )
+    errors = [f"- {r['backend']}: {r.get('error')}" for r in rows if r["status"] != "ok"]
+    return "\n".join(lines + ([""] + errors if errors else []) + ["", f"Command: `{command}`", ""])
+
+
+def _plot(run: Run, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3))
+    for ax, key, title in zip(
+        axes, ("tokens_per_second", "ttft_ms", "peak_memory_mib"), ("generation tok/s", "TTFT ms", "peak memory MiB")
+    ):
+        ax.bar([r["backend"] for r in ok], [r[key] for r in ok])
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(run.plot_path("compare.png"), dpi=100)
+    plt.close(fig)
+
+
+def add_compare_parser(sub: Any) -> None:
+    p = sub.add_parser("compare", help="the same weights through tokenmill, transformers and llama.cpp")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--backends", default="tokenmill,transformers,llama.cpp")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--gguf", default=None, help="use this GGUF for llama.cpp instead of converting")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per backend")
+    p.add_argument("--output-dir", default="bench-results")

@@ -1,0 +1,143 @@
+"""Single-stream latency, the llama-bench equivalent: prompt processing (pp N) and text generation (tg N)
+tokens/s with their std over trials, achieved weight-read bandwidth (weight bytes x tg tok/s), peak RSS.
+
+Prefix caching is off so every trial really computes its prompt; prompts are random token ids (seeded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.stats import summarize
+from tokenmill.bench.store import Run
+
+
+def weight_bytes(llm: Any) -> int:
+    """Bytes of every distinct parameter (a tied embedding counts once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in llm.loaded.model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(llm: Any, prompt_tokens: int, gen_tokens: int, repeat: int, warmup: int, seed: int) -> list[dict[str, Any]]:
+    """One row per trial (warmups included, flagged) with pp and tg tokens/s."""
+    from tokenmill import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = llm.loaded.config.vocab_size
+    rows = []
+    for trial in range(warmup + repeat):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_tokens)]
+        params = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+        m = out.metrics
+        assert m is not None and m.prefill_ms is not None
+        rows.append(
+            {
+                "trial": trial - warmup,
+                "warmup": trial < warmup,
+                "prompt_tokens": prompt_tokens,
+                "gen_tokens": len(out.outputs[0].token_ids),
+                "prefill_ms": m.prefill_ms,
+                "pp_tokens_per_sec": prompt_tokens / (m.prefill_ms / 1000),
+                "tg_tokens_per_sec": m.decode_tokens_per_sec or 0.0,
+            }
+        )
+    return rows
+
+
+def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path:
+    from tokenmill import LLM
+
+    engine_kwargs = {**engine_kwargs, "enable_prefix_caching": False}
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    llm = LLM(args.model, **engine_kwargs)
+    config = {
+        "model": str(llm.loaded.path),
+        "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens,
+        "repeat": args.repeat,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "engine": engine_kwargs,
+        "dtype": str(llm.loaded.dtype),
+        "device": str(llm.loaded.device),
+    }
+    run = Run.create(args.output_dir, "latency", config)
+    rows = measure(llm, args.prompt_tokens, args.gen_tokens, args.repeat, args.warmup, args.seed)
+    measured = [r for r in rows if not r["warmup"]]
+    wbytes = weight_bytes(llm)
+    pp = summarize([r["pp_tokens_per_sec"] for r in measured])
+    tg = summarize([r["tg_tokens_per_sec"] for r in measured])
+    summary = {
+        "backend": "tokenmill",
+        f"pp{args.prompt_tokens}_tokens_per_sec": pp,
+        f"tg{args.gen_tokens}_tokens_per_sec": tg,
+        "weight_bytes": wbytes,
+        "achieved_gb_per_sec": wbytes * tg["mean"] / 1e9,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+    run.save_raw(rows)
+    run.save_summary(summary)
+    _plot(run, rows)
+    report = (
+        f"# latency: {Path(config['model']).name} ({config['dtype']}, {config['device']})\n\n"
+        "| measure | mean | std |\n|---|---|---|\n"
+        f"| pp{args.prompt_tokens} tok/s | {pp['mean']:.1f} | {pp['std']:.1f} |\n"
+        f"| tg{args.gen_tokens} tok/s | {tg['mean']:.2f} | {tg['std']:.2f} |\n"
+        f"| achieved GB/s (weights x tg) | {summary['achieved_gb_per_sec']:.2f} | |\n"
+        f"| peak RSS MB | {summary['peak_rss_mb']:.0f} | |\n\n"
+        f"{args.repeat} trials after {args.warmup} warmup (excluded). Command: `{run.manifest['command']}`\n"
+    )
+    print(report)
+    return run.finish(
+        report,
+        (f"tg{args.gen_tokens} tok/s", tg["mean"], "tok/s"),
+        config["model"],
+        "tokenmill",
+        warmup_excluded=args.warmup,
+    )
+
+
+def _plot(run: Run, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in rows if not r["warmup"]]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    for ax, key, title in zip(axes, ("pp_tokens_per_sec", "tg_tokens_per_sec"), ("prompt processing", "generation")):
+        ax.bar(range(len(measured)), [r[key] for r in measured])
+        ax.set_title(f"{title} (tok/s per trial)")
+        ax.set_xlabel("trial")
+    fig.tight_layout()
+    fig.savefig(run.plot_path("latency_trials.png"), dpi=100)
+    plt.close(fig)
+
+
+def add_latency_parser(sub: Any, engine_args: Any) -> None:
+    p = sub.add_parser("latency", help="single-stream pp/tg tokens/s (llama-bench style)")
+    engine_args(p)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="bench-results")

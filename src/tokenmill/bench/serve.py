@@ -1,0 +1,469 @@
+"""`tokenmill bench serve`: a streaming load generator against any OpenAI-compatible server.
+
+Metrics follow ../shared/docs/BENCHMARKING.md (as `vllm bench serve` defines them), measured at the client on a
+monotonic clock: TTFT (sent -> first text chunk), E2E (sent -> last text chunk), ITL (gaps between text chunks,
+pooled), TPOT ((E2E - TTFT) / (output tokens - 1)), throughputs over the wall duration, goodput (requests meeting
+every SLO / duration). Arrivals are Poisson at `--request-rate` (inf = all at once), optionally capped by
+`--max-concurrency`. Every request has a timeout and the run has a bound; failures become rows, never exceptions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tokenmill.bench.stats import summarize
+from tokenmill.bench.store import Run
+
+INF = math.inf
+# Per-workload defaults (BENCHMARKING.md); explicit flags override them.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "baseline": {"num_prompts": 10, "request_rate": INF, "max_concurrency": 1},
+    "continuous_batching": {"num_prompts": 32, "request_rate": 4.0},
+    "burst": {"num_prompts": 48, "request_rate": INF},
+    "chunked_prefill": {"num_prompts": 48, "request_rate": 6.0, "long_fraction": 0.75},
+    "prefix_caching": {"num_prompts": 48, "request_rate": 8.0, "prefix_len": 1024},
+    "custom": {"num_prompts": 32, "request_rate": INF},
+}
+LONG_FACTOR = 4  # chunked_prefill: a long prompt is LONG_FACTOR x input-len tokens
+CONTEXT_MARGIN = 8  # tokens kept free of the context when scaling prompts (chat templates, BOS)
+SLO_KEYS = ("ttft", "tpot", "e2e")
+_WORD_TEXT = (
+    "time person year way day thing man world life hand part child eye woman place work week case point number "
+    "group problem fact water room mother area money story month lot right study book word business issue side "
+    "kind head house service friend father power hour game line end member law car city community name team "
+    "minute idea kid body information back parent face others level office door health art war history party "
+    "result change morning reason research girl guy moment air teacher force education river stone light"
+)
+WORDS = tuple(_WORD_TEXT.split())
+
+
+@dataclass
+class Plan:
+    workload: str
+    num_prompts: int
+    request_rate: float
+    max_concurrency: int | None
+    input_len: int
+    output_len: int
+    long_fraction: float = 0.0
+    long_len: int = 0
+    prefix_len: int = 0
+
+
+def make_plan(args: argparse.Namespace, workload: str, max_model_len: int | None) -> Plan:
+    """The workload's defaults, overridden by flags given, prompts scaled to fit `max_model_len` when known."""
+    d = WORKLOADS[workload]
+
+    def pick(name: str, default: Any) -> Any:
+        given = getattr(args, name, None)
+        return given if given is not None else d.get(name, default)
+
+    n_in = pick("input_len", 128)
+    plan = Plan(workload, pick("num_prompts", 32), float(pick("request_rate", INF)), pick("max_concurrency", None),
+                n_in, pick("output_len", 128), d.get("long_fraction", 0.0),
+                LONG_FACTOR * n_in if d.get("long_fraction") else 0, pick("prefix_len", 0))  # fmt: skip
+    if max_model_len:
+        room = max(1, max_model_len - plan.output_len - CONTEXT_MARGIN)
+        plan.input_len = min(plan.input_len, room)
+        plan.long_len = min(plan.long_len, room)
+        plan.prefix_len = max(0, min(plan.prefix_len, room - plan.input_len))
+    if not (plan.request_rate > 0 and plan.num_prompts > 0 and plan.input_len > 0 and plan.output_len > 0):
+        raise ValueError(f"request-rate, num-prompts, input-len and output-len must be positive: {plan}")
+    if plan.max_concurrency is not None and plan.max_concurrency < 1:
+        raise ValueError(f"max-concurrency must be >= 1, got {plan.max_concurrency}")
+    return plan
+
+
+def parse_goodput(spec: str | None) -> dict[str, float]:
+    """'ttft:500,tpot:50' -> {'ttft': 500.0, 'tpot': 50.0} (milliseconds)."""
+    slos: dict[str, float] = {}
+    for part in filter(None, (spec or "").split(",")):
+        key, sep, value = part.partition(":")
+        key = key.strip().lower()
+        if not sep or key not in SLO_KEYS:
+            raise ValueError(f"bad --goodput item {part!r}: expected NAME:MS with NAME in {', '.join(SLO_KEYS)}")
+        slos[key] = float(value)
+    return slos
+
+
+class TokenCounter:
+    """Token counts for prompts and outputs: a local HF tokenizer, else the server's /tokenize, else none."""
+
+    def __init__(self, tokenizer_dir: str | None, client: httpx.Client, model: str) -> None:
+        self.client, self.model, self.local = client, model, None
+        self.source, self.can_decode = "words", False
+        if tokenizer_dir:
+            from tokenmill.tokenizer import Tokenizer
+
+            self.local, self.source, self.can_decode = Tokenizer(tokenizer_dir), "tokenizer", True
+            return
+        try:
+            if self._post("/tokenize", {"model": model, "prompt": "hello world", "add_special_tokens": False}):
+                self.source = "server"
+                self.can_decode = self.decode(self.encode("hello world")) is not None
+        except Exception:  # any server: no /tokenize means word-based prompts
+            self.source = "words"
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        r = self.client.post(path, json=body)
+        return r.json() if r.status_code == 200 else None
+
+    def encode(self, text: str) -> list[int]:
+        if self.local is not None:
+            return self.local.encode(text, add_special_tokens=False)
+        out = self._post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False})
+        return list(out["tokens"]) if out else []
+
+    def decode(self, ids: list[int]) -> str | None:
+        if self.local is not None:
+            return self.local.decode(ids)
+        try:
+            out = self._post("/detokenize", {"model": self.model, "tokens": ids})
+        except Exception:
+            return None
+        return str(out["prompt"]) if out and "prompt" in out else None
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, n)))
+
+
+def fit_text(counter: TokenCounter, rng: random.Random, target: int) -> tuple[str, int]:
+    """Deterministic random-word text of exactly `target` tokens where a tokenizer allows (else `target` words)."""
+    text = _words(rng, target)
+    if counter.source == "words":
+        return text, target
+    best: tuple[str, int] = (text, -1)
+    for _ in range(8):
+        ids = counter.encode(text)
+        if abs(len(ids) - target) < abs(best[1] - target):
+            best = (text, len(ids))
+        if len(ids) == target:
+            break
+        if len(ids) > target:
+            cut = counter.decode(ids[:target]) if counter.can_decode else None
+            text = cut if cut is not None else " ".join(text.split()[: max(1, len(text.split()) - (len(ids) - target))])
+        else:
+            text += " " + _words(rng, target - len(ids))
+    return best
+
+
+def build_prompts(plan: Plan, counter: TokenCounter, seed: int) -> list[tuple[str, str, int]]:
+    """[(kind, text, expected prompt tokens)] for the plan, the same for the same seed."""
+    rng = random.Random(f"{seed}-prompts")
+    prefix, prefix_n = fit_text(counter, rng, plan.prefix_len) if plan.prefix_len else ("", 0)
+    long_ids = set(rng.sample(range(plan.num_prompts), round(plan.long_fraction * plan.num_prompts)))
+    prompts = []
+    for i in range(plan.num_prompts):
+        kind, n = ("long", plan.long_len) if i in long_ids else ("short", plan.input_len)
+        text, got = fit_text(counter, rng, n)
+        if prefix:
+            kind, text, got = "prefixed", f"{prefix} {text}", got + prefix_n
+        prompts.append((kind, text, got))
+    return prompts
+
+
+def _body(args: argparse.Namespace, text: str, output_len: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": args.model, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+    if not getattr(args, "no_ignore_eos", False):
+        body["ignore_eos"] = True
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    return body
+
+
+async def send(client: httpx.AsyncClient, args: argparse.Namespace, body: dict[str, Any], row: dict[str, Any],
+               t0: float, timeout: float) -> None:  # fmt: skip
+    """One streamed request; fills `row` (ok/error, timings in ms, tokens). Never raises except on cancel."""
+    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    stamps: list[float] = []
+    pieces: list[str] = []
+    usage: dict[str, Any] | None = None
+    start = time.monotonic()
+    row.update(sent=True, start_s=start - t0)
+    try:
+        async with asyncio.timeout(timeout), client.stream("POST", path, json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    raise RuntimeError(f"in-stream error: {str(obj['error'])[:300]}")
+                usage = obj.get("usage") or usage
+                for choice in obj.get("choices") or []:
+                    piece = (
+                        choice.get("text") if args.endpoint != "chat" else (choice.get("delta") or {}).get("content")
+                    )
+                    if piece:
+                        stamps.append(time.monotonic())
+                        pieces.append(piece)
+        if not stamps:
+            raise RuntimeError("no text was streamed")
+    except TimeoutError:
+        row.update(ok=False, error=f"timed out after {timeout}s", end_s=time.monotonic() - t0)
+        return
+    except Exception as e:
+        row.update(ok=False, error=f"{type(e).__name__}: {e}"[:500], end_s=time.monotonic() - t0)
+        return
+    row.update(ok=True, error=None, end_s=time.monotonic() - t0, chunks=len(stamps), text="".join(pieces),
+               ttft_ms=(stamps[0] - start) * 1e3, e2e_ms=(stamps[-1] - start) * 1e3,
+               itl_ms=[(b - a) * 1e3 for a, b in itertools.pairwise(stamps)])  # fmt: skip
+    if usage and usage.get("completion_tokens") is not None:
+        row.update(output_tokens=int(usage["completion_tokens"]), output_tokens_source="usage")
+        row["prompt_tokens"] = int(usage.get("prompt_tokens") or row["prompt_tokens"])
+
+
+async def drive(args: argparse.Namespace, plan: Plan, prompts: list[tuple[str, str, int]], seed: int,
+                on_done: Callable[[], None] = lambda: None) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
+    """Send every prompt (Poisson arrivals, optional concurrency cap) within the run bound; rows + duration (s)."""
+    rng = random.Random(f"{seed}-arrivals")
+    arrivals, at = [], 0.0
+    for _ in prompts:
+        arrivals.append(at)
+        at += 0.0 if math.isinf(plan.request_rate) else rng.expovariate(plan.request_rate)
+    rows: list[dict[str, Any]] = [
+        {"index": i, "kind": k, "sent": False, "ok": False, "error": None, "prompt_tokens_expected": n,
+         "prompt_tokens": n, "output_tokens": None, "output_tokens_source": None}
+        for i, (k, _, n) in enumerate(prompts)
+    ]  # fmt: skip
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    sem = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(args.timeout)) as client:  # fmt: skip
+
+        async def one(i: int) -> None:
+            body = _body(args, prompts[i][1], plan.output_len)
+            if sem is None:
+                await send(client, args, body, rows[i], t0, args.timeout)
+            else:
+                async with sem:
+                    await send(client, args, body, rows[i], t0, args.timeout)
+            on_done()
+
+        async def dispatch() -> None:
+            tasks = []
+            for i, arrival in enumerate(arrivals):
+                delay = t0 + arrival - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*tasks)
+
+        try:
+            async with asyncio.timeout(args.max_duration):
+                await dispatch()
+        except TimeoutError:
+            pass
+    now = time.monotonic() - t0
+    for row in rows:
+        if row["sent"] and "end_s" not in row:
+            row.update(ok=False, error=f"cancelled: run bound of {args.max_duration}s reached", end_s=now)
+        elif not row["sent"]:
+            row["error"] = f"not sent: run bound of {args.max_duration}s reached"
+    ends = [r["end_s"] for r in rows if r["sent"]]
+    return rows, max(ends, default=now)
+
+
+def summarize_rows(rows: list[dict[str, Any]], duration: float, slos: dict[str, float]) -> dict[str, Any]:
+    sent = [r for r in rows if r["sent"]]
+    ok = [r for r in sent if r["ok"]]
+    dur = max(duration, 1e-9)
+    out_tokens = sum(r["output_tokens"] or 0 for r in ok)
+    in_tokens = sum(r["prompt_tokens"] or 0 for r in ok)
+    summary: dict[str, Any] = {
+        "requests_sent": len(sent), "requests_completed": len(ok), "requests_errors": len(sent) - len(ok),
+        "requests_not_sent": len(rows) - len(sent), "duration_s": duration, "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens, "request_throughput": len(ok) / dur, "output_throughput": out_tokens / dur,
+        "total_token_throughput": (in_tokens + out_tokens) / dur,
+        "ttft_ms": summarize([r["ttft_ms"] for r in ok]), "tpot_ms": summarize([r["tpot_ms"] for r in ok
+                                                                                if r["tpot_ms"] is not None]),
+        "itl_ms": summarize([x for r in ok for x in r["itl_ms"]]), "e2e_ms": summarize([r["e2e_ms"] for r in ok]),
+    }  # fmt: skip
+    if slos:
+        good = [r for r in ok if all(r.get(f"{k}_ms") is None or r[f"{k}_ms"] <= ms for k, ms in slos.items())]
+        summary.update(goodput=len(good) / dur, goodput_fraction=len(good) / max(1, len(sent)),
+                       goodput_slo_ms=slos)  # fmt: skip
+    return summary
+
+
+def _finish_rows(rows: list[dict[str, Any]], counter: TokenCounter) -> None:
+    """Output tokens without a usage chunk (tokenizer count, else chunk count) and TPOT; drop the text."""
+    for r in rows:
+        text = r.pop("text", None)
+        if not r["ok"]:
+            r.setdefault("itl_ms", [])
+            r.update(ttft_ms=None, e2e_ms=None, tpot_ms=None)
+            continue
+        if r["output_tokens"] is None:
+            n = len(counter.encode(text or "")) if counter.source != "words" else 0
+            src = counter.source if n else "chunks"
+            r.update(output_tokens=n or r["chunks"], output_tokens_source=src)
+        n = r["output_tokens"]
+        r["tpot_ms"] = (r["e2e_ms"] - r["ttft_ms"]) / (n - 1) if n > 1 else None
+
+
+def _plot_cdf(path: Path, values: list[float], title: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    if values:
+        xs = sorted(values)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")
+    else:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    ax.set(xlabel="ms", ylabel="fraction of samples", title=title)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def render_report(plan: Plan, args: argparse.Namespace, s: dict[str, Any]) -> str:
+    def f(x: Any) -> str:
+        return f"{x:.2f}" if isinstance(x, float) else str(x)
+
+    lines = [f"# serve benchmark: {plan.workload}", "",
+             f"`{args.server_label}` at {args.url}, model `{args.model}`, endpoint {args.endpoint}; "
+             f"{plan.num_prompts} prompts, rate {plan.request_rate} req/s, max concurrency "
+             f"{plan.max_concurrency or 'unbounded'}, input {plan.input_len} / output {plan.output_len} tokens"
+             + (f", {plan.long_fraction:.0%} long ({plan.long_len})" if plan.long_fraction else "")
+             + (f", shared prefix {plan.prefix_len}" if plan.prefix_len else "") + f", seed {args.seed}.", "",
+             "| figure | value |", "|---|---|"]  # fmt: skip
+    for key in ("requests_sent", "requests_completed", "requests_errors", "requests_not_sent", "duration_s",
+                "request_throughput", "output_throughput", "total_token_throughput", "goodput"):  # fmt: skip
+        if key in s:
+            lines.append(f"| {key} | {f(s[key])} |")
+    lines += ["", "| latency (ms) | mean | std | p50 | p90 | p99 | n |", "|---|---|---|---|---|---|---|"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        m = s[key]
+        lines.append(f"| {key[:-3].upper()} | " + " | ".join(f(m[k]) for k in ("mean", "std", "p50", "p90", "p99", "n"))
+                     + " |")  # fmt: skip
+    lines += ["", "![TTFT CDF](plots/ttft_cdf.png) ![ITL CDF](plots/itl_cdf.png)", ""]
+    return "\n".join(lines)
+
+
+def _model_len(client: httpx.Client, model: str) -> int | None:
+    try:
+        cards = client.get("/v1/models").json().get("data") or []
+        card = next((c for c in cards if c.get("id") == model), cards[0] if cards else {})
+        value = card.get("max_model_len")
+        return int(value) if value else None
+    except Exception:
+        return None
+
+
+def _progress(total: int, label: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(advance, close): a rich bar on a terminal, a line per quarter otherwise."""
+    if sys.stdout.isatty():
+        from rich.progress import Progress
+
+        bar = Progress()
+        task = bar.add_task(label, total=total)
+        bar.start()
+        return (lambda: bar.advance(task)), bar.stop
+    done = [0]
+
+    def advance() -> None:
+        done[0] += 1
+        if done[0] == total or done[0] % max(1, total // 4) == 0:
+            print(f"{label}: {done[0]}/{total} requests finished", flush=True)
+
+    return advance, lambda: None
+
+
+def run_workload(args: argparse.Namespace, workload: str) -> Path:
+    seed = args.seed if args.seed is not None else 0
+    slos = parse_goodput(args.goodput)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(base_url=args.url, headers=headers, timeout=30) as client:
+        max_len = _model_len(client, args.model)
+        counter = TokenCounter(args.tokenizer, client, args.model)
+        plan = make_plan(args, workload, max_len)
+        prompts = build_prompts(plan, counter, seed)
+        warm_plan = Plan(**{**asdict(plan), "num_prompts": args.warmup, "request_rate": INF, "max_concurrency": 1})
+        warm = build_prompts(warm_plan, counter, seed + 10_000) if args.warmup > 0 else []
+        config = {**asdict(plan), "request_rate": "inf" if math.isinf(plan.request_rate) else plan.request_rate,
+                  "url": args.url, "model": args.model, "endpoint": args.endpoint, "seed": seed,
+                  "goodput_slo_ms": slos, "server_label": args.server_label, "server_max_model_len": max_len,
+                  "prefix_len_requested": WORKLOADS[workload].get("prefix_len", 0) if args.prefix_len is None
+                  else args.prefix_len, "long_factor": LONG_FACTOR if plan.long_fraction else None,
+                  "prompt_token_source": counter.source, "ignore_eos": not args.no_ignore_eos,
+                  "request_timeout_s": args.timeout, "max_duration_s": args.max_duration,
+                  "warmup": args.warmup, "warmup_excluded": args.warmup > 0,
+                  "temperature": 0.0}  # fmt: skip
+        run = Run.create(args.output_dir, workload, config)
+        if warm:
+            wrows, _ = asyncio.run(drive(args, warm_plan, warm, seed + 10_000))
+            run.manifest["warmup_errors"] = sum(1 for r in wrows if r["sent"] and not r["ok"])
+        advance, close = _progress(len(prompts), f"serve {workload}")
+        try:
+            rows, duration = asyncio.run(drive(args, plan, prompts, seed, advance))
+        finally:
+            close()
+        _finish_rows(rows, counter)
+    summary = {"workload": workload, **summarize_rows(rows, duration, slos)}
+    run.save_raw(rows)
+    run.save_summary(summary)
+    ok = [r for r in rows if r["ok"]]
+    _plot_cdf(run.plot_path("ttft_cdf.png"), [r["ttft_ms"] for r in ok], f"TTFT CDF ({workload})")
+    _plot_cdf(run.plot_path("itl_cdf.png"), [x for r in ok for x in r["itl_ms"]], f"ITL CDF ({workload})")
+    path = run.finish(render_report(plan, args, summary), headline=("output_throughput", summary["output_throughput"],
+                      "tok/s"), model=args.model, backend=args.server_label)  # fmt: skip
+    print(f"{workload}: {summary['requests_completed']}/{summary['requests_sent']} ok, "
+          f"{summary['output_throughput']:.1f} output tok/s, TTFT p50 {summary['ttft_ms']['p50']:.1f} ms -> {path}",
+          flush=True)  # fmt: skip
+    return path
+
+
+def run_serve(args: argparse.Namespace) -> Path:
+    """Run the chosen workload (or each in turn for `all`); the run folder (the last one for `all`)."""
+    parse_goodput(args.goodput)  # fail fast on a bad spec
+    names = [w for w in WORKLOADS if w != "custom"] if args.workload == "all" else [args.workload]
+    return [run_workload(args, w) for w in names][-1]
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="streaming load generator against an OpenAI-compatible server")
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="model name the server expects in requests")
+    p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="custom")
+    p.add_argument("--request-rate", type=float, default=None, help="req/s, Poisson arrivals; inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 128)")
+    p.add_argument("--output-len", type=int, default=None, help="generated tokens per request (default 128)")
+    p.add_argument("--prefix-len", type=int, default=None, help="shared prefix tokens (prefix_caching: 1024)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", default=None, metavar="ttft:MS,tpot:MS", help="SLOs (any of ttft, tpot, e2e)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="HF tokenizer folder for exact token counts")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent first and excluded from the figures")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--max-duration", type=float, default=3600.0, help="seconds for the whole run")
+    p.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject `ignore_eos`")
+    p.add_argument("--output-dir", default="./bench-results")
+    p.add_argument("--server-label", default="tokenmill", help="backend name in index.csv")

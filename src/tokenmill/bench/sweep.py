@@ -1,0 +1,221 @@
+"""`tokenmill bench sweep --experiment ...`: the experiments that show what each mechanism buys.
+
+- threads:       pp/tg tokens/s for 1..N torch threads (where CPU decode stops scaling)
+- kv_cache:      `--kv-cache none` (recompute, O(N^2)) vs paged (O(N)) over growing output lengths
+- prompt_length: prefill time for growing prompts with the output length held fixed (warmup + trials each)
+- quantization:  each weight mode that exists (today: none)
+- switches:      each engine switch on/off on an offline workload (batching, chunked prefill, prefix caching, kv store)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.latency import measure as measure_latency
+from tokenmill.bench.stats import summarize
+from tokenmill.bench.store import Run
+from tokenmill.bench.throughput import measure as measure_throughput
+
+EXPERIMENTS = ("threads", "kv_cache", "prompt_length", "quantization", "switches")
+QUANT_MODES = ("none",)  # grows with the quantization issue
+SWITCHES: list[tuple[str, dict[str, Any]]] = [
+    ("baseline (defaults)", {}),
+    ("batching=static", {"batching": "static"}),
+    ("no chunked prefill", {"enable_chunked_prefill": False}),
+    ("no prefix caching", {"enable_prefix_caching": False}),
+    ("kv_cache=contiguous", {"kv_cache": "contiguous"}),
+]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _threads(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+
+    from tokenmill import LLM
+
+    llm = LLM(args.model, **{**kw, "enable_prefix_caching": False})
+    rows = []
+    for n in range(1, (os.cpu_count() or 1) + 1):
+        torch.set_num_threads(n)
+        trials = [
+            r
+            for r in measure_latency(llm, args.prompt_tokens, args.gen_tokens, args.trials, 1, args.seed)
+            if not r["warmup"]
+        ]
+        rows.append(
+            {
+                "threads": n,
+                "pp_tokens_per_sec": summarize([r["pp_tokens_per_sec"] for r in trials])["mean"],
+                "tg_tokens_per_sec": summarize([r["tg_tokens_per_sec"] for r in trials])["mean"],
+            }
+        )
+    return rows
+
+
+def _kv_cache(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str, Any]]:
+    from tokenmill import LLM, SamplingParams
+
+    rows = []
+    for mode in ("none", "paged"):
+        llm = LLM(args.model, **{**kw, "kv_cache": mode, "enable_prefix_caching": False})
+        prompt = [random.Random(args.seed).randrange(llm.loaded.config.vocab_size) for _ in range(args.prompt_tokens)]
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        for n in _ints(args.gen_lengths):
+            start = time.perf_counter()
+            out = llm.generate(
+                [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            )
+            elapsed = time.perf_counter() - start
+            m = out[0].metrics
+            assert m is not None
+            rows.append(
+                {
+                    "kv_cache": mode,
+                    "gen_tokens": n,
+                    "total_s": elapsed,
+                    "tg_tokens_per_sec": m.decode_tokens_per_sec or 0.0,
+                }
+            )
+    return rows
+
+
+def _prompt_length(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str, Any]]:
+    from tokenmill import LLM
+
+    llm = LLM(args.model, **{**kw, "enable_prefix_caching": False})
+    rows = []
+    for p in _ints(args.prompt_lengths):
+        trials = [r for r in measure_latency(llm, p, args.gen_tokens, args.trials, 1, args.seed) if not r["warmup"]]
+        prefill = summarize([r["prefill_ms"] for r in trials])
+        rows.append(
+            {
+                "prompt_tokens": p,
+                "gen_tokens": args.gen_tokens,
+                "prefill_ms_mean": prefill["mean"],
+                "prefill_ms_std": prefill["std"],
+                "tg_tokens_per_sec": summarize([r["tg_tokens_per_sec"] for r in trials])["mean"],
+                "trials": len(trials),
+            }
+        )
+    return rows
+
+
+def _quantization(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str, Any]]:
+    from tokenmill import LLM
+
+    rows = []
+    for mode in QUANT_MODES:
+        llm = LLM(args.model, **kw)
+        trials = [
+            r
+            for r in measure_latency(llm, args.prompt_tokens, args.gen_tokens, args.trials, 1, args.seed)
+            if not r["warmup"]
+        ]
+        rows.append(
+            {
+                "quantization": mode,
+                "tg_tokens_per_sec": summarize([r["tg_tokens_per_sec"] for r in trials])["mean"],
+                "pp_tokens_per_sec": summarize([r["pp_tokens_per_sec"] for r in trials])["mean"],
+            }
+        )
+    return rows
+
+
+def _switches(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str, Any]]:
+    from tokenmill import LLM
+
+    rows = []
+    for label, change in SWITCHES:
+        llm = LLM(args.model, **{**kw, **change})
+        r = measure_throughput(llm, args.num_prompts, args.prompt_tokens, args.gen_tokens, args.seed)
+        rows.append(
+            {
+                "config": label,
+                "output_tokens_per_sec": r["output_tokens_per_sec"],
+                "ttft_ms_p50": r["ttft_ms"]["p50"],
+                "mean_batch_size": r["mean_batch_size"],
+            }
+        )
+    return rows
+
+
+RUNNERS = {
+    "threads": _threads,
+    "kv_cache": _kv_cache,
+    "prompt_length": _prompt_length,
+    "quantization": _quantization,
+    "switches": _switches,
+}
+PLOTS = {
+    "threads": ("threads", ["pp_tokens_per_sec", "tg_tokens_per_sec"]),
+    "kv_cache": ("gen_tokens", ["total_s"]),
+    "prompt_length": ("prompt_tokens", ["prefill_ms_mean"]),
+    "quantization": ("quantization", ["tg_tokens_per_sec"]),
+    "switches": ("config", ["output_tokens_per_sec"]),
+}
+
+
+def run_sweep(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path:
+    config = {k: v for k, v in vars(args).items() if k not in ("func",)} | {"engine": engine_kwargs}
+    run = Run.create(args.output_dir, f"sweep_{args.experiment}", config)
+    rows = RUNNERS[args.experiment](args, engine_kwargs)
+    run.save_raw(rows)
+    run.save_summary(rows)
+    _plot(run, args.experiment, rows)
+    header = list(rows[0])
+    lines = [f"# sweep: {args.experiment}\n", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    lines += [
+        "| " + " | ".join(f"{r[h]:.2f}" if isinstance(r[h], float) else str(r[h]) for h in header) + " |" for r in rows
+    ]
+    report = "\n".join([*lines, "", f"Command: `{run.manifest['command']}`", ""])
+    print(report)
+    key = PLOTS[args.experiment][1][0]
+    return run.finish(report, (key, float(rows[-1][key]), ""), str(args.model or "demo"), "tokenmill")
+
+
+def _plot(run: Run, experiment: str, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x_key, y_keys = PLOTS[experiment]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    groups = sorted({r.get("kv_cache", "") for r in rows})
+    for y in y_keys:
+        for g in groups:
+            sel = [r for r in rows if r.get("kv_cache", "") == g]
+            label = f"{y} {g}".strip()
+            if isinstance(sel[0][x_key], str):
+                ax.bar([r[x_key] for r in sel], [r[y] for r in sel], label=label)
+                ax.tick_params(axis="x", labelrotation=20)
+            else:
+                ax.plot([r[x_key] for r in sel], [r[y] for r in sel], marker="o", label=label)
+    ax.set_xlabel(x_key)
+    ax.set_title(f"sweep: {experiment}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(run.plot_path(f"sweep_{experiment}.png"), dpi=100)
+    plt.close(fig)
+
+
+def add_sweep_parser(sub: Any, engine_args: Any) -> None:
+    p = sub.add_parser("sweep", help="experiments: threads, kv_cache, prompt_length, quantization, switches")
+    engine_args(p)
+    p.add_argument("--experiment", choices=EXPERIMENTS, required=True)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--gen-tokens", type=int, default=32)
+    p.add_argument("--gen-lengths", default="16,32,64,128", help="kv_cache: output lengths")
+    p.add_argument("--prompt-lengths", default="32,128,512,1024", help="prompt_length: prompt lengths")
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--num-prompts", type=int, default=16, help="switches: prompts per workload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="bench-results")

@@ -1,0 +1,132 @@
+"""Smoke tests for `tokenmill bench serve` against a real tokenmill server on 127.0.0.1 (tiny model, tiny sizes).
+
+No timing thresholds: only the folder layout, the counts, and that every figure is finite and positive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.server.helpers import Server, running
+from tokenmill.bench.serve import add_serve_parser, make_plan, parse_goodput, run_serve
+
+INPUT_LEN, OUTPUT_LEN = 16, 8
+
+
+@pytest.fixture(scope="module")
+def server(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    checkpoint = make_checkpoint("qwen2", initializer_range=0.1)
+    with running(checkpoint, tmp_path_factory.mktemp("bench-server"), "--max-model-len", "512") as s:
+        yield s
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def bench(server: Server, out: Path, *argv: str) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
+    sizes = ("--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--timeout", "60", "--max-duration", "120")
+    args = parse("--url", server.url, "--model", server.model, "--output-dir", str(out), *sizes, *argv)
+    run = run_serve(args)
+    summary = json.loads((run / "summary" / "summary.json").read_text())
+    rows = json.loads((run / "raw" / "trials.json").read_text())
+    return run, summary, rows
+
+
+def check_layout(run: Path, workload: str) -> dict[str, Any]:
+    for rel in ("manifest.json", "raw/trials.json", "raw/trials.csv", "summary/summary.json", "summary/summary.csv",
+                "plots/ttft_cdf.png", "plots/itl_cdf.png", "report.md"):  # fmt: skip
+        assert (run / rel).is_file(), rel
+    assert run.name.startswith(f"{workload}_")
+    index = list(csv.DictReader((run.parent / "index.csv").open()))
+    assert [r["id"] for r in index] == [run.name]
+    assert index[0]["workload"] == workload and index[0]["backend"] == "tokenmill"
+    assert index[0]["unit"] == "tok/s" and float(index[0]["value"]) > 0
+    assert "| TTFT |" in (run / "report.md").read_text()
+    return dict(json.loads((run / "manifest.json").read_text()))
+
+
+def check_figures(summary: dict[str, Any], n: int) -> None:
+    assert summary["requests_sent"] == n == summary["requests_completed"] + summary["requests_errors"]
+    assert summary["requests_errors"] == 0 and summary["requests_not_sent"] == 0
+    for key in ("duration_s", "request_throughput", "output_throughput", "total_token_throughput"):
+        assert math.isfinite(summary[key]) and summary[key] > 0, key
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = summary[key]
+        assert stats["n"] > 0, key
+        for name in ("mean", "p50", "p90", "p99"):
+            assert math.isfinite(stats[name]) and stats[name] > 0, (key, name)
+        assert math.isfinite(stats["std"]) and stats["std"] >= 0
+    assert summary["total_output_tokens"] == n * OUTPUT_LEN
+
+
+def test_custom_workload_with_local_tokenizer(server: Server, tokenizer_dir: Path, tmp_path: Path) -> None:
+    run, summary, rows = bench(server, tmp_path, "--num-prompts", "6", "--request-rate", "20", "--warmup", "1",
+                               "--tokenizer", str(tokenizer_dir), "--goodput", "ttft:60000,tpot:60000")  # fmt: skip
+    manifest = check_layout(run, "custom")
+    config = manifest["config"]
+    assert config["num_prompts"] == 6 and config["request_rate"] == 20 and config["warmup"] == 1
+    assert config["warmup_excluded"] is True and config["prompt_token_source"] == "tokenizer"
+    assert config["goodput_slo_ms"] == {"ttft": 60000, "tpot": 60000} and config["model"] == server.model
+    check_figures(summary, 6)
+    assert summary["goodput"] > 0 and summary["goodput_fraction"] == 1.0
+    assert len(rows) == 6
+    for row in rows:
+        assert row["ok"] and row["error"] is None
+        assert row["output_tokens"] == OUTPUT_LEN and row["output_tokens_source"] == "usage"
+        assert row["prompt_tokens"] == INPUT_LEN  # prompts fitted to exactly input-len tokens
+        assert len(row["itl_ms"]) == row["chunks"] - 1
+    with (run / "raw" / "trials.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 6
+
+
+def test_prefix_caching_scaled_down_uses_server_tokenizer(server: Server, tmp_path: Path) -> None:
+    run, summary, rows = bench(server, tmp_path, "--workload", "prefix_caching", "--num-prompts", "5",
+                               "--request-rate", "inf", "--max-concurrency", "2", "--prefix-len", "48")  # fmt: skip
+    config = check_layout(run, "prefix_caching")["config"]
+    assert config["prefix_len"] == 48 and config["prompt_token_source"] == "server"
+    assert config["max_concurrency"] == 2 and config["warmup"] == 0 and config["warmup_excluded"] is False
+    check_figures(summary, 5)
+    assert all(r["kind"] == "prefixed" and r["output_tokens"] == OUTPUT_LEN for r in rows)
+    assert all(abs(r["prompt_tokens"] - (48 + INPUT_LEN)) <= 2 for r in rows)
+
+
+def test_errors_are_recorded_not_raised(server: Server, tmp_path: Path) -> None:
+    args = parse("--url", server.url, "--model", "no-such-model", "--output-dir", str(tmp_path), "--num-prompts", "3",
+                 "--input-len", "4", "--output-len", "2", "--timeout", "30")  # fmt: skip
+    summary = json.loads((run_serve(args) / "summary" / "summary.json").read_text())
+    assert summary["requests_sent"] == 3 == summary["requests_errors"] and summary["requests_completed"] == 0
+    # The run bound: arrivals at 0 s, 1.69 s, 1.79 s (seed 0, 1 req/s) and a 0.5 s bound -> two are never sent.
+    args = parse("--url", server.url, "--model", server.model, "--output-dir", str(tmp_path), "--num-prompts", "3",
+                 "--request-rate", "1", "--input-len", "4", "--output-len", "2", "--max-duration", "0.5")  # fmt: skip
+    summary = json.loads((run_serve(args) / "summary" / "summary.json").read_text())
+    assert summary["requests_not_sent"] == 2 and summary["requests_sent"] == 1
+    assert summary["requests_sent"] == summary["requests_completed"] + summary["requests_errors"]
+
+
+def test_workload_defaults_overrides_and_scaling() -> None:
+    base = parse("--url", "http://x", "--model", "m")
+    plan = make_plan(base, "baseline", None)
+    assert (plan.num_prompts, plan.max_concurrency, plan.request_rate) == (10, 1, math.inf)
+    plan = make_plan(base, "prefix_caching", None)
+    assert (plan.num_prompts, plan.request_rate, plan.prefix_len) == (48, 8.0, 1024)
+    plan = make_plan(base, "prefix_caching", 512)  # scaled to the context: 512 - 128 out - 8 margin - 128 in
+    assert plan.prefix_len == 512 - 128 - 8 - 128
+    plan = make_plan(base, "chunked_prefill", 4096)
+    assert (plan.num_prompts, plan.request_rate, plan.long_fraction, plan.long_len) == (48, 6.0, 0.75, 512)
+    over = parse("--url", "http://x", "--model", "m", "--num-prompts", "3", "--request-rate", "2", "--input-len", "7")
+    plan = make_plan(over, "burst", None)
+    assert (plan.num_prompts, plan.request_rate, plan.input_len) == (3, 2.0, 7)
+    assert parse_goodput("ttft:500,tpot:50,e2e:9000") == {"ttft": 500.0, "tpot": 50.0, "e2e": 9000.0}
+    with pytest.raises(ValueError, match="goodput"):
+        parse_goodput("itl:5")

@@ -1,0 +1,160 @@
+"""A smoke run per `tokenmill bench` subcommand on a tiny model: the folder layout, counts that add up,
+and every figure finite and positive. No timing thresholds."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def model(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("llama", initializer_range=0.1)
+
+
+def bench(*args: str) -> Path:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenmill", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return Path(proc.stderr.strip().splitlines()[-1].removeprefix("results: "))
+
+
+def assert_run_folder(run: Path) -> dict[str, Any]:
+    for rel in (
+        "manifest.json",
+        "raw/trials.json",
+        "raw/trials.csv",
+        "summary/summary.json",
+        "summary/summary.csv",
+        "report.md",
+    ):
+        assert (run / rel).is_file(), rel
+    assert list((run / "plots").glob("*.png"))
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["command"] and manifest["machine"]["cpu_cores"] >= 1 and manifest["headline"]["value"] > 0
+    index = list(csv.DictReader((run.parent / "index.csv").open()))
+    assert any(row["id"] == run.name for row in index)
+    return manifest
+
+
+def assert_positive(values: dict[str, Any], *keys: str) -> None:
+    for k in keys:
+        v = values[k]
+        assert isinstance(v, int | float) and math.isfinite(v) and v > 0, (k, v)
+
+
+def test_latency(model: Path, tmp_path: Path) -> None:
+    run = bench(
+        "latency",
+        str(model),
+        "--prompt-tokens",
+        "16",
+        "--gen-tokens",
+        "4",
+        "--repeat",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+    )
+    manifest = assert_run_folder(run)
+    assert manifest["warmup_excluded"] == 1
+    rows = json.loads((run / "raw/trials.json").read_text())
+    assert len(rows) == 3 and sum(r["warmup"] for r in rows) == 1
+    s = json.loads((run / "summary/summary.json").read_text())
+    assert_positive(s["pp16_tokens_per_sec"], "mean")
+    assert_positive(s["tg4_tokens_per_sec"], "mean")
+    assert_positive(s, "achieved_gb_per_sec", "peak_rss_mb", "weight_bytes")
+
+
+def test_throughput(model: Path, tmp_path: Path) -> None:
+    run = bench(
+        "throughput",
+        str(model),
+        "--num-prompts",
+        "5",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--output-dir",
+        str(tmp_path),
+    )
+    assert_run_folder(run)
+    rows = json.loads((run / "raw/trials.json").read_text())
+    assert len(rows) == 5 and all(r["output_tokens"] == 4 for r in rows)
+    s = json.loads((run / "summary/summary.json").read_text())
+    assert_positive(s, "output_tokens_per_sec", "total_tokens_per_sec", "requests_per_sec", "duration_s")
+
+
+@pytest.mark.parametrize("experiment", ["kv_cache", "prompt_length", "switches"])
+def test_sweep(model: Path, tmp_path: Path, experiment: str) -> None:
+    run = bench(
+        "sweep",
+        str(model),
+        "--experiment",
+        experiment,
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--gen-lengths",
+        "4,8",
+        "--prompt-lengths",
+        "8,16",
+        "--trials",
+        "2",
+        "--num-prompts",
+        "3",
+        "--output-dir",
+        str(tmp_path),
+    )
+    assert_run_folder(run)
+    rows = json.loads((run / "summary/summary.json").read_text())
+    expected = {"kv_cache": 4, "prompt_length": 2, "switches": 5}[experiment]
+    assert len(rows) == expected
+    for row in rows:
+        assert_positive(row, *[k for k, v in row.items() if isinstance(v, float)])
+
+
+def test_compare_and_report(model: Path, tmp_path: Path) -> None:
+    run = bench(
+        "compare",
+        str(model),
+        "--backends",
+        "tokenmill,transformers,llama.cpp",
+        "--num-prompts",
+        "2",
+        "--prompt-tokens",
+        "8",
+        "--max-tokens",
+        "6",
+        "--dtype",
+        "float32",
+        "--output-dir",
+        str(tmp_path),
+    )
+    assert_run_folder(run)
+    rows = {r["backend"]: r for r in json.loads((run / "summary/summary.json").read_text())}
+    assert set(rows) == {"tokenmill", "transformers", "llama.cpp"}
+    for backend in ("tokenmill", "transformers"):
+        r = rows[backend]
+        assert r["status"] == "ok" and r["completion_tokens"] == 12
+        assert_positive(r, "load_time_s", "generate_time_s", "tokens_per_second", "ttft_ms", "peak_memory_mib")
+    assert rows["transformers"]["greedy_agreement_with_tokenmill"] == 1.0  # same weights, same greedy tokens
+    assert rows["llama.cpp"]["status"] in ("ok", "not installed", "unavailable", "error")  # reported, never a crash
+    report = bench("report", str(run), str(run), "--out", str(tmp_path / "rep"))
+    assert report.name == "report.md" and (tmp_path / "rep" / "headlines.png").is_file()
