@@ -264,3 +264,17 @@ def test_disconnect_aborts_and_frees_kv(http: httpx.Client) -> None:
     generated = _value(_metrics(http), "tokenmill:generation_tokens_total") - generated_before
     assert generated < max_tokens, "the request ran to completion instead of being aborted"
     assert http.get("/health").status_code == 200
+
+
+def test_non_streaming_disconnect_aborts_too(server: Server, http: httpx.Client) -> None:
+    before = _stats(http)
+    baseline = before["kv_blocks_used"]
+    body = _body(max_tokens=480, ignore_eos=True)
+    with httpx.Client(base_url=server.url, timeout=0.3) as impatient, pytest.raises(httpx.ReadTimeout):
+        impatient.post("/v1/completions", json=body)  # gives up quickly and closes the connection
+    deadline = time.monotonic() + 10
+    while (stats := _stats(http))["running"] != 0 or stats["kv_blocks_used"] != baseline:
+        assert time.monotonic() < deadline, f"request not aborted 10 s after the disconnect: {stats}"
+        time.sleep(0.05)  # bounded polling
+    assert stats["aborted_requests"] == before["aborted_requests"] + 1
+    assert stats["completed_requests"] == before["completed_requests"]

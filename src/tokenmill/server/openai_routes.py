@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from tokenmill.outputs import Logprobs, RequestOutput
@@ -123,12 +124,25 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def run_to_end(call: _Call) -> dict[int, RequestOutput]:
+    async def run_to_end(call: _Call, raw: Request) -> dict[int, RequestOutput]:
+        """Collect the final outputs; if the client goes away first, abort everything (within one step)."""
         finals: dict[int, RequestOutput] = {}
-        async for i, out in merged(call):
-            if out.finished:
-                finals[i] = out
-                observe(out)
+
+        async def collect() -> None:
+            async for i, out in merged(call):
+                if out.finished:
+                    finals[i] = out
+                    observe(out)
+
+        task = asyncio.create_task(collect())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()  # merged() closes the streams, which aborts the requests
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise APIError(499, "client disconnected")
+        task.result()
         return finals
 
     def stream_response(call: _Call, chunk: Any, include_usage: bool) -> StreamingResponse:
@@ -170,7 +184,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     # -- /v1/completions --------------------------------------------------------------------------------------
     @app.post("/v1/completions", dependencies=[Depends(authorize)], response_model=None)
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
         engine = state.ready_engine()
         tok = engine.tokenizer
         assert tok is not None
@@ -197,7 +211,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
             return stream_response(call, chunk, include)
-        finals = await run_to_end(call)
+        finals = await run_to_end(call, raw)
         choices = []
         for i in range(len(prompts)):
             out = finals[i]
@@ -217,7 +231,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     # -- /v1/chat/completions ---------------------------------------------------------------------------------
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], response_model=None)
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         engine = state.ready_engine()
         tok = engine.tokenizer
         assert tok is not None
@@ -252,7 +266,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
             return stream_response(call, chunk, include)
-        finals = await run_to_end(call)
+        finals = await run_to_end(call, raw)
         choices = []
         for c in finals[0].outputs:
             lp = _chat_logprobs(tok, c.token_ids, c.logprobs, top) if body.logprobs and c.logprobs else None
