@@ -1,0 +1,305 @@
+"""Hugging Face checkpoint -> GGUF, so the llama.cpp peer runs the very same weights as tokenmill.
+
+Supports our families: LlamaForCausalLM / MistralForCausalLM (GGUF arch `llama`, incl. llama3 and linear RoPE
+scaling), Qwen2ForCausalLM (`qwen2`) and Qwen3ForCausalLM (`qwen3`). Written with the `gguf` library after
+studying llama.cpp's `convert_hf_to_gguf.py`; what llama.cpp expects and we reproduce:
+
+- tensor names `token_embd`, `blk.N.attn_q`, ... (`gguf.TENSOR_NAMES`); 1-D tensors (norms, biases) stay F32;
+  tied embeddings write no `output` tensor (llama.cpp then reuses `token_embd`).
+- the `llama` arch computes RoPE on interleaved pairs (GPT-J style) where HF rotates the two halves of each head
+  (NeoX style), so Q and K rows are permuted per head; the `qwen2`/`qwen3` archs use NeoX RoPE: no permutation.
+- tokenizer (the one AutoTokenizer loads): byte-level BPE -> `tokenizer.ggml.model = "gpt2"` with tokens, token
+  types and merges, and `tokenizer.ggml.pre` chosen from the pre-tokenizer's split regex so llama.cpp splits text
+  as HF does; SentencePiece-style BPE with byte fallback (Llama 2) -> `"llama"` with scores from the merge ranks.
+
+Not carried over: sliding-window attention (Mistral v0.1's 4096 window; llama.cpp's `llama` arch attends to the
+whole context, so outputs differ past the window: a warning says so).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+GGUF_DTYPES = ("bf16", "f16", "f32", "q8_0")
+# GPT-2's own split (also what `ByteLevel(use_regex=True)` applies), and Llama 3's and Qwen2's (from tokenizer.json)
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")  # single digits
+_SPLIT_REGEX_TO_PRE = {_GPT2_REGEX: "gpt-2", _LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
+_ARCHS = {
+    "LlamaForCausalLM": "LLAMA",
+    "MistralForCausalLM": "LLAMA",
+    "Qwen2ForCausalLM": "QWEN2",
+    "Qwen3ForCausalLM": "QWEN3",
+}
+_GLOBAL_TENSORS = {"model.embed_tokens": "TOKEN_EMBD", "model.norm": "OUTPUT_NORM", "lm_head": "OUTPUT"}
+_BLOCK_TENSORS = {
+    "input_layernorm": "ATTN_NORM",
+    "self_attn.q_proj": "ATTN_Q",
+    "self_attn.k_proj": "ATTN_K",
+    "self_attn.v_proj": "ATTN_V",
+    "self_attn.o_proj": "ATTN_OUT",
+    "self_attn.q_norm": "ATTN_Q_NORM",
+    "self_attn.k_norm": "ATTN_K_NORM",
+    "post_attention_layernorm": "FFN_NORM",
+    "mlp.gate_proj": "FFN_GATE",
+    "mlp.up_proj": "FFN_UP",
+    "mlp.down_proj": "FFN_DOWN",
+}
+
+
+def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16") -> Path:
+    """Convert the HF checkpoint folder `hf_dir` to the GGUF file `out_path` with weights in `dtype`."""
+    import gguf
+
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"GGUF dtype {dtype!r} is not supported; allowed: {', '.join(GGUF_DTYPES)}")
+    if not (hf_dir / "config.json").is_file():
+        raise ValueError(f"{hf_dir} is not a Hugging Face checkpoint folder (no config.json)")
+    config: dict[str, Any] = json.loads((hf_dir / "config.json").read_text())
+    hf_arch = (config.get("architectures") or ["?"])[0]
+    if hf_arch not in _ARCHS:
+        raise ValueError(f"cannot export architecture {hf_arch!r} to GGUF; supported: {', '.join(_ARCHS)}")
+    arch = gguf.MODEL_ARCH[_ARCHS[hf_arch]]
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
+    try:
+        writer.add_name(hf_dir.name)
+        file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}[dtype]
+        writer.add_file_type(gguf.LlamaFileType[file_type])
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        rope_factors = _write_hparams(writer, config)
+        _write_vocab(writer, hf_dir, config)
+        for key, bid, suffix, data in _hf_tensors(hf_dir, config, permute_qk=arch == gguf.MODEL_ARCH.LLAMA):
+            if gguf.MODEL_TENSOR[key] not in gguf.MODEL_TENSORS[arch]:
+                raise ValueError(f"{hf_arch} checkpoint has a {key} tensor, which GGUF arch {arch.name} lacks")
+            name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[key]].format(bid=bid) + f".{suffix}"
+            _add_tensor(writer, name, data, dtype)
+        if rope_factors is not None:
+            writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_factors)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    except BaseException:
+        writer.close()
+        out_path.unlink(missing_ok=True)
+        raise
+    writer.close()
+    return out_path
+
+
+def _write_hparams(writer: Any, config: dict[str, Any]) -> npt.NDArray[np.float32] | None:
+    """Model hyperparameters; returns llama3's per-frequency RoPE factors (a `rope_freqs` tensor) if needed."""
+    import gguf
+
+    n_head = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or n_head)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    writer.add_vocab_size(config["vocab_size"])
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and window < config["max_position_embeddings"]:
+        warnings.warn(f"sliding_window={window} is not exported: llama.cpp attends to the whole context", stacklevel=3)
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported by the GGUF export (silu only)")
+    # transformers >= 5 keeps theta and scaling in `rope_parameters`, 4.x in `rope_theta` / `rope_scaling`
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(theta)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif rope_type == "llama3":
+        return _llama3_rope_factors(rope, theta, head_dim)
+    elif rope_type != "default":
+        raise ValueError(f"RoPE type {rope_type!r} is not supported by the GGUF export (default, linear, llama3)")
+    return None
+
+
+def _llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> npt.NDArray[np.float32]:
+    """Divisors of each inverse frequency, as transformers' llama3 RoPE applies them (llama.cpp: `rope_freqs`)."""
+    factor, low, high = float(rope["factor"]), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_ctx = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old_ctx / high:
+            factors.append(1.0)
+        elif wavelen > old_ctx / low:
+            factors.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def _hf_tensors(hf_dir: Path, config: dict[str, Any], permute_qk: bool) -> Iterator[tuple[str, int | None, str, Any]]:
+    """(MODEL_TENSOR key, block id, weight|bias, torch tensor) per weight; Q/K permuted for the `llama` arch."""
+    from safetensors import safe_open
+
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({hf_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(hf_dir.glob("model*.safetensors"))
+    if not files:
+        raise ValueError(f"{hf_dir} holds no model*.safetensors weights")
+    n_head = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_head
+    tied = config.get("tie_word_embeddings", False)
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
+                    continue
+                stem, _, suffix = hf_name.rpartition(".")
+                parts = stem.split(".")
+                if stem in _GLOBAL_TENSORS:
+                    key, bid = _GLOBAL_TENSORS[stem], None
+                elif stem.startswith("model.layers.") and ".".join(parts[3:]) in _BLOCK_TENSORS:
+                    key, bid = _BLOCK_TENSORS[".".join(parts[3:])], int(parts[2])
+                else:
+                    raise ValueError(f"unexpected tensor {hf_name!r} in {file.name}")
+                data = f.get_tensor(hf_name)
+                if permute_qk and key in ("ATTN_Q", "ATTN_K"):
+                    data = _permute(data, n_head if key == "ATTN_Q" else n_kv)
+                yield key, bid, suffix, data
+
+
+def _permute(w: Any, n_head: int) -> Any:
+    """Per head, reorder rows [x0..x(d/2-1), y0..y(d/2-1)] (HF halves) into [x0, y0, x1, y1, ...] (pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add_tensor(writer: Any, name: str, data: Any, dtype: str) -> None:
+    import gguf
+    import torch
+
+    if data.ndim <= 1 or dtype == "f32":
+        writer.add_tensor(name, data.to(torch.float32).numpy())
+    elif dtype == "bf16":
+        bits = data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        writer.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    elif dtype == "q8_0" and data.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0] == 0:
+        q = gguf.quants.quantize(data.to(torch.float32).numpy(), gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:  # f16, and Q8_0's fallback for rows that are not whole blocks (as convert_hf_to_gguf.py does)
+        writer.add_tensor(name, data.to(torch.float16).numpy())
+
+
+def _write_vocab(writer: Any, hf_dir: Path, config: dict[str, Any]) -> None:
+    """Tokens, types, merges or scores, special ids, as the tokenizer transformers loads (AutoTokenizer) has them.
+
+    The effective tokenizer can differ from tokenizer.json: transformers 5 gives `model_type: qwen2` checkpoints
+    Qwen2's split regex and NFC whatever tokenizer.json says, and tokenmill tokenizes through AutoTokenizer too.
+    """
+    import gguf
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    except Exception as e:
+        raise ValueError(f"cannot load the tokenizer of {hf_dir}: {e}") from e
+    if not getattr(tok, "is_fast", False):
+        raise ValueError(f"{hf_dir} has no fast (tokenizers) tokenizer, which the GGUF export reads")
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"tokenizer model {model.get('type')!r} is not supported by the GGUF export (BPE only)")
+    n_vocab = config["vocab_size"]
+    vocab: dict[str, int] = tok.get_vocab()
+    if max(vocab.values()) >= n_vocab:
+        raise ValueError(f"the tokenizer has ids up to {max(vocab.values())} but vocab_size is {n_vocab}")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    added = {t["id"] for t in spec.get("added_tokens", [])}
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [gguf.TokenType.UNUSED] * n_vocab
+    normal = gguf.TokenType.NORMAL
+    for text, i in vocab.items():
+        tokens[i] = text
+        types[i] = gguf.TokenType.CONTROL if i in special else gguf.TokenType.USER_DEFINED if i in added else normal
+    if model.get("byte_fallback"):  # SentencePiece-style BPE (Llama 2): llama.cpp's SPM tokenizer merges by score
+        pre = spec.get("pre_tokenizer") or {}
+        if pre.get("type") != "Metaspace":
+            raise ValueError("unsupported SentencePiece-style tokenizer (expected a Metaspace pre-tokenizer)")
+        for i, text in enumerate(tokens):
+            if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                types[i] = gguf.TokenType.BYTE
+        if tok.unk_token_id is not None:
+            types[tok.unk_token_id] = gguf.TokenType.UNKNOWN
+        # a merge's result scores -rank (earlier merges win, as in HF); unmergeable multi-char tokens never win
+        rank = {m.replace(" ", ""): r for r, m in reversed(list(enumerate(merges)))}
+        scores = [0.0 if types[i] != normal or len(t) == 1 else -float(rank.get(t, 1e9)) for i, t in enumerate(tokens)]
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_scores(scores)
+        writer.add_add_space_prefix(pre.get("prepend_scheme", "always") != "never")
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(_bpe_pre_tokenizer(spec))
+        writer.add_token_merges(merges)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    _write_special_tokens(writer, config, tok)
+
+
+def _bpe_pre_tokenizer(spec: dict[str, Any]) -> str:
+    """llama.cpp's name for the byte-level BPE pre-tokenizer in tokenizer.json (how text is split before BPE)."""
+    pre, norm = spec.get("pre_tokenizer") or {}, spec.get("normalizer")
+    if norm is not None and norm.get("type") != "NFC":
+        raise ValueError(f"tokenizer normalizer {norm.get('type')!r} is not supported by the GGUF export")
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    regex = None
+    for step in steps:
+        if step.get("type") == "ByteLevel":
+            if step.get("add_prefix_space"):
+                raise ValueError("ByteLevel add_prefix_space=True has no llama.cpp equivalent")
+            regex = _GPT2_REGEX if step.get("use_regex", True) and regex is None else regex
+        elif step.get("type") == "Split" and regex is None and not step.get("invert"):
+            regex = step.get("pattern", {}).get("Regex")
+        else:
+            raise ValueError(f"pre-tokenizer step {step.get('type')!r} is not supported by the GGUF export")
+    if regex not in _SPLIT_REGEX_TO_PRE:
+        raise ValueError(
+            f"byte-level BPE split regex {regex!r} matches none that llama.cpp knows here "
+            f"({', '.join(sorted(set(_SPLIT_REGEX_TO_PRE.values())))})"
+        )
+    return _SPLIT_REGEX_TO_PRE[regex]
+
+
+def _write_special_tokens(writer: Any, config: dict[str, Any], tok: Any) -> None:
+    """bos/eos/pad/unk ids (config.json's first, as generation uses them), whether HF adds BOS/EOS, chat template."""
+    for kind, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                      ("pad", writer.add_pad_token_id), ("unk", writer.add_unk_token_id)):  # fmt: skip
+        tid = config.get(f"{kind}_token_id")
+        tid = tid[0] if isinstance(tid, list) and tid else tid
+        tid = tid if isinstance(tid, int) else getattr(tok, f"{kind}_token_id", None)
+        if isinstance(tid, int):
+            add(tid)
+    plain, full = tok("a", add_special_tokens=False)["input_ids"], tok("a", add_special_tokens=True)["input_ids"]
+    writer.add_add_bos_token(len(full) > len(plain) and full[0] != plain[0])
+    writer.add_add_eos_token(len(full) > len(plain) and full[-1] != plain[-1])
+    if isinstance(tok.chat_template, str):
+        writer.add_chat_template(tok.chat_template)

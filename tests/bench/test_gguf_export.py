@@ -1,0 +1,220 @@
+"""HF -> GGUF export: the file's metadata and tensors, and (with llama-cpp-python) llama.cpp's greedy tokens and
+tokenization equal transformers' on the same weights: proof that names, Q/K permutation and RoPE are right."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from tokenmill.bench.gguf_export import export_gguf  # noqa: E402
+from tokenmill.bench.llamacpp_backend import BackendUnavailable, run_llamacpp  # noqa: E402
+
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)  # fmt: skip
+# name -> (make_checkpoint arch, overrides, GGUF arch); initializer_range 0.1 gives clear argmax margins
+FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "llama": ("llama", {"initializer_range": 0.1}, "llama"),
+    "llama3-rope": ("llama", {"initializer_range": 0.1, "rope_scaling": LLAMA3_ROPE}, "llama"),
+    "mistral": ("mistral", {"initializer_range": 0.1}, "llama"),
+    "qwen2": ("qwen2", {"initializer_range": 0.1}, "qwen2"),
+    "qwen2-tied": ("qwen2", {"initializer_range": 0.1, "tie_word_embeddings": True}, "qwen2"),
+    "qwen3": ("qwen3", {"initializer_range": 0.1}, "qwen3"),
+}
+PROMPT = "The quick brown fox jumps over the lazy dog. To be, or not to be"
+
+
+@pytest.fixture(scope="module")
+def exported(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
+    cache: dict[tuple[str, str], tuple[Path, Path]] = {}
+
+    def get(family: str, dtype: str = "f32") -> tuple[Path, Path]:
+        if (family, dtype) not in cache:
+            arch, overrides, _ = FAMILIES[family]
+            ckpt = make_checkpoint(arch, **overrides)
+            out = export_gguf(ckpt, tmp_path_factory.mktemp("gguf") / f"{family}-{dtype}.gguf", dtype)
+            cache[family, dtype] = ckpt, out
+        return cache[family, dtype]
+
+    return get
+
+
+def _field(reader: Any, key: str) -> Any:
+    return reader.fields[key].contents()
+
+
+def _hf_state(ckpt: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_metadata_and_tensors(exported: Callable[..., Any], family: str) -> None:
+    ckpt, path = exported(family)
+    config = json.loads((ckpt / "config.json").read_text())
+    arch = FAMILIES[family][2]
+    r = gguf.GGUFReader(path)
+    n_layers, head_dim = config["num_hidden_layers"], config.get("head_dim") or 64 // 4
+    assert _field(r, "general.architecture") == arch
+    assert _field(r, "general.file_type") == gguf.LlamaFileType.ALL_F32
+    assert _field(r, f"{arch}.context_length") == config["max_position_embeddings"] == 512
+    assert _field(r, f"{arch}.block_count") == n_layers
+    assert _field(r, f"{arch}.embedding_length") == config["hidden_size"]
+    assert _field(r, f"{arch}.feed_forward_length") == config["intermediate_size"]
+    assert _field(r, f"{arch}.attention.head_count") == config["num_attention_heads"]
+    assert _field(r, f"{arch}.attention.head_count_kv") == config["num_key_value_heads"]
+    assert _field(r, f"{arch}.attention.key_length") == head_dim
+    assert _field(r, f"{arch}.rope.freq_base") == pytest.approx(10000.0)
+    assert _field(r, f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(config["rms_norm_eps"])
+    assert _field(r, "tokenizer.ggml.model") == "gpt2"
+    # the test tokenizer is ByteLevel(use_regex=True), but transformers gives `qwen2` checkpoints Qwen2's split regex
+    assert _field(r, "tokenizer.ggml.pre") == ("qwen2" if config["model_type"] == "qwen2" else "gpt-2")
+    assert len(_field(r, "tokenizer.ggml.tokens")) == config["vocab_size"]
+    assert len(_field(r, "tokenizer.ggml.merges")) > 0
+    assert _field(r, "tokenizer.ggml.eos_token_id") == config["eos_token_id"]
+    assert _field(r, "tokenizer.ggml.bos_token_id") == config["bos_token_id"]
+    assert _field(r, "tokenizer.ggml.add_bos_token") is False
+
+    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
+    per_layer = [f"{n}.weight" for n in per_layer]
+    if arch == "qwen2":
+        per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+    if arch == "qwen3":
+        per_layer += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    expected = {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{n}" for i in range(n_layers) for n in per_layer
+    }
+    if not config.get("tie_word_embeddings"):
+        expected.add("output.weight")
+    if family == "llama3-rope":
+        expected.add("rope_freqs.weight")
+    tensors = {t.name: t for t in r.tensors}
+    assert set(tensors) == expected
+    assert _field(r, "GGUF.tensor_count") == len(expected)
+
+    hf = _hf_state(ckpt)
+    q = hf["model.layers.0.self_attn.q_proj.weight"]
+    assert list(tensors["blk.0.attn_q.weight"].shape) == list(reversed(q.shape))  # GGUF lists ne0 (columns) first
+    assert list(tensors["token_embd.weight"].shape) == [config["hidden_size"], config["vocab_size"]]
+    np.testing.assert_array_equal(tensors["blk.1.ffn_down.weight"].data, hf["model.layers.1.mlp.down_proj.weight"])
+    got_q = np.asarray(tensors["blk.0.attn_q.weight"].data)
+    if arch == "llama":  # rows permuted per head: HF's rotate-half pairs (i, i + d/2) become adjacent (2i, 2i + 1)
+        n_head = config["num_attention_heads"]
+        heads = q.reshape(n_head, 2, head_dim // 2, -1)
+        np.testing.assert_array_equal(got_q.reshape(n_head, head_dim // 2, 2, -1), heads.transpose(0, 2, 1, 3))
+    else:
+        np.testing.assert_array_equal(got_q, q)
+
+
+def test_llama3_rope_factors(exported: Callable[..., Any]) -> None:
+    r = gguf.GGUFReader(exported("llama3-rope")[1])
+    factors = np.asarray(next(t for t in r.tensors if t.name == "rope_freqs.weight").data)
+    assert factors.shape == (8,)  # head_dim 16 / 2
+    assert factors[0] == 1.0 and factors[-1] == 8.0  # high frequencies untouched, low ones divided by `factor`
+    assert np.all(np.diff(factors) >= 0)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "q8_0"])
+def test_dtypes(exported: Callable[..., Any], dtype: str) -> None:
+    ckpt, path = exported("qwen2", dtype)
+    r = gguf.GGUFReader(path)
+    qtype = {"bf16": "BF16", "f16": "F16", "q8_0": "Q8_0"}[dtype]
+    tensors = {t.name: t for t in r.tensors}
+    assert tensors["blk.0.ffn_up.weight"].tensor_type.name == qtype
+    assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"  # 1-D tensors stay F32
+    assert tensors["blk.0.attn_q.bias"].tensor_type.name == "F32"
+    t = tensors["blk.0.ffn_up.weight"]
+    got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(96, 64)
+    want = _hf_state(ckpt)["model.layers.0.mlp.up_proj.weight"]
+    np.testing.assert_allclose(got, want, atol=0.02 * float(np.abs(want).max()), rtol=0.0)
+
+
+def test_unsupported_architecture_and_dtype(exported: Callable[..., Any], tmp_path: Path) -> None:
+    ckpt, _ = exported("qwen2")
+    bad = tmp_path / "gpt2"
+    shutil.copytree(ckpt, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        export_gguf(bad, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+    with pytest.raises(ValueError, match="q4_k"):
+        export_gguf(ckpt, tmp_path / "y.gguf", "q4_k")
+
+
+def test_unsupported_tokenizer(exported: Callable[..., Any], tmp_path: Path) -> None:
+    ckpt, _ = exported("llama")  # not qwen2: transformers replaces a qwen2 checkpoint's pre-tokenizer with Qwen2's
+    bad = tmp_path / "wordpiece"
+    shutil.copytree(ckpt, bad)
+    spec = json.loads((bad / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Whitespace"}
+    (bad / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="Whitespace"):
+        export_gguf(bad, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_backend_unavailable_without_llama_cpp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` raise ImportError
+    with pytest.raises(BackendUnavailable, match=r"tokenmill\[llamacpp\]"):
+        run_llamacpp(tmp_path / "missing.gguf", [[1, 2, 3]], 4, 1, 64)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3-rope", "mistral", "qwen2", "qwen2-tied", "qwen3"])
+def test_llamacpp_greedy_equals_transformers(exported: Callable[..., Any], family: str) -> None:
+    pytest.importorskip("llama_cpp")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt, path = exported(family)
+    ids = AutoTokenizer.from_pretrained(str(ckpt))(PROMPT)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # exactly n tokens on both sides (llama.cpp: ignore_eos)
+    n = 10
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, pad_token_id=0)
+    want = out[0, len(ids) :].tolist()
+    got = run_llamacpp(path, [ids], max_tokens=n, n_threads=1, n_ctx=128, warmup=False)
+    run = got["runs"][0]
+    assert run["token_ids"] == want
+    assert run["completion_tokens"] == n and run["prompt_tokens"] == len(ids)
+    assert got["load_time_s"] > 0 and run["ttft_ms"] > 0 and got["tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llamacpp_tokenizes_like_hf(exported: Callable[..., Any], family: str) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoTokenizer
+
+    ckpt, path = exported(family)
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    texts = [PROMPT, "Hello world!  Numbers 0 1 23 456, 3.14 it's DON'T we'll   spaces\n\nnew  lines.\t x ", " x"]
+    texts.append("<|im_start|>user\nHello<|im_end|>")  # special tokens parsed as single ids, as HF does
+    for text in texts:
+        assert llm.tokenize(text.encode(), add_bos=True, special=True) == tok(text)["input_ids"], text
+
+
+def test_llamacpp_runs_bf16_and_q8_0(exported: Callable[..., Any]) -> None:
+    """In a child process: a native crash (e.g. llama.cpp's AMX Q8_0 kernels) must fail the test, not pytest."""
+    pytest.importorskip("llama_cpp")
+    paths = [str(exported(family, dtype)[1]) for family in ("llama", "qwen3") for dtype in ("bf16", "q8_0")]
+    code = (
+        "import sys; from tokenmill.bench.llamacpp_backend import run_llamacpp\n"
+        "for p in sys.argv[1:]:\n"
+        "    r = run_llamacpp(p, [[5, 6, 7, 8, 9, 10, 11, 12], 'Hello world'], 6, 1, 64)\n"
+        "    assert [x['completion_tokens'] for x in r['runs']] == [6, 6], r\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=120)
+    # -11 (SIGSEGV) here was llama.cpp's AMX Q8_0 matmul in a GGML_NATIVE build on an AMX CPU: build without AMX
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
