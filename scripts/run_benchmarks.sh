@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The runs behind docs/benchmarks.md, in order, one at a time (the machine must be otherwise idle).
-# Needs: ./scripts/setup.sh, ../shared/tokenizers/qwen2, and for the llama.cpp peer
-#   .venv/bin/pip install 'llama-cpp-python[server]' gguf   (builds llama.cpp: ~10 min on 2 cores)
+# Needs: ./scripts/setup.sh, ../shared/tokenizers/qwen2, and for the llama.cpp peer (builds llama.cpp, ~10 min):
+#   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+#     -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+#     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" .venv/bin/pip install '.[llamacpp]' 'llama-cpp-python[server]'
+# (AMX off: llama.cpp's AMX Q8_0 matmul segfaults on batches > 1 on these Xeons, llama.cpp issue #20824.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TM=.venv/bin/tokenmill
