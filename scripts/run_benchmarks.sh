@@ -4,6 +4,7 @@
 #   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 #     -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
 #     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" .venv/bin/pip install '.[llamacpp]' 'llama-cpp-python[server]'
+# `transformers serve` also needs: .venv/bin/pip install accelerate
 # (AMX off: llama.cpp's AMX Q8_0 matmul segfaults on batches > 1 on these Xeons, llama.cpp issue #20824.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,11 +30,11 @@ $TM bench sweep "$MODEL" --dtype bfloat16 --experiment prompt_length --prompt-le
   --gen-tokens 8 --trials 3 --output-dir "$OUT"
 
 # 3. online serving at concurrency 1, 4, 16 (128 in / 128 out) against each server
-serve_runs() {  # $1 = url, $2 = model name, $3 = label
+serve_runs() {  # $1 = url, $2 = model name, $3 = label, $4 = extra flags (optional)
   for c in 1 4 16; do
     n=$(( c == 1 ? 3 : c ))
     $TM bench serve --url "$1" --model "$2" --tokenizer "$MODEL" --workload custom --max-concurrency "$c" \
-      --num-prompts "$n" --request-rate inf --input-len 128 --output-len 128 --server-label "$3" --output-dir "$OUT"
+      --num-prompts "$n" --request-rate inf --input-len 128 --output-len 128 --server-label "$3" --output-dir "$OUT" ${4:-}
   done
 }
 wait_up() { for _ in $(seq 1 300); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; return 1; }
@@ -43,7 +44,7 @@ wait_up http://127.0.0.1:8100/health && serve_runs http://127.0.0.1:8100 qwen to
 kill -TERM $PID; wait $PID || true
 
 .venv/bin/transformers serve "$MODEL" --port 8101 --continuous-batching & PID=$!
-wait_up http://127.0.0.1:8101/v1/models && serve_runs http://127.0.0.1:8101 "$MODEL" transformers-serve
+wait_up http://127.0.0.1:8101/v1/models && serve_runs http://127.0.0.1:8101 "$MODEL" transformers-serve --no-ignore-eos
 kill -TERM $PID; wait $PID || true
 
 if .venv/bin/python -c "import llama_cpp.server" 2>/dev/null; then
