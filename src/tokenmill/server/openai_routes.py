@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from tokenmill.outputs import Logprobs, RequestOutput
 from tokenmill.sampling_params import MAX_LOGPROBS
 from tokenmill.server.errors import APIError, bad_value, error_body
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 
 if TYPE_CHECKING:
     from tokenmill.engine.async_engine import AsyncEngine, RequestStream
@@ -145,7 +145,14 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         task.result()
         return finals
 
-    def stream_response(call: _Call, chunk: Any, include_usage: bool) -> StreamingResponse:
+    def stream_response(call: _Call, choice: Any, options: StreamOptions | None) -> StreamingResponse:
+        """SSE for a call; `choice(index, toks, text, finish, first)` builds one choice of a chunk."""
+        include_usage = options is not None and options.include_usage
+
+        def chunk(index: int, toks: Any, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+            return {"id": call.id, "object": _chunk_object(call), "created": call.created, "model": call.model,
+                    "choices": [choice(index, toks, text, finish, first)]}  # fmt: skip
+
         async def events() -> AsyncIterator[str]:
             import json
 
@@ -154,7 +161,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
             try:
                 for i, text in enumerate(call.echo_texts):
                     for j in range(call.n):
-                        yield "data: " + json.dumps(chunk(call, i * call.n + j, None, text, None, first=True)) + "\n\n"
+                        yield "data: " + json.dumps(chunk(i * call.n + j, None, text, None, first=True)) + "\n\n"
                 async for i, out in merged(call):
                     for c in out.outputs:
                         index = i * call.n + c.index
@@ -164,7 +171,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                         sent[index] = len(c.token_ids)
                         delta = out.new_text[c.index]
                         if delta or c.finish_reason or first:
-                            payload = chunk(call, index, (ids, lp), delta, c.finish_reason, first=first)
+                            payload = chunk(index, (ids, lp), delta, c.finish_reason, first=first)
                             yield "data: " + json.dumps(payload) + "\n\n"
                     if out.finished:
                         finals[i] = out
@@ -200,17 +207,12 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         if body.echo:
             call.echo_texts = [tok.decode(p, skip_special_tokens=False) for p in prompts]
 
-        def chunk(call: _Call, index: int, toks: Any, text: str, finish: str | None, first: bool) -> dict[str, Any]:
-            lp = None
-            if toks is not None and toks[1] is not None:
-                lp = _completion_logprobs(tok, toks[0], toks[1], 0)
-            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-            return {"id": call.id, "object": "text_completion", "created": call.created, "model": call.model,
-                    "choices": [choice]}  # fmt: skip
+        def choice(index: int, toks: Any, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+            lp = _completion_logprobs(tok, toks[0], toks[1], 0) if toks is not None and toks[1] is not None else None
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
         if body.stream:
-            include = body.stream_options is not None and body.stream_options.include_usage
-            return stream_response(call, chunk, include)
+            return stream_response(call, choice, body.stream_options)
         finals = await run_to_end(call, raw)
         choices = []
         for i in range(len(prompts)):
@@ -256,16 +258,13 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_value(e) from None
         call = start("chat.completion", body.model, [prompt], params, body.priority)
 
-        def chunk(call: _Call, index: int, toks: Any, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+        def choice(index: int, toks: Any, text: str, finish: str | None, first: bool) -> dict[str, Any]:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             lp = _chat_logprobs(tok, toks[0], toks[1], top) if toks is not None and toks[1] is not None else None
-            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            return {"id": call.id, "object": "chat.completion.chunk", "created": call.created, "model": call.model,
-                    "choices": [choice]}  # fmt: skip
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
         if body.stream:
-            include = body.stream_options is not None and body.stream_options.include_usage
-            return stream_response(call, chunk, include)
+            return stream_response(call, choice, body.stream_options)
         finals = await run_to_end(call, raw)
         choices = []
         for c in finals[0].outputs:
