@@ -130,3 +130,26 @@ def test_workload_defaults_overrides_and_scaling() -> None:
     assert parse_goodput("ttft:500,tpot:50,e2e:9000") == {"ttft": 500.0, "tpot": 50.0, "e2e": 9000.0}
     with pytest.raises(ValueError, match="goodput"):
         parse_goodput("itl:5")
+
+
+def test_server_peers_side_by_side(server: Server, tmp_path: Path) -> None:
+    # The "peer" is the same tokenmill server under another label; its model name comes from /v1/models.
+    table = run_serve(parse("--url", server.url, "--model", server.model, "--output-dir", str(tmp_path),
+                            "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--num-prompts", "2",
+                            "--max-concurrency", "2", "--server-peers", f"again={server.url}"))  # fmt: skip
+    assert table.name.startswith("serve-side-by-side-") and table.suffix == ".md"
+    body = [line for line in table.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [line.split(" | ")[0] for line in body] == ["| tokenmill", "| again"]
+    assert all(" | 2/2 | " in line for line in body)
+    index = list(csv.DictReader((tmp_path / "index.csv").open()))
+    assert [r["backend"] for r in index] == ["tokenmill", "again"]
+    peer = json.loads((tmp_path / index[1]["id"] / "manifest.json").read_text())["config"]
+    assert peer["model"] == server.model and peer["url"] == server.url
+
+
+@pytest.mark.parametrize("spec", ["nolabel", "x=localhost:8000", "=http://h:1"])
+def test_server_peers_bad_spec(spec: str) -> None:
+    from tokenmill.bench.serve_peers import parse_peers
+
+    with pytest.raises(ValueError, match="LABEL=http"):
+        parse_peers(spec)

@@ -149,12 +149,26 @@ def test_compare_and_report(model: Path, tmp_path: Path) -> None:
     )
     assert_run_folder(run)
     rows = {r["backend"]: r for r in json.loads((run / "summary/summary.json").read_text())}
-    assert set(rows) == {"tokenmill", "transformers", "llama.cpp"}
+    assert set(rows) == {"tokenmill", "transformers", "llama.cpp f32"}  # plain llama.cpp follows --dtype
     for backend in ("tokenmill", "transformers"):
         r = rows[backend]
         assert r["status"] == "ok" and r["completion_tokens"] == 12
         assert_positive(r, "load_time_s", "generate_time_s", "tokens_per_second", "ttft_ms", "peak_memory_mib")
+        assert_positive(r, "pp_tokens_per_sec", "tg_tokens_per_sec")
     assert rows["transformers"]["greedy_agreement_with_tokenmill"] == 1.0  # same weights, same greedy tokens
-    assert rows["llama.cpp"]["status"] in ("ok", "not installed", "unavailable", "error")  # reported, never a crash
+    assert rows["llama.cpp f32"]["status"] in ("ok", "not installed", "unavailable", "error")  # never a crash
     report = bench("report", str(run), str(run), "--out", str(tmp_path / "rep"))
     assert report.name == "report.md" and (tmp_path / "rep" / "headlines.png").is_file()
+
+
+def test_compare_backend_specs() -> None:
+    from tokenmill.bench.compare import parse_backends
+
+    assert parse_backends("tokenmill, llama.cpp,llama.cpp:q8_0", "bfloat16") == [
+        ("tokenmill", None),
+        ("llama.cpp", "bf16"),
+        ("llama.cpp", "q8_0"),
+    ]
+    for bad, words in (("vllm", "unknown"), ("llama.cpp:q4_k", "q8_0"), ("tokenmill:int8", "only llama.cpp")):
+        with pytest.raises(ValueError, match=words):
+            parse_backends(bad, "bfloat16")

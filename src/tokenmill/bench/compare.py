@@ -1,5 +1,8 @@
 """`tokenmill bench compare`: the same weights and prompts through tokenmill, transformers and llama.cpp.
 
+A backend is `NAME[:VARIANT]`: `llama.cpp:q8_0` runs llama.cpp on a Q8_0 GGUF (variants: the GGUF dtypes;
+plain `llama.cpp` matches `--dtype`). Per backend the table gives whole-request tok/s and TTFT, plus the
+llama-bench pair: pp (prompt tokens / TTFT) and tg (tokens after the first / time after the first).
 Each backend runs in its own process (`worker.py`), so its memory is its own; the parent samples the child's
 RSS every 50 ms for `peak_memory_mib`. A backend that is not installed is reported as such, never a crash.
 llama.cpp gets a GGUF of the same weights (converted with `gguf_export.py`, or `--gguf PATH`).
@@ -24,10 +27,40 @@ BACKENDS = ("tokenmill", "transformers", "llama.cpp")
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "auto": "bf16"}
 
 
-def _run_worker(backend: str, model: str, spec: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
+def parse_backends(spec: str, dtype: str) -> list[tuple[str, str | None]]:
+    """`tokenmill,llama.cpp,llama.cpp:q8_0` -> [("tokenmill", None), ("llama.cpp", "bf16"), ("llama.cpp", "q8_0")]."""
+    from tokenmill.bench.gguf_export import GGUF_DTYPES as GGUF_VARIANTS
+
+    out: list[tuple[str, str | None]] = []
+    for item in (b.strip() for b in spec.split(",")):
+        if not item:
+            continue
+        name, _, variant = item.partition(":")
+        if name not in BACKENDS:
+            raise ValueError(f"--backends {item} unknown; allowed: {', '.join(BACKENDS)} (llama.cpp:VARIANT too)")
+        if name == "llama.cpp":
+            variant = variant or GGUF_DTYPES.get(dtype, "bf16")
+            if variant not in GGUF_VARIANTS:
+                raise ValueError(f"--backends {item}: GGUF variant must be one of {', '.join(GGUF_VARIANTS)}")
+            out.append((name, variant))
+        elif variant:
+            raise ValueError(f"--backends {item}: only llama.cpp takes a variant (llama.cpp:q8_0)")
+        else:
+            out.append((name, None))
+    return out
+
+
+def label(name: str, variant: str | None) -> str:
+    return f"{name} {variant}" if variant else name
+
+
+def _run_worker(
+    backend: str, model: str, spec: dict[str, Any], workdir: Path, timeout: float, tag: str | None = None
+) -> dict[str, Any]:
     import psutil
 
-    spec_path, out_path = workdir / f"{backend}.spec.json", workdir / f"{backend}.result.json"
+    tag = tag or backend
+    spec_path, out_path = workdir / f"{tag}.spec.json", workdir / f"{tag}.result.json"
     spec_path.write_text(json.dumps(spec))
     cmd = [
         sys.executable,
@@ -67,6 +100,16 @@ def _summarize_backend(backend: str, result: dict[str, Any]) -> dict[str, Any]:
     runs = result["runs"]
     gen_time = sum(r["generate_time_s"] for r in runs)
     tokens = sum(r["completion_tokens"] for r in runs)
+    pp = [r["prompt_tokens"] / (r["ttft_ms"] / 1000) for r in runs if r.get("prompt_tokens") and r["ttft_ms"] > 0]
+    tg = [
+        (r["completion_tokens"] - 1) / (r["generate_time_s"] - r["ttft_ms"] / 1000)
+        for r in runs
+        if r["completion_tokens"] > 1 and r["generate_time_s"] > r["ttft_ms"] / 1000
+    ]
+    row.update(
+        pp_tokens_per_sec=summarize(pp)["mean"] if pp else None,
+        tg_tokens_per_sec=summarize(tg)["mean"] if tg else None,
+    )
     row.update(
         load_time_s=result["load_time_s"],
         generate_time_s=gen_time,
@@ -85,10 +128,8 @@ def run_compare(args: argparse.Namespace) -> Path:
     from tokenmill.weights import resolve_model
 
     model = str(resolve_model(args.model or default_model_ref()))
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in BACKENDS]
-    if unknown:
-        raise ValueError(f"--backends {','.join(unknown)} unknown; allowed: {', '.join(BACKENDS)}")
+    parsed = parse_backends(args.backends, args.dtype)
+    backends = [label(n, v) for n, v in parsed]
     tok = Tokenizer(model)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(tok.vocab_size) for _ in range(args.prompt_tokens)] for _ in range(args.num_prompts)]
@@ -112,14 +153,15 @@ def run_compare(args: argparse.Namespace) -> Path:
         "n_ctx": args.prompt_tokens + args.max_tokens + 8,
     }
     rows, raw = [], []
-    for backend in backends:
-        if backend == "llama.cpp":
+    for name, variant in parsed:
+        backend = label(name, variant)
+        if name == "llama.cpp":
             try:
-                spec["gguf"] = args.gguf or str(_export(model, run.path / "model.gguf", args.dtype))
+                spec["gguf"] = args.gguf or str(_export(model, run.path / f"model-{variant}.gguf", str(variant)))
             except Exception as e:
                 rows.append({"backend": backend, "status": "error", "error": f"GGUF export failed: {e}"})
                 continue
-        result = _run_worker(backend, model, spec, run.path / "raw", args.timeout)
+        result = _run_worker(name, model, spec, run.path / "raw", args.timeout, tag=backend.replace(" ", "-"))
         raw += [{"backend": backend, "prompt": i, **r} for i, r in enumerate(result.get("runs", []))]
         rows.append(_summarize_backend(backend, result))
         print(f"{backend}: {rows[-1].get('status')} {rows[-1].get('tokens_per_second', '')}", file=sys.stderr)
@@ -134,22 +176,23 @@ def run_compare(args: argparse.Namespace) -> Path:
     _plot(run, rows)
     report = _report(rows, config, run.manifest["command"])
     print(report)
-    best = max((r.get("tokens_per_second", 0.0) for r in rows if r["backend"] == "tokenmill"), default=0.0)
+    best = max((float(r.get("tokens_per_second", 0.0)) for r in rows if r["backend"] == "tokenmill"), default=0.0)
     return run.finish(report, ("tokenmill tok/s", best, "tok/s"), model, ",".join(backends))
 
 
-def _export(model: str, out: Path, dtype: str) -> Path:
+def _export(model: str, out: Path, gguf_dtype: str) -> Path:
     from tokenmill.bench.gguf_export import export_gguf
 
-    return export_gguf(Path(model), out, GGUF_DTYPES.get(dtype, "bf16"))
+    return export_gguf(Path(model), out, gguf_dtype)
 
 
 def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) -> str:
     lines = [
         f"# compare: {Path(config['model']).name}, {config['num_prompts']} prompts x {config['prompt_tokens']} "
         f"tokens, {config['max_tokens']} generated, {config['dtype']}, threads={config['threads']}\n",
-        "| backend | status | load s | generate s | tokens | tok/s | TTFT ms | peak MiB | greedy agreement |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| backend | status | load s | generate s | tokens | tok/s | TTFT ms | pp tok/s | tg tok/s | peak MiB "
+        "| greedy agreement |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v: Any, spec: str) -> str:
@@ -160,6 +203,7 @@ def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) ->
             f"| {r['backend']} | {r['status']} | {f(r.get('load_time_s'), '.1f')} | "
             f"{f(r.get('generate_time_s'), '.1f')} | {f(r.get('completion_tokens'), 'd')} | "
             f"{f(r.get('tokens_per_second'), '.1f')} | {f(r.get('ttft_ms'), '.0f')} | "
+            f"{f(r.get('pp_tokens_per_sec'), '.1f')} | {f(r.get('tg_tokens_per_sec'), '.2f')} | "
             f"{f(r.get('peak_memory_mib'), '.0f')} | {f(r.get('greedy_agreement_with_tokenmill'), '.2f')} |"
         )
     errors = [f"- {r['backend']}: {r.get('error')}" for r in rows if r["status"] != "ok"]
@@ -175,11 +219,11 @@ def _plot(run: Run, rows: list[dict[str, Any]]) -> None:
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3))
-    for ax, key, title in zip(
-        axes, ("tokens_per_second", "ttft_ms", "peak_memory_mib"), ("generation tok/s", "TTFT ms", "peak memory MiB")
-    ):
-        ax.bar([r["backend"] for r in ok], [r[key] for r in ok])
+    keys = ("pp_tokens_per_sec", "tg_tokens_per_sec", "ttft_ms", "peak_memory_mib")
+    titles = ("prompt processing tok/s", "generation tok/s", "TTFT ms", "peak memory MiB")
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.2))
+    for ax, key, title in zip(axes, keys, titles):
+        ax.bar([r["backend"].replace(" ", "\n") for r in ok], [r.get(key) or 0.0 for r in ok])
         ax.set_title(title)
     fig.tight_layout()
     fig.savefig(run.plot_path("compare.png"), dpi=100)
@@ -189,7 +233,9 @@ def _plot(run: Run, rows: list[dict[str, Any]]) -> None:
 def add_compare_parser(sub: Any) -> None:
     p = sub.add_parser("compare", help="the same weights through tokenmill, transformers and llama.cpp")
     p.add_argument("model", nargs="?", default=None)
-    p.add_argument("--backends", default="tokenmill,transformers,llama.cpp")
+    p.add_argument(
+        "--backends", default="tokenmill,transformers,llama.cpp", help="comma list of NAME[:VARIANT] (llama.cpp:q8_0)"
+    )
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="bfloat16")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--num-prompts", type=int, default=3)

@@ -439,10 +439,17 @@ def run_workload(args: argparse.Namespace, workload: str) -> Path:
 
 
 def run_serve(args: argparse.Namespace) -> Path:
-    """Run the chosen workload (or each in turn for `all`); the run folder (the last one for `all`)."""
+    """Run the chosen workload (or each in turn for `all`) against `--url`, then against each `--server-peers`
+    server; the run folder (the last one), or with peers the side-by-side table."""
+    from tokenmill.bench.serve_peers import parse_peers, peer_args, side_by_side
+
     parse_goodput(args.goodput)  # fail fast on a bad spec
+    peers = parse_peers(args.server_peers)
     names = [w for w in WORKLOADS if w != "custom"] if args.workload == "all" else [args.workload]
-    return [run_workload(args, w) for w in names][-1]
+    runs = [run_workload(args, w) for w in names]
+    for label, url, model in peers:
+        runs += [run_workload(peer_args(args, label, url, model), w) for w in names]
+    return side_by_side(runs, Path(args.output_dir)) if peers else runs[-1]
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -467,3 +474,5 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject `ignore_eos`")
     p.add_argument("--output-dir", default="./bench-results")
     p.add_argument("--server-label", default="tokenmill", help="backend name in index.csv")
+    p.add_argument("--server-peers", default=None, metavar="LABEL=URL[@MODEL],...",
+                   help="also run the workload against these servers, one after another, and tabulate")  # fmt: skip

@@ -20,8 +20,10 @@ def _tokenmill(model: str, spec: dict[str, Any]) -> dict[str, Any]:
     from tokenmill import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model, dtype=spec["dtype"], enable_prefix_caching=False)
+    llm = LLM(model, **{"dtype": spec["dtype"], **spec.get("engine", {}), "enable_prefix_caching": False})
     load = time.perf_counter() - start
+    if spec["prompts"]:  # untimed warmup, as the llama.cpp backend does
+        llm.generate([{"prompt_token_ids": spec["prompts"][0][:8]}], SamplingParams(temperature=0, max_tokens=2))
     runs = []
     for ids in spec["prompts"]:
         t0 = time.perf_counter()
@@ -34,6 +36,7 @@ def _tokenmill(model: str, spec: dict[str, Any]) -> dict[str, Any]:
         c = out.outputs[0]
         runs.append(
             {
+                "prompt_tokens": len(ids),
                 "ttft_ms": m.ttft_ms,
                 "generate_time_s": elapsed,
                 "completion_tokens": len(c.token_ids),
@@ -67,6 +70,9 @@ def _transformers(model: str, spec: dict[str, Any]) -> dict[str, Any]:
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype[spec["dtype"]]).eval()
     tok = AutoTokenizer.from_pretrained(model)
     load = time.perf_counter() - start
+    if spec["prompts"]:  # untimed warmup
+        with torch.inference_mode():
+            hf.generate(torch.tensor([spec["prompts"][0][:8]]), max_new_tokens=2, do_sample=False)
     runs = []
     for ids in spec["prompts"]:
         streamer = FirstToken()
@@ -84,6 +90,7 @@ def _transformers(model: str, spec: dict[str, Any]) -> dict[str, Any]:
         ttft = ((streamer.first or time.perf_counter()) - t0) * 1000
         runs.append(
             {
+                "prompt_tokens": len(ids),
                 "ttft_ms": ttft,
                 "generate_time_s": elapsed,
                 "completion_tokens": len(new),
