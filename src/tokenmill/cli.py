@@ -10,7 +10,14 @@ import time
 from dataclasses import fields, replace
 from typing import Any, NoReturn, get_args, get_type_hints
 
-from tokenmill.config import BATCHING_MODES, DTYPES, KV_CACHE_MODES, SCHEDULING_POLICIES, EngineConfig
+from tokenmill.config import (
+    BATCHING_MODES,
+    DTYPES,
+    KV_CACHE_MODES,
+    QUANTIZATION_MODES,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
 from tokenmill.errors import TokenmillError
 
 EXIT_USAGE = 2
@@ -23,7 +30,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 _CHOICES = {"dtype": DTYPES, "kv_cache": KV_CACHE_MODES, "batching": BATCHING_MODES,
-            "scheduling_policy": SCHEDULING_POLICIES}  # fmt: skip
+            "scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATION_MODES}  # fmt: skip
 
 
 _NOT_FLAGS = ("model", "seed")  # MODEL is positional; `generate --seed` is the request's seed

@@ -157,13 +157,16 @@ Batching = Literal["continuous", "static"]
 BATCHING_MODES: tuple[str, ...] = ("continuous", "static")
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
+Quantization = Literal["none", "int8", "int4"]
+QUANTIZATION_MODES: tuple[str, ...] = ("none", "int8", "int4")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model. Validated here so the CLI and the offline API share one set of messages.
 
-    Every optimisation is a switch: `kv_cache`, `batching`, `enable_chunked_prefill`, `enable_prefix_caching`.
+    Every optimisation is a switch: `kv_cache`, `batching`, `enable_chunked_prefill`, `enable_prefix_caching`,
+    `quantization` (weight-only), `pack_weights` (oneDNN-packed CPU weights), `compile` (torch.compile).
     """
 
     model: str | None = None
@@ -184,6 +187,11 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
+    # kernels
+    quantization: Quantization = "none"
+    pack_weights: bool = True
+    compile: bool = False
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         choices = {
@@ -191,13 +199,14 @@ class EngineConfig:
             "kv_cache": KV_CACHE_MODES,
             "batching": BATCHING_MODES,
             "scheduling_policy": SCHEDULING_POLICIES,
+            "quantization": QUANTIZATION_MODES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported; allowed: {', '.join(allowed)}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r} is not supported; allowed: auto, cpu, cuda, cuda:N")
-        positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks")
+        positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "threads")
         for name in positive:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

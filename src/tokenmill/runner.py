@@ -16,7 +16,7 @@ from tokenmill.attention.paged import PagedKVStore
 from tokenmill.models import CausalLM
 from tokenmill.outputs import Logprobs
 from tokenmill.sampling import Sampler, SamplingBatch, topk_logprobs
-from tokenmill.scheduler import SchedulerOutput
+from tokenmill.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.types import Request
 
 
@@ -40,7 +40,7 @@ class ModelRunner:
     ) -> None:
         cfg = model.config
         self.model, self.device = model, device
-        self.dtype = model.lm_head.weight.dtype
+        self.dtype = model.model.embed_tokens.weight.dtype
         self.kv_mode = kv_cache
         self.paged: PagedKVStore | None = None
         self.contiguous: ContiguousKVStore | None = None
@@ -76,19 +76,35 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.int64)
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
 
-    def _metadata(self, so: SchedulerOutput, query_start_loc: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    def _metadata(
+        self, items: list[ScheduledRequest], num_decodes: int, so: SchedulerOutput, query_start_loc: list[int],
+        seq_lens: list[int],
+    ) -> AttentionMetadata:  # fmt: skip
         meta = AttentionMetadata(query_start_loc, seq_lens)
         if self.paged is not None:
-            tables = [so.block_tables[s.request.request_id] for s in so.scheduled]
+            bs = self.block_size
+            tables = [so.block_tables[s.request.request_id] for s in items]
             meta.kv = self.paged
-            meta.context_slots = [self._slots_of(t, 0, n) for t, n in zip(tables, seq_lens)]
-            meta.slot_mapping = torch.cat(
-                [ctx[n - (query_start_loc[i + 1] - query_start_loc[i]) :] for i, (ctx, n) in
-                 enumerate(zip(meta.context_slots, seq_lens))]
-            )  # fmt: skip
+            # decodes: the new token's slot by arithmetic; the context is read as whole blocks in one gather
+            slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(seq_lens[:num_decodes])]
+            pieces = [torch.tensor(slots, dtype=torch.int64, device=self.device)]
+            meta.context_slots = [None] * num_decodes
+            if num_decodes:
+                width = max(-(-n // bs) for n in seq_lens[:num_decodes])
+                padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables[:num_decodes]]
+                meta.num_decodes = num_decodes
+                meta.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)  # [B, M]
+                lens = torch.tensor(seq_lens[:num_decodes], device=self.device)
+                meta.decode_mask = (torch.arange(width * bs, device=self.device) < lens[:, None])[:, None, None, :]
+            for i in range(num_decodes, len(items)):
+                n, q_len = seq_lens[i], query_start_loc[i + 1] - query_start_loc[i]
+                ctx = self._slots_of(tables[i], 0, n) if q_len != n else None  # a fresh prefill reads no cache
+                meta.context_slots.append(ctx)
+                pieces.append(ctx[n - q_len :] if ctx is not None else self._slots_of(tables[i], 0, n))
+            meta.slot_mapping = torch.cat(pieces)  # [T]
         elif self.contiguous is not None:
             meta.kv = self.contiguous
-            meta.slots = [self._slots[s.request.request_id] for s in so.scheduled]
+            meta.slots = [self._slots[s.request.request_id] for s in items]
         return meta
 
     @torch.inference_mode()
@@ -99,7 +115,11 @@ class ModelRunner:
         sample_rows: list[int] = []  # flattened index of the last token of each request that samples
         sampling_reqs: list[Request] = []
         prompt_rows: list[tuple[Request, int, int]] = []  # (request, first flat index, count)
-        for item in so.scheduled:
+        # one-token sequences first: with the paged store they share one batched attention call
+        items = [s for s in so.scheduled if s.num_new_tokens == 1] if self.paged is not None else []
+        num_decodes = len(items)
+        items += [s for s in so.scheduled if s.num_new_tokens != 1 or self.paged is None]
+        for item in items:
             req, start, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
             self._first_sight(req)
             offset = len(input_ids)
@@ -117,7 +137,7 @@ class ModelRunner:
                 if count > 0:
                     prompt_rows.append((req, offset + first - start, count))
 
-        meta = self._metadata(so, query_start_loc, seq_lens)
+        meta = self._metadata(items, num_decodes, so, query_start_loc, seq_lens)
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids_t, pos_t, meta)  # [T, D]
@@ -162,7 +182,7 @@ def plan_num_kv_blocks(
     if num_kv_blocks is not None:
         return num_kv_blocks
     cfg = model.config
-    dtype = model.lm_head.weight.dtype
+    dtype = model.model.embed_tokens.weight.dtype
     per_block = PagedKVStore.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
     useful = max_num_seqs * -(-max_model_len // block_size)
     if kv_cache_memory_gb is not None:

@@ -49,7 +49,7 @@ def test_sharded_checkpoint_loads_identically(folder: Path, tmp_path: Path) -> N
 
 def test_dtype_auto_follows_config(make_checkpoint: Callable[..., Path]) -> None:
     llm = LLM(str(make_checkpoint("llama", dtype="bfloat16")))
-    assert llm.loaded.dtype == torch.bfloat16 and llm.loaded.model.lm_head.weight.dtype == torch.bfloat16
+    assert llm.loaded.dtype == torch.bfloat16 and llm.loaded.model.model.norm.weight.dtype == torch.bfloat16
     assert LLM(str(make_checkpoint("llama", dtype="bfloat16")), dtype="float32").loaded.dtype == torch.float32
 
 

@@ -1,11 +1,19 @@
-"""Reference attention for a flattened batch: each sequence's new tokens attend to its whole context.
+"""Attention for a flattened batch: each sequence's new tokens attend to its whole context.
 
 The batch is "token-centric": sequence b contributes `query_start_loc[b+1] - query_start_loc[b]` new tokens
 and, after this step, has `seq_lens[b]` tokens of context (cached + new). A prefill, a prefill chunk and a
 decode are the same thing with different numbers. The keys and values of every new token in the batch are
 written to the KV store first (so a sequence may read blocks another sequence fills in this very step),
-then each sequence reads its context back whole. With no store (`kv_cache="none"`) the context is just the
-new tokens.
+then each sequence reads its context back. With no store (`kv_cache="none"`) the context is just the new
+tokens.
+
+Two paths:
+- decodes (the first `num_decodes` sequences, one new token each, paged store only): one batched call. The
+  store gathers every decode sequence's blocks at once into [B, S, Hkv, Dh] (S = the longest context, padded),
+  and the H query heads are grouped per KV head ([B, Hkv, H/Hkv, Dh]), so GQA needs no repeated keys and a
+  padding mask is the only mask.
+- everything else (prefills and chunks), one sequence at a time; a sequence with nothing cached attends to its
+  new keys directly, without reading them back from the store.
 """
 
 from __future__ import annotations
@@ -26,7 +34,10 @@ class AttentionMetadata:
     kv: KVStore | None = None  # None: no cache, the new tokens are the whole context
     slots: list[int] = field(default_factory=list)  # contiguous store: each sequence's buffer
     slot_mapping: torch.Tensor | None = None  # paged store: [T] cache slot of each new token
-    context_slots: list[torch.Tensor] = field(default_factory=list)  # paged store: [ctx] slots per sequence
+    context_slots: list[torch.Tensor | None] = field(default_factory=list)  # paged: [ctx] slots per sequence
+    num_decodes: int = 0  # the first num_decodes sequences have one new token each (batched path)
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] block ids (padded with 0)
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool: real context
 
     @property
     def num_seqs(self) -> int:
@@ -42,6 +53,10 @@ class KVStore(Protocol):
 
     def read(self, layer: int, seq: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence `seq`'s whole context: keys and values, each [num_kv_heads, seq_len, head_dim]."""
+        ...
+
+    def read_blocks(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of whole blocks, each [B, max_blocks * block_size, num_kv_heads, head_dim]."""
         ...
 
 
@@ -63,13 +78,16 @@ def attend(
     gqa = q.shape[1] != k.shape[1]
     if meta.kv is not None:
         meta.kv.write(layer, k, v, meta)
-    for b in range(meta.num_seqs):
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode_batch(layer, q[:nd], meta)
+    for b in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
         q_len, ctx_len = end - start, meta.seq_lens[b]
-        if meta.kv is not None:
+        if meta.kv is not None and q_len != ctx_len:
             keys, values = meta.kv.read(layer, b, meta)  # [Hkv, ctx, D]
         else:
-            assert q_len == ctx_len, "without a KV cache every step must carry the whole context"
+            assert meta.kv is not None or q_len == ctx_len, "without a KV cache every step must carry the context"
             keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
         queries = q[start:end].transpose(0, 1)  # [H, q_len, D]
         if q_len == 1:
@@ -81,3 +99,20 @@ def attend(
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=gqa)
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def _decode_batch(layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """q: [B, H, Dh], one new token per sequence -> [B, H, Dh], all sequences in one call."""
+    assert meta.kv is not None and meta.decode_block_tables is not None and meta.decode_mask is not None
+    keys, values = meta.kv.read_blocks(layer, meta.decode_block_tables)  # [B, S, Hkv, Dh] each
+    # NOTE: slots past a sequence's end were never written (the store is torch.empty) and may hold NaN/inf;
+    # a NaN key poisons its (masked) score and 0 * NaN is NaN, so the padding is zeroed before use.
+    pad = ~meta.decode_mask[:, 0, 0, :, None, None]  # [B, S, 1, 1]
+    keys, values = keys.masked_fill(pad, 0.0), values.masked_fill(pad, 0.0)
+    b, h, dh = q.shape
+    hkv = keys.shape[2]
+    queries = q.view(b, hkv, h // hkv, dh)  # [B, Hkv, G, Dh]: a KV head's query heads side by side
+    o = F.scaled_dot_product_attention(
+        queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.decode_mask
+    )  # [B, Hkv, G, Dh]
+    return o.reshape(b, h, dh)

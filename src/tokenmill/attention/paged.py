@@ -40,4 +40,14 @@ class PagedKVStore:
 
     def read(self, layer: int, seq: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         slots = meta.context_slots[seq]  # [ctx]
+        assert slots is not None
         return self.cache[layer, 0, slots].transpose(0, 1), self.cache[layer, 1, slots].transpose(0, 1)
+
+    def read_blocks(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_tables [B, M] -> keys, values [B, M * block_size, Hkv, Dh]: whole blocks, one gather each."""
+        b, m = block_tables.shape
+        flat = block_tables.reshape(-1)
+        kv = self.cache[layer].view(2, self.num_blocks, self.block_size, *self.cache.shape[-2:])
+        keys = kv[0].index_select(0, flat).view(b, m * self.block_size, *self.cache.shape[-2:])
+        values = kv[1].index_select(0, flat).view(b, m * self.block_size, *self.cache.shape[-2:])
+        return keys, values

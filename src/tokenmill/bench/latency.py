@@ -17,14 +17,10 @@ from tokenmill.bench.store import Run
 
 
 def weight_bytes(llm: Any) -> int:
-    """Bytes of every distinct parameter (a tied embedding counts once)."""
-    seen: set[int] = set()
-    total = 0
-    for p in llm.loaded.model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+    """Bytes of weights one decode step reads (see `models.linear.weight_bytes`)."""
+    from tokenmill.models.linear import weight_bytes as model_weight_bytes
+
+    return model_weight_bytes(llm.loaded.model)
 
 
 def peak_rss_mb() -> float:
@@ -62,10 +58,6 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
     from tokenmill import LLM
 
     engine_kwargs = {**engine_kwargs, "enable_prefix_caching": False}
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     llm = LLM(args.model, **engine_kwargs)
     config = {
         "model": str(llm.loaded.path),
@@ -138,6 +130,5 @@ def add_latency_parser(sub: Any, engine_args: Any) -> None:
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench-results")

@@ -22,7 +22,7 @@ from tokenmill.bench.store import Run
 from tokenmill.bench.throughput import measure as measure_throughput
 
 EXPERIMENTS = ("threads", "kv_cache", "prompt_length", "quantization", "switches")
-QUANT_MODES = ("none",)  # grows with the quantization issue
+QUANT_MODES = ("none", "int8", "int4")
 SWITCHES: list[tuple[str, dict[str, Any]]] = [
     ("baseline (defaults)", {}),
     ("batching=static", {"batching": "static"}),
@@ -109,24 +109,41 @@ def _prompt_length(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[st
 
 
 def _quantization(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str, Any]]:
-    from tokenmill import LLM
+    """pp/tg per weight-only mode; with --quality-text, top-1 agreement and perplexity against `none`."""
+    import gc
 
-    rows = []
+    from tokenmill import LLM
+    from tokenmill.bench.latency import weight_bytes
+    from tokenmill.quality import compare, score
+
+    text = Path(args.quality_text).read_text() if args.quality_text else None
+    rows, reference = [], None
     for mode in QUANT_MODES:
-        llm = LLM(args.model, **kw)
+        try:
+            llm = LLM(args.model, **{**kw, "quantization": mode, "enable_prefix_caching": False})
+        except ValueError as e:  # e.g. int4 on a float32 model: reported, not fatal
+            rows.append({"quantization": mode, "error": str(e)})
+            continue
         trials = [
             r
             for r in measure_latency(llm, args.prompt_tokens, args.gen_tokens, args.trials, 1, args.seed)
             if not r["warmup"]
         ]
-        rows.append(
-            {
-                "quantization": mode,
-                "tg_tokens_per_sec": summarize([r["tg_tokens_per_sec"] for r in trials])["mean"],
-                "pp_tokens_per_sec": summarize([r["pp_tokens_per_sec"] for r in trials])["mean"],
-            }
-        )
-    return rows
+        row: dict[str, Any] = {
+            "quantization": mode,
+            "weight_mb": weight_bytes(llm) / 2**20,
+            "tg_tokens_per_sec": summarize([r["tg_tokens_per_sec"] for r in trials])["mean"],
+            "pp_tokens_per_sec": summarize([r["pp_tokens_per_sec"] for r in trials])["mean"],
+        }
+        if text is not None:
+            mine = score(llm.loaded, text)
+            reference = reference or mine
+            q = compare(reference, mine)
+            row.update(top1_agreement=q["top1_agreement"], perplexity=q["perplexity"])
+        rows.append(row)
+        del llm
+        gc.collect()
+    return [r for r in rows if "error" not in r] + [r for r in rows if "error" in r]
 
 
 def _switches(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str, Any]]:
@@ -170,10 +187,11 @@ def run_sweep(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path:
     run.save_raw(rows)
     run.save_summary(rows)
     _plot(run, args.experiment, rows)
-    header = list(rows[0])
+    header = list(dict.fromkeys(k for r in rows for k in r))
     lines = [f"# sweep: {args.experiment}\n", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     lines += [
-        "| " + " | ".join(f"{r[h]:.2f}" if isinstance(r[h], float) else str(r[h]) for h in header) + " |" for r in rows
+        "| " + " | ".join(f"{r[h]:.4g}" if isinstance(r.get(h), float) else str(r.get(h, "-")) for h in header) + " |"
+        for r in rows
     ]
     report = "\n".join([*lines, "", f"Command: `{run.manifest['command']}`", ""])
     print(report)
@@ -192,7 +210,7 @@ def _plot(run: Run, experiment: str, rows: list[dict[str, Any]]) -> None:
     groups = sorted({r.get("kv_cache", "") for r in rows})
     for y in y_keys:
         for g in groups:
-            sel = [r for r in rows if r.get("kv_cache", "") == g]
+            sel = [r for r in rows if r.get("kv_cache", "") == g and y in r]
             label = f"{y} {g}".strip()
             if isinstance(sel[0][x_key], str):
                 ax.bar([r[x_key] for r in sel], [r[y] for r in sel], label=label)
@@ -217,5 +235,6 @@ def add_sweep_parser(sub: Any, engine_args: Any) -> None:
     p.add_argument("--prompt-lengths", default="32,128,512,1024", help="prompt_length: prompt lengths")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--num-prompts", type=int, default=16, help="switches: prompts per workload")
+    p.add_argument("--quality-text", default=None, help="quantization: text for top-1 agreement and perplexity")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench-results")

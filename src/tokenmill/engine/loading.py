@@ -12,6 +12,8 @@ import torch
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.models import CausalLM, model_class
+from tokenmill.models.compile import compile_model
+from tokenmill.models.linear import prepare_linears
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.weights import load_weights, resolve_model
@@ -30,6 +32,7 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     generation_config: dict[str, Any] = field(default_factory=dict)
+    kernels: dict[str, int] = field(default_factory=dict)  # linear kernel -> how many linears use it
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -98,9 +101,16 @@ def load(cfg: EngineConfig) -> LoadedModel:
         )
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, model_config)
     tokenizer = Tokenizer(path)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     with torch.device("meta"):
         model = cls(model_config)
     load_weights(model, path, dtype, device)
+    kernels: dict[str, int] = {}
+    if cfg.quantization != "none" or cfg.pack_weights:
+        kernels = prepare_linears(model, cfg.quantization, device)
+    if cfg.compile:
+        compile_model(model)
     return LoadedModel(
         path=path,
         config=model_config,
@@ -110,4 +120,5 @@ def load(cfg: EngineConfig) -> LoadedModel:
         dtype=dtype,
         max_model_len=max_len,
         generation_config=_read_json(path / "generation_config.json", required=False),
+        kernels=kernels,
     )
