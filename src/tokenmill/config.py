@@ -189,7 +189,7 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     # kernels
     quantization: Quantization = "none"
-    pack_weights: bool = True
+    pack_weights: bool = False
     compile: bool = False
     threads: int | None = None
 

@@ -55,6 +55,7 @@ class ModelRunner:
         self._slots: dict[str, int] = {}  # contiguous store: request id -> buffer
         self._next_slot = 0
         self._generators: dict[str, torch.Generator] = {}
+        self._zeroed: set[int] = set()  # paged blocks zeroed once (the store is torch.empty)
 
     def free(self, request_id: str) -> None:
         """Forget a finished request: its contiguous buffer and its random generator."""
@@ -84,6 +85,10 @@ class ModelRunner:
         if self.paged is not None:
             bs = self.block_size
             tables = [so.block_tables[s.request.request_id] for s in items]
+            fresh = {b for t in tables for b in t if b not in self._zeroed}
+            if fresh:  # batched decode reads whole blocks, padding included: never uninitialized memory
+                self.paged.zero_blocks(sorted(fresh))
+                self._zeroed |= fresh
             meta.kv = self.paged
             # decodes: the new token's slot by arithmetic; the context is read as whole blocks in one gather
             slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(seq_lens[:num_decodes])]
@@ -95,7 +100,9 @@ class ModelRunner:
                 meta.num_decodes = num_decodes
                 meta.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)  # [B, M]
                 lens = torch.tensor(seq_lens[:num_decodes], device=self.device)
-                meta.decode_mask = (torch.arange(width * bs, device=self.device) < lens[:, None])[:, None, None, :]
+                pad = torch.arange(width * bs, device=self.device) >= lens[:, None]  # [B, S]
+                bias = torch.zeros(pad.shape, dtype=self.dtype, device=self.device).masked_fill_(pad, float("-inf"))
+                meta.decode_bias = bias[:, None, None, :]
             for i in range(num_decodes, len(items)):
                 n, q_len = seq_lens[i], query_start_loc[i + 1] - query_start_loc[i]
                 ctx = self._slots_of(tables[i], 0, n) if q_len != n else None  # a fresh prefill reads no cache

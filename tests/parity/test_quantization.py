@@ -43,8 +43,8 @@ def test_int4_stays_close_to_bf16(reference: tuple[LoadedModel, Score]) -> None:
 
 
 def test_packed_weights_change_nothing(reference: tuple[LoadedModel, Score]) -> None:
-    plain = load(EngineConfig(dtype="bfloat16", pack_weights=False))
-    assert plain.kernels == {} and reference[0].kernels.get("packed", 0) > 0
-    ours = score(plain, VAL_TEXT)
+    packed = load(EngineConfig(dtype="bfloat16", pack_weights=True))
+    assert reference[0].kernels == {} and packed.kernels.get("packed", 0) > 0
+    ours = score(packed, VAL_TEXT)
     assert torch.equal(ours.top1, reference[1].top1)
     assert abs(ours.perplexity / reference[1].perplexity - 1) < 1e-3

@@ -37,7 +37,7 @@ class AttentionMetadata:
     context_slots: list[torch.Tensor | None] = field(default_factory=list)  # paged: [ctx] slots per sequence
     num_decodes: int = 0  # the first num_decodes sequences have one new token each (batched path)
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] block ids (padded with 0)
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool: real context
+    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 context, -inf pad
 
     @property
     def num_seqs(self) -> int:
@@ -90,29 +90,30 @@ def attend(
             assert meta.kv is not None or q_len == ctx_len, "without a KV cache every step must carry the context"
             keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
         queries = q[start:end].transpose(0, 1)  # [H, q_len, D]
+        if gqa:  # NOTE: SDPA's fused CPU kernel wants 4-D inputs and equal head counts; else it takes the math path
+            group = q.shape[1] // k.shape[1]
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [H, ctx, D]
         if q_len == 1:
-            o = F.scaled_dot_product_attention(queries, keys, values, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(queries[None], keys[None], values[None])
         elif q_len == ctx_len:
-            o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(queries[None], keys[None], values[None], is_causal=True)
         else:
             mask = _causal_mask(q_len, ctx_len, q.device)
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=gqa)
-        out[start:end] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(queries[None], keys[None], values[None], attn_mask=mask)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
 
 def _decode_batch(layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """q: [B, H, Dh], one new token per sequence -> [B, H, Dh], all sequences in one call."""
-    assert meta.kv is not None and meta.decode_block_tables is not None and meta.decode_mask is not None
+    assert meta.kv is not None and meta.decode_block_tables is not None and meta.decode_bias is not None
+    # NOTE: the padding (slots past a sequence's end) holds stale but finite numbers: the runner zeroes every
+    # block the first time it is handed out, so a -inf bias is enough (NaN there would survive any mask).
     keys, values = meta.kv.read_blocks(layer, meta.decode_block_tables)  # [B, S, Hkv, Dh] each
-    # NOTE: slots past a sequence's end were never written (the store is torch.empty) and may hold NaN/inf;
-    # a NaN key poisons its (masked) score and 0 * NaN is NaN, so the padding is zeroed before use.
-    pad = ~meta.decode_mask[:, 0, 0, :, None, None]  # [B, S, 1, 1]
-    keys, values = keys.masked_fill(pad, 0.0), values.masked_fill(pad, 0.0)
     b, h, dh = q.shape
     hkv = keys.shape[2]
     queries = q.view(b, hkv, h // hkv, dh)  # [B, Hkv, G, Dh]: a KV head's query heads side by side
     o = F.scaled_dot_product_attention(
-        queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.decode_mask
+        queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.decode_bias
     )  # [B, Hkv, G, Dh]
     return o.reshape(b, h, dh)

@@ -108,7 +108,7 @@ def load(cfg: EngineConfig) -> LoadedModel:
     load_weights(model, path, dtype, device)
     kernels: dict[str, int] = {}
     if cfg.quantization != "none" or cfg.pack_weights:
-        kernels = prepare_linears(model, cfg.quantization, device)
+        kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights)
     if cfg.compile:
         compile_model(model)
     return LoadedModel(

@@ -2,10 +2,10 @@
 
 `prepare_linears(model, quantization, device)` swaps every `nn.Linear` of the decoder stack (and the LM head)
 for one of these:
-- `PackedLinear` (CPU, float32/bfloat16, quantization="none"): the weight reordered once into oneDNN's blocked
-  layout (`mkldnn._reorder_linear_weight`), multiplied with `mkldnn._linear_pointwise`. Same numbers as
-  `F.linear` (the same oneDNN GEMM, without re-packing the weight on every call); at batch 1 that is most
-  of the memory bandwidth plain `F.linear` in bfloat16 leaves unused.
+- `PackedLinear` (`pack_weights=True`, CPU, float32/bfloat16, quantization="none"): the weight reordered once
+  into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), multiplied with `mkldnn._linear_pointwise`.
+  Same numbers as `F.linear`. Off by default: on the Xeon we measure on it decodes slower than plain `F.linear`
+  (docs/benchmarks.md has the numbers); it stays as a switch because other CPUs differ.
 - `Int8Linear` (quantization="int8"): weight-only int8, symmetric per output channel
   (w ~= int8 * scale[n], scale = max|w[n, :]| / 127), activations stay in the model dtype;
   `torch._weight_int8pack_mm` on CPU (the kernel torchao's CPU int8 weight-only path also lands on).
@@ -133,7 +133,9 @@ class Int4Linear(nn.Module):
         return ((q - 8) * scales.t()[..., None] + zeros.t()[..., None]).view(n, k)
 
 
-def _supported(quantization: str, device: torch.device, dtype: torch.dtype, linear: nn.Linear) -> str:
+def _supported(
+    quantization: str, device: torch.device, dtype: torch.dtype, linear: nn.Linear, pack: bool = True
+) -> str:
     """The kernel this linear gets: 'packed', 'int8', 'int4' or 'plain'."""
     if quantization == "int4":
         if device.type != "cpu" or dtype != torch.bfloat16:
@@ -143,12 +145,15 @@ def _supported(quantization: str, device: torch.device, dtype: torch.dtype, line
         return "int4"
     if quantization == "int8":
         return "int8"
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+    cpu_dense = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    if pack and cpu_dense and torch.backends.mkldnn.is_available():
         return "packed"
     return "plain"
 
 
-def prepare_linears(model: nn.Module, quantization: str, device: torch.device) -> dict[str, int]:
+def prepare_linears(
+    model: nn.Module, quantization: str, device: torch.device, pack_weights: bool = True
+) -> dict[str, int]:
     """Replace every nn.Linear under `model` in place; returns how many linears got each kernel."""
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization={quantization!r} is not supported; allowed: {', '.join(QUANTIZATION_MODES)}")
@@ -157,7 +162,9 @@ def prepare_linears(model: nn.Module, quantization: str, device: torch.device) -
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            kind = _supported(quantization, device, child.weight.dtype, child)
+            kind = _supported(quantization, device, child.weight.dtype, child, pack_weights)
+            if kind == "plain":
+                continue
             new: nn.Module = child
             if kind == "packed":
                 new = PackedLinear(child)
