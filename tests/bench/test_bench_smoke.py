@@ -155,7 +155,7 @@ def test_compare_and_report(model: Path, tmp_path: Path) -> None:
         assert r["status"] == "ok" and r["completion_tokens"] == 12
         assert_positive(r, "load_time_s", "generate_time_s", "tokens_per_second", "ttft_ms", "peak_memory_mib")
         assert_positive(r, "pp_tokens_per_sec", "tg_tokens_per_sec")
-    assert rows["transformers"]["greedy_agreement_with_tokenmill"] == 1.0  # same weights, same greedy tokens
+    assert rows["transformers"]["greedy_agreement_with_first"] == 1.0  # same weights, same greedy tokens
     assert rows["llama.cpp f32"]["status"] in ("ok", "not installed", "unavailable", "error")  # never a crash
     report = bench("report", str(run), str(run), "--out", str(tmp_path / "rep"))
     assert report.name == "report.md" and (tmp_path / "rep" / "headlines.png").is_file()
@@ -169,6 +169,12 @@ def test_compare_backend_specs() -> None:
         ("llama.cpp", "bf16"),
         ("llama.cpp", "q8_0"),
     ]
-    for bad, words in (("vllm", "unknown"), ("llama.cpp:q4_k", "q8_0"), ("tokenmill:int8", "only llama.cpp")):
+    assert parse_backends("tokenmill:int8,transformers", "bfloat16") == [("tokenmill", "int8"), ("transformers", None)]
+    for bad, words in (
+        ("vllm", "unknown"),
+        ("llama.cpp:q4_k", "q8_0"),
+        ("tokenmill:fp8", "int4"),
+        ("transformers:x", "no"),
+    ):
         with pytest.raises(ValueError, match=words):
             parse_backends(bad, "bfloat16")

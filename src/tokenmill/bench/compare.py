@@ -1,8 +1,9 @@
 """`tokenmill bench compare`: the same weights and prompts through tokenmill, transformers and llama.cpp.
 
 A backend is `NAME[:VARIANT]`: `llama.cpp:q8_0` runs llama.cpp on a Q8_0 GGUF (variants: the GGUF dtypes;
-plain `llama.cpp` matches `--dtype`). Per backend the table gives whole-request tok/s and TTFT, plus the
-llama-bench pair: pp (prompt tokens / TTFT) and tg (tokens after the first / time after the first).
+plain `llama.cpp` matches `--dtype`); `tokenmill:int8` runs tokenmill with `--quantization int8`. Per backend
+the table gives whole-request tok/s and TTFT, plus the llama-bench pair: pp (prompt tokens / TTFT) and tg
+(tokens after the first / time after the first).
 Each backend runs in its own process (`worker.py`), so its memory is its own; the parent samples the child's
 RSS every 50 ms for `peak_memory_mib`. A backend that is not installed is reported as such, never a crash.
 llama.cpp gets a GGUF of the same weights (converted with `gguf_export.py`, or `--gguf PATH`).
@@ -30,6 +31,7 @@ GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "auto": "
 def parse_backends(spec: str, dtype: str) -> list[tuple[str, str | None]]:
     """`tokenmill,llama.cpp,llama.cpp:q8_0` -> [("tokenmill", None), ("llama.cpp", "bf16"), ("llama.cpp", "q8_0")]."""
     from tokenmill.bench.gguf_export import GGUF_DTYPES as GGUF_VARIANTS
+    from tokenmill.config import QUANTIZATION_MODES
 
     out: list[tuple[str, str | None]] = []
     for item in (b.strip() for b in spec.split(",")):
@@ -43,8 +45,12 @@ def parse_backends(spec: str, dtype: str) -> list[tuple[str, str | None]]:
             if variant not in GGUF_VARIANTS:
                 raise ValueError(f"--backends {item}: GGUF variant must be one of {', '.join(GGUF_VARIANTS)}")
             out.append((name, variant))
+        elif name == "tokenmill" and variant:
+            if variant not in QUANTIZATION_MODES:
+                raise ValueError(f"--backends {item}: tokenmill variants are {', '.join(QUANTIZATION_MODES)}")
+            out.append((name, variant))
         elif variant:
-            raise ValueError(f"--backends {item}: only llama.cpp takes a variant (llama.cpp:q8_0)")
+            raise ValueError(f"--backends {item}: transformers takes no variant")
         else:
             out.append((name, None))
     return out
@@ -161,23 +167,24 @@ def run_compare(args: argparse.Namespace) -> Path:
             except Exception as e:
                 rows.append({"backend": backend, "status": "error", "error": f"GGUF export failed: {e}"})
                 continue
+        spec["engine"] = {"quantization": variant} if name == "tokenmill" and variant else {}
         result = _run_worker(name, model, spec, run.path / "raw", args.timeout, tag=backend.replace(" ", "-"))
         raw += [{"backend": backend, "prompt": i, **r} for i, r in enumerate(result.get("runs", []))]
         rows.append(_summarize_backend(backend, result))
         print(f"{backend}: {rows[-1].get('status')} {rows[-1].get('tokens_per_second', '')}", file=sys.stderr)
-    reference = next((r for r in raw if r["backend"] == "tokenmill" and r["prompt"] == 0), None)
+    reference = next((r for r in raw if r["backend"] == backends[0] and r["prompt"] == 0), None)
     for row in rows:
         mine = next((r for r in raw if r["backend"] == row["backend"] and r["prompt"] == 0), None)
         if reference and mine:
             same = sum(a == b for a, b in zip(reference["token_ids"], mine["token_ids"]))
-            row["greedy_agreement_with_tokenmill"] = same / max(len(reference["token_ids"]), 1)
+            row["greedy_agreement_with_first"] = same / max(len(reference["token_ids"]), 1)
     run.save_raw(raw)
     run.save_summary(rows)
     _plot(run, rows)
     report = _report(rows, config, run.manifest["command"])
     print(report)
-    best = max((float(r.get("tokens_per_second", 0.0)) for r in rows if r["backend"] == "tokenmill"), default=0.0)
-    return run.finish(report, ("tokenmill tok/s", best, "tok/s"), model, ",".join(backends))
+    best = max((float(r.get("tokens_per_second", 0.0)) for r in rows if r["backend"] == backends[0]), default=0.0)
+    return run.finish(report, (f"{backends[0]} tok/s", best, "tok/s"), model, ",".join(backends))
 
 
 def _export(model: str, out: Path, gguf_dtype: str) -> Path:
@@ -191,7 +198,7 @@ def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) ->
         f"# compare: {Path(config['model']).name}, {config['num_prompts']} prompts x {config['prompt_tokens']} "
         f"tokens, {config['max_tokens']} generated, {config['dtype']}, threads={config['threads']}\n",
         "| backend | status | load s | generate s | tokens | tok/s | TTFT ms | pp tok/s | tg tok/s | peak MiB "
-        "| greedy agreement |",
+        f"| greedy agreement with {config['backends'][0]} |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -204,7 +211,7 @@ def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) ->
             f"{f(r.get('generate_time_s'), '.1f')} | {f(r.get('completion_tokens'), 'd')} | "
             f"{f(r.get('tokens_per_second'), '.1f')} | {f(r.get('ttft_ms'), '.0f')} | "
             f"{f(r.get('pp_tokens_per_sec'), '.1f')} | {f(r.get('tg_tokens_per_sec'), '.2f')} | "
-            f"{f(r.get('peak_memory_mib'), '.0f')} | {f(r.get('greedy_agreement_with_tokenmill'), '.2f')} |"
+            f"{f(r.get('peak_memory_mib'), '.0f')} | {f(r.get('greedy_agreement_with_first'), '.2f')} |"
         )
     errors = [f"- {r['backend']}: {r.get('error')}" for r in rows if r["status"] != "ok"]
     return "\n".join(lines + ([""] + errors if errors else []) + ["", f"Command: `{command}`", ""])
