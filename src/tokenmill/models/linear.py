@@ -1,4 +1,8 @@
-"""Linear kernels: how the model's weight matrices are stored and multiplied, chosen once after loading.
+"""Linear kernels: how the model's weight matrices are stored and multiplied.
+
+The model is built with `Linear`: an `nn.Linear` whose one-row product on the CPU is `torch.mv` (a decode step
+at batch 1). Same numbers as `F.linear`, but in bfloat16 it streams the weight at ~9.5 GB/s where the GEMM
+path reaches ~7.4 GB/s on the machine we measure on (docs/benchmarks.md).
 
 `prepare_linears(model, quantization, device)` swaps every `nn.Linear` of the decoder stack (and the LM head)
 for one of these:
@@ -26,6 +30,14 @@ INT4_GROUP_SIZE = 32
 # small M costs about one pass over the weight. Above this many rows (prefill) the int8/int4 modules
 # dequantize the weight and run the dense GEMM instead.
 DEQUANT_ABOVE_ROWS = 8
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if x.dim() == 2 and x.shape[0] == 1 and x.device.type == "cpu":
+            y = torch.mv(self.weight, x[0])  # [N]
+            return (y if self.bias is None else y + self.bias)[None]
+        return F.linear(x, self.weight, self.bias)
 
 
 class PackedLinear(nn.Module):
