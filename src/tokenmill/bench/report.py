@@ -63,6 +63,12 @@ def build_report(run_dirs: list[Path], out_dir: Path) -> Path:
     return report
 
 
+def _label(manifest: dict[str, Any]) -> str:
+    """What tells runs apart on a plot: backend, then workload and (serve) concurrency."""
+    conc = (manifest.get("config") or {}).get("max_concurrency")
+    return f"{manifest.get('backend') or manifest['id']}\n{manifest.get('workload', '')}{f' c{conc}' if conc else ''}"
+
+
 def _plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -70,11 +76,11 @@ def _plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(max(4, 1.5 * len(runs)), 3.5))
-    labels = [r["manifest"]["id"] for r in runs]
+    labels = [_label(r["manifest"]) for r in runs]
     values = [(r["manifest"].get("headline") or {}).get("value", 0.0) for r in runs]
     ax.bar(labels, values)
     ax.set_ylabel(", ".join(sorted({(r["manifest"].get("headline") or {}).get("name", "") for r in runs})))
-    ax.tick_params(axis="x", labelrotation=20)
+    ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
