@@ -151,7 +151,9 @@ def _supported(
     """The kernel this linear gets: 'packed', 'int8', 'int4' or 'plain'."""
     if quantization == "int4":
         if device.type != "cpu" or dtype != torch.bfloat16:
-            raise ValueError("quantization='int4' needs the CPU and dtype bfloat16 (its kernel's only form)")
+            raise ValueError(
+                "quantization='int4' runs only on the CPU in bfloat16 (its kernel's one form): use --dtype bfloat16"
+            )
         if linear.in_features % INT4_GROUP_SIZE:
             raise ValueError(f"quantization='int4' needs in_features divisible by {INT4_GROUP_SIZE}")
         return "int4"
