@@ -30,6 +30,7 @@ INT4_GROUP_SIZE = 32
 # small M costs about one pass over the weight. Above this many rows (prefill) the int8/int4 modules
 # dequantize the weight and run the dense GEMM instead.
 DEQUANT_ABOVE_ROWS = 8
+QUANT_CHUNK_ROWS = 4096  # rows quantized at a time (bounds the load-time float32 temporaries)
 
 
 class Linear(nn.Linear):
@@ -61,11 +62,16 @@ def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> 
 
     The scales are rounded to `scale_dtype` (the kernel wants the activations' dtype) before the weights are
     divided by them, so q * scale reproduces w to half a step: a bfloat16 scale's own rounding (up to 0.4%)
-    would otherwise scale the whole channel by the wrong amount.
+    would otherwise scale the whole channel by the wrong amount. Rows go in chunks, so the float32
+    temporaries stay small even for a 150k-row LM head.
     """
-    w32 = w.float()
-    scales = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(scale_dtype)  # [N]
-    q = torch.round(w32 / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scales = torch.empty(w.shape[0], dtype=scale_dtype, device=w.device)
+    for i in range(0, w.shape[0], QUANT_CHUNK_ROWS):
+        w32 = w[i : i + QUANT_CHUNK_ROWS].float()
+        s = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(scale_dtype)  # [rows]
+        q[i : i + QUANT_CHUNK_ROWS] = torch.round(w32 / s.float()[:, None]).clamp(-128, 127).to(torch.int8)
+        scales[i : i + QUANT_CHUNK_ROWS] = s
     return q, scales
 
 
@@ -119,12 +125,18 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group: int = INT4_GROUP_SIZE) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
-        q, scales, zeros = quantize_int4(linear.weight.detach(), group)
-        dtype = linear.weight.dtype
-        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K/2] kernel layout
-        # the same nibbles in a layout we can unpack ourselves (the kernel's is opaque), for the prefill path
-        self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))  # [N, K/2]
-        sz = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous().to(dtype)  # [K/g, N, 2]
+        w, dtype = linear.weight.detach(), linear.weight.dtype
+        packed, nibbles, scales, zeros = [], [], [], []
+        for i in range(0, w.shape[0], QUANT_CHUNK_ROWS):  # in row chunks: small int32/float32 temporaries
+            q, s, z = quantize_int4(w[i : i + QUANT_CHUNK_ROWS], group)
+            packed.append(torch._convert_weight_to_int4pack_for_cpu(q, 1))  # the kernel's layout is per row
+            # the same nibbles in a layout we can unpack ourselves (the kernel's is opaque), for the prefill path
+            nibbles.append((q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))
+            scales.append(s)
+            zeros.append(z)
+        self.register_buffer("qweight", torch.cat(packed))  # [N, K/2] kernel layout
+        self.register_buffer("nibbles", torch.cat(nibbles))  # [N, K/2]
+        sz = torch.stack([torch.cat(scales).t(), torch.cat(zeros).t()], dim=-1).contiguous().to(dtype)  # [K/g, N, 2]
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
@@ -172,7 +184,8 @@ def prepare_linears(
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization={quantization!r} is not supported; allowed: {', '.join(QUANTIZATION_MODES)}")
     counts: dict[str, int] = {}
-    for parent in list(model.modules()):
+    # NOTE: hold on to parents only, so each replaced dense weight is freed as soon as its module is swapped
+    for parent in [m for m in model.modules() if not isinstance(m, nn.Linear)]:
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
