@@ -69,3 +69,17 @@ def test_compile_keeps_logits_and_greedy_tokens(make_checkpoint: Callable[..., P
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in (eager, compiled)]
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_batch_equals_each_alone(make_checkpoint: Callable[..., Path], quantization: str) -> None:
+    """Batching a quantized model keeps each prompt's greedy output, though the batch's prefill (over 8 rows)
+    takes the dequantized GEMM where a short prompt alone takes the weight-only kernel."""
+    from tokenmill import LLM, SamplingParams
+
+    folder = make_checkpoint("llama", initializer_range=0.1)
+    llm = LLM(str(folder), dtype="bfloat16", device="cpu", quantization=quantization)
+    prompts = [{"prompt_token_ids": list(range(7 + i, 7 + 5 * i + 3))} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == alone
