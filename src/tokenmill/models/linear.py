@@ -1,8 +1,8 @@
 """Linear kernels: how the model's weight matrices are stored and multiplied.
 
 The model is built with `Linear`: an `nn.Linear` whose one-row product on the CPU is `torch.mv` (a decode step
-at batch 1). Same numbers as `F.linear`, but in bfloat16 it streams the weight at ~9.5 GB/s where the GEMM
-path reaches ~7.4 GB/s on the machine we measure on (docs/benchmarks.md).
+at batch 1). Same numbers as `F.linear`, but in bfloat16 it streams the weight ~1.4x faster than the GEMM path
+on the machine we measure on (scripts/gemv_microbench.py, docs/benchmarks.md).
 
 `prepare_linears(model, quantization, device)` swaps every `nn.Linear` of the decoder stack (and the LM head)
 for one of these:
