@@ -55,7 +55,7 @@ class ModelRunner:
         self._slots: dict[str, int] = {}  # contiguous store: request id -> buffer
         self._next_slot = 0
         self._generators: dict[str, torch.Generator] = {}
-        self._zeroed: set[int] = set()  # paged blocks zeroed once (the store is torch.empty)
+        self._zeroed_below = 0  # paged blocks [0, this) have been zeroed once (the store is torch.empty)
 
     def free(self, request_id: str) -> None:
         """Forget a finished request: its contiguous buffer and its random generator."""
@@ -85,10 +85,12 @@ class ModelRunner:
         if self.paged is not None:
             bs = self.block_size
             tables = [so.block_tables[s.request.request_id] for s in items]
-            fresh = {b for t in tables for b in t if b not in self._zeroed}
-            if fresh:  # batched decode reads whole blocks, padding included: never uninitialized memory
-                self.paged.zero_blocks(sorted(fresh))
-                self._zeroed |= fresh
+            # batched decode reads whole blocks, padding included: never uninitialized memory. A block is in some
+            # table before its first write, so zeroing every id up to the highest seen keeps that true.
+            top = max((max(t) for t in tables if t), default=-1) + 1
+            if top > self._zeroed_below:
+                self.paged.zero_blocks(self._zeroed_below, top)
+                self._zeroed_below = top
             meta.kv = self.paged
             # decodes: the new token's slot by arithmetic; the context is read as whole blocks in one gather
             slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(seq_lens[:num_decodes])]

@@ -19,7 +19,7 @@ Two paths:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,11 @@ class KVStore(Protocol):
     def read(self, layer: int, seq: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence `seq`'s whole context: keys and values, each [num_kv_heads, seq_len, head_dim]."""
         ...
+
+
+@runtime_checkable
+class BlockKVStore(KVStore, Protocol):
+    """A store that also reads whole blocks: what the batched decode path needs (the paged store)."""
 
     def read_blocks(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of whole blocks, each [B, max_blocks * block_size, num_kv_heads, head_dim]."""
@@ -106,7 +111,7 @@ def attend(
 
 def _decode_batch(layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """q: [B, H, Dh], one new token per sequence -> [B, H, Dh], all sequences in one call."""
-    assert meta.kv is not None and meta.decode_block_tables is not None and meta.decode_bias is not None
+    assert isinstance(meta.kv, BlockKVStore) and meta.decode_block_tables is not None and meta.decode_bias is not None
     # NOTE: the padding (slots past a sequence's end) holds stale but finite numbers: the runner zeroes every
     # block the first time it is handed out, so a -inf bias is enough (NaN there would survive any mask).
     keys, values = meta.kv.read_blocks(layer, meta.decode_block_tables)  # [B, S, Hkv, Dh] each

@@ -39,6 +39,3 @@ class ContiguousKVStore:
     def read(self, layer: int, seq: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         buf = self._buffers[meta.slots[seq]][layer]
         return buf[0, :, : meta.seq_lens[seq]], buf[1, :, : meta.seq_lens[seq]]
-
-    def read_blocks(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise TypeError("the contiguous store has no blocks; its sequences take the per-sequence path")

@@ -43,10 +43,9 @@ class PagedKVStore:
         assert slots is not None
         return self.cache[layer, 0, slots].transpose(0, 1), self.cache[layer, 1, slots].transpose(0, 1)
 
-    def zero_blocks(self, block_ids: list[int]) -> None:
-        """Zero whole blocks (every layer, keys and values): done once per block, the first time it is used."""
-        kv = self.cache.view(*self.cache.shape[:2], self.num_blocks, self.block_size, *self.cache.shape[-2:])
-        kv.index_fill_(2, torch.tensor(block_ids, dtype=torch.int64, device=self.cache.device), 0.0)
+    def zero_blocks(self, start: int, end: int) -> None:
+        """Zero blocks [start, end) in every layer, keys and values (once each, before their first use)."""
+        self.cache[:, :, start * self.block_size : end * self.block_size].zero_()
 
     def read_blocks(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_tables [B, M] -> keys, values [B, M * block_size, Hkv, Dh]: whole blocks, one gather each."""

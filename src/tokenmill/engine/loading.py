@@ -106,9 +106,7 @@ def load(cfg: EngineConfig) -> LoadedModel:
     with torch.device("meta"):
         model = cls(model_config)
     load_weights(model, path, dtype, device)
-    kernels: dict[str, int] = {}
-    if cfg.quantization != "none" or cfg.pack_weights:
-        kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights)
+    kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights)
     if cfg.compile:
         compile_model(model)
     return LoadedModel(
