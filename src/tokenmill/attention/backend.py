@@ -113,7 +113,8 @@ def _decode_batch(layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch
     """q: [B, H, Dh], one new token per sequence -> [B, H, Dh], all sequences in one call."""
     assert isinstance(meta.kv, BlockKVStore) and meta.decode_block_tables is not None and meta.decode_bias is not None
     # NOTE: the padding (slots past a sequence's end) holds stale but finite numbers: the runner zeroes every
-    # block the first time it is handed out, so a -inf bias is enough (NaN there would survive any mask).
+    # block before its first write (a high-water mark over block ids), so a -inf bias is enough (a NaN there
+    # would survive any mask).
     keys, values = meta.kv.read_blocks(layer, meta.decode_block_tables)  # [B, S, Hkv, Dh] each
     b, h, dh = q.shape
     hkv = keys.shape[2]
