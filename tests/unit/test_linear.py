@@ -12,6 +12,7 @@ from tokenmill.models.linear import (
     Int4Linear,
     Int8Linear,
     PackedLinear,
+    packing_unsupported,
     prepare_linears,
     quantize_int8,
     weight_bytes,
@@ -26,11 +27,23 @@ def _linear(k: int, n: int, dtype: torch.dtype, bias: bool = True) -> nn.Linear:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_packed_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
+    if (reason := packing_unsupported(dtype)) is not None:
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU: {reason}")
     lin = _linear(96, 80, dtype)
     x = torch.randn(rows, 96, dtype=dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(PackedLinear(lin)(x), lin(x), atol=tol, rtol=tol)
     torch.testing.assert_close(PackedLinear(lin)(x.view(rows, 1, 96)), lin(x).view(rows, 1, 80), atol=tol, rtol=tol)
+
+
+def test_packing_a_dtype_the_cpu_cannot_pack_is_one_clear_error() -> None:
+    reason = packing_unsupported(torch.bfloat16)
+    if reason is None:
+        pytest.skip("this CPU packs bfloat16 weights (AVX-512 or AVX-NE-CONVERT): nothing to refuse")
+    model = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"--pack-weights cannot pack bfloat16 weights on this CPU .*--dtype float32"):
+        prepare_linears(model, "none", torch.device("cpu"), pack_weights=True)
+    assert prepare_linears(model, "none", torch.device("cpu"), pack_weights=False) == {}
 
 
 def test_int8_quantization_error_is_bounded_per_channel() -> None:

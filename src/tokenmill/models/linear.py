@@ -20,6 +20,8 @@ Where a kernel is missing (CUDA, float16) the module keeps plain `F.linear`, on 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +41,22 @@ class Linear(nn.Linear):
             y = torch.mv(self.weight, x[0])  # [N]
             return (y if self.bias is None else y + self.bias)[None]
         return F.linear(x, self.weight, self.bias)
+
+
+@functools.cache
+def packing_unsupported(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot pack `dtype` weights on this CPU, or None when it can.
+
+    oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only CPU it raises. We ask
+    it once with a tiny matrix rather than guess from CPU flags, so the answer is oneDNN's own.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch build has no oneDNN (mkldnn)"
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return None
 
 
 class PackedLinear(nn.Module):
@@ -172,9 +190,14 @@ def _supported(
     if quantization == "int8":
         return "int8"
     cpu_dense = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-    if pack and cpu_dense and torch.backends.mkldnn.is_available():
-        return "packed"
-    return "plain"
+    if not (pack and cpu_dense):
+        return "plain"
+    reason = packing_unsupported(dtype)
+    if reason is not None:
+        dtype_name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"--pack-weights cannot pack {dtype_name} weights on this CPU ({reason}); "
+                         "drop --pack-weights, or use --dtype float32")  # fmt: skip
+    return "packed"
 
 
 def prepare_linears(
