@@ -14,6 +14,7 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.types import EngineRequest
 
 
 def main() -> None:
@@ -30,7 +31,8 @@ def main() -> None:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=3 * a.steps + 8, ignore_eos=True)
     for i in range(a.batch):
-        engine.add_request(f"r{i}", list(range(300 + i, 300 + i + a.prompt_tokens)), params)
+        prompt = list(range(300 + i, 300 + i + a.prompt_tokens))
+        engine.add_request(EngineRequest(f"r{i}", prompt, params, engine.validate(prompt, params)))
     for _ in range(4):  # prefill (one step at these sizes) and warm decodes
         engine.step()
     start = time.perf_counter()

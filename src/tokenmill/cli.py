@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import fields, replace
 from typing import Any, NoReturn, get_args, get_type_hints
 
@@ -19,6 +19,7 @@ from tokenmill.config import (
     EngineConfig,
 )
 from tokenmill.errors import TokenmillError
+from tokenmill.metrics import peak_rss_mb
 
 EXIT_USAGE = 2
 
@@ -92,9 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub, _engine_args)
 
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint at a real model's shape")
-    from tokenmill.make_model import ARCHS, SHAPES
+    from tokenmill.make_model import SHAPES
 
-    mk.add_argument("--arch", choices=ARCHS, required=True)
+    mk.add_argument(
+        "--arch",
+        choices=_FamilyNames(),
+        metavar="FAMILY",
+        required=True,
+        help="model family (llama, qwen2, ...; a wrong name lists them all)",
+    )
     mk.add_argument("--shape", choices=list(SHAPES), required=True)
     mk.add_argument("--tokenizer", required=True, help="folder with a Hugging Face tokenizer")
     mk.add_argument("--out", required=True)
@@ -103,8 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+class _FamilyNames:
+    """`--arch` choices, read from the model registry only when argparse needs them (it imports torch)."""
+
+    def _names(self) -> list[str]:
+        from tokenmill.models import FAMILIES
+
+        return [f.name for f in FAMILIES]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -144,7 +162,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         "ttft_ms": round(m.ttft_ms or 0.0, 3),
         "decode_tokens_per_sec": round(m.decode_tokens_per_sec or 0.0, 3),
         "total_ms": round((time.perf_counter() - start) * 1000, 3),
-        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
     }
     if a.json:
         print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
@@ -168,7 +186,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenmill.engine.loading import default_model_ref
-    from tokenmill.server.app import ServerConfig, build_app
+    from tokenmill.server.app import build_app
+    from tokenmill.server.state import ServerConfig
     from tokenmill.weights import resolve_model
 
     if a.max_waiting_requests is not None and a.max_waiting_requests < 1:
@@ -190,13 +209,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         except (TokenmillError, ValueError) as e:
             print(f"tokenmill serve: error: {e}", file=sys.stderr, flush=True)
             os._exit(EXIT_USAGE)
-        loaded, kv = engine.loaded, engine.core.kv
-        assert loaded is not None
-        capacity = f"{kv.num_blocks * kv.block_size} tokens ({kv.num_blocks} blocks)" if kv else cfg.kv_cache
-        log.info(
-            "model %s from %s: %s on %s, %d threads, KV capacity %s, max_model_len %d",
-            name, path, loaded.dtype, loaded.device, torch.get_num_threads(), capacity, loaded.max_model_len,
-        )  # fmt: skip
+        log.info("model %s from %s: %s, %d threads", name, path, engine.description, torch.get_num_threads())
         log.info("serving at http://%s:%d/v1", a.host, a.port)
         return engine
 
@@ -209,11 +222,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def _check_architecture(path: Any) -> None:
-    from tokenmill.config import ModelConfig
-    from tokenmill.engine.loading import _read_json
-    from tokenmill.models import model_class
+    from tokenmill.engine.loading import read_json
+    from tokenmill.models import family_for
 
-    model_class(ModelConfig.from_hf(_read_json(path / "config.json", required=True)).architecture)
+    hf_config = read_json(path / "config.json", required=True)
+    family_for(hf_config).config_from_hf(hf_config)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

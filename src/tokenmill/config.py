@@ -81,26 +81,19 @@ class ModelConfig:
             )
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Normalise a parsed `config.json` dict."""
+    def from_hf(cls, hf: dict[str, Any], default_architecture: str = "<missing>", **overrides: Any) -> ModelConfig:
+        """Normalise a parsed `config.json` dict; `overrides` are a family's quirks (see models/family.py)."""
         archs = hf.get("architectures") or []
-        model_type = str(hf.get("model_type", ""))
-        architecture = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, model_type or "<missing>")
         try:
             hidden = int(hf["hidden_size"])
             num_heads = int(hf["num_attention_heads"])
             head_dim = hf.get("head_dim") or hidden // num_heads
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-            is_qwen3 = model_type == "qwen3" or architecture.startswith("Qwen3")
-            is_qwen2 = model_type == "qwen2" or architecture.startswith("Qwen2")
-            if is_qwen2:  # Qwen2 always has q/k/v bias and no o_proj bias; the config has no switch
-                qkv_bias, o_bias = True, False
-            else:
-                qkv_bias = o_bias = bool(hf.get("attention_bias", False))
-            return cls(
-                architecture=architecture,
-                model_type=model_type,
+            attention_bias = bool(hf.get("attention_bias", False))
+            fields: dict[str, Any] = dict(
+                architecture=archs[0] if archs else default_architecture,
+                model_type=str(hf.get("model_type", "")),
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(hf["intermediate_size"]),
@@ -112,10 +105,9 @@ class ModelConfig:
                 rope=_rope_from_hf(hf),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                attention_bias=qkv_bias,
-                o_proj_bias=o_bias,
+                attention_bias=attention_bias,
+                o_proj_bias=attention_bias,
                 mlp_bias=bool(hf.get("mlp_bias", False)),
-                qk_norm=is_qwen3,
                 hidden_act=str(hf.get("hidden_act", "silu")),
                 torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
                 bos_token_id=hf.get("bos_token_id"),
@@ -125,14 +117,7 @@ class ModelConfig:
             raise ConfigError(f"config.json is missing the required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise ConfigError(f"config.json has an invalid value: {e}") from None
-
-
-_ARCH_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+        return cls(**{**fields, **overrides})
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+from tokenmill.config import DTYPES as config_dtypes
+
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -34,26 +35,21 @@ SHAPES: dict[str, dict[str, Any]] = {
                           original_max_position_embeddings=8192),
     ),
 }  # fmt: skip
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = tuple(d for d in config_dtypes if d != "auto")
 
 
 def hf_config(arch: str, **fields: Any) -> Any:
-    """A transformers config object for one of our families."""
+    """A transformers config object for one of our families (`arch` is the family's name)."""
     import transformers
 
-    classes = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-        "mistral": transformers.MistralConfig,
-    }
-    if arch not in classes:
-        raise ValueError(f"--arch {arch!r} is not supported; allowed: {', '.join(ARCHS)}")
+    from tokenmill.models import family_named
+
+    config_class = getattr(transformers, family_named(arch).hf_config_class)
     fields = dict(fields)
     theta = fields.pop("rope_theta", 10000.0)
     scaling = fields.pop("rope_scaling", None)
     fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, **(scaling or {})}
-    return classes[arch](**fields)
+    return config_class(**fields)
 
 
 def write_checkpoint(

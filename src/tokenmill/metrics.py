@@ -4,12 +4,25 @@ them. Filled by the engine core and the server; never called from model code. Pe
 
 from __future__ import annotations
 
+import resource
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.outputs import RequestMetrics
+
+
+def rss_mb() -> float:
+    """This process's resident memory now, in MiB."""
+    import psutil
+
+    return float(psutil.Process().memory_info().rss / 2**20)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @dataclass
@@ -44,17 +57,23 @@ class EngineStats:
         return self.sum_batch_size / self.num_steps if self.num_steps else 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineSnapshot:
-    """Gauges read at scrape time (from another thread: plain ints and floats, no locking needed)."""
+    """The engine's numbers after one step, published by the loop thread as one frozen object; /stats,
+    /metrics and admission read only this. `waiting` and `running` count sequences (n > 1 counts n)."""
 
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    mean_batch_size: float = 0.0
+    max_batch_size: int = 0
+    num_completed: int = 0
+    num_aborted: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -41,12 +41,6 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)  # when each generated token appeared
 
     @property
-    def queue_time_ms(self) -> float | None:
-        if self.first_scheduled_time is None:
-            return None
-        return (self.first_scheduled_time - self.arrival_time) * 1000
-
-    @property
     def prefill_ms(self) -> float | None:
         if self.first_scheduled_time is None or self.first_token_time is None:
             return None

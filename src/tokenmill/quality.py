@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention import AttentionMetadata
+from tokenmill.attention import causal
 from tokenmill.engine.loading import LoadedModel
 
 
@@ -37,8 +37,8 @@ def score(loaded: LoadedModel, text: str, ctx: int = 256) -> Score:
             break
         inputs = torch.tensor(window[:-1], device=loaded.device)  # [T]
         n = len(window) - 1
-        meta = AttentionMetadata([0, n], [n])  # one sequence, no store: a plain causal prefill
-        hidden = loaded.model(inputs, torch.arange(n, device=loaded.device), meta)  # [T, D]
+        # one sequence, no KV cache: a plain causal prefill
+        hidden = loaded.model(inputs, torch.arange(n, device=loaded.device), *causal(n))  # [T, D]
         logprobs = loaded.model.compute_logits(hidden).log_softmax(-1)  # [T, V] float32
         targets = torch.tensor(window[1:], device=loaded.device)
         top1.append(logprobs.argmax(-1).cpu())

@@ -77,7 +77,3 @@ class SamplingParams:
             _fail("stop", self.stop, "non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "non-negative integers")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0

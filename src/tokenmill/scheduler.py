@@ -1,4 +1,6 @@
-"""The scheduler: who runs this step and how many tokens each computes. Never touches tensors.
+"""The scheduler: who runs this step and how many tokens each computes. Never touches tensors, never writes
+a `Request`: it owns its queues and its calls into the KV manager, and says what it decided in a
+`SchedulerOutput` that the engine core applies.
 
 Token-centric (as vLLM v1): a request only has `num_computed_tokens` and `num_tokens`. A prefill, a
 prefill chunk, a decode and a prefix-cache hit are all "compute the next k tokens". Each step:
@@ -7,9 +9,9 @@ prefill chunk, a decode and a prefix-cache hit are all "compute the next k token
    `max_num_batched_tokens` budget (decodes take 1; a long prompt takes what is left: chunked prefill).
    When the KV pool has no room, the lowest-priority / newest running request is preempted: its blocks are
    freed and it goes back to the front of the waiting queue to be recomputed later. Never dropped.
-2. Then waiting requests, in policy order, while the budget, `max_num_seqs` and the pool allow. A new
-   request first looks up its prompt in the prefix cache; `n > 1` siblings share the first sample's prompt
-   blocks once they are computed.
+2. Then waiting requests, in policy order, while the budget, `max_num_seqs` and the pool allow. A waiting
+   request has nothing computed; it first looks up its prompt in the prefix cache, and `n > 1` siblings
+   share the first sample's prompt blocks once they are computed.
 
 `batching="static"` admits nothing while anything runs: the whole batch drains first (the baseline).
 """
@@ -19,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tokenmill.kv_cache import KVCacheManager
-from tokenmill.types import Request, RequestStatus
+from tokenmill.kv_cache import KVManager
+from tokenmill.types import Request, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -33,26 +35,19 @@ class SchedulerConfig:
 
 
 @dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # computed this step, starting at request.num_computed_tokens
+class _Plan:
+    """A step's decisions while they are being made; frozen into a SchedulerOutput at the end."""
 
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    block_tables: dict[str, list[int]] = field(default_factory=dict)  # request id -> block ids (paged only)
+    budget: int
+    scheduled: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, num_new)
     preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
         self.config = config
-        self.kv = kv  # None: the contiguous / recompute baselines, which keep no block accounting
+        self.kv = kv
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -61,14 +56,13 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def finish(self, req: Request) -> None:
-        """Remove a finished or aborted request and release its blocks."""
+    def remove(self, req: Request) -> None:
+        """Forget a finished or aborted request and release its blocks."""
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        if self.kv is not None:
-            self.kv.free(req.request_id)
+        self.kv.free(req.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -80,74 +74,65 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        plan = _Plan(self.config.max_num_batched_tokens)
         self.running = self._ordered(self.running)
         for req in list(self.running):
-            if budget == 0:
+            if plan.budget == 0:
                 break
             if req not in self.running:  # preempted earlier in this loop
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
             if num_new <= 0:
                 continue
-            if not self._allocate_running(req, num_new, out):
+            if not self._allocate_running(req, num_new, plan):
                 continue
-            out.scheduled.append(ScheduledRequest(req, num_new))
-            budget -= num_new
-        if not out.preempted and not (self.config.batching == "static" and self.running):
-            self._admit_waiting(budget, out)
-        if self.kv is not None:
-            out.block_tables = {s.request.request_id: self.kv.block_table(s.request.request_id) for s in out.scheduled}
-        return out
+            plan.scheduled.append((req, req.num_computed_tokens, num_new))
+            plan.budget -= num_new
+        if not plan.preempted and not (self.config.batching == "static" and self.running):
+            self._admit_waiting(plan)
+        scheduled = [
+            ScheduledRequest(req.request_id, start, num_new, self.kv.block_table(req.request_id))
+            for req, start, num_new in plan.scheduled
+        ]
+        return SchedulerOutput(scheduled, plan.preempted, plan.num_cached_tokens)
 
-    def _allocate_running(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+    def _allocate_running(self, req: Request, num_new: int, plan: _Plan) -> bool:
         """Reserve blocks for `req`, preempting from the back of the running queue until it fits."""
-        if self.kv is None:
-            return True
         while not self.kv.allocate_slots(req.request_id, req.all_token_ids, req.num_computed_tokens, num_new):
             victim = self.running[-1]
-            self._preempt(victim, out)
+            self._preempt(victim, plan)
             if victim is req:
                 return False
         return True
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, plan: _Plan) -> None:
         self.running.remove(req)
-        if self.kv is not None:
-            self.kv.free(req.request_id)
-        req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
-        req.metrics.num_preemptions += 1
+        self.kv.free(req.request_id)
         self.num_preemptions += 1
         self.waiting.insert(0, req)
-        out.preempted.append(req.request_id)
+        plan.preempted.append(req.request_id)
         # a victim already scheduled this step must not run: its blocks are gone
-        out.scheduled = [s for s in out.scheduled if s.request is not req]
+        plan.scheduled = [s for s in plan.scheduled if s[0] is not req]
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+    def _admit_waiting(self, plan: _Plan) -> None:
         for req in self._ordered(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if plan.budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self._waiting_for_sibling(req):
                 continue
             num_cached, blocks = self._cached_prefix(req)
             num_new = req.num_tokens - num_cached
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 break  # the whole prompt must fit in one step; wait for a lighter step
-            num_new = min(num_new, budget)
-            if self.kv is not None and not self.kv.allocate_slots(
-                req.request_id, req.all_token_ids, num_cached, num_new, blocks
-            ):
+            num_new = min(num_new, plan.budget)
+            if not self.kv.allocate_slots(req.request_id, req.all_token_ids, num_cached, num_new, blocks):
                 self.kv.free(req.request_id)  # drop what a fork may have shared
                 break  # no room: it waits; running requests are never preempted for newcomers
-            req.num_computed_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            if req.metrics.num_preemptions == 0 and req.index == 0:
-                req.metrics.num_cached_tokens = num_cached
             self.waiting.remove(req)
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new))
-            budget -= num_new
+            plan.scheduled.append((req, num_cached, num_new))
+            plan.num_cached_tokens[req.request_id] = num_cached
+            plan.budget -= num_new
 
     def _waiting_for_sibling(self, req: Request) -> bool:
         """A later `n > 1` sample waits while the first sample's prompt is still being computed."""
@@ -161,10 +146,8 @@ class Scheduler:
 
     def _cached_prefix(self, req: Request) -> tuple[int, list[int]]:
         """(tokens already computed elsewhere, their blocks): a sibling's prompt blocks or a prefix-cache hit."""
-        if self.kv is None:
-            return 0, []
         sibling = self._running_by_id(req.fork_of)
-        if sibling is not None and req.num_computed_tokens == 0 and not req.output_token_ids:
+        if sibling is not None and not req.output_token_ids:
             shared = self.kv.fork(sibling.request_id, req.request_id, req.num_prompt_tokens - 1)
             if shared:
                 return shared, []

@@ -42,9 +42,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
-    def token_to_str(self, token_id: int) -> str:
-        return str(self.hf.convert_ids_to_tokens(token_id))
-
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:

@@ -1,4 +1,11 @@
-"""Engine-internal request state: pure data, no tensors.
+"""Engine-internal request state and the contracts between the engine's parts: pure data, no tensors.
+
+Who writes what (one writer each):
+- `Request` is written by the engine core alone (`EngineCore.add_request`, `update_from_output`, `abort`).
+  The scheduler and the output processor read it.
+- `SchedulerOutput` is the scheduler's decision for one step: who runs, from which token, how many tokens.
+- `ModelInput` is the core's description of that batch for the runner; the runner never sees a `Request`.
+- `RunnerOutput` is what the runner computed: sampled tokens and prompt logprobs, by request id.
 
 One `Request` is one sequence being generated. A user request with `n > 1` becomes n Requests sharing a
 `parent_id`; the output processor groups them back into one `RequestOutput`.
@@ -7,16 +14,23 @@ One `Request` is one sequence being generated. A user request with `n > 1` becom
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 from tokenmill.outputs import Logprobs, RequestMetrics
 from tokenmill.sampling_params import SamplingParams
 
 
-class RequestStatus(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated user request, as the core receives it (see `EngineCore.validate`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # output budget, already capped by the model's context
+    prompt: str | None = None
+    arrival_time: float = 0.0  # time.perf_counter(); 0: when the core receives it
+    tokenization_ms: float = 0.0
+    priority: int = 0
 
 
 @dataclass
@@ -35,8 +49,7 @@ class Request:
     fork_of: str | None = None  # sibling whose computed prompt blocks this sample shares (n > 1)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
-    status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while unfinished
     stop_reason: int | str | None = None
     logprobs: list[Logprobs] | None = None
     cumulative_logprob: float = 0.0
@@ -54,9 +67,18 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     @property
     def finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.finish_reason is not None
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -68,3 +90,79 @@ class Request:
         if not self.params.ignore_eos:
             ids |= self.eos_token_ids
         return sorted(ids)
+
+
+# -- scheduler -> core ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    num_computed_tokens: int  # tokens already in the KV cache when this step starts (a prefix hit, for a new one)
+    num_new_tokens: int  # computed this step
+    block_table: list[int]  # the request's KV block ids after this step's allocation ([] without paging)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # lost their KV blocks: recomputed from 0 when readmitted
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)  # admitted now -> tokens found computed
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+# -- core -> runner -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplingInput:
+    """What the sampler needs for a sequence that reaches its end this step. The id lists are read, not kept."""
+
+    params: SamplingParams
+    seed: int | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    suppressed_token_ids: list[int]  # may not be sampled now (stop tokens before min_tokens)
+
+
+@dataclass(frozen=True)
+class PromptLogprobsInput:
+    """Score prompt positions [first, first + count): position p scores prompt token p + 1."""
+
+    first: int
+    count: int
+    num_top: int
+    target_token_ids: list[int]  # [count]
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence of the batch: compute `token_ids` at positions start, start + 1, ..."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int  # tokens already in the KV cache
+    block_table: list[int]  # paged KV: the sequence's block ids
+    max_num_tokens: int  # the most tokens this sequence can ever hold (prompt + output budget)
+    sampling: SamplingInput | None  # set when this step reaches the sequence's last known token
+    prompt_logprobs: PromptLogprobsInput | None = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step (cached + new)."""
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    sequences: list[SequenceInput]
+
+
+# -- runner -> core -------------------------------------------------------------------------------------------
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, tuple[int, Logprobs | None]] = field(default_factory=dict)  # request id -> token
+    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)  # request id -> new entries

@@ -29,7 +29,7 @@ def llm(folder: Path) -> LLM:
 
 @pytest.fixture()
 def engine(llm: LLM) -> Iterator[AsyncEngine]:
-    eng = AsyncEngine(llm.engine)
+    eng = AsyncEngine(llm.engine, llm.loaded)
     eng.start()
     yield eng
     eng.shutdown()
@@ -113,7 +113,7 @@ def test_bad_request_fails_at_once_and_harms_no_one(engine: AsyncEngine) -> None
 
 
 def test_dead_engine_is_unhealthy_and_fails_open_streams(llm: LLM) -> None:
-    engine = AsyncEngine(llm.engine)
+    engine = AsyncEngine(llm.engine, llm.loaded)
     engine.start()
     runner = llm.engine.runner
     original = runner.execute

@@ -12,6 +12,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.core import EngineCore
+from tokenmill.types import EngineRequest
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +69,10 @@ def test_chunked_prefill_with_tiny_budget(folder: Path, alone: list[list[int]]) 
 
 def test_preemption_under_a_tiny_kv_pool(folder: Path, alone: list[list[int]]) -> None:
     llm = _llm(folder, num_kv_blocks=12, block_size=8)  # 96 token slots for 32 requests of up to 76 tokens
-    assert _run(llm) == alone
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
+    assert [o.outputs[0].token_ids for o in outs] == alone
     assert llm.engine.stats.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outs if o.metrics) == llm.engine.stats.num_preemptions
     assert_pool_full(llm.engine)
 
 
@@ -115,8 +118,8 @@ def test_abort_mid_generation_returns_every_block(folder: Path) -> None:
     llm = _llm(folder)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    engine.add_request("a", PROMPTS[0], params)
-    engine.add_request("b", PROMPTS[1], params)
+    for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
+        engine.add_request(EngineRequest(rid, prompt, params, engine.validate(prompt, params)))
     for _ in range(3):
         engine.step()
     assert engine.kv is not None and engine.kv.num_free_blocks < engine.kv.num_blocks

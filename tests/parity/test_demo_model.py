@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention import AttentionMetadata
+from tokenmill.attention import causal
 from tokenmill.engine.loading import DEMO_MODEL
 
 DRAFT_MODEL = DEMO_MODEL.parent / "demo-draft"
@@ -30,7 +30,7 @@ def demo() -> LLM:
 def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     model = llm.loaded.model
     with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)), AttentionMetadata([0, len(ids)], [len(ids)]))
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), *causal(len(ids)))
         return model.compute_logits(hidden)
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention import AttentionMetadata
-from tokenmill.attention.contiguous import ContiguousKVStore
+from tokenmill.attention import ContiguousKVCache, causal
+from tokenmill.types import SequenceInput
 
 FP32_TOL = 1e-4
 BF16_TOL = 0.08  # absolute, on logits of magnitude ~1-3: bf16 keeps ~3 significant digits per matmul
@@ -63,9 +63,8 @@ def case(request: pytest.FixtureRequest, make_checkpoint: Callable[..., Path]) -
 
 def _full_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V]
     model = llm.loaded.model
-    meta = AttentionMetadata([0, len(ids)], [len(ids)])
     with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), meta))
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), *causal(len(ids))))
 
 
 def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:  # [T, V]
@@ -86,22 +85,24 @@ def test_incremental_decode_equals_full_recompute(case: tuple[str, Path, Any, LL
     model, cfg = llm.loaded.model, llm.loaded.config
     ids = llm.tokenizer.encode(PROMPT)
     steps = 12
-    store = ContiguousKVStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
-    store.allocate(0, len(ids) + steps)
+    store = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+
+    def run(start: int, token_ids: list[int]) -> torch.Tensor:  # one forward of "r" over token_ids at start..
+        meta = store.prepare([SequenceInput("r", token_ids, start, [], len(ids) + steps, None)], 0)
+        return model(torch.tensor(token_ids), torch.arange(start, start + len(token_ids)), store, meta)
+
     seq = list(ids)
     cached = []
     with torch.inference_mode():
         # prefill in two chunks (exercises the chunk mask), then one token at a time
         split = len(ids) // 2
         for lo, hi in ((0, split), (split, len(ids))):
-            meta = AttentionMetadata([0, hi - lo], [hi], kv=store, slots=[0])
-            h = model(torch.tensor(seq[lo:hi]), torch.arange(lo, hi), meta)
+            h = run(lo, seq[lo:hi])
         for _ in range(steps):
             logits = model.compute_logits(h[-1:])[0]
             cached.append(logits)
             seq.append(int(logits.argmax()))
-            meta = AttentionMetadata([0, 1], [len(seq)], kv=store, slots=[0])
-            h = model(torch.tensor(seq[-1:]), torch.tensor([len(seq) - 1]), meta)
+            h = run(len(seq) - 1, seq[-1:])
     full = _full_logits(llm, seq)[len(ids) - 1 : len(ids) - 1 + steps]
     diff = (torch.stack(cached) - full).abs().max().item()
     _record(name, "cached vs recompute", diff)

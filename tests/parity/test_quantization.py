@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.attention import AttentionMetadata
+from tokenmill.attention import causal
 from tokenmill.config import EngineConfig
 from tokenmill.engine.loading import LoadedModel, load
 from tokenmill.models.linear import packing_unsupported
@@ -63,9 +63,9 @@ def test_compile_keeps_logits_and_greedy_tokens(make_checkpoint: Callable[..., P
     eager = LLM(str(folder), dtype="float32", device="cpu")
     compiled = LLM(str(folder), dtype="float32", device="cpu", compile=True)
     ids = list(range(5, 45))
-    meta = AttentionMetadata([0, len(ids)], [len(ids)])
     with torch.inference_mode():
-        hidden = [llm.loaded.model(torch.tensor(ids), torch.arange(len(ids)), meta) for llm in (eager, compiled)]
+        hidden = [llm.loaded.model(torch.tensor(ids), torch.arange(len(ids)), *causal(len(ids)))
+                  for llm in (eager, compiled)]  # fmt: skip
         logits = [llm.loaded.model.compute_logits(h) for llm, h in zip((eager, compiled), hidden)]
     assert (logits[0] - logits[1]).abs().max().item() < 1e-4
     prompts = [{"prompt_token_ids": ids[: 3 + 7 * i]} for i in range(4)]

@@ -182,6 +182,16 @@ def test_stream_include_usage_final_chunk(client: openai.OpenAI, server: Server,
     assert body and all(c.usage is None for c in body)
 
 
+def test_stream_continuous_usage_in_every_chunk(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(_complete(client, server, max_tokens=7, stream=True, stream_options=options))
+    n_prompt = len(llm.tokenizer.encode(PROMPT))
+    assert all(c.usage is not None and c.usage.prompt_tokens == n_prompt for c in chunks)
+    completed = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert completed == sorted(completed) and completed[0] <= 1 and completed[-1] == 7
+    assert all(c.usage.total_tokens == n_prompt + c.usage.completion_tokens for c in chunks if c.usage is not None)
+
+
 def test_async_client_streaming_and_not(server: Server, llm: LLM) -> None:
     want_text = offline(llm, PROMPT, 9).text
     want_chat = offline_chat(llm, MESSAGES, 6).text

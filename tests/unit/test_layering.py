@@ -1,4 +1,5 @@
-"""The architecture's hard lines: the server, tokenizer, KV cache manager and scheduler never import torch."""
+"""The architecture's hard lines: the server (and the engine facade it talks to), tokenizer, KV cache manager,
+scheduler and the data contracts never import torch."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 
 @pytest.mark.parametrize(
     "module",
-    ["tokenmill.server.app", "tokenmill.server.openai_routes", "tokenmill.tokenizer", "tokenmill.kv_cache",
-     "tokenmill.scheduler", "tokenmill.sampling_params"],
+    ["tokenmill.server.app", "tokenmill.server.openai_routes", "tokenmill.server.routes", "tokenmill.server.state",
+     "tokenmill.server.streaming", "tokenmill.engine.async_engine", "tokenmill.tokenizer", "tokenmill.kv_cache",
+     "tokenmill.scheduler", "tokenmill.sampling_params", "tokenmill.types"],
 )  # fmt: skip
 def test_module_does_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; sys.exit(1 if 'torch' in sys.modules else 0)"

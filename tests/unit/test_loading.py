@@ -53,6 +53,14 @@ def test_dtype_auto_follows_config(make_checkpoint: Callable[..., Path]) -> None
     assert LLM(str(make_checkpoint("llama", dtype="bfloat16")), dtype="float32").loaded.dtype == torch.float32
 
 
+def test_a_checkpoint_dtype_we_cannot_compute_in_is_refused(folder: Path, tmp_path: Path) -> None:
+    bad = _copy(folder, tmp_path)
+    _edit_config(bad, dtype="float8_e4m3fn", torch_dtype="float8_e4m3fn")
+    with pytest.raises(ConfigError, match="dtype 'float8_e4m3fn' is not one tokenmill computes in; pass --dtype"):
+        LLM(str(bad))
+    assert LLM(str(bad), dtype="float32").loaded.dtype == torch.float32  # an explicit dtype still loads it
+
+
 def test_unknown_architecture_lists_supported(folder: Path, tmp_path: Path) -> None:
     bad = _copy(folder, tmp_path)
     _edit_config(bad, architectures=["FancyNetForCausalLM"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.outputs import RequestMetrics
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from tokenmill.types import Request, RequestStatus
+from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.types import Request, SchedulerOutput
 
 
 def make_request(rid: str, prompt_len: int, arrival: int = 0, priority: int = 0, max_tokens: int = 8) -> Request:
@@ -25,19 +25,23 @@ def make_request(rid: str, prompt_len: int, arrival: int = 0, priority: int = 0,
 
 
 def fake_run(sched: Scheduler, out: SchedulerOutput) -> None:
-    """What the runner + core do: computed tokens advance; a request that reached its end samples a token."""
+    """What the runner + core do: preempted requests lose their computed tokens; scheduled ones advance; a
+    request that reached its end samples a token."""
+    by_id = {r.request_id: r for r in sched.running + sched.waiting}
+    for rid in out.preempted:
+        by_id[rid].num_computed_tokens = 0
     for s in out.scheduled:
-        req = s.request
-        req.num_computed_tokens += s.num_new_tokens
+        req = by_id[s.request_id]
+        req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
         if req.num_computed_tokens == req.num_tokens:
             req.output_token_ids.append(1)
             if len(req.output_token_ids) >= req.max_tokens:
-                req.status = RequestStatus.FINISHED
-                sched.finish(req)
+                req.finish_reason = "length"
+                sched.remove(req)
 
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+    return [(s.request_id, s.num_new_tokens) for s in out.scheduled]
 
 
 def test_token_budget_and_chunked_prefill() -> None:
@@ -87,8 +91,10 @@ def test_preemption_takes_the_newest_and_requeues_it_first() -> None:
     fake_run(sched, out)  # now both hold 2 full blocks: position 8 needs a fifth block
     out = sched.schedule()
     assert out.preempted == ["b"] and plan(out) == [("a", 1)]
-    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and sched.waiting[0] is b
-    assert b.metrics.num_preemptions == 1 and sched.num_preemptions == 1
+    assert b not in sched.running and sched.waiting[0] is b and sched.num_preemptions == 1
+    assert not kv.block_table("b")  # its blocks are gone; the core resets its computed tokens
+    fake_run(sched, out)
+    assert b.num_computed_tokens == 0 and b.metrics.num_preemptions == 0  # the core (here fake_run) owns both
     kv.check_integrity()
 
 
@@ -130,5 +136,6 @@ def test_prefix_hit_starts_at_the_cached_tokens() -> None:
     twin.request_id = "twin"
     sched.add(twin)
     out = sched.schedule()
-    assert plan(out) == [("twin", 2)] and twin.num_computed_tokens == 8
+    assert plan(out) == [("twin", 2)] and out.scheduled[0].num_computed_tokens == 8
+    assert out.num_cached_tokens == {"twin": 8}
     kv.check_integrity()

@@ -1,5 +1,46 @@
-"""Attention over the KV cache for a flattened batch of sequences (prefills, prefill chunks and decodes)."""
+"""Attention over the KV cache for a flattened batch of sequences (prefills, prefill chunks and decodes).
 
-from tokenmill.attention.backend import AttentionMetadata, KVStore, attend
+One protocol (`KVBackend`, backend.py), three implementations, picked once by name when the engine is built:
+`paged` (the default), `contiguous` and `none` (recompute).
+"""
 
-__all__ = ["AttentionMetadata", "KVStore", "attend"]
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.backend import BatchLayout, KVBackend, attend_sequence
+from tokenmill.attention.contiguous import ContiguousKVCache
+from tokenmill.attention.none import NoKVCache, causal
+from tokenmill.attention.paged import PagedKVCache, plan_num_blocks
+from tokenmill.config import KV_CACHE_MODES, EngineConfig, ModelConfig
+
+
+def make_kv_backend(
+    cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int
+) -> KVBackend:
+    """The backend `cfg.kv_cache` names, sized by `cfg` (the paged pool: `plan_num_blocks`)."""
+    if cfg.kv_cache == "paged":
+        num_blocks = plan_num_blocks(
+            model, dtype, device, cfg.block_size, max_model_len, cfg.max_num_seqs, cfg.num_kv_blocks,
+            cfg.kv_cache_memory_gb,
+        )  # fmt: skip
+        return PagedKVCache(model.num_layers, num_blocks, cfg.block_size, model.num_kv_heads, model.head_dim, dtype,
+                            device)  # fmt: skip
+    if cfg.kv_cache == "contiguous":
+        return ContiguousKVCache(model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
+    if cfg.kv_cache == "none":
+        return NoKVCache()
+    raise ValueError(f"kv_cache={cfg.kv_cache!r} is not supported; allowed: {', '.join(KV_CACHE_MODES)}")
+
+
+__all__ = [
+    "BatchLayout",
+    "ContiguousKVCache",
+    "KVBackend",
+    "NoKVCache",
+    "PagedKVCache",
+    "attend_sequence",
+    "causal",
+    "make_kv_backend",
+    "plan_num_blocks",
+]

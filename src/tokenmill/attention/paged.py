@@ -1,18 +1,42 @@
-"""The paged KV store: per layer, one tensor of `num_blocks * block_size` token slots.
+"""The paged KV cache (`--kv-cache paged`, the default): per layer, one tensor of `num_blocks * block_size`
+token slots. Which blocks a sequence owns is the KV manager's business (pure Python, `kv_cache/`); the
+scheduler hands each sequence's block table to the runner, and `prepare` turns the tables into slot tensors.
 
-Which slots a sequence owns is the KV cache manager's business (pure Python, `kv_cache/`); the runner
-turns its block tables into `slot_mapping` (where each new token's keys go) and `context_slots` (where a
-sequence's whole context is) before the step, so attention only indexes.
+Two attention paths:
+- decodes (the first `num_decodes` sequences, one new token each): one batched call. Every decode sequence's
+  blocks are gathered at once into [B, S, Hkv, Dh] (S = the longest context, padded), and the H query heads
+  are grouped per KV head ([B, Hkv, H/Hkv, Dh]), so GQA needs no repeated keys and a padding bias is the only
+  mask. This path reads only tensors from the metadata.
+- everything else (prefills and chunks), one sequence at a time; a sequence with nothing cached attends to its
+  new keys directly, without reading them back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
 
-from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.backend import BatchLayout, attend_sequence
+from tokenmill.config import ModelConfig
+from tokenmill.types import SequenceInput
 
 
-class PagedKVStore:
+@dataclass
+class PagedMetadata(BatchLayout):
+    slot_mapping: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [T] cache slot of each new token
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] block ids (padded with 0)
+    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 context, -inf pad
+    context_slots: list[torch.Tensor | None] = field(default_factory=list)  # per sequence: [ctx] slots to read
+
+
+class PagedKVCache:
+    retains_kv = True
+    uses_blocks = True
+
     def __init__(
         self,
         num_layers: int,
@@ -24,34 +48,127 @@ class PagedKVStore:
         device: torch.device,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype, self.device = dtype, device
         shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
-        # NOTE: empty, not zeros: a slot is always written before any sequence reads it, and untouched pages
-        # of a large CPU pool then cost no resident memory.
-        self.cache = torch.empty(shape, dtype=dtype, device=device)  # [L, 2, slots, Hkv, D]
+        # NOTE: empty, not zeros: untouched pages of a large CPU pool cost no resident memory. Blocks are zeroed
+        # once, before first use (`_zeroed_below`), because the batched decode reads whole blocks, padding included.
+        self.cache = torch.empty(shape, dtype=dtype, device=device)  # [L, 2, slots, Hkv, Dh]
+        self._zeroed_below = 0  # blocks [0, this) have been zeroed
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        assert meta.slot_mapping is not None
+    # -- per step ---------------------------------------------------------------------------------------------
+    def prepare(self, sequences: Sequence[SequenceInput], num_decodes: int) -> PagedMetadata:
+        layout = BatchLayout.of(sequences)
+        meta = PagedMetadata(layout.query_start_loc, layout.seq_lens, num_decodes=num_decodes)
+        bs, tables = self.block_size, [s.block_table for s in sequences]
+        self._zero_new_blocks(tables)
+        # decodes: the new token's slot by arithmetic; the context is read as whole blocks in one gather
+        slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables[:num_decodes], meta.seq_lens)]
+        pieces = [torch.tensor(slots, dtype=torch.int64, device=self.device)]
+        meta.context_slots = [None] * num_decodes
+        if num_decodes:
+            meta.decode_block_tables, meta.decode_bias = self._decode_tables(tables[:num_decodes], meta.seq_lens)
+        for s in sequences[num_decodes:]:
+            ctx = self._slots_of(s.block_table, 0, s.seq_len)
+            meta.context_slots.append(ctx if s.start else None)  # a fresh prefill reads no cache
+            pieces.append(ctx[s.start :])
+        meta.slot_mapping = torch.cat(pieces)  # [T]
+        return meta
+
+    def _zero_new_blocks(self, tables: list[list[int]]) -> None:
+        """A block is in some table before its first write, so zeroing every id up to the highest seen means the
+        batched decode never reads uninitialized memory (a NaN there would survive any mask)."""
+        top = max((max(t) for t in tables if t), default=-1) + 1
+        if top > self._zeroed_below:
+            self.cache[:, :, self._zeroed_below * self.block_size : top * self.block_size].zero_()
+            self._zeroed_below = top
+
+    def _decode_tables(self, tables: list[list[int]], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        width = max(-(-n // bs) for n in seq_lens[: len(tables)])
+        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+        block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)  # [B, M]
+        lens = torch.tensor(seq_lens[: len(tables)], device=self.device)
+        pad = torch.arange(width * bs, device=self.device) >= lens[:, None]  # [B, S]
+        bias = torch.zeros(pad.shape, dtype=self.dtype, device=self.device).masked_fill_(pad, float("-inf"))
+        return block_tables, bias[:, None, None, :]
+
+    def _slots_of(self, block_table: list[int], start: int, end: int) -> torch.Tensor:  # [end - start]
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.int64)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+
+    # -- per layer --------------------------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> None:
         self.cache[layer, 0].index_copy_(0, meta.slot_mapping, k)
         self.cache[layer, 1].index_copy_(0, meta.slot_mapping, v)
 
-    def read(self, layer: int, seq: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = meta.context_slots[seq]  # [ctx]
-        assert slots is not None
-        return self.cache[layer, 0, slots].transpose(0, 1), self.cache[layer, 1, slots].transpose(0, 1)
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata
+    ) -> torch.Tensor:  # [T, H, Dh]
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode_batch(layer, q[:nd], meta)
+        for b in range(nd, meta.num_seqs):
+            start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+            slots = meta.context_slots[b]
+            if slots is None:
+                keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, ctx, Dh]
+            else:
+                keys, values = self.cache[layer, 0, slots].transpose(0, 1), self.cache[layer, 1, slots].transpose(0, 1)
+            out[start:end] = attend_sequence(q[start:end], keys, values)
+        return out
 
-    def zero_blocks(self, start: int, end: int) -> None:
-        """Zero blocks [start, end) in every layer, keys and values (once each, before their first use)."""
-        self.cache[:, :, start * self.block_size : end * self.block_size].zero_()
-
-    def read_blocks(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """block_tables [B, M] -> keys, values [B, M * block_size, Hkv, Dh]: whole blocks, one gather each."""
-        b, m = block_tables.shape
-        flat = block_tables.reshape(-1)
+    def _decode_batch(self, layer: int, q: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+        """q: [B, H, Dh], one new token per sequence -> [B, H, Dh], all sequences in one call."""
+        assert meta.decode_block_tables is not None and meta.decode_bias is not None
+        b, m = meta.decode_block_tables.shape
+        flat = meta.decode_block_tables.reshape(-1)
         kv = self.cache[layer].view(2, self.num_blocks, self.block_size, *self.cache.shape[-2:])
-        keys = kv[0].index_select(0, flat).view(b, m * self.block_size, *self.cache.shape[-2:])
+        keys = kv[0].index_select(0, flat).view(b, m * self.block_size, *self.cache.shape[-2:])  # [B, S, Hkv, Dh]
         values = kv[1].index_select(0, flat).view(b, m * self.block_size, *self.cache.shape[-2:])
-        return keys, values
+        h, dh = q.shape[1], q.shape[2]
+        hkv = keys.shape[2]
+        queries = q.view(b, hkv, h // hkv, dh)  # [B, Hkv, G, Dh]: a KV head's query heads side by side
+        o = F.scaled_dot_product_attention(
+            queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.decode_bias
+        )  # [B, Hkv, G, Dh]
+        return o.reshape(b, h, dh)
+
+    def release(self, request_id: str) -> None:
+        pass  # the KV manager frees the blocks; their slots are simply overwritten later
+
+
+def plan_num_blocks(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    num_kv_blocks: int | None = None,
+    kv_cache_memory_gb: float | None = None,
+) -> int:
+    """How many KV blocks to allocate: explicit, or from a memory budget.
+
+    The default budget is a quarter of available RAM capped at 4 GiB on CPU (vLLM's CPU default), or 80% of
+    free GPU memory after the weights on CUDA; it is never more than `max_num_seqs` full-length requests need.
+    """
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    per_block = PagedKVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    useful = max_num_seqs * -(-max_model_len // block_size)
+    if kv_cache_memory_gb is not None:
+        return max(1, int(kv_cache_memory_gb * 2**30 // per_block))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = 0.8 * free
+    else:
+        import psutil
+
+        budget = min(0.25 * psutil.virtual_memory().available, 4 * 2**30)
+    return max(1, min(int(budget // per_block), useful))

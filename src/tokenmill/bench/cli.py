@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tokenmill.errors import TokenmillError
+
 SUBCOMMANDS = ("latency", "throughput", "serve", "compare", "sweep", "report")
 
 
@@ -25,15 +27,23 @@ def add_bench_parser(sub: Any, engine_args: Callable[[argparse.ArgumentParser], 
 
     add_sweep_parser(bsub, engine_args)
     add_report_parser(bsub)
-    try:
-        from tokenmill.bench.serve import add_serve_parser
+    from tokenmill.bench.serve import add_serve_parser
 
-        add_serve_parser(bsub)
-    except ImportError:  # pragma: no cover - being written
-        pass
+    add_serve_parser(bsub)
+
+
+def require_bench_extra() -> None:
+    """Every bench mode draws plots: say how to install matplotlib (the `bench` extra) in one line."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise TokenmillError(
+            "tokenmill bench draws its plots with matplotlib, which is not installed: pip install 'tokenmill[bench]'"
+        ) from None
 
 
 def run_bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path:
+    require_bench_extra()
     if args.bench_command == "latency":
         from tokenmill.bench.latency import run_latency
 

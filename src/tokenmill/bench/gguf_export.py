@@ -1,7 +1,7 @@
 """Hugging Face checkpoint -> GGUF, so the llama.cpp peer runs the very same weights as tokenmill.
 
-Supports our families: LlamaForCausalLM / MistralForCausalLM (GGUF arch `llama`, incl. llama3 and linear RoPE
-scaling), Qwen2ForCausalLM (`qwen2`) and Qwen3ForCausalLM (`qwen3`). Written with the `gguf` library after
+Supports the families that name a GGUF arch (`ModelFamily.gguf_arch`: Llama and Mistral as `llama`, incl. llama3
+and linear RoPE scaling; Qwen2 as `qwen2`; Qwen3 as `qwen3`). Written with the `gguf` library after
 studying llama.cpp's `convert_hf_to_gguf.py`; what llama.cpp expects and we reproduce:
 
 - tensor names `token_embd`, `blk.N.attn_q`, ... (`gguf.TENSOR_NAMES`); 1-D tensors (norms, biases) stay F32;
@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from tokenmill.models import FAMILIES
+
 GGUF_DTYPES = ("bf16", "f16", "f32", "q8_0")
 # GPT-2's own split (also what `ByteLevel(use_regex=True)` applies), and Llama 3's and Qwen2's (from tokenizer.json)
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -37,12 +39,6 @@ _LLAMA3_REGEX = (
 )
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")  # single digits
 _SPLIT_REGEX_TO_PRE = {_GPT2_REGEX: "gpt-2", _LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
-_ARCHS = {
-    "LlamaForCausalLM": "LLAMA",
-    "MistralForCausalLM": "LLAMA",
-    "Qwen2ForCausalLM": "QWEN2",
-    "Qwen3ForCausalLM": "QWEN3",
-}
 _GLOBAL_TENSORS = {"model.embed_tokens": "TOKEN_EMBD", "model.norm": "OUTPUT_NORM", "lm_head": "OUTPUT"}
 _BLOCK_TENSORS = {
     "input_layernorm": "ATTN_NORM",
@@ -70,9 +66,11 @@ def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16") -> Path:
         raise ValueError(f"{hf_dir} is not a Hugging Face checkpoint folder (no config.json)")
     config: dict[str, Any] = json.loads((hf_dir / "config.json").read_text())
     hf_arch = (config.get("architectures") or ["?"])[0]
-    if hf_arch not in _ARCHS:
-        raise ValueError(f"cannot export architecture {hf_arch!r} to GGUF; supported: {', '.join(_ARCHS)}")
-    arch = gguf.MODEL_ARCH[_ARCHS[hf_arch]]
+    exportable = [a for f in FAMILIES if f.gguf_arch for a in f.architectures]
+    family = next((f for f in FAMILIES if hf_arch in f.architectures), None)
+    if family is None or family.gguf_arch is None:
+        raise ValueError(f"cannot export architecture {hf_arch!r} to GGUF; supported: {', '.join(exportable)}")
+    arch = gguf.MODEL_ARCH[family.gguf_arch]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
     try:
@@ -82,7 +80,7 @@ def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16") -> Path:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         rope_factors = _write_hparams(writer, config)
         _write_vocab(writer, hf_dir, config)
-        for key, bid, suffix, data in _hf_tensors(hf_dir, config, permute_qk=arch == gguf.MODEL_ARCH.LLAMA):
+        for key, bid, suffix, data in _hf_tensors(hf_dir, config, permute_qk=family.gguf_permute_qk):
             if gguf.MODEL_TENSOR[key] not in gguf.MODEL_TENSORS[arch]:
                 raise ValueError(f"{hf_arch} checkpoint has a {key} tensor, which GGUF arch {arch.name} lacks")
             name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[key]].format(bid=bid) + f".{suffix}"

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from tokenmill.bench.plots import cdf_plot
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
 
@@ -325,22 +326,6 @@ def _finish_rows(rows: list[dict[str, Any]], counter: TokenCounter) -> None:
         r["tpot_ms"] = (r["e2e_ms"] - r["ttft_ms"]) / (n - 1) if n > 1 else None
 
 
-def _plot_cdf(path: Path, values: list[float], title: str) -> None:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 4))
-    ax = fig.subplots()
-    if values:
-        xs = sorted(values)
-        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")
-    else:
-        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    ax.set(xlabel="ms", ylabel="fraction of samples", title=title)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def render_report(plan: Plan, args: argparse.Namespace, s: dict[str, Any]) -> str:
     def f(x: Any) -> str:
         return f"{x:.2f}" if isinstance(x, float) else str(x)
@@ -428,8 +413,10 @@ def run_workload(args: argparse.Namespace, workload: str) -> Path:
     run.save_raw(rows)
     run.save_summary(summary)
     ok = [r for r in rows if r["ok"]]
-    _plot_cdf(run.plot_path("ttft_cdf.png"), [r["ttft_ms"] for r in ok], f"TTFT CDF ({workload})")
-    _plot_cdf(run.plot_path("itl_cdf.png"), [x for r in ok for x in r["itl_ms"]], f"ITL CDF ({workload})")
+    cdf_plot(run.plot_path("ttft_cdf.png"), {"": [r["ttft_ms"] for r in ok]}, "ms", f"TTFT CDF ({workload})",
+             "fraction of samples")  # fmt: skip
+    cdf_plot(run.plot_path("itl_cdf.png"), {"": [x for r in ok for x in r["itl_ms"]]}, "ms", f"ITL CDF ({workload})",
+             "fraction of samples")  # fmt: skip
     path = run.finish(render_report(plan, args, summary), headline=("output_throughput", summary["output_throughput"],
                       "tok/s"), model=args.model, backend=args.server_label)  # fmt: skip
     print(f"{workload}: {summary['requests_completed']}/{summary['requests_sent']} ok, "

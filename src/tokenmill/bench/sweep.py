@@ -20,9 +20,9 @@ from tokenmill.bench.latency import measure as measure_latency
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
 from tokenmill.bench.throughput import measure as measure_throughput
+from tokenmill.config import QUANTIZATION_MODES
 
 EXPERIMENTS = ("threads", "kv_cache", "prompt_length", "quantization", "switches")
-QUANT_MODES = ("none", "int8", "int4")
 SWITCHES: list[tuple[str, dict[str, Any]]] = [
     ("baseline (defaults)", {}),
     ("batching=static", {"batching": "static"}),
@@ -118,7 +118,7 @@ def _quantization(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str
 
     text = Path(args.quality_text).read_text() if args.quality_text else None
     rows, reference = [], None
-    for mode in QUANT_MODES:
+    for mode in QUANTIZATION_MODES:
         try:
             llm = LLM(args.model, **{**kw, "quantization": mode, "enable_prefix_caching": False})
         except ValueError as e:  # e.g. int4 on a float32 model: reported, not fatal

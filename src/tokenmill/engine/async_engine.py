@@ -1,10 +1,13 @@
 """The asynchronous engine: `EngineCore` runs in one background thread; asyncio callers get per-request streams.
 
-Callers never touch the core directly. `generate()` validates in the caller (so a bad request fails at once)
-and posts an "add" command; `abort()` posts an "abort" command. The loop thread applies commands between
-steps, so an abort takes effect within one step and frees the request's blocks. Outputs travel back to each
-request's asyncio queue with `call_soon_threadsafe`. If the loop dies, every open stream gets the error and
-`is_healthy` turns false for good: a dead engine never looks healthy.
+This is the server's only door to the engine; callers never touch the core. `add_request` validates once, in
+the caller (so a bad request fails at once), and posts an "add" command; `abort()` posts an "abort" command.
+The loop thread applies commands between steps, so an abort takes effect within one step and frees the
+request's blocks. Outputs travel back to each request's asyncio queue with `call_soon_threadsafe`.
+
+Other threads read the engine's numbers only through `snapshot()`: a frozen object the loop thread
+publishes after every step. If the loop dies, every open stream gets the error and `is_healthy` turns false
+for good: a dead engine never looks healthy.
 """
 
 from __future__ import annotations
@@ -16,14 +19,19 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
-from tokenmill.config import EngineConfig
-from tokenmill.engine.core import EngineCore
-from tokenmill.engine.loading import LoadedModel, load
+from tokenmill.metrics import EngineSnapshot
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+from tokenmill.types import EngineRequest
+
+if TYPE_CHECKING:  # NOTE: the core pulls in torch; this module stays importable without it (the server's door)
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine.loading import LoadedModel
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -34,13 +42,7 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    arrival_time: float
-    tokenization_ms: float
-    priority: int
+    request: EngineRequest
 
 
 @dataclass
@@ -88,19 +90,32 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, loaded: LoadedModel | None = None) -> None:
-        self.core = core
-        self.loaded = loaded  # the model's facts (tokenizer, dtype, device, defaults) for the server
-        self.tokenizer = core.output.tokenizer
+    def __init__(self, core: EngineCore, model: LoadedModel) -> None:
+        self.core = core  # driven by the loop thread alone once started
+        self.tokenizer: Tokenizer = model.tokenizer
+        self.max_model_len: int = core.max_model_len
+        self.vocab_size: int = core.vocab_size
+        self._defaults = model.default_sampling_params()
+        kv = core.kv
+        capacity = f"{kv.num_blocks * kv.block_size} tokens ({kv.num_blocks} blocks)" if kv.num_blocks else "unpaged"
+        self.description = (
+            f"{model.dtype} on {model.device}, KV capacity {capacity}, max_model_len {self.max_model_len}"
+        )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
-        self._lock = threading.Lock()  # guards _streams between the caller threads and the loop thread
+        self._lock = threading.Lock()  # guards _streams, _snapshot and the pending counts across threads
+        self._snapshot = core.snapshot()
+        self._pending_seqs = 0  # sequences of adds posted but not yet counted in a published snapshot
+        self._applied_seqs = 0  # loop thread: sequences added to the core since the last publish
         self._thread: threading.Thread | None = None
         self.errored: BaseException | None = None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
         """Load the model `cfg` names and start the loop thread."""
+        from tokenmill.engine.core import EngineCore
+        from tokenmill.engine.loading import load
+
         loaded = load(cfg)
         engine = cls(EngineCore.build(loaded, cfg), loaded)
         engine.start()
@@ -121,9 +136,27 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self.errored is None and self._thread is not None and self._thread.is_alive()
 
+    # -- facts and numbers --------------------------------------------------------------------------------
+    def default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json sampling defaults."""
+        return self._defaults
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise ValueError for a request that can never run; return its output budget (max_tokens)."""
+        return self.core.validate(prompt_token_ids, params)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's numbers as of the last step (published by the loop thread). `waiting` also counts
+        the sequences of requests posted but not yet picked up by the loop."""
+        with self._lock:
+            if not self._pending_seqs:
+                return self._snapshot
+            return replace(self._snapshot, waiting=self._snapshot.waiting + self._pending_seqs)
+
     @property
-    def num_open_streams(self) -> int:
-        return len(self._streams)
+    def num_pending(self) -> int:
+        """Sequences not yet computing: waiting in the scheduler or not yet picked up by the loop."""
+        return self.snapshot().waiting
 
     # -- requests -----------------------------------------------------------------------------------------
     def add_request(
@@ -138,26 +171,49 @@ class AsyncEngine:
 
         Raises ValueError at once for a request that can never run. Closing the stream early aborts it.
         """
-        if self.errored is not None:
-            raise EngineDeadError(f"the engine loop has stopped: {self.errored!r}")
+        self._check_alive()
         arrival = arrival_time or time.perf_counter()
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer; pass token ids")
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
         tokenization_ms = (time.perf_counter() - arrival) * 1000 if text is not None else 0.0
-        self.core.validate(token_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        stream = RequestStream(self, request_id)
+        request = EngineRequest(
+            request_id, token_ids, params, self.validate(token_ids, params), text, arrival, tokenization_ms, priority
+        )
+        return self._post([request])[0]
+
+    def add_requests(
+        self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str], priority: int = 0
+    ) -> list[RequestStream]:
+        """Several prompts with the same parameters, all or none: every one is validated before any starts."""
+        self._check_alive()
+        arrival = time.perf_counter()
+        requests = [
+            EngineRequest(rid, ids, params, self.validate(ids, params), None, arrival, 0.0, priority)
+            for rid, ids in zip(request_ids, prompts, strict=True)
+        ]
+        return self._post(requests)
+
+    def _check_alive(self) -> None:
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self.errored!r}")
+
+    def _post(self, requests: list[EngineRequest]) -> list[RequestStream]:
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(self, r.request_id) for r in requests]
         with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
-        self._commands.put(_Add(request_id, token_ids, params, text, arrival, tokenization_ms, priority))
-        return stream
+            taken = [r.request_id for r in requests if r.request_id in self._streams]
+            if taken or len({r.request_id for r in requests}) < len(requests):
+                raise ValueError(f"request id {(taken or [requests[0].request_id])[0]!r} is already in use")
+            for stream in streams:
+                self._streams[stream.request_id] = (loop, stream.queue)
+            self._pending_seqs += sum(r.params.n for r in requests)
+        for r in requests:
+            self._commands.put(_Add(r))
+        return streams
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
@@ -174,11 +230,6 @@ class AsyncEngine:
         with self._lock:
             self._streams.pop(request_id, None)
 
-    @property
-    def num_pending(self) -> int:
-        """Requests not yet computing: waiting in the scheduler or not yet picked up by the loop."""
-        return len(self.core.scheduler.waiting) + self._commands.qsize()
-
     def abort(self, request_id: str) -> None:
         """Stop a request within one step; its stream ends with finish_reason "abort"."""
         self._commands.put(_Abort(request_id))
@@ -191,6 +242,13 @@ class AsyncEngine:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
+    def _publish(self) -> None:
+        snapshot = self.core.snapshot()
+        with self._lock:
+            self._snapshot = snapshot
+            self._pending_seqs -= self._applied_seqs
+            self._applied_seqs = 0
+
     def _apply(self, cmd: _Command) -> bool:
         """Apply one command; False means stop the loop."""
         if isinstance(cmd, _Stop):
@@ -200,13 +258,11 @@ class AsyncEngine:
             if final is not None:
                 self._deliver(cmd.request_id, final)
             return True
+        self._applied_seqs += cmd.request.params.n
         try:
-            self.core.add_request(
-                cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt, cmd.arrival_time,
-                cmd.tokenization_ms, cmd.priority,
-            )  # fmt: skip
-        except ValueError as e:  # raced validation (e.g. duplicate id): fail just this request
-            self._deliver(cmd.request_id, e)
+            self.core.add_request(cmd.request)
+        except ValueError as e:  # raced (e.g. a duplicate id): fail just this request
+            self._deliver(cmd.request.request_id, e)
         return True
 
     def _loop(self) -> None:
@@ -227,6 +283,7 @@ class AsyncEngine:
                 if self.core.has_unfinished():
                     for out in self.core.step():
                         self._deliver(out.request_id, out)
+                self._publish()
         except BaseException as e:  # the engine is dead: tell everyone waiting, never hang them
             log.exception("engine loop died")
             self.errored = e

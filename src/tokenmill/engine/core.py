@@ -1,9 +1,12 @@
-"""The synchronous engine loop. One `step()`: schedule -> run the model once and sample -> append tokens and
-check stops -> detokenize and check stop strings -> release what finished -> hand back outputs.
+"""The synchronous engine loop, and the one owner of request state.
 
-The core owns request lifetimes; the scheduler decides who runs; the runner owns the tensors. With
-`kv_cache="none"` nothing stays computed, so every step recomputes each running request's whole context:
-the textbook baseline that shows what a KV cache buys.
+One `step()`: the scheduler decides who runs -> the core describes that batch (`ModelInput`) -> the runner
+runs the model once and samples -> `update_from_output` appends tokens, advances `num_computed_tokens`,
+checks stop tokens, lengths and (through the output processor) stop strings, and frees what finished.
+
+Only this class writes a `Request`. The scheduler owns its queues and the KV manager; the runner owns tensors
+and never sees a request; the output processor detokenizes and reports. `snapshot()` publishes the numbers
+other threads may read.
 """
 
 from __future__ import annotations
@@ -11,17 +14,28 @@ from __future__ import annotations
 import time
 from itertools import count
 
+from tokenmill.attention import make_kv_backend
 from tokenmill.config import EngineConfig
 from tokenmill.engine.loading import LoadedModel
 from tokenmill.engine.output import OutputProcessor
-from tokenmill.kv_cache import KVCacheManager
-from tokenmill.metrics import EngineStats, StepStats
+from tokenmill.kv_cache import KVCacheManager, KVManager, UnpagedKVManager
+from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
 from tokenmill.outputs import RequestMetrics, RequestOutput
-from tokenmill.runner import ModelRunner, RunnerOutput, plan_num_kv_blocks
+from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.tokenizer import Tokenizer
-from tokenmill.types import Request, RequestStatus
+from tokenmill.types import (
+    EngineRequest,
+    ModelInput,
+    PromptLogprobsInput,
+    Request,
+    RunnerOutput,
+    SamplingInput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SequenceInput,
+)
 
 
 class EngineCore:
@@ -29,47 +43,50 @@ class EngineCore:
         self,
         runner: ModelRunner,
         scheduler: Scheduler,
-        tokenizer: Tokenizer | None,
+        tokenizer: Tokenizer,
         vocab_size: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
-        self.kv: KVCacheManager | None = scheduler.kv
+        self.kv: KVManager = scheduler.kv
         self.output = OutputProcessor(tokenizer)
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
-        self.recompute = runner.kv_mode == "none"
         self.requests: dict[str, list[Request]] = {}  # parent request id -> its sequences
+        self._seqs: dict[str, Request] = {}  # sequence (request) id -> sequence
         self.stats = EngineStats()
         self._ids = count()
         self._arrivals = count()
 
     @classmethod
     def build(cls, loaded: LoadedModel, cfg: EngineConfig) -> EngineCore:
-        """Wire a loaded model into runner + KV cache + scheduler as `cfg` says."""
-        max_len = loaded.max_model_len
-        chunked = cfg.enable_chunked_prefill and cfg.kv_cache != "none"  # recompute keeps no partial prefill
+        """Wire a loaded model into KV backend + KV manager + runner + scheduler as `cfg` says.
+
+        After `make_kv_backend` resolves `cfg.kv_cache`, everything asks the backend's attributes."""
+        max_len, model_cfg = loaded.max_model_len, loaded.config
+        backend = make_kv_backend(cfg, model_cfg, loaded.dtype, loaded.device, max_len)
+        kv: KVManager = (
+            KVCacheManager(backend.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+            if backend.uses_blocks
+            else UnpagedKVManager()
+        )
+        chunked = cfg.enable_chunked_prefill and backend.retains_kv  # recompute keeps no partial prefill
         budget = cfg.max_num_batched_tokens if chunked else max(cfg.max_num_batched_tokens, max_len)
-        kv = None
-        num_blocks = 0
-        if cfg.kv_cache == "paged":
-            num_blocks = plan_num_kv_blocks(
-                loaded.model, loaded.device, cfg.block_size, max_len, cfg.max_num_seqs,
-                cfg.num_kv_blocks, cfg.kv_cache_memory_gb,
-            )  # fmt: skip
-            kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        runner = ModelRunner(loaded.model, loaded.device, cfg.kv_cache, num_blocks, cfg.block_size, cfg.seed)
         scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, budget, chunked, cfg.scheduling_policy, cfg.batching), kv
         )
-        return cls(runner, scheduler, loaded.tokenizer, loaded.config.vocab_size, max_len, loaded.eos_token_ids)
+        runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed)
+        return cls(runner, scheduler, loaded.tokenizer, model_cfg.vocab_size, max_len, loaded.eos_token_ids)
 
+    # -- what the callers see ---------------------------------------------------------------------------------
     def new_request_id(self) -> str:
         return str(next(self._ids))
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Reject a request that can never run; return its output budget (max_tokens)."""
+        """Reject a request that can never run; return its output budget (max_tokens).
+
+        Reads only facts fixed at construction, so any thread may call it."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -83,60 +100,50 @@ class EngineCore:
                 f"{num_prompt + max(max_tokens, 1)} tokens ({num_prompt} in the messages, {max(max_tokens, 1)} in the "
                 "completion). Please reduce the length of the prompt or the completion."
             )
-        if self.kv is not None:
-            needed = self.kv.num_blocks_needed(num_prompt + max_tokens)
-            if needed > self.kv.num_blocks:
-                raise ValueError(
-                    f"this request needs {needed} KV blocks ({num_prompt} prompt + {max_tokens} completion tokens) "
-                    f"but the whole pool has {self.kv.num_blocks}; lower max_tokens or raise num_kv_blocks / "
-                    "kv_cache_memory_gb"
-                )
+        needed = self.kv.num_blocks_needed(num_prompt + max_tokens)
+        if needed > self.kv.num_blocks:
+            raise ValueError(
+                f"this request needs {needed} KV blocks ({num_prompt} prompt + {max_tokens} completion tokens) "
+                f"but the whole pool has {self.kv.num_blocks}; lower max_tokens or raise num_kv_blocks / "
+                "kv_cache_memory_gb"
+            )
         return max_tokens
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-        arrival_time: float | None = None,
-        tokenization_ms: float = 0.0,
-        priority: int = 0,
-    ) -> None:
-        """Validate and queue one user request (its n sequences). Raises ValueError when it can never run."""
-        max_tokens = self.validate(prompt_token_ids, params)
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue one validated user request (its n sequences)."""
+        request_id, params = request.request_id, request.params
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         metrics = RequestMetrics(
-            arrival_time=arrival_time or time.perf_counter(),
-            tokenization_ms=tokenization_ms,
-            num_prompt_tokens=len(prompt_token_ids),
+            arrival_time=request.arrival_time or time.perf_counter(),
+            tokenization_ms=request.tokenization_ms,
+            num_prompt_tokens=len(request.prompt_token_ids),
         )
         arrival = next(self._arrivals)
-        children = []
-        for i in range(params.n):
-            children.append(
-                Request(
-                    request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
-                    parent_id=request_id,
-                    index=i,
-                    prompt_token_ids=list(prompt_token_ids),
-                    params=params,
-                    max_tokens=max_tokens,
-                    eos_token_ids=self.eos_token_ids,
-                    metrics=metrics,
-                    arrival_order=arrival,
-                    priority=priority,
-                    seed=None if params.seed is None else params.seed + i,
-                    fork_of=f"{request_id}-0" if i > 0 else None,
-                    logprobs=[] if params.logprobs is not None else None,
-                    prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                )
+        children = [
+            Request(
+                request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
+                parent_id=request_id,
+                index=i,
+                prompt_token_ids=list(request.prompt_token_ids),
+                params=params,
+                max_tokens=request.max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                metrics=metrics,
+                arrival_order=arrival,
+                priority=request.priority,
+                seed=None if params.seed is None else params.seed + i,
+                fork_of=f"{request_id}-0" if i > 0 else None,
+                logprobs=[] if params.logprobs is not None else None,
+                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             )
+            for i in range(params.n)
+        ]
         self.requests[request_id] = children
-        self.stats.prompt_tokens += len(prompt_token_ids)
-        self.output.add_request(prompt, children)
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
+        self.output.add_request(request.prompt, children)
         for child in children:
+            self._seqs[child.request_id] = child
             self.scheduler.add(child)
 
     def has_unfinished(self) -> bool:
@@ -151,11 +158,29 @@ class EngineCore:
             return None
         for req in children:
             if not req.finished:
-                req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+                req.finish_reason = "abort"
             self._release(req)
         self.stats.num_aborted += 1
         return self.output.abort(request_id)
 
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's numbers as one frozen object, for readers on other threads."""
+        return EngineSnapshot(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_free=self.kv.num_free_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.stats.num_steps,
+            mean_batch_size=self.stats.mean_batch_size,
+            max_batch_size=self.stats.max_batch_size,
+            num_completed=self.stats.num_completed,
+            num_aborted=self.stats.num_aborted,
+        )
+
+    # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if not self.requests:
             return []
@@ -163,13 +188,81 @@ class EngineCore:
         so = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not so.scheduled:
-            return []
+            return self.update_from_output(so, RunnerOutput(), start)
+        batch = [self._seqs[s.request_id] for s in so.scheduled]
+        outputs = self.update_from_output(so, self.runner.execute(self._model_input(so)), start)
+        self.stats.record(
+            StepStats(
+                batch_size=len(so.scheduled),
+                num_tokens=so.num_batched_tokens,
+                num_decode_tokens=sum(
+                    1 for s, r in zip(so.scheduled, batch) if r.output_token_ids and s.num_new_tokens == 1
+                ),
+                kv_usage=self.kv.usage,
+                duration_s=time.perf_counter() - start,
+            )
+        )
+        return outputs
+
+    def _model_input(self, so: SchedulerOutput) -> ModelInput:
+        return ModelInput([self._sequence_input(self._seqs[s.request_id], s) for s in so.scheduled])
+
+    def _sequence_input(self, req: Request, s: ScheduledRequest) -> SequenceInput:
+        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+        sampling = None
+        if end == req.num_tokens:
+            suppressed = req.stop_ids_active() if len(req.output_token_ids) < req.params.min_tokens else []
+            sampling = SamplingInput(req.params, req.seed, req.prompt_token_ids, req.output_token_ids, suppressed)
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None:
+            # position p scores prompt token p+1; skip positions already scored (recompute mode)
+            first = max(start, len(req.prompt_logprobs) - 1)
+            num = min(end, req.num_prompt_tokens - 1) - first
+            if num > 0:
+                targets = req.prompt_token_ids[first + 1 : first + 1 + num]
+                prompt_logprobs = PromptLogprobsInput(first, num, req.params.prompt_logprobs or 0, targets)
+        return SequenceInput(
+            request_id=req.request_id,
+            token_ids=req.token_ids_between(start, end),
+            start=start,
+            block_table=s.block_table,
+            max_num_tokens=req.num_prompt_tokens + req.max_tokens,
+            sampling=sampling,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def update_from_output(
+        self, so: SchedulerOutput, result: RunnerOutput, scheduled_at: float | None = None
+    ) -> list[RequestOutput]:
+        """Apply one step to request state: the only place requests change while they run."""
+        now = time.perf_counter()
+        for request_id in so.preempted:
+            req = self._seqs[request_id]
+            req.num_computed_tokens = 0
+            req.metrics.num_preemptions += 1
+        for request_id, num_cached in so.num_cached_tokens.items():
+            req = self._seqs[request_id]
+            if req.metrics.num_preemptions == 0 and req.index == 0:
+                req.metrics.num_cached_tokens = num_cached
+        retains_kv = self.runner.kv.retains_kv
         for s in so.scheduled:
-            s.request.metrics.first_scheduled_time = s.request.metrics.first_scheduled_time or start
-        result = self.runner.execute(so)
-        self._update(so, result)
-        parents = list(dict.fromkeys(s.request.parent_id for s in so.scheduled))
-        outputs = self.output.process(parents)
+            req = self._seqs[s.request_id]
+            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or scheduled_at or now
+            req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens if retains_kv else 0
+            if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:
+                req.prompt_logprobs += result.prompt_logprobs[req.request_id]
+            if req.request_id in result.sampled:
+                self._append_token(req, *result.sampled[req.request_id], now)
+        parents = list(dict.fromkeys(self._seqs[s.request_id].parent_id for s in so.scheduled))
+        for parent_id in parents:
+            for req in self.requests[parent_id]:
+                hit = self.output.detokenize(parent_id, req.index)
+                if hit is not None:  # drop tokens generated after the one that completed the stop string
+                    del req.output_token_ids[hit.num_tokens :]
+                    if req.logprobs is not None:
+                        del req.logprobs[hit.num_tokens :]
+                    req.finish_reason, req.stop_reason = "stop", hit.stop
+        outputs = self.output.make_outputs(parents)
         for out in outputs:
             if out.finished:
                 for req in self.requests.pop(out.request_id, []):
@@ -179,52 +272,29 @@ class EngineCore:
                 for req in self.requests[out.request_id]:
                     if req.finished:
                         self._release(req)
-        self.stats.record(
-            StepStats(
-                batch_size=len(so.scheduled),
-                num_tokens=so.num_batched_tokens,
-                num_decode_tokens=sum(1 for s in so.scheduled if s.request.output_token_ids and s.num_new_tokens == 1),
-                kv_usage=self.kv.usage if self.kv is not None else 0.0,
-                duration_s=time.perf_counter() - start,
-            )
-        )
         return outputs
 
-    def _update(self, so: SchedulerOutput, result: RunnerOutput) -> None:
-        now = time.perf_counter()
-        for s in so.scheduled:
-            req = s.request
-            req.num_computed_tokens = 0 if self.recompute else req.num_computed_tokens + s.num_new_tokens
-            if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:
-                req.prompt_logprobs += result.prompt_logprobs[req.request_id]
-            if req.request_id not in result.sampled:
-                continue
-            token, logprobs = result.sampled[req.request_id]
-            req.output_token_ids.append(token)
-            if req.logprobs is not None and logprobs is not None:
-                req.logprobs.append(logprobs)
-                req.cumulative_logprob += logprobs[token]
-            m = req.metrics
-            m.first_token_time = m.first_token_time or now
-            m.last_token_time = now
-            m.token_times.append(now)
-            m.num_generated_tokens += 1
-            self.stats.generation_tokens += 1
-            self._check_stop(req, token)
-
-    def _check_stop(self, req: Request, token: int) -> None:
-        reason: str | None = None
+    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> None:
+        req.output_token_ids.append(token)
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs.append(logprobs)
+            req.cumulative_logprob += logprobs[token]
+        m = req.metrics
+        m.first_token_time = m.first_token_time or now
+        m.last_token_time = now
+        m.token_times.append(now)
+        m.num_generated_tokens += 1
+        self.stats.generation_tokens += 1
         if len(req.output_token_ids) >= req.params.min_tokens:
             if not req.params.ignore_eos and token in req.eos_token_ids:
-                reason = "stop"
+                req.finish_reason = "stop"
             elif token in req.params.stop_token_ids:
-                reason, req.stop_reason = "stop", token
-        if reason is None and (len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason is not None:
-            req.status, req.finish_reason = RequestStatus.FINISHED, reason
+                req.finish_reason, req.stop_reason = "stop", token
+        if not req.finished and (len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            req.finish_reason = "length"
 
     def _release(self, req: Request) -> None:
         req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()
-        self.scheduler.finish(req)
-        self.runner.free(req.request_id)
+        self.scheduler.remove(req)
+        self.runner.release(req.request_id)
+        self._seqs.pop(req.request_id, None)

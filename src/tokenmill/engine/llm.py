@@ -15,6 +15,7 @@ from tokenmill.engine.core import EngineCore
 from tokenmill.engine.loading import LoadedModel, load
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.types import EngineRequest
 
 Prompt = str | dict[str, Any]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
 Message = dict[str, Any]
@@ -44,8 +45,11 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> str:
         arrival = time.perf_counter()
         text, token_ids, tokenization_ms = self._tokenize(prompt)
+        max_tokens = self.engine.validate(token_ids, params)
         request_id = self.engine.new_request_id()
-        self.engine.add_request(request_id, token_ids, params, text, arrival, tokenization_ms, priority)
+        self.engine.add_request(
+            EngineRequest(request_id, token_ids, params, max_tokens, text, arrival, tokenization_ms, priority)
+        )
         return request_id
 
     def generate(

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.errors import ModelLoadError
-from tokenmill.models import CausalLM, model_class
+from tokenmill.config import DTYPES, EngineConfig, ModelConfig
+from tokenmill.errors import ConfigError, ModelLoadError
+from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.linear import prepare_linears
 from tokenmill.sampling_params import SamplingParams
@@ -19,7 +19,7 @@ from tokenmill.tokenizer import Tokenizer
 from tokenmill.weights import load_weights, resolve_model
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
 @dataclass
@@ -71,11 +71,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
+    """`dtype`, or with "auto" the checkpoint's own; a checkpoint dtype we cannot compute in is an error."""
     name = config.torch_dtype if dtype == "auto" else dtype
-    return _TORCH_DTYPES.get(name, torch.float32)
+    if name not in _TORCH_DTYPES:
+        allowed = ", ".join(_TORCH_DTYPES)
+        raise ConfigError(f"config.json: dtype {name!r} is not one tokenmill computes in; pass --dtype {allowed}")
+    return _TORCH_DTYPES[name]
 
 
-def _read_json(path: Path, required: bool) -> dict[str, Any]:
+def read_json(path: Path, required: bool) -> dict[str, Any]:
     if not path.is_file():
         if required:
             raise ModelLoadError(f"{path} does not exist")
@@ -91,8 +95,9 @@ def _read_json(path: Path, required: bool) -> dict[str, Any]:
 
 def load(cfg: EngineConfig) -> LoadedModel:
     path = resolve_model(cfg.model or default_model_ref(), cfg.revision)
-    model_config = ModelConfig.from_hf(_read_json(path / "config.json", required=True))
-    cls = model_class(model_config.architecture)  # fail on the architecture before reading any weights
+    hf_config = read_json(path / "config.json", required=True)
+    family = family_for(hf_config)  # fail on the architecture before reading any weights
+    model_config = family.config_from_hf(hf_config)
     max_len = cfg.max_model_len or model_config.max_position_embeddings
     if max_len > model_config.max_position_embeddings:
         raise ValueError(
@@ -104,7 +109,7 @@ def load(cfg: EngineConfig) -> LoadedModel:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with torch.device("meta"):
-        model = cls(model_config)
+        model = family.model_class(model_config)
     load_weights(model, path, dtype, device)
     kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights)
     if cfg.compile:
@@ -117,6 +122,6 @@ def load(cfg: EngineConfig) -> LoadedModel:
         device=device,
         dtype=dtype,
         max_model_len=max_len,
-        generation_config=_read_json(path / "generation_config.json", required=False),
+        generation_config=read_json(path / "generation_config.json", required=False),
         kernels=kernels,
     )

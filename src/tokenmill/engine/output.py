@@ -1,4 +1,7 @@
-"""Output processing: token ids -> text, stop strings, and one `RequestOutput` per user request.
+"""Output processing: token ids -> text, stop-string detection, and one `RequestOutput` per user request.
+
+Pure reporting: it says "a stop string ends at output token k" and the engine core decides; it reads
+requests and never writes them.
 
 Text is produced incrementally (see `IncrementalDetokenizer`). When stop strings are set, the last
 `len(longest stop) - 1` characters are held back from streaming deltas until they can no longer start a
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
-from tokenmill.types import Request, RequestStatus
+from tokenmill.types import Request
 
 
 class SequenceText:
@@ -59,40 +62,48 @@ class SequenceText:
         return delta
 
 
+@dataclass(frozen=True)
+class StopStringHit:
+    num_tokens: int  # output tokens to keep: the one that completed the stop string is the last
+    stop: str
+
+
 @dataclass
 class _Group:
     prompt: str | None
     children: list[Request]
-    texts: list[SequenceText | None]
+    texts: list[SequenceText]
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    """Detokenizes and reports; never changes a `Request`. The engine core decides what a stop string ends."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._groups: dict[str, _Group] = {}
 
     def add_request(self, prompt: str | None, children: list[Request]) -> None:
-        tok = self.tokenizer
-        texts = [SequenceText(tok, r) if tok is not None else None for r in children]
+        texts = [SequenceText(self.tokenizer, r) for r in children]
         self._groups[children[0].parent_id] = _Group(prompt, children, texts)
 
-    def process(self, updated_parents: list[str]) -> list[RequestOutput]:
-        """Detokenize new tokens of the given requests, finish any that hit a stop string, build outputs."""
+    def detokenize(self, parent_id: str, index: int) -> StopStringHit | None:
+        """Turn sample `index`'s new output tokens into text; report the first stop string they complete."""
+        group = self._groups[parent_id]
+        req, text = group.children[index], group.texts[index]
+        new_ids = req.output_token_ids[text.num_tokens_seen :]
+        for i, tok in enumerate(new_ids):
+            position = text.num_tokens_seen + 1  # 1-based count of output tokens incl. this one
+            stop = text.add(tok, check_stops=position > req.params.min_tokens)
+            if stop is not None and not req.finished:
+                return StopStringHit(len(req.output_token_ids) - len(new_ids) + i + 1, stop)
+        return None
+
+    def make_outputs(self, parent_ids: list[str]) -> list[RequestOutput]:
+        """One output per parent with the text so far; a finished parent is forgotten after its last output."""
         outputs = []
-        for parent_id in updated_parents:
+        for parent_id in parent_ids:
             group = self._groups[parent_id]
             for req, text in zip(group.children, group.texts):
-                if text is None:
-                    continue
-                new_ids = req.output_token_ids[text.num_tokens_seen :]
-                for i, tok in enumerate(new_ids):
-                    position = text.num_tokens_seen + 1  # 1-based count of output tokens incl. this one
-                    stop = text.add(tok, check_stops=position > req.params.min_tokens)
-                    if stop is not None and not req.finished:
-                        # drop tokens generated after the one that completed the stop string
-                        del req.output_token_ids[len(req.output_token_ids) - len(new_ids) + i + 1 :]
-                        req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED, "stop", stop
-                        break
                 if req.finished:
                     text.finish()
             outputs.append(self._build(parent_id, group))
@@ -106,7 +117,7 @@ class OutputProcessor:
             completions.append(
                 CompletionOutput(
                     index=req.index,
-                    text=text.text if text else "",
+                    text=text.text,
                     token_ids=list(req.output_token_ids),
                     cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
                     logprobs=req.logprobs[: len(req.output_token_ids)] if req.logprobs is not None else None,
@@ -114,7 +125,7 @@ class OutputProcessor:
                     stop_reason=req.stop_reason,
                 )
             )
-            deltas.append(text.take_delta(req.finished) if text else "")
+            deltas.append(text.take_delta(req.finished))
         first = group.children[0]
         return RequestOutput(
             request_id=parent_id,
@@ -133,6 +144,5 @@ class OutputProcessor:
         if group is None:
             return None
         for text in group.texts:
-            if text is not None:
-                text.finish()
+            text.finish()
         return self._build(parent_id, group)

@@ -1,28 +1,43 @@
-"""Model families and the registry from Hugging Face `architectures` names to our classes."""
+"""Model families and the registry: which family a checkpoint's config.json belongs to.
+
+Adding a family: a file `models/<family>.py` with its model class and a `ModelFamily`, and one line below.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenmill.errors import ConfigError
+from tokenmill.models.family import ModelFamily
 from tokenmill.models.layers import CausalLM
-from tokenmill.models.llama import LlamaForCausalLM, MistralForCausalLM
-from tokenmill.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from tokenmill.models.llama import LLAMA, MISTRAL
+from tokenmill.models.qwen import QWEN2, QWEN3
 
-MODEL_REGISTRY: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
-
-
-def model_class(architecture: str) -> type[CausalLM]:
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
-        supported = ", ".join(sorted(MODEL_REGISTRY))
-        raise ConfigError(
-            f"architecture {architecture!r} is not supported; supported architectures: {supported}"
-        ) from None
+FAMILIES: tuple[ModelFamily, ...] = (
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+)
 
 
-__all__ = ["MODEL_REGISTRY", "CausalLM", "model_class"]
+def family_for(hf: dict[str, Any]) -> ModelFamily:
+    """The family of a parsed config.json: by its first `architectures` name, else by its `model_type`."""
+    archs = hf.get("architectures") or []
+    for family in FAMILIES:
+        if (archs and archs[0] in family.architectures) or (not archs and hf.get("model_type") in family.model_types):
+            return family
+    name = archs[0] if archs else str(hf.get("model_type") or "<missing>")
+    supported = ", ".join(sorted(a for f in FAMILIES for a in f.architectures))
+    raise ConfigError(f"architecture {name!r} is not supported; supported architectures: {supported}")
+
+
+def family_named(name: str) -> ModelFamily:
+    """The family `make-model --arch NAME` means."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ValueError(f"--arch {name!r} is not supported; allowed: {', '.join(f.name for f in FAMILIES)}")
+
+
+__all__ = ["FAMILIES", "CausalLM", "ModelFamily", "family_for", "family_named"]

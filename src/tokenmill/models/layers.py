@@ -8,12 +8,13 @@ loader splits Hugging Face's separate tensors into the fused ones (see `STACKED_
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.attention import AttentionMetadata, attend
+from tokenmill.attention import KVBackend
 from tokenmill.config import ModelConfig, RopeConfig
 from tokenmill.models.linear import Linear
 
@@ -133,7 +134,8 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, D]
         cos: torch.Tensor,  # [T, Dh]
         sin: torch.Tensor,  # [T, Dh]
-        meta: AttentionMetadata,
+        kv: KVBackend,
+        meta: Any,  # what `kv.prepare` built for this batch
     ) -> torch.Tensor:  # [T, D]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, Dh]
@@ -142,7 +144,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = attend(self.layer_idx, q, k, v, meta)  # [T, H, Dh]
+        kv.write(self.layer_idx, k, v, meta)
+        o = kv.attend(self.layer_idx, q, k, v, meta)  # [T, H, Dh]
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -167,9 +170,9 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBackend, meta: Any
     ) -> torch.Tensor:  # [T, D]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -183,11 +186,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVBackend, meta: Any) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary(positions, x.dtype)  # [T, Dh] each
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
+            x = layer(x, cos, sin, kv, meta)
         return self.norm(x)
 
 
@@ -209,9 +212,10 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        meta: AttentionMetadata,
+        kv: KVBackend,  # where keys and values live (attention/)
+        meta: Any,  # what `kv.prepare` built for this batch
     ) -> torch.Tensor:  # [T, D]
-        return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, kv, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
         return self.lm_head(hidden).float()

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATION_MODES = ("none", "int8", "int4")
+from tokenmill.config import QUANTIZATION_MODES
+
 INT4_GROUP_SIZE = 32
 # The weight-only kernels are GEMVs at heart: their cost grows with every row of x, while a dense GEMM at
 # small M costs about one pass over the weight. Above this many rows (prefill) the int8/int4 modules

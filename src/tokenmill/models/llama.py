@@ -1,12 +1,13 @@
 """Llama family: Llama 2/3/3.x (incl. `llama3` RoPE scaling), TinyLlama, SmolLM, and Mistral.
 
 Llama is the reference decoder: pre-norm RMSNorm, rotary attention with grouped-query heads, SiLU-gated MLP.
-Everything it needs lives in `layers.py`; Llama-specific options (`attention_bias`, `mlp_bias`, `head_dim`,
-RoPE scaling) arrive normalised in `ModelConfig`.
+Everything it needs lives in `layers.py`; its options (`attention_bias`, `mlp_bias`, `head_dim`, RoPE
+scaling) are plain config.json fields, so neither family has quirks to adapt.
 """
 
 from __future__ import annotations
 
+from tokenmill.models.family import ModelFamily
 from tokenmill.models.layers import CausalLM
 
 
@@ -16,3 +17,10 @@ class LlamaForCausalLM(CausalLM):
 
 class MistralForCausalLM(CausalLM):
     """Mistral is Llama with a sliding-window option; we attend over the full context (exact up to the window)."""
+
+
+# llama.cpp's `llama` arch rotates interleaved pairs (GPT-J style): the GGUF export permutes Q/K rows
+LLAMA = ModelFamily("llama", ("LlamaForCausalLM",), ("llama",), LlamaForCausalLM, "LlamaConfig", "LLAMA", True)
+MISTRAL = ModelFamily(
+    "mistral", ("MistralForCausalLM",), ("mistral",), MistralForCausalLM, "MistralConfig", "LLAMA", True
+)

@@ -98,6 +98,13 @@ class ChatMessage(_Strict):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def as_template_dict(self) -> dict[str, str]:
+        """The message as the chat template sees it; `name` is passed on, as vLLM does."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)

@@ -1,0 +1,145 @@
+"""The non-OpenAI endpoints: /health, /metrics, /stats, /v1/models, /tokenize, /detokenize and /generate
+(tokenmill's own streaming endpoint that reports per-request timing and memory).
+
+Must not import torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.metrics import peak_rss_mb, rss_mb
+from tokenmill.server.errors import APIError, bad_value
+from tokenmill.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from tokenmill.server.state import ServerState, authorize, get_state, ready_engine
+from tokenmill.server.streaming import sse
+
+router = APIRouter()
+State = Annotated[ServerState, Depends(get_state)]
+Engine = Annotated[AsyncEngine, Depends(ready_engine)]
+AUTH = [Depends(authorize)]
+
+
+@router.get("/health")
+async def health(state: State) -> Response:
+    if state.engine is not None and state.engine.is_healthy:
+        return Response(status_code=200)
+    reason = "loading" if state.engine is None and state.load_error is None else "engine not running"
+    return JSONResponse({"status": reason}, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    if state.metrics is None:
+        raise APIError(503, "the model is still loading")
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/stats", dependencies=AUTH)
+async def stats(engine: Engine) -> dict[str, Any]:
+    s = engine.snapshot()
+    return {
+        "running": s.running,
+        "waiting": s.waiting,
+        "kv_blocks_total": s.kv_blocks_total,
+        "kv_blocks_used": s.kv_blocks_total - s.kv_blocks_free,
+        "kv_blocks_free": s.kv_blocks_free,
+        "kv_cache_usage": s.kv_usage,
+        "prefix_cache_queries": s.prefix_cache_queries,
+        "prefix_cache_hits": s.prefix_cache_hits,
+        "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+        "avg_batch_size": s.mean_batch_size,
+        "max_batch_size": s.max_batch_size,
+        "num_steps": s.num_steps,
+        "completed_requests": s.num_completed,
+        "aborted_requests": s.num_aborted,
+        "preemptions": s.num_preemptions,
+    }
+
+
+@router.get("/v1/models", dependencies=AUTH)
+async def models(state: State, engine: Engine) -> dict[str, Any]:
+    card = {"id": state.config.served_model_name, "object": "model", "created": state.created,
+            "owned_by": "tokenmill", "max_model_len": engine.max_model_len}  # fmt: skip
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/tokenize", dependencies=AUTH)
+async def tokenize(body: TokenizeRequest, state: State, engine: Engine) -> dict[str, Any]:
+    state.check_model(body.model)
+    tok = engine.tokenizer
+    if body.messages is not None:
+        try:
+            tokens = tok.apply_chat_template([m.as_template_dict() for m in body.messages])
+        except ValueError as e:
+            raise bad_value(e) from None
+    elif body.prompt is not None:
+        tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        raise APIError(400, "give either prompt or messages", param="prompt")
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+
+@router.post("/detokenize", dependencies=AUTH)
+async def detokenize(body: DetokenizeRequest, state: State, engine: Engine) -> dict[str, Any]:
+    state.check_model(body.model)
+    vocab = engine.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of range: allowed [0, {vocab - 1}]", param="tokens")
+    return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+@router.post("/generate", dependencies=AUTH)
+async def generate(body: GenerateRequest, state: State, engine: Engine) -> StreamingResponse:
+    state.admit(engine, 1)
+    rss_start = rss_mb()
+    start = time.perf_counter()
+    try:
+        params = replace(engine.default_sampling_params(), max_tokens=body.max_tokens)
+        if body.temperature is not None:
+            params = replace(params, temperature=body.temperature)
+        stream = engine.add_request(body.prompt, params, arrival_time=start)
+    except ValueError as e:
+        raise bad_value(e) from None
+
+    async def events() -> AsyncIterator[str]:
+        final = None
+        first_sent: float | None = None
+        try:
+            async for out in stream:
+                final = out
+                if out.new_text[0]:
+                    first_sent = first_sent or time.perf_counter()
+                    yield sse({"text": out.new_text[0]})
+        finally:
+            stream.close()
+        if final is None or final.metrics is None:
+            return
+        m, end, rss_end = final.metrics, time.perf_counter(), rss_mb()
+        if state.metrics is not None:
+            state.metrics.observe_finished(m, [c.finish_reason for c in final.outputs])
+        done = {
+            "prompt_tokens": m.num_prompt_tokens,
+            "completion_tokens": m.num_generated_tokens,
+            "finish_reason": final.outputs[0].finish_reason,
+            "tokenization_ms": m.tokenization_ms,
+            "ttft_ms": m.ttft_ms,
+            "prefill_ms": m.prefill_ms,
+            "stream_time_ms": (end - (first_sent or end)) * 1000,
+            "total_time_ms": (end - start) * 1000,
+            "decode_tokens_per_sec": m.decode_tokens_per_sec or 0.0,
+            "rss_start_mb": rss_start,
+            "peak_rss_mb": max(peak_rss_mb(), rss_start, rss_end),
+            "rss_end_mb": rss_end,
+        }
+        yield sse(done, event="done")
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,161 @@
+"""One OpenAI call's engine requests, read to the end or streamed as server-sent events.
+
+A call (`/v1/completions` with a list of prompts, or one chat) is several engine requests. `merged` reads
+them as one stream tagged by prompt index; `run_to_end` collects the finals and aborts everything when the
+client goes away; `stream_events` turns the outputs into OpenAI's SSE chunks. Choices are numbered
+prompt-major (prompt i, sample j -> index i * n + j), as OpenAI and vLLM do.
+
+Must not import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from tokenmill.engine.async_engine import RequestStream
+from tokenmill.metrics import PrometheusMetrics
+from tokenmill.outputs import Logprobs, RequestOutput
+from tokenmill.server.errors import APIError, error_body
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event: a JSON (or literal string) `data:` line, with an optional `event:` name."""
+    payload = data if isinstance(data, str) else json.dumps(data)
+    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+@dataclass
+class Call:
+    """One HTTP call's engine requests and what to echo back."""
+
+    kind: str  # "text_completion" | "chat.completion"
+    id: str
+    model: str
+    prompts: list[list[int]]
+    streams: list[RequestStream]
+    n: int
+    created: int
+    metrics: PrometheusMetrics | None = None
+    echo_texts: list[str] = field(default_factory=list)
+
+    @property
+    def chunk_object(self) -> str:
+        return "text_completion" if self.kind == "text_completion" else "chat.completion.chunk"
+
+    def observe(self, out: RequestOutput) -> None:
+        if out.finished and out.metrics is not None and self.metrics is not None:
+            self.metrics.observe_finished(out.metrics, [c.finish_reason for c in out.outputs])
+
+    def usage(self, num_completion_tokens: int) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": num_completion_tokens,
+                "total_tokens": prompt + num_completion_tokens}  # fmt: skip
+
+
+def completion_tokens(finals: dict[int, RequestOutput]) -> int:
+    return sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+
+
+async def merged(call: Call) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of all the call's requests as they come, tagged with the prompt index."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:  # engine died: surface it to the caller
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(call.streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in call.streams:
+            s.close()
+
+
+async def run_to_end(call: Call, raw: Request) -> dict[int, RequestOutput]:
+    """Collect the final outputs; if the client goes away first, abort everything (within one step)."""
+    finals: dict[int, RequestOutput] = {}
+
+    async def collect() -> None:
+        async for i, out in merged(call):
+            if out.finished:
+                finals[i] = out
+                call.observe(out)
+
+    task = asyncio.create_task(collect())
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()  # merged() closes the streams, which aborts the requests
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise APIError(499, "client disconnected")
+    task.result()
+    return finals
+
+
+# One choice of a streamed chunk (completions and chat differ in shape):
+# (index, new token ids, their logprobs or None, new text, finish reason, first chunk of this choice) -> choice
+ChoiceBuilder = Callable[[int, list[int], list[Logprobs] | None, str, str | None, bool], dict[str, Any]]
+
+
+async def stream_events(
+    call: Call, choice: ChoiceBuilder, include_usage: bool, continuous_usage: bool
+) -> AsyncIterator[str]:
+    """The call's SSE: echo chunks, one chunk per choice per step that changed it, usage, then [DONE].
+
+    `continuous_usage` (vLLM's `continuous_usage_stats`) puts the running usage in every chunk."""
+    sent: dict[int, int] = {}  # choice index -> tokens already sent (for logprob deltas)
+
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        body = {"id": call.id, "object": call.chunk_object, "created": call.created, "model": call.model,
+                "choices": choices}  # fmt: skip
+        if continuous_usage:
+            body["usage"] = call.usage(sum(sent.values()))
+        return sse(body)
+
+    finals: dict[int, RequestOutput] = {}
+    try:
+        for i, text in enumerate(call.echo_texts):
+            for j in range(call.n):
+                yield chunk([choice(i * call.n + j, [], None, text, None, True)])
+        async for i, out in merged(call):
+            for c in out.outputs:
+                index = i * call.n + c.index
+                first, done = index not in sent, sent.get(index, 0)
+                lp = c.logprobs[done:] if c.logprobs is not None else None
+                ids = c.token_ids[done:]
+                sent[index] = len(c.token_ids)
+                delta = out.new_text[c.index]
+                if delta or c.finish_reason or first:
+                    yield chunk([choice(index, ids, lp, delta, c.finish_reason, first)])
+            if out.finished:
+                finals[i] = out
+                call.observe(out)
+        if include_usage:
+            yield sse({"id": call.id, "object": call.chunk_object, "created": call.created, "model": call.model,
+                       "choices": [], "usage": call.usage(completion_tokens(finals))})  # fmt: skip
+        yield sse("[DONE]")
+    except Exception as e:  # the engine died mid-stream: say so in-band, then end the stream
+        yield sse(error_body(500, f"generation failed: {e}"))
