@@ -83,8 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the name clients use (default: MODEL as given)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    srv.add_argument("--max-waiting-requests", type=int, default=None, help="beyond this, answer 503")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or TOKENMILL_API_KEY)")
+    srv.add_argument("--api-key-file", default=None, help="read the API key from this file (keeps it out of ps)")
+    srv.add_argument("--public-docs", action="store_true", help="serve /docs and /openapi.json without the key")
+    srv.add_argument("--max-waiting-requests", type=int, default=None,
+                     help="sequences queued beyond this get 503 (default: no limit)")  # fmt: skip
+    srv.add_argument("--max-n", type=int, default=128, help="most samples (n) per request (default: 128)")
+    srv.add_argument("--max-prompts", type=int, default=256, help="most prompts per completions call (default: 256)")
+    srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (default: 4)")
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
@@ -179,46 +185,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import logging
-    import os
-    import signal
-
-    import uvicorn
-
     from tokenmill.engine.loading import default_model_ref
-    from tokenmill.server.app import build_app
-    from tokenmill.server.state import ServerConfig
+    from tokenmill.server.launch import serve
     from tokenmill.weights import resolve_model
 
-    if a.max_waiting_requests is not None and a.max_waiting_requests < 1:
-        raise ValueError(f"--max-waiting-requests={a.max_waiting_requests} is invalid: allowed an integer >= 1")
     cfg = EngineConfig(model=a.model, seed=a.seed, **_engine_kwargs(a))
     path = resolve_model(cfg.model or default_model_ref(), cfg.revision)  # fail fast, before the port opens
     _check_architecture(path)
-    name = a.served_model_name or a.model or "tokenmill-demo"
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("tokenmill")
-
-    def load() -> Any:
-        import torch
-
-        from tokenmill.engine.async_engine import AsyncEngine
-
-        try:
-            engine = AsyncEngine.from_config(replace(cfg, model=str(path)))
-        except (TokenmillError, ValueError) as e:
-            print(f"tokenmill serve: error: {e}", file=sys.stderr, flush=True)
-            os._exit(EXIT_USAGE)
-        log.info("model %s from %s: %s, %d threads", name, path, engine.description, torch.get_num_threads())
-        log.info("serving at http://%s:%d/v1", a.host, a.port)
-        return engine
-
-    app = build_app(load, ServerConfig(name, a.api_key, a.max_waiting_requests))
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises it to the handler that was there before; make
-    # that handler a no-op so a graceful stop exits 0 instead of dying by the signal.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=a.grace_period)
-    return 0
+    return serve(a, cfg, path, a.served_model_name or a.model or "tokenmill-demo")
 
 
 def _check_architecture(path: Any) -> None:

@@ -172,6 +172,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
+    touch_kv_cache: bool = False  # write the whole pool at start: its memory is resident, and known, up front
     # kernels
     quantization: Quantization = "none"
     pack_weights: bool = False
@@ -196,5 +197,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} is invalid: allowed an integer >= 1")
+        if self.touch_kv_cache and self.kv_cache != "paged":
+            raise ValueError(f"touch_kv_cache needs kv_cache='paged'; kv_cache={self.kv_cache!r} has no pool to touch")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: allowed values > 0")

@@ -42,6 +42,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_completed: int = 0
     num_aborted: int = 0
+    num_failed: int = 0  # requests a failure inside the engine ended (the others went on)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     recent_steps: deque[StepStats] = field(default_factory=lambda: deque(maxlen=1024))
@@ -74,6 +75,7 @@ class EngineSnapshot:
     max_batch_size: int = 0
     num_completed: int = 0
     num_aborted: int = 0
+    num_failed: int = 0
 
     @property
     def kv_usage(self) -> float:

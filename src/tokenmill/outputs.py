@@ -16,7 +16,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -77,3 +77,4 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     metrics: RequestMetrics | None = None
     new_text: list[str] = field(default_factory=list)  # per completion: text added since the last output
+    error: str | None = None  # set when a failure inside the engine ended this request (finish_reason "error")

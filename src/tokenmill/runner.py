@@ -2,9 +2,16 @@
 
 It owns the step's tensors, the per-request random generators and the KV backend it was given, and nothing
 about who runs or why: it reads the batch description the engine core built and never a `Request`.
+
+Test hook: with `TOKENMILL_TEST_FAULT_TOKEN=ID` in the environment, a step that computes a sequence whose first
+token is ID raises (`InjectedFault`), as a kernel failing on one request's input would; with
+`TOKENMILL_TEST_FAULT_FATAL=1` too, it raises what the engine loop does not survive (`InjectedFatalFault`).
+The reliability tests use both.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -14,11 +21,22 @@ from tokenmill.sampling import Sampler, SamplingBatch, topk_logprobs
 from tokenmill.types import ModelInput, RunnerOutput, SequenceInput
 
 
+class InjectedFault(RuntimeError):
+    """A failure the test hook caused, confined to the requests holding the fault token."""
+
+
+class InjectedFatalFault(BaseException):
+    """A failure the test hook caused that the engine loop must not survive."""
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, kv: KVBackend, seed: int = 0) -> None:
         self.model, self.device, self.kv = model, device, kv
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
+        fault = os.environ.get("TOKENMILL_TEST_FAULT_TOKEN", "")
+        self.fault_token: int | None = int(fault) if fault.isdigit() else None
+        self.fault_fatal = os.environ.get("TOKENMILL_TEST_FAULT_FATAL") == "1"
 
     def release(self, request_id: str) -> None:
         """Forget a finished request: its KV storage (where the backend keeps any) and its random generator."""
@@ -36,6 +54,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> RunnerOutput:
+        if self.fault_token is not None and any(
+            s.start == 0 and s.token_ids[0] == self.fault_token for s in batch.sequences
+        ):
+            raise (InjectedFatalFault if self.fault_fatal else InjectedFault)(f"injected fault at {self.fault_token}")
         # one-token sequences first: a backend may attend to them in one batched call
         seqs = [s for s in batch.sequences if s.num_new_tokens == 1]
         num_decodes = len(seqs)

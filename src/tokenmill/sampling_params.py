@@ -7,13 +7,23 @@ Semantics:
   logits of tokens already generated, once / per occurrence).
 - `logprobs=k` returns, per generated token, the log-probabilities of the sampled token plus the top k,
   computed from the model's raw distribution (before penalties and temperature), as vLLM does.
+
+Ranges (a value outside is a ValueError naming it): temperature >= 0 (below 1e-5: greedy), top_p in (0, 1],
+top_k -1, 0 or 1..2^31-1, min_p in [0, 1], repetition_penalty > 0, presence/frequency_penalty in [-2, 2], every
+float finite; seed a 64-bit integer; at most 16 stop strings; logprobs and prompt_logprobs in [0, 20].
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_TOP_K = 2**31 - 1
+INT64 = (-(2**63), 2**63 - 1)
+# A temperature below this samples as greedy (vLLM's rule): dividing logits by ~1e-45 would turn them into NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 def _fail(name: str, value: object, allowed: str) -> None:
@@ -46,14 +56,17 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_types()
         if not isinstance(self.n, int) or self.n < 1:
             _fail("n", self.n, "an integer >= 1")
         if self.temperature < 0:
             _fail("temperature", self.temperature, "values >= 0 (0 means greedy)")
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
         if not 0 < self.top_p <= 1:
             _fail("top_p", self.top_p, "values in (0, 1]")
-        if self.top_k < -1:
-            _fail("top_k", self.top_k, "-1 or 0 (disabled) or an integer >= 1")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            _fail("top_k", self.top_k, f"-1 or 0 (disabled) or an integer in [1, {MAX_TOP_K}]")
         if not 0 <= self.min_p <= 1:
             _fail("min_p", self.min_p, "values in [0, 1]")
         if self.repetition_penalty <= 0:
@@ -61,7 +74,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 _fail(name, getattr(self, name), "values in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             _fail("max_tokens", self.max_tokens, "an integer >= 1")
         if self.min_tokens < 0:
             _fail("min_tokens", self.min_tokens, "an integer >= 0")
@@ -71,9 +84,25 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 _fail(name, value, f"an integer in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            _fail("seed", self.seed, "an integer")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            _fail("stop", self.stop, "non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        last_seed = INT64[1] - (self.n - 1)  # sample i of n uses seed + i
+        if self.seed is not None and not INT64[0] <= self.seed <= last_seed:
+            _fail("seed", self.seed, f"an integer in [{INT64[0]}, {last_seed}]")
+        if any(not isinstance(s, str) or not s for s in self.stop) or len(self.stop) > MAX_STOP_STRINGS:
+            _fail("stop", self.stop, f"at most {MAX_STOP_STRINGS} non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "non-negative integers")
+
+    def _check_types(self) -> None:
+        """Integers must be integers (not bools), floats finite numbers: NaN passes every comparison check."""
+        ints = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens, "max_tokens": self.max_tokens,
+                "seed": self.seed, "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}  # fmt: skip
+        for name, value in ints.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                _fail(name, value, "an integer")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            _fail("stop_token_ids", self.stop_token_ids, "non-negative integers")
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        for name in floats:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                _fail(name, value, "a finite number")

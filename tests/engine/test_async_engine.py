@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from tokenmill.outputs import RequestOutput
+from tokenmill.types import ModelInput, RunnerOutput
 
 PROMPTS = ["Hello world!", "To be, or not to be", "The quick brown fox", "café", "Shall I compare"] * 2
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -113,24 +114,54 @@ def test_bad_request_fails_at_once_and_harms_no_one(engine: AsyncEngine) -> None
 
 
 def test_dead_engine_is_unhealthy_and_fails_open_streams(llm: LLM) -> None:
+    """A failure outside any one request's work (here the scheduler) kills the loop: every stream hears it."""
     engine = AsyncEngine(llm.engine, llm.loaded)
+    died: list[BaseException] = []
+    engine.on_death = died.append
     engine.start()
-    runner = llm.engine.runner
-    original = runner.execute
+    scheduler = llm.engine.scheduler
+    original = scheduler.schedule
 
-    def broken(*args: object) -> None:
-        raise RuntimeError("simulated device failure")
+    def broken() -> None:
+        raise RuntimeError("simulated scheduler bug")
 
-    runner.execute = broken  # type: ignore[method-assign,assignment]
+    scheduler.schedule = broken  # type: ignore[method-assign,assignment]
     try:
 
         async def main() -> None:
-            with pytest.raises(EngineDeadError, match="simulated device failure"):
+            with pytest.raises(EngineDeadError, match="simulated scheduler bug"):
                 await _collect(engine, "Hello", GREEDY)
 
         asyncio.run(main())
-        assert not engine.is_healthy
+        assert not engine.is_healthy and len(died) == 1
     finally:
-        runner.execute = original  # type: ignore[method-assign]
+        scheduler.schedule = original  # type: ignore[method-assign]
         for rid in list(llm.engine.requests):
             llm.engine.abort(rid)
+
+
+def test_a_step_failure_fails_its_request_and_the_engine_serves_on(engine: AsyncEngine) -> None:
+    """A failure while running the model is pinned on the request that caused it (each is retried alone)."""
+    runner = engine.core.runner
+    original = runner.execute
+
+    def broken_for_long_prompts(batch: ModelInput) -> RunnerOutput:
+        if any(len(s.token_ids) > 3 for s in batch.sequences):
+            raise RuntimeError("simulated kernel failure")
+        return original(batch)
+
+    runner.execute = broken_for_long_prompts  # type: ignore[method-assign]
+    try:
+
+        async def main() -> tuple[RequestOutput, BaseException]:
+            good = asyncio.create_task(_collect(engine, [5, 6], GREEDY))
+            bad = asyncio.create_task(_collect(engine, [5, 6, 7, 8, 9], GREEDY))
+            failure = await asyncio.gather(bad, return_exceptions=True)
+            return await good, failure[0]
+
+        good, failure = asyncio.run(main())
+    finally:
+        runner.execute = original  # type: ignore[method-assign]
+    assert isinstance(failure, RequestFailedError) and "simulated kernel failure" in str(failure)
+    assert good.finished and len(good.outputs[0].token_ids) == GREEDY.max_tokens
+    assert engine.is_healthy and _pool_full(engine)

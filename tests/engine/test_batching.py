@@ -145,3 +145,38 @@ def test_requests_that_can_never_fit_are_rejected(folder: Path) -> None:
         llm.generate([{"prompt_token_ids": [5] * 30}], SamplingParams(max_tokens=10))
     assert _run(llm, [[5] * 20], [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)])
     assert_pool_full(llm.engine)
+
+
+def test_a_failure_inside_the_engine_ends_only_its_request(folder: Path, alone: list[list[int]]) -> None:
+    llm = _llm(folder)
+    llm.engine.runner.fault_token = 5  # the runner raises on a sequence whose first token is 5 (its test hook)
+    bad = SamplingParams(temperature=0, max_tokens=4, n=2, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in [*PROMPTS[:3], [5, 6, 7]]], [*PARAMS[:3], bad])
+    assert [o.outputs[0].token_ids for o in outs[:3]] == alone[:3]
+    failed = outs[3]
+    assert failed.finished and failed.error is not None and "injected fault" in failed.error
+    assert [c.finish_reason for c in failed.outputs] == ["error", "error"]
+    assert llm.engine.stats.num_failed == 1
+    assert_pool_full(llm.engine)
+    llm.engine.runner.fault_token = None
+    assert _run(llm, PROMPTS[:2], PARAMS[:2]) == alone[:2]  # and the engine serves on
+
+
+def test_touch_kv_cache_makes_the_pool_resident_at_start(folder: Path) -> None:
+    """The pool is torch.empty (pages arrive as blocks are first used) unless --touch-kv-cache writes it all."""
+    import psutil
+
+    from tokenmill.attention import PagedKVCache
+
+    def rss_growth(**kwargs: Any) -> tuple[int, int]:
+        before = psutil.Process().memory_info().rss
+        llm = _llm(folder, num_kv_blocks=24_000, **kwargs)
+        backend = llm.engine.runner.kv
+        assert isinstance(backend, PagedKVCache)
+        return psutil.Process().memory_info().rss - before, backend.cache.numel() * backend.cache.element_size()
+
+    lazy, pool = rss_growth()
+    touched, _ = rss_growth(touch_kv_cache=True)
+    assert pool > 150 * 2**20 and lazy < pool / 2 and touched > 0.9 * pool, (lazy, touched, pool)
+    with pytest.raises(ValueError, match="touch_kv_cache needs kv_cache='paged'"):
+        _llm(folder, kv_cache="contiguous", touch_kv_cache=True)

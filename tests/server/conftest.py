@@ -20,10 +20,11 @@ def checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
 def server(
     request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """One server per module; a module may set SERVER_FLAGS (extra CLI flags) and SERVED_MODEL_NAME."""
+    """One server per module; a module may set SERVER_FLAGS (extra CLI flags), SERVER_ENV and SERVED_MODEL_NAME."""
     flags = getattr(request.module, "SERVER_FLAGS", ())
     name = getattr(request.module, "SERVED_MODEL_NAME", None)
-    with running(checkpoint, tmp_path_factory.mktemp("server"), *flags, served_name=name) as s:
+    env = getattr(request.module, "SERVER_ENV", None)
+    with running(checkpoint, tmp_path_factory.mktemp("server"), *flags, served_name=name, env=env) as s:
         yield s
 
 

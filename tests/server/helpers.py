@@ -59,7 +59,9 @@ class Server:
             raise AssertionError(f"server did not exit {timeout}s after SIGTERM; log:\n{self.log_tail()}") from None
 
 
-def launch(model_dir: Path | str, tmp_dir: Path, *flags: str, served_name: str | None = None) -> Server:
+def launch(
+    model_dir: Path | str, tmp_dir: Path, *flags: str, served_name: str | None = None, env: dict[str, str] | None = None
+) -> Server:
     """Start `python -m tokenmill serve MODEL_DIR ...` on a free port; return once `/health` answers 200."""
     port = free_port()
     cmd = [sys.executable, "-m", "tokenmill", "serve", str(model_dir), "--host", HOST, "--port", str(port),
@@ -67,7 +69,7 @@ def launch(model_dir: Path | str, tmp_dir: Path, *flags: str, served_name: str |
     if served_name is not None:
         cmd += ["--served-model-name", served_name]
     # Two shared cores: the server and the test process each get one intra-op thread (no spin contention).
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     log_path = tmp_dir / f"server-{port}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -86,8 +88,10 @@ def launch(model_dir: Path | str, tmp_dir: Path, *flags: str, served_name: str |
 
 
 @contextlib.contextmanager
-def running(model_dir: Path | str, tmp_dir: Path, *flags: str, served_name: str | None = None) -> Iterator[Server]:
-    server = launch(model_dir, tmp_dir, *flags, served_name=served_name)
+def running(
+    model_dir: Path | str, tmp_dir: Path, *flags: str, served_name: str | None = None, env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    server = launch(model_dir, tmp_dir, *flags, served_name=served_name, env=env)
     try:
         yield server
     finally:

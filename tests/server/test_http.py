@@ -278,3 +278,33 @@ def test_non_streaming_disconnect_aborts_too(server: Server, http: httpx.Client)
         time.sleep(0.05)  # bounded polling
     assert stats["aborted_requests"] == before["aborted_requests"] + 1
     assert stats["completed_requests"] == before["completed_requests"]
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(server: Server, http: httpx.Client) -> None:
+    """While a ~3.6 MB prompt is tokenized (~5 s here), /health keeps answering; then the prompt gets its 400.
+
+    On a blocked event loop one /health would wait out nearly the whole tokenization; here none waits even
+    half as long as the big request takes (durations from the same run compared, not a fixed bound)."""
+    import threading
+
+    big = {"model": SERVED_MODEL_NAME, "prompt": "Shall I compare thee to a summer's day? " * 90_000, "max_tokens": 2}
+    done = threading.Event()
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            start = time.perf_counter()
+            result["big"] = client.post("/v1/completions", json=big)
+            result["seconds"] = time.perf_counter() - start
+            done.set()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    waits = []
+    while not done.is_set():
+        start = time.perf_counter()
+        assert http.get("/health").status_code == 200
+        waits.append(time.perf_counter() - start)
+    sender.join()
+    assert_openai_error(result["big"], 400, "maximum context length")
+    assert max(waits) < result["seconds"] / 2, (max(waits), result["seconds"])

@@ -31,9 +31,22 @@ def http(server: Server) -> Iterator[httpx.Client]:
     ids=["missing", "wrong", "no-bearer-scheme", "key-prefix"],
 )
 def test_missing_or_wrong_key_is_401(http: httpx.Client, headers: dict[str, str]) -> None:
-    assert_openai_error(http.post("/v1/completions", json=COMPLETION, headers=headers), 401)
+    r = http.post("/v1/completions", json=COMPLETION, headers=headers)
+    assert_openai_error(r, 401)
+    assert r.headers["www-authenticate"] == "Bearer"
     assert_openai_error(http.post("/v1/chat/completions", json=CHAT, headers=headers), 401)
     assert_openai_error(http.get("/v1/models", headers=headers), 401)
+    for path in ("/docs", "/openapi.json", "/stats"):  # the docs follow the key unless --public-docs
+        assert_openai_error(http.get(path, headers=headers), 401)
+
+
+def test_the_key_is_checked_before_the_body_is_read(http: httpx.Client) -> None:
+    raw = {"content-type": "application/json"}
+    assert_openai_error(http.post("/v1/completions", content=b'{"prompt": ', headers=raw), 401)  # malformed
+    huge = b'{"prompt": "' + b"x" * (5 * 2**20) + b'"}'  # past the 4 MiB default body limit
+    assert_openai_error(http.post("/v1/completions", content=huge, headers=raw), 401)
+    assert_openai_error(http.post("/v1/completions", content=huge, headers={**raw, **AUTH}), 413)
+    assert http.get("/openapi.json", headers=AUTH).status_code == 200
 
 
 def test_right_key_is_served(http: httpx.Client) -> None:
@@ -69,3 +82,9 @@ def test_full_waiting_queue_is_503_with_retry_after(server: Server, http: httpx.
     assert r.status_code == 200
     stats = http.get("/stats", headers=AUTH).json()
     assert stats["running"] == stats["waiting"] == 0
+
+
+def test_a_request_that_can_never_be_queued_is_400_not_503(http: httpx.Client) -> None:
+    """n=2 against --max-waiting-requests 1 would get "retry later" forever; it is the client's to change."""
+    error = assert_openai_error(http.post("/v1/completions", json={**COMPLETION, "n": 2}, headers=AUTH), 400, "n")
+    assert "queues at most 1" in error["message"]

@@ -123,3 +123,37 @@ def test_generate_without_model_uses_the_demo() -> None:
                    "float32", "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["text"] == GOLDEN_TEXT
+
+
+def test_serve_flag_errors_are_one_line(folder: Path, tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("serve", str(folder), "--port", "99999"), "--port=99999", "[0, 65535]")
+    assert_one_line_error(run_cli("serve", str(folder), "--max-n", "0"), "--max-n=0")
+    missing = str(tmp_path / "no-key")
+    assert_one_line_error(run_cli("serve", str(folder), "--api-key-file", missing), "--api-key-file", "cannot be read")
+
+
+def test_serve_whose_model_cannot_load_exits_instead_of_lying(folder: Path) -> None:
+    """The engine cannot be built (a KV pool larger than any machine): one line and exit 2, not a listening
+    server that answers "loading" forever."""
+    proc = run_cli("serve", str(folder), "--port", "0", "--kv-cache-memory-gb", "100000")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("tokenmill serve: error: loading") and "allocate" in last, last
+
+
+def test_api_key_comes_from_flag_file_or_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from tokenmill.server.launch import api_key
+
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    monkeypatch.setenv("TOKENMILL_API_KEY", "from-env")
+    assert api_key(argparse.Namespace(api_key="from-flag", api_key_file=str(key_file))) == "from-flag"
+    assert api_key(argparse.Namespace(api_key=None, api_key_file=str(key_file))) == "from-file"
+    assert api_key(argparse.Namespace(api_key=None, api_key_file=None)) == "from-env"
+    monkeypatch.delenv("TOKENMILL_API_KEY")
+    assert api_key(argparse.Namespace(api_key=None, api_key_file=None)) is None
+    key_file.write_text("  \n")
+    with pytest.raises(ValueError, match="is empty"):
+        api_key(argparse.Namespace(api_key=None, api_key_file=str(key_file)))

@@ -24,8 +24,11 @@ def make_kv_backend(
             model, dtype, device, cfg.block_size, max_model_len, cfg.max_num_seqs, cfg.num_kv_blocks,
             cfg.kv_cache_memory_gb,
         )  # fmt: skip
-        return PagedKVCache(model.num_layers, num_blocks, cfg.block_size, model.num_kv_heads, model.head_dim, dtype,
-                            device)  # fmt: skip
+        paged = PagedKVCache(model.num_layers, num_blocks, cfg.block_size, model.num_kv_heads, model.head_dim, dtype,
+                             device)  # fmt: skip
+        if cfg.touch_kv_cache:
+            paged.touch()
+        return paged
     if cfg.kv_cache == "contiguous":
         return ContiguousKVCache(model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
     if cfg.kv_cache == "none":

@@ -55,6 +55,12 @@ class PagedKVCache:
         self.cache = torch.empty(shape, dtype=dtype, device=device)  # [L, 2, slots, Hkv, Dh]
         self._zeroed_below = 0  # blocks [0, this) have been zeroed
 
+    def touch(self) -> None:
+        """Zero the whole pool now: its pages become resident, so the process's memory use is known at start
+        (the pool is otherwise `torch.empty`, and pages fill in as blocks are first used)."""
+        self.cache.zero_()
+        self._zeroed_below = self.num_blocks
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize

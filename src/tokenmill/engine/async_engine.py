@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an unexpected error; no request can be served any more."""
 
 
+class RequestFailedError(RuntimeError):
+    """A failure inside the engine ended this request; the engine serves the others on."""
+
+
 @dataclass
 class _Add:
     request: EngineRequest
@@ -50,11 +54,15 @@ class _Abort:
     request_id: str
 
 
+class _AbortAll:
+    pass
+
+
 class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+_Command = _Add | _Abort | _AbortAll | _Stop
 
 
 class RequestStream:
@@ -76,6 +84,10 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
+        if item.error is not None:
+            self.finished = True
+            self.close()
+            raise RequestFailedError(item.error)
         if item.finished:
             self.finished = True
             self.close()
@@ -109,6 +121,7 @@ class AsyncEngine:
         self._applied_seqs = 0  # loop thread: sequences added to the core since the last publish
         self._thread: threading.Thread | None = None
         self.errored: BaseException | None = None
+        self.on_death: Callable[[BaseException], None] | None = None  # called on the loop thread as it dies
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
@@ -166,19 +179,22 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        tokenization_ms: float = 0.0,
     ) -> RequestStream:
         """Queue a request; iterate the returned stream for its outputs (one per step that produced any).
 
-        Raises ValueError at once for a request that can never run. Closing the stream early aborts it.
+        A text prompt is tokenized here, in the caller's thread; a server passes token ids (and how long
+        tokenizing them took) so its event loop never waits on it. Raises ValueError at once for a request
+        that can never run. Closing the stream early aborts it.
         """
         self._check_alive()
         arrival = arrival_time or time.perf_counter()
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
+            tokenization_ms = (time.perf_counter() - arrival) * 1000
         else:
             text, token_ids = None, list(prompt)
-        tokenization_ms = (time.perf_counter() - arrival) * 1000 if text is not None else 0.0
         request_id = request_id or uuid.uuid4().hex
         request = EngineRequest(
             request_id, token_ids, params, self.validate(token_ids, params), text, arrival, tokenization_ms, priority
@@ -234,6 +250,10 @@ class AsyncEngine:
         """Stop a request within one step; its stream ends with finish_reason "abort"."""
         self._commands.put(_Abort(request_id))
 
+    def abort_all(self) -> None:
+        """Stop every request within one step (a server whose shutdown grace period runs out)."""
+        self._commands.put(_AbortAll())
+
     # -- the loop thread ----------------------------------------------------------------------------------
     def _deliver(self, request_id: str, item: Any) -> None:
         with self._lock:
@@ -253,10 +273,11 @@ class AsyncEngine:
         """Apply one command; False means stop the loop."""
         if isinstance(cmd, _Stop):
             return False
-        if isinstance(cmd, _Abort):
-            final = self.core.abort(cmd.request_id)
-            if final is not None:
-                self._deliver(cmd.request_id, final)
+        if isinstance(cmd, _Abort | _AbortAll):
+            for request_id in [cmd.request_id] if isinstance(cmd, _Abort) else list(self.core.requests):
+                final = self.core.abort(request_id)
+                if final is not None:
+                    self._deliver(request_id, final)
             return True
         self._applied_seqs += cmd.request.params.n
         try:
@@ -287,6 +308,8 @@ class AsyncEngine:
         except BaseException as e:  # the engine is dead: tell everyone waiting, never hang them
             log.exception("engine loop died")
             self.errored = e
+            if self.on_death is not None:
+                self.on_death(e)  # before the streams hear it: whoever reads a dead stream sees a dead engine
             with self._lock:
                 streams = list(self._streams)
             for request_id in streams:

@@ -11,7 +11,9 @@ other threads may read.
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
 from itertools import count
 
 from tokenmill.attention import make_kv_backend
@@ -36,6 +38,8 @@ from tokenmill.types import (
     SchedulerOutput,
     SequenceInput,
 )
+
+log = logging.getLogger("tokenmill.engine")
 
 
 class EngineCore:
@@ -93,6 +97,11 @@ class EngineCore:
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range: allowed [0, {self.vocab_size - 1}]")
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"stop_token_ids={params.stop_token_ids} is invalid: allowed ids in [0, {self.vocab_size - 1}]"
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
         if max_tokens < 1 or num_prompt + max_tokens > self.max_model_len:
             raise ValueError(
@@ -120,12 +129,13 @@ class EngineCore:
             num_prompt_tokens=len(request.prompt_token_ids),
         )
         arrival = next(self._arrivals)
+        prompt = list(request.prompt_token_ids)  # NOTE: one list for all n samples; nothing writes a prompt
         children = [
             Request(
                 request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
                 parent_id=request_id,
                 index=i,
-                prompt_token_ids=list(request.prompt_token_ids),
+                prompt_token_ids=prompt,
                 params=params,
                 max_tokens=request.max_tokens,
                 eos_token_ids=self.eos_token_ids,
@@ -178,6 +188,7 @@ class EngineCore:
             max_batch_size=self.stats.max_batch_size,
             num_completed=self.stats.num_completed,
             num_aborted=self.stats.num_aborted,
+            num_failed=self.stats.num_failed,
         )
 
     # -- one step ---------------------------------------------------------------------------------------------
@@ -190,7 +201,10 @@ class EngineCore:
         if not so.scheduled:
             return self.update_from_output(so, RunnerOutput(), start)
         batch = [self._seqs[s.request_id] for s in so.scheduled]
-        outputs = self.update_from_output(so, self.runner.execute(self._model_input(so)), start)
+        result, failed = self._execute(so)
+        if failed:  # those requests end with their error; the rest of the step stands
+            so = replace(so, scheduled=[s for s in so.scheduled if s.request_id not in failed])
+        outputs = self.update_from_output(so, result, start) + self._fail(failed)
         self.stats.record(
             StepStats(
                 batch_size=len(so.scheduled),
@@ -202,6 +216,39 @@ class EngineCore:
                 duration_s=time.perf_counter() - start,
             )
         )
+        return outputs
+
+    def _execute(self, so: SchedulerOutput) -> tuple[RunnerOutput, dict[str, str]]:
+        """Run the step. If it raises, run each sequence alone, so a failure one request causes fails that
+        request only: (merged output of the others, {failed sequence id: error})."""
+        try:
+            return self.runner.execute(self._model_input(so)), {}
+        except Exception as e:
+            log.warning("a step of %d sequences failed (%r); running them one by one", len(so.scheduled), e)
+        merged, failed = RunnerOutput(), {}
+        for s in so.scheduled:
+            try:
+                result = self.runner.execute(ModelInput([self._sequence_input(self._seqs[s.request_id], s)]))
+            except Exception as e:
+                log.exception("request %s failed inside the engine", s.request_id)
+                failed[s.request_id] = f"{type(e).__name__}: {e}"
+                continue
+            merged.sampled.update(result.sampled)
+            merged.prompt_logprobs.update(result.prompt_logprobs)
+        return merged, failed
+
+    def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """End the user requests whose sequences failed: every sample, with the error, blocks released."""
+        outputs = []
+        for parent_id in dict.fromkeys(self._seqs[rid].parent_id for rid in failed):
+            error = next(msg for rid, msg in failed.items() if self._seqs[rid].parent_id == parent_id)
+            for req in self.requests.pop(parent_id):
+                req.finish_reason = req.finish_reason or "error"
+                self._release(req)
+            final = self.output.abort(parent_id)
+            if final is not None:
+                outputs.append(replace(final, error=error))
+            self.stats.num_failed += 1
         return outputs
 
     def _model_input(self, so: SchedulerOutput) -> ModelInput:

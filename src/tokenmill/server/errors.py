@@ -13,7 +13,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("tokenmill.server")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "invalid_request_error", 503: "service_unavailable"}  # fmt: skip
 
 
 class APIError(Exception):
@@ -49,7 +50,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # NOTE: pydantic names union members and validators in the location ("prompt.function-after[...]",
+    # "prompt.list[str].0"); a client wants the field path only.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     param = loc[0] if loc else None
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg')}", None
@@ -57,7 +60,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"unsupported parameter: {'.'.join(loc)} (tokenmill does not implement it)", param
     if first.get("type") == "missing":
         return f"missing required parameter: {'.'.join(loc)}", param
-    return f"invalid value for {'.'.join(loc) or 'body'}: {first.get('msg')}", param
+    message = str(first.get("msg", "")).removeprefix("Value error, ")
+    return f"invalid value for {'.'.join(loc) or 'body'}: {message}", param
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -73,9 +81,3 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        request_id = request.headers.get("x-request-id", "-")
-        log.exception("unexpected error on %s %s (request id %s)", request.method, request.url.path, request_id)
-        return JSONResponse(error_body(500, f"internal server error ({type(exc).__name__})"), 500)

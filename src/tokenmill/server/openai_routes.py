@@ -12,17 +12,18 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import Logprobs
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.server.errors import APIError, bad_value
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
-from tokenmill.server.state import ServerState, authorize, get_state, ready_engine
+from tokenmill.server.state import ServerState, get_state, ready_engine
 from tokenmill.server.streaming import Call, ChoiceBuilder, completion_tokens, run_to_end, stream_events
 from tokenmill.tokenizer import Tokenizer
 
-router = APIRouter(dependencies=[Depends(authorize)])
+router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
 Engine = Annotated[AsyncEngine, Depends(ready_engine)]
 
@@ -31,8 +32,7 @@ def _start(
     state: ServerState, engine: AsyncEngine, kind: str, model: str | None, prompts: list[list[int]],
     params: SamplingParams, priority: int,
 ) -> Call:  # fmt: skip
-    """Check the model name and the load, then start every prompt (all validated before any starts)."""
-    state.check_model(model)
+    """Check the load, then start every prompt (all validated before any starts)."""
     state.admit(engine, len(prompts) * params.n)
     call_id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
     try:
@@ -52,8 +52,10 @@ def _stream(call: Call, choice: ChoiceBuilder, options: StreamOptions | None) ->
 # -- /v1/completions ------------------------------------------------------------------------------------------
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, raw: Request, state: State, engine: Engine) -> Any:
+    state.check_model(body.model)
+    _check_sizes(state, body.n, len(body.prompt) if _is_prompt_list(body.prompt) else 1)
     tok = engine.tokenizer
-    prompts = _normalize_prompt(body.prompt, tok)
+    prompts = await run_in_threadpool(_normalize_prompt, body.prompt, tok)  # tokenizing can take seconds
     want_lp = body.logprobs
     try:
         params = body.sampling_params(
@@ -64,7 +66,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
         raise bad_value(e) from None
     call = _start(state, engine, "text_completion", body.model, prompts, params, body.priority)
     if body.echo:
-        call.echo_texts = [tok.decode(p, skip_special_tokens=False) for p in prompts]
+        call.echo_texts = await run_in_threadpool(lambda: [tok.decode(p, skip_special_tokens=False) for p in prompts])
 
     def choice(
         index: int, ids: list[int], lp: list[Logprobs] | None, text: str, finish: str | None, first: bool
@@ -96,11 +98,12 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
 # -- /v1/chat/completions -------------------------------------------------------------------------------------
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, raw: Request, state: State, engine: Engine) -> Any:
+    state.check_model(body.model)
+    _check_sizes(state, body.n, 1)
     tok = engine.tokenizer
-    try:
-        prompt = tok.apply_chat_template(
-            [m.as_template_dict() for m in body.messages], add_generation_prompt=body.add_generation_prompt
-        )
+    messages = [m.as_template_dict() for m in body.messages]
+    try:  # rendering and tokenizing off the event loop: a long conversation must not stall other clients
+        prompt = await run_in_threadpool(tok.apply_chat_template, messages, body.add_generation_prompt)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     top = body.top_logprobs or 0
@@ -141,6 +144,21 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
 
 
 # -- helpers --------------------------------------------------------------------------------------------------
+def _check_sizes(state: ServerState, n: int, num_prompts: int) -> None:
+    """The per-request caps, checked before any tokenizing: a request may not ask for unbounded work."""
+    cfg = state.config
+    if n > cfg.max_n:
+        raise APIError(400, f"n={n} is invalid: allowed an integer in [1, {cfg.max_n}] (--max-n)", param="n")
+    if num_prompts > cfg.max_prompts:
+        raise APIError(400, f"prompt holds {num_prompts} prompts: allowed at most {cfg.max_prompts} (--max-prompts)",
+                       param="prompt")  # fmt: skip
+
+
+def _is_prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> bool:
+    """A list of prompts (strings or token-id lists), not one prompt given as token ids."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
 def _normalize_prompt(prompt: str | list[str] | list[int] | list[list[int]], tok: Tokenizer) -> list[list[int]]:
     if isinstance(prompt, str):
         return [tok.encode(prompt)]

@@ -1,18 +1,34 @@
 """Request bodies of the HTTP API, as pydantic v2 models. Unknown fields are rejected (400 naming the
-field), never silently ignored. Conversion to `SamplingParams` lives here too."""
+field), never silently ignored. Types are strict (`true` is not an integer, `1.5` is not one either), floats
+must be finite, integers fit in 64 bits, and text must be valid Unicode (no lone UTF-16 surrogates).
+Conversion to `SamplingParams` (which checks the ranges) lives here too."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import INT64, SamplingParams
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        raise ValueError(f"text holds a lone UTF-16 surrogate (U+{ord(bad):04X}); send valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Int64 = Annotated[int, Field(ge=INT64[0], le=INT64[1])]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -21,27 +37,27 @@ class StreamOptions(_Strict):
 
 
 class _SamplingFields(_Strict):
-    model: str | None = None
-    max_tokens: int | None = None
+    model: Text | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    n: Int64 = 1
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    priority: int = 0
+    user: Text | None = None
+    priority: Int64 = 0
 
     def sampling_params(
         self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
@@ -78,20 +94,20 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    logprobs: Int64 | None = None
     echo: bool = False
 
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -108,25 +124,25 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
 
 
 class GenerateRequest(_Strict):
-    prompt: str
-    max_tokens: int | None = 128
+    prompt: Text
+    max_tokens: Int64 | None = 128
     temperature: float | None = None
 
 
 class TokenizeRequest(_Strict):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: list[TokenId]

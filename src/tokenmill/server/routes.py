@@ -13,18 +13,18 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from tokenmill.metrics import peak_rss_mb, rss_mb
-from tokenmill.server.errors import APIError, bad_value
+from tokenmill.server.errors import APIError, bad_value, error_body
 from tokenmill.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
-from tokenmill.server.state import ServerState, authorize, get_state, ready_engine
+from tokenmill.server.state import ServerState, get_state, ready_engine
 from tokenmill.server.streaming import sse
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
 Engine = Annotated[AsyncEngine, Depends(ready_engine)]
-AUTH = [Depends(authorize)]
 
 
 @router.get("/health")
@@ -42,7 +42,7 @@ async def metrics(state: State) -> Response:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@router.get("/stats", dependencies=AUTH)
+@router.get("/stats")
 async def stats(engine: Engine) -> dict[str, Any]:
     s = engine.snapshot()
     return {
@@ -60,53 +60,56 @@ async def stats(engine: Engine) -> dict[str, Any]:
         "num_steps": s.num_steps,
         "completed_requests": s.num_completed,
         "aborted_requests": s.num_aborted,
+        "failed_requests": s.num_failed,
         "preemptions": s.num_preemptions,
     }
 
 
-@router.get("/v1/models", dependencies=AUTH)
+@router.get("/v1/models")
 async def models(state: State, engine: Engine) -> dict[str, Any]:
     card = {"id": state.config.served_model_name, "object": "model", "created": state.created,
             "owned_by": "tokenmill", "max_model_len": engine.max_model_len}  # fmt: skip
     return {"object": "list", "data": [card]}
 
 
-@router.post("/tokenize", dependencies=AUTH)
+@router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, state: State, engine: Engine) -> dict[str, Any]:
     state.check_model(body.model)
     tok = engine.tokenizer
     if body.messages is not None:
         try:
-            tokens = tok.apply_chat_template([m.as_template_dict() for m in body.messages])
+            tokens = await run_in_threadpool(tok.apply_chat_template, [m.as_template_dict() for m in body.messages])
         except ValueError as e:
             raise bad_value(e) from None
     elif body.prompt is not None:
-        tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await run_in_threadpool(tok.encode, body.prompt, body.add_special_tokens)
     else:
         raise APIError(400, "give either prompt or messages", param="prompt")
     return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
 
-@router.post("/detokenize", dependencies=AUTH)
+@router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, state: State, engine: Engine) -> dict[str, Any]:
     state.check_model(body.model)
     vocab = engine.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is out of range: allowed [0, {vocab - 1}]", param="tokens")
-    return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    return {"prompt": await run_in_threadpool(engine.tokenizer.decode, body.tokens, False)}
 
 
-@router.post("/generate", dependencies=AUTH)
+@router.post("/generate")
 async def generate(body: GenerateRequest, state: State, engine: Engine) -> StreamingResponse:
     state.admit(engine, 1)
     rss_start = rss_mb()
     start = time.perf_counter()
+    prompt_ids = await run_in_threadpool(engine.tokenizer.encode, body.prompt)
+    tokenization_ms = (time.perf_counter() - start) * 1000
     try:
         params = replace(engine.default_sampling_params(), max_tokens=body.max_tokens)
         if body.temperature is not None:
             params = replace(params, temperature=body.temperature)
-        stream = engine.add_request(body.prompt, params, arrival_time=start)
+        stream = engine.add_request(prompt_ids, params, arrival_time=start, tokenization_ms=tokenization_ms)
     except ValueError as e:
         raise bad_value(e) from None
 
@@ -119,6 +122,9 @@ async def generate(body: GenerateRequest, state: State, engine: Engine) -> Strea
                 if out.new_text[0]:
                     first_sent = first_sent or time.perf_counter()
                     yield sse({"text": out.new_text[0]})
+        except (RequestFailedError, EngineDeadError) as e:
+            yield sse(error_body(500, f"generation failed: {e}"), event="error")
+            return
         finally:
             stream.close()
         if final is None or final.metrics is None:

@@ -1,15 +1,14 @@
 """The server's state, and the FastAPI dependencies every route uses to reach it.
 
-`ServerState` is owned by the app (`build_app` makes one and stores it on `app.state`); routes get it, an
-authorized caller and a ready engine through `Depends`. It reads the engine only through the `AsyncEngine`
-facade: the published snapshot for numbers, `validate`/`add_requests` for work.
+`ServerState` is owned by the app (`build_app` makes one and stores it on `app.state`); routes get it and a
+ready engine through `Depends` (the API key is checked before that, by `guard.py`). It reads the engine only
+through the `AsyncEngine` facade: the published snapshot for numbers, `validate`/`add_requests` for work.
 
 Must not import torch.
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +23,11 @@ from tokenmill.server.errors import APIError
 class ServerConfig:
     served_model_name: str
     api_key: str | None = None
-    max_waiting_requests: int | None = None
+    max_waiting_requests: int | None = None  # sequences queued before a request gets 503 (None: no limit)
+    max_n: int = 128  # samples per request (OpenAI's own cap)
+    max_prompts: int = 256  # prompts in one /v1/completions call
+    max_body_bytes: int = 4 * 2**20
+    public_docs: bool = False  # serve /docs and /openapi.json without the API key
 
 
 @dataclass
@@ -47,8 +50,12 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def admit(self, engine: AsyncEngine, num_sequences: int) -> None:
-        """Refuse overload cleanly instead of queueing without bound."""
+        """Refuse overload cleanly instead of queueing without bound: 400 for a request that could never be
+        queued, 503 (retry later) for one that must wait for room."""
         limit = self.config.max_waiting_requests
+        if limit is not None and num_sequences > limit:
+            raise APIError(400, f"this request has {num_sequences} sequences (prompts x n) but the server queues at "
+                           f"most {limit} (--max-waiting-requests); send fewer", param="n")  # fmt: skip
         pending = engine.num_pending
         if limit is not None and pending + num_sequences > limit:
             raise APIError(
@@ -61,15 +68,6 @@ class ServerState:
 def get_state(request: Request) -> ServerState:
     state: ServerState = request.app.state.tokenmill
     return state
-
-
-def authorize(request: Request) -> None:
-    key = get_state(request).config.api_key
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
 
 
 def ready_engine(request: Request) -> AsyncEngine:

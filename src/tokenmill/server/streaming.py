@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import Request
 
-from tokenmill.engine.async_engine import RequestStream
+from tokenmill.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from tokenmill.metrics import PrometheusMetrics
 from tokenmill.outputs import Logprobs, RequestOutput
 from tokenmill.server.errors import APIError, error_body
@@ -111,7 +111,10 @@ async def run_to_end(call: Call, raw: Request) -> dict[int, RequestOutput]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             raise APIError(499, "client disconnected")
-    task.result()
+    try:
+        task.result()
+    except (RequestFailedError, EngineDeadError) as e:
+        raise APIError(500, f"generation failed: {e}") from None
     return finals
 
 
@@ -157,5 +160,6 @@ async def stream_events(
             yield sse({"id": call.id, "object": call.chunk_object, "created": call.created, "model": call.model,
                        "choices": [], "usage": call.usage(completion_tokens(finals))})  # fmt: skip
         yield sse("[DONE]")
-    except Exception as e:  # the engine died mid-stream: say so in-band, then end the stream
+    except Exception as e:  # the request failed in the engine, or the engine died: say so in-band, then end
         yield sse(error_body(500, f"generation failed: {e}"))
+        yield sse("[DONE]")

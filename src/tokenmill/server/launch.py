@@ -1,0 +1,138 @@
+"""`tokenmill serve`: from parsed flags to a running uvicorn, and the process's life around it.
+
+- The API key comes from `--api-key`, `--api-key-file` or `TOKENMILL_API_KEY` (the last two keep it out of `ps`).
+- A model that fails to load prints one line and exits 2; the port never serves a server that cannot work.
+- On SIGTERM, uvicorn stops accepting and gives open requests `--grace-period` seconds. Shortly before that
+  ends, every request still running is aborted, so its stream ends cleanly (finish_reason "abort", then
+  `[DONE]`) instead of being cut mid-chunk.
+- If the engine loop dies, every open request gets an error, the server shuts down, and the process exits 1,
+  so a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.errors import TokenmillError
+
+EXIT_USAGE = 2
+EXIT_ENGINE_DIED = 1
+log = logging.getLogger("tokenmill")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from the flag, the file, or the environment (in that order); None when none is set."""
+    if args.api_key:
+        return str(args.api_key)
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {args.api_key_file!r} cannot be read: {e.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file!r} is empty")
+        return key
+    return os.environ.get("TOKENMILL_API_KEY") or None
+
+
+def server_config(args: argparse.Namespace, name: str) -> Any:
+    from tokenmill.server.state import ServerConfig
+
+    for flag in ("max_waiting_requests", "max_n", "max_prompts"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}={value} is invalid: allowed an integer >= 1")
+    if not args.max_body_mb > 0:
+        raise ValueError(f"--max-body-mb={args.max_body_mb} is invalid: allowed values > 0")
+    return ServerConfig(name, api_key(args), args.max_waiting_requests, args.max_n, args.max_prompts,
+                        int(args.max_body_mb * 2**20), args.public_docs)  # fmt: skip
+
+
+def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) -> int:
+    import uvicorn
+
+    from tokenmill.server.app import build_app
+
+    config = server_config(args, name)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port={args.port} is invalid: allowed an integer in [0, 65535] (0: any free port)")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    died = threading.Event()
+    app = build_app(lambda: _load(cfg, path, name, args, died), config)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=args.grace_period), app.state.tokenmill)  # fmt: skip
+    # uvicorn re-raises SIGTERM to the handler that was there before once it has shut down; a no-op there
+    # makes a graceful stop exit 0 instead of dying by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    return EXIT_ENGINE_DIED if died.is_set() else 0
+
+
+def _load(cfg: EngineConfig, path: Path, name: str, args: argparse.Namespace, died: threading.Event) -> Any:
+    """Runs on the loader thread. Any failure ends the process with one line: never a server that lies."""
+    import torch
+
+    from tokenmill.engine.async_engine import AsyncEngine
+
+    try:
+        engine = AsyncEngine.from_config(replace(cfg, model=str(path)))
+    except (TokenmillError, ValueError) as e:
+        _die(f"tokenmill serve: error: {e}", EXIT_USAGE)
+    except BaseException as e:
+        log.debug("loading the model failed", exc_info=True)
+        _die(f"tokenmill serve: error: loading {path} failed: {type(e).__name__}: {e}", EXIT_USAGE)
+
+    def on_death(error: BaseException) -> None:
+        log.error("the engine loop died (%r): shutting down, exit status %d", error, EXIT_ENGINE_DIED)
+        died.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    engine.on_death = on_death
+    log.info("model %s from %s: %s, %d threads", name, path, engine.description, torch.get_num_threads())
+    log.info("serving at http://%s:%d/v1", args.host, args.port)
+    return engine
+
+
+def _die(message: str, status: int) -> Any:
+    print(message.splitlines()[0] if message else "tokenmill serve: error", file=sys.stderr, flush=True)
+    os._exit(status)
+
+
+class _Server:
+    """uvicorn's Server, with the abort-before-the-grace-period-ends step on the first shutdown signal."""
+
+    def __init__(self, config: Any, state: Any) -> None:
+        import uvicorn
+
+        self.state, self.grace = state, float(config.timeout_graceful_shutdown or 0)
+        self.server = uvicorn.Server(config)
+        self._handle_exit = self.server.handle_exit
+        self.server.handle_exit = self._on_exit  # type: ignore[method-assign]
+        self._draining = False
+
+    def run(self) -> None:
+        self.server.run()
+
+    def _on_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self._draining:
+            self._draining = True
+            margin = min(1.0, self.grace / 2)
+            timer = threading.Timer(max(self.grace - margin, 0.0), self._abort_all)
+            timer.daemon = True
+            timer.start()
+        self._handle_exit(sig, frame)
+
+    def _abort_all(self) -> None:
+        engine = self.state.engine
+        if engine is not None and engine.is_healthy:
+            engine.abort_all()
