@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,12 @@ def machine_facts() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
     }
-    for lib in ("torch", "transformers", "tokenmill", "llama_cpp"):
+    # NOTE: versions from the installed metadata: importing llama_cpp would load (or fail to load) its library
+    for lib, dist in (("torch", "torch"), ("transformers", "transformers"), ("tokenmill", "tokenmill"),
+                      ("llama_cpp", "llama_cpp_python")):  # fmt: skip
         try:
-            mod = __import__(lib)
-            facts[f"{lib}_version"] = getattr(mod, "__version__", "unknown")
-        except ImportError:
+            facts[f"{lib}_version"] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
             facts[f"{lib}_version"] = None
     try:
         import torch
