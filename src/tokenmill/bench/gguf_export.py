@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from tokenmill.models import FAMILIES
 
-GGUF_DTYPES = ("bf16", "f16", "f32", "q8_0")
+GGUF_DTYPES = ("bf16", "f16", "f32", "q8_0", "q4_0")
 # GPT-2's own split (also what `ByteLevel(use_regex=True)` applies), and Llama 3's and Qwen2's (from tokenizer.json)
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_REGEX = (
@@ -75,7 +75,8 @@ def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16") -> Path:
     writer = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
     try:
         writer.add_name(hf_dir.name)
-        file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}[dtype]
+        file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+                     "q4_0": "MOSTLY_Q4_0"}[dtype]  # fmt: skip
         writer.add_file_type(gguf.LlamaFileType[file_type])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         rope_factors = _write_hparams(writer, config)
@@ -199,10 +200,10 @@ def _add_tensor(writer: Any, name: str, data: Any, dtype: str) -> None:
     elif dtype == "bf16":
         bits = data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         writer.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
-    elif dtype == "q8_0" and data.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0] == 0:
-        q = gguf.quants.quantize(data.to(torch.float32).numpy(), gguf.GGMLQuantizationType.Q8_0)
-        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    else:  # f16, and Q8_0's fallback for rows that are not whole blocks (as convert_hf_to_gguf.py does)
+    elif dtype in ("q8_0", "q4_0") and data.shape[-1] % 32 == 0:
+        qtype = gguf.GGMLQuantizationType.Q8_0 if dtype == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+        writer.add_tensor(name, gguf.quants.quantize(data.to(torch.float32).numpy(), qtype), raw_dtype=qtype)
+    else:  # f16, and the fallback for rows that are not whole blocks (as convert_hf_to_gguf.py does)
         writer.add_tensor(name, data.to(torch.float16).numpy())
 
 
