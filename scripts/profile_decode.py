@@ -1,33 +1,68 @@
-"""Profile decode steps with torch.profiler: the table behind docs/benchmarks.md's "Profile of a decode step".
+"""Profile decode steps with torch.profiler: the table behind docs/benchmarks.md's "Profile of a decode step",
+and a Chrome/Perfetto trace of a few steps (open it in https://ui.perfetto.dev or chrome://tracing).
 
-    .venv/bin/python scripts/profile_decode.py /tmp/qwen05b --batch 1 --prompt-tokens 128 --steps 10
+    .venv/bin/python scripts/profile_decode.py /tmp/qwen05b --batch 1 --prompt-tokens 128 --steps 10 \\
+        --trace /tmp/decode-trace.json
 
 Queues `--batch` requests, runs their prefill and a few warm decode steps, then profiles `--steps` engine steps
-(decode only) and prints the op table and the unprofiled wall time per step.
+(decode only) and prints the op table and the unprofiled wall time per step. tokenmill's own kernels are not
+torch ops, so while profiling each linear, norm, attention and MLP call is labelled (`record_function`) with
+its module; the labels cost nothing outside the profiled steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from typing import Any
 
-from torch.profiler import ProfilerActivity, profile
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.types import EngineRequest
 
 
+def label_modules(model: nn.Module) -> Callable[[], None]:
+    """Wrap every leaf-ish module's forward in a record_function named after its path; returns the undo."""
+    from tokenmill.models.layers import Attention, GatedMLP, RMSNorm
+    from tokenmill.models.linear import KernelLinear, Linear
+
+    undo = []
+    for name, module in model.named_modules():
+        if not isinstance(module, Attention | GatedMLP | RMSNorm | KernelLinear | Linear):
+            continue
+        original = module.forward
+
+        def labelled(*args: Any, _f: Any = original, _n: str = name, **kwargs: Any) -> Any:
+            with record_function(_n):
+                return _f(*args, **kwargs)
+
+        module.forward = labelled  # type: ignore[method-assign]
+        undo.append((module, original))
+
+    def restore() -> None:
+        for module, original in undo:
+            module.forward = original  # type: ignore[method-assign]
+
+    return restore
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model")
+    p.add_argument("model", nargs="?", default=None, help="default: the built-in demo model")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quantization", default="none")
+    p.add_argument("--no-cpu-kernels", action="store_true", help="the pure-torch path, for comparison")
+    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the profiled steps here")
     a = p.parse_args()
-    llm = LLM(a.model, dtype=a.dtype, threads=a.threads, quantization=a.quantization, enable_prefix_caching=False)
+    llm = LLM(a.model, dtype=a.dtype, threads=a.threads, quantization=a.quantization, enable_prefix_caching=False,
+              cpu_kernels=not a.no_cpu_kernels)  # fmt: skip
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=3 * a.steps + 8, ignore_eos=True)
     for i in range(a.batch):
@@ -39,10 +74,16 @@ def main() -> None:
     for _ in range(a.steps):
         engine.step()
     wall = (time.perf_counter() - start) / a.steps
+    undo = label_modules(llm.loaded.model)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(a.steps):
-            engine.step()
+            with record_function("engine.step"):
+                engine.step()
+    undo()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    if a.trace:
+        prof.export_chrome_trace(a.trace)
+        print(f"trace: {a.trace}")
     print(f"batch {a.batch}: unprofiled wall time per decode step {wall * 1000:.1f} ms over {a.steps} steps")
 
 
