@@ -12,3 +12,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install --quiet ${TOKENMILL_TORCH:-torch==2.13.0}
 fi
 .venv/bin/python -m pip install --quiet -e ".[dev]"
+# Build tokenmill's CPU kernels for this CPU now (cached; without a compiler this says so and torch runs instead)
+.venv/bin/tokenmill env

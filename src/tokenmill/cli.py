@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub, _engine_args)
 
+    env = sub.add_parser("env", help="print the CPU, its ISA, which kernel path runs and why, and torch's threads")
+    env.add_argument("--bandwidth", action="store_true", help="also measure the memory read bandwidth (seconds)")
+
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint at a real model's shape")
     from tokenmill.make_model import SHAPES
 
@@ -212,6 +215,28 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env(a: argparse.Namespace) -> int:
+    import os
+    import platform
+
+    import torch
+
+    from tokenmill import __version__, kernels
+
+    env_vars = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "TOKENMILL_"))}
+    info = {"tokenmill": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "onednn_native_bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+            **kernels.status(), "environment": env_vars}  # fmt: skip
+    ops = kernels.active()
+    if a.bandwidth and ops is not None:
+        info["read_bandwidth_gb_s"] = round(ops.read_bandwidth(), 1)
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
 def cmd_make_model(a: argparse.Namespace) -> int:
     from tokenmill.make_model import make_model
 
@@ -223,9 +248,9 @@ def cmd_make_model(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "make-model": cmd_make_model}[
-        args.command
-    ]
+    handlers = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "make-model": cmd_make_model,
+                "env": cmd_env}  # fmt: skip
+    handler = handlers[args.command]
     try:
         return handler(args)
     except (TokenmillError, ValueError) as e:

@@ -151,7 +151,8 @@ class EngineConfig:
     """How the engine runs a model. Validated here so the CLI and the offline API share one set of messages.
 
     Every optimisation is a switch: `kv_cache`, `batching`, `enable_chunked_prefill`, `enable_prefix_caching`,
-    `quantization` (weight-only), `pack_weights` (oneDNN-packed CPU weights), `compile` (torch.compile).
+    `quantization` (weight-only), `cpu_kernels` (tokenmill's own CPU kernels), `pack_weights` (oneDNN-packed
+    CPU weights), `compile` (torch.compile).
     """
 
     model: str | None = None
@@ -175,6 +176,7 @@ class EngineConfig:
     touch_kv_cache: bool = False  # write the whole pool at start: its memory is resident, and known, up front
     # kernels
     quantization: Quantization = "none"
+    cpu_kernels: bool = True  # tokenmill's own CPU kernels for bf16 / int8 / int4 linears (kernels/)
     pack_weights: bool = False
     compile: bool = False
     threads: int | None = None

@@ -1,4 +1,5 @@
-"""The linear kernels: packed, int8 and int4 weight-only modules against plain math on the same weights."""
+"""The linear modules: oneDNN-packed, and tokenmill's kernel formats (bf16, Q8_0, Q4_0) on every path they take,
+against plain math on the same weights; and which module each setting gives."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
+from tokenmill.kernels import formats
 from tokenmill.models.linear import (
-    DEQUANT_ABOVE_ROWS,
-    Int4Linear,
-    Int8Linear,
+    KERNEL_MAX_ROWS,
+    KernelLinear,
     PackedLinear,
     packing_unsupported,
     prepare_linears,
-    quantize_int8,
     weight_bytes,
 )
 
@@ -43,48 +44,49 @@ def test_packing_a_dtype_the_cpu_cannot_pack_is_one_clear_error() -> None:
     model = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"--pack-weights cannot pack bfloat16 weights on this CPU .*--dtype float32"):
         prepare_linears(model, "none", torch.device("cpu"), pack_weights=True)
-    assert prepare_linears(model, "none", torch.device("cpu"), pack_weights=False) == {}
+    assert prepare_linears(model, "none", torch.device("cpu"), pack_weights=False) == {"bf16": 1}
 
 
-def test_int8_quantization_error_is_bounded_per_channel() -> None:
-    w = torch.randn(64, 128) * torch.linspace(0.01, 3, 64)[:, None]  # channels of very different ranges
-    q, scales = quantize_int8(w)
-    assert q.dtype == torch.int8
-    err = (q.float() * scales[:, None] - w).abs().amax(dim=1)
-    assert torch.all(err <= scales / 2 + 1e-6)  # rounding: half a step per channel
+def _fresh(k: int, n: int, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    return nn.Sequential(_linear(k, n, dtype), nn.ReLU(), _linear(n, 32, dtype, bias=False))
 
 
-@pytest.mark.parametrize("rows", [1, DEQUANT_ABOVE_ROWS, DEQUANT_ABOVE_ROWS + 9])
-def test_int8_both_paths_equal_dequantized_math(rows: int) -> None:
-    lin = _linear(128, 96, torch.bfloat16)
-    m = Int8Linear(lin)
-    x = torch.randn(rows, 128, dtype=torch.bfloat16)
-    ref = F.linear(x.float(), m.qweight.float() * m.scales.float()[:, None], m.bias.float())
-    torch.testing.assert_close(m(x).float(), ref, atol=3e-2, rtol=2e-2)
-
-
-@pytest.mark.parametrize("rows", [1, DEQUANT_ABOVE_ROWS + 9])
-def test_int4_kernel_equals_our_dequantization(rows: int) -> None:
-    lin = _linear(256, 64, torch.bfloat16)
-    m = Int4Linear(lin)
-    w = m.dequantize(torch.float32)
-    assert (w - lin.weight.float()).abs().max() < 0.6 * (lin.weight.float().abs().max() / 15 * 2)  # within a step
-    x = torch.randn(rows, 256, dtype=torch.bfloat16)
-    torch.testing.assert_close(m(x).float(), F.linear(x.float(), w, m.bias.float()), atol=5e-2, rtol=3e-2)
+@pytest.mark.parametrize("fmt", ["bf16", "f32", "q8_0", "q4_0"])
+def test_kernel_linear_paths_agree(fmt: str) -> None:
+    """The kernel (up to KERNEL_MAX_ROWS rows), the unpacked GEMM above it, and the pure-torch fallback all
+    multiply by the same packed weight."""
+    lin = _linear(100, 70, torch.bfloat16)
+    ops = kernels.active()
+    if ops is None:
+        pytest.skip(f"no compiled kernels here: {kernels.status()['why']}")
+    fast, fallback = KernelLinear(lin, fmt, ops), KernelLinear(lin, fmt, None)
+    w = formats.unpack(fast.packed())
+    for rows in (1, 7, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 5):
+        x = torch.randn(rows, 100, dtype=torch.bfloat16)
+        ref = F.linear(x.float(), w, fast.bias)
+        for module in (fast, fallback):
+            y = module(x.view(rows, 1, 100))
+            assert y.shape == (rows, 1, 70) and y.dtype == torch.bfloat16
+            torch.testing.assert_close(y.view(rows, 70).float(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_prepare_linears_swaps_every_linear_and_reports_it() -> None:
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32, bias=False)).to(torch.bfloat16)
+    cpu = torch.device("cpu")
+    model = _fresh(64, 64)
     dense = weight_bytes(model)
-    assert prepare_linears(model, "int8", torch.device("cpu")) == {"int8": 2}
+    assert prepare_linears(model, "int8", cpu) == {"q8_0": 2}
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert weight_bytes(model) < 0.6 * dense  # int8 weights + bf16 scales/bias vs bf16 weights
-    model2 = nn.Sequential(nn.Linear(64, 64)).to(torch.float32)
-    assert prepare_linears(model2, "none", torch.device("cpu")) == {"packed": 1}
+    assert weight_bytes(model) < 0.6 * dense  # Q8_0: 34 bytes per 32 weights (+ float32 bias) vs bf16's 64
+    model = _fresh(64, 64)
+    assert prepare_linears(model, "int4", cpu) == {"q4_0": 2} and weight_bytes(model) < 0.35 * dense
+    assert prepare_linears(_fresh(64, 64), "none", cpu) == {"bf16": 2}
+    assert prepare_linears(_fresh(64, 64), "none", cpu, cpu_kernels=False) == {}  # the switch: plain torch
+    assert prepare_linears(_fresh(64, 64, torch.float32), "none", cpu) == {"f32": 2}
+    assert prepare_linears(_fresh(64, 64, torch.float16), "none", cpu) == {}  # float16 stays on torch
+    assert prepare_linears(_fresh(64, 64, torch.float32), "int4", cpu) == {"q4_0": 2}  # float32 activations too
+    assert prepare_linears(_fresh(64, 64, torch.float32), "none", cpu, pack_weights=True) == {"packed": 2}
 
 
 def test_bad_quantization_requests_fail_clearly() -> None:
     with pytest.raises(ValueError, match="allowed: none, int8, int4"):
         prepare_linears(nn.Sequential(nn.Linear(64, 64)), "fp8", torch.device("cpu"))
-    with pytest.raises(ValueError, match="int4.*bfloat16"):
-        prepare_linears(nn.Sequential(nn.Linear(64, 64)), "int4", torch.device("cpu"))  # float32 model

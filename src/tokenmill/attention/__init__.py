@@ -13,11 +13,13 @@ from tokenmill.attention.contiguous import ContiguousKVCache
 from tokenmill.attention.none import NoKVCache, causal
 from tokenmill.attention.paged import PagedKVCache, plan_num_blocks
 from tokenmill.config import KV_CACHE_MODES, EngineConfig, ModelConfig
+from tokenmill.kernels import Kernels
 
 
 def make_kv_backend(
-    cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int
-) -> KVBackend:
+    cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
+    ops: Kernels | None = None,
+) -> KVBackend:  # fmt: skip
     """The backend `cfg.kv_cache` names, sized by `cfg` (the paged pool: `plan_num_blocks`)."""
     if cfg.kv_cache == "paged":
         num_blocks = plan_num_blocks(
@@ -25,7 +27,7 @@ def make_kv_backend(
             cfg.kv_cache_memory_gb,
         )  # fmt: skip
         paged = PagedKVCache(model.num_layers, num_blocks, cfg.block_size, model.num_kv_heads, model.head_dim, dtype,
-                             device)  # fmt: skip
+                             device, ops)  # fmt: skip
         if cfg.touch_kv_cache:
             paged.touch()
         return paged

@@ -3,10 +3,11 @@ token slots. Which blocks a sequence owns is the KV manager's business (pure Pyt
 scheduler hands each sequence's block table to the runner, and `prepare` turns the tables into slot tensors.
 
 Two attention paths:
-- decodes (the first `num_decodes` sequences, one new token each): one batched call. Every decode sequence's
-  blocks are gathered at once into [B, S, Hkv, Dh] (S = the longest context, padded), and the H query heads
-  are grouped per KV head ([B, Hkv, H/Hkv, Dh]), so GQA needs no repeated keys and a padding bias is the only
-  mask. This path reads only tensors from the metadata.
+- decodes (the first `num_decodes` sequences, one new token each): one batched call. With the fused CPU kernel
+  (kernels/), it reads each sequence's blocks where they are. Otherwise every decode sequence's blocks are
+  gathered at once into [B, S, Hkv, Dh] (S = the longest context, padded), and the H query heads are grouped
+  per KV head ([B, Hkv, H/Hkv, Dh]), so GQA needs no repeated keys and a padding bias is the only mask. This
+  path reads only tensors from the metadata.
 - everything else (prefills and chunks), one sequence at a time; a sequence with nothing cached attends to its
   new keys directly, without reading them back.
 """
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from tokenmill.attention.backend import BatchLayout, attend_sequence
 from tokenmill.config import ModelConfig
+from tokenmill.kernels import Kernels
 from tokenmill.types import SequenceInput
 
 
@@ -30,6 +32,7 @@ class PagedMetadata(BatchLayout):
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] block ids (padded with 0)
     decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 context, -inf pad
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths (the fused kernel's mask)
     context_slots: list[torch.Tensor | None] = field(default_factory=list)  # per sequence: [ctx] slots to read
 
 
@@ -46,9 +49,13 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        ops: Kernels | None = None,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype, self.device = dtype, device
+        # the fused decode attention (kernels/): it reads the blocks in place, no gather and no padding bias
+        fused = ops is not None and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+        self.ops = ops if fused else None
         shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
         # NOTE: empty, not zeros: untouched pages of a large CPU pool cost no resident memory. Blocks are zeroed
         # once, before first use (`_zeroed_below`), because the batched decode reads whole blocks, padding included.
@@ -76,7 +83,9 @@ class PagedKVCache:
         pieces = [torch.tensor(slots, dtype=torch.int64, device=self.device)]
         meta.context_slots = [None] * num_decodes
         if num_decodes:
-            meta.decode_block_tables, meta.decode_bias = self._decode_tables(tables[:num_decodes], meta.seq_lens)
+            meta.decode_block_tables, meta.decode_bias, meta.decode_lens = self._decode_tables(
+                tables[:num_decodes], meta.seq_lens
+            )
         for s in sequences[num_decodes:]:
             ctx = self._slots_of(s.block_table, 0, s.seq_len)
             meta.context_slots.append(ctx if s.start else None)  # a fresh prefill reads no cache
@@ -92,15 +101,20 @@ class PagedKVCache:
             self.cache[:, :, self._zeroed_below * self.block_size : top * self.block_size].zero_()
             self._zeroed_below = top
 
-    def _decode_tables(self, tables: list[list[int]], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(
+        self, tables: list[list[int]], seq_lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Block tables [B, M] padded with block 0, the padding bias for SDPA (not for the fused kernel), lens."""
         bs = self.block_size
         width = max(-(-n // bs) for n in seq_lens[: len(tables)])
         padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
         block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)  # [B, M]
-        lens = torch.tensor(seq_lens[: len(tables)], device=self.device)
+        lens = torch.tensor(seq_lens[: len(tables)], dtype=torch.int64, device=self.device)  # [B]
+        if self.ops is not None:
+            return block_tables, None, lens
         pad = torch.arange(width * bs, device=self.device) >= lens[:, None]  # [B, S]
         bias = torch.zeros(pad.shape, dtype=self.dtype, device=self.device).masked_fill_(pad, float("-inf"))
-        return block_tables, bias[:, None, None, :]
+        return block_tables, bias[:, None, None, :], lens
 
     def _slots_of(self, block_table: list[int], start: int, end: int) -> torch.Tensor:  # [end - start]
         pos = torch.arange(start, end)
@@ -109,14 +123,19 @@ class PagedKVCache:
 
     # -- per layer --------------------------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> None:
+        if self.ops is not None and k.dtype == self.dtype and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]:
+            self.ops.kv_write(k, v, self.cache[layer], meta.slot_mapping)
+            return
         self.cache[layer, 0].index_copy_(0, meta.slot_mapping, k)
         self.cache[layer, 1].index_copy_(0, meta.slot_mapping, v)
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata
     ) -> torch.Tensor:  # [T, H, Dh]
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == meta.num_seqs:  # a decode-only step (the common one): no output buffer to fill piecewise
+            return self._decode_batch(layer, q, meta)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode_batch(layer, q[:nd], meta)
         for b in range(nd, meta.num_seqs):
@@ -131,7 +150,12 @@ class PagedKVCache:
 
     def _decode_batch(self, layer: int, q: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """q: [B, H, Dh], one new token per sequence -> [B, H, Dh], all sequences in one call."""
-        assert meta.decode_block_tables is not None and meta.decode_bias is not None
+        assert meta.decode_block_tables is not None and meta.decode_lens is not None
+        if self.ops is not None:
+            return self.ops.decode_attention(
+                q.contiguous(), self.cache[layer], meta.decode_block_tables, meta.decode_lens, self.block_size
+            )
+        assert meta.decode_bias is not None
         b, m = meta.decode_block_tables.shape
         flat = meta.decode_block_tables.reshape(-1)
         kv = self.cache[layer].view(2, self.num_blocks, self.block_size, *self.cache.shape[-2:])

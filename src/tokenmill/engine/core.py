@@ -69,7 +69,7 @@ class EngineCore:
 
         After `make_kv_backend` resolves `cfg.kv_cache`, everything asks the backend's attributes."""
         max_len, model_cfg = loaded.max_model_len, loaded.config
-        backend = make_kv_backend(cfg, model_cfg, loaded.dtype, loaded.device, max_len)
+        backend = make_kv_backend(cfg, model_cfg, loaded.dtype, loaded.device, max_len, loaded.ops)
         kv: KVManager = (
             KVCacheManager(backend.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
             if backend.uses_blocks

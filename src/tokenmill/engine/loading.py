@@ -11,8 +11,11 @@ import torch
 
 from tokenmill.config import DTYPES, EngineConfig, ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
+from tokenmill.kernels import Kernels
+from tokenmill.kernels import active as active_kernels
 from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
+from tokenmill.models.layers import bind_kernels
 from tokenmill.models.linear import prepare_linears
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
@@ -33,6 +36,7 @@ class LoadedModel:
     max_model_len: int
     generation_config: dict[str, Any] = field(default_factory=dict)
     kernels: dict[str, int] = field(default_factory=dict)  # linear kernel -> how many linears use it
+    ops: Kernels | None = None  # the fused CPU ops the model and the paged KV cache use (None: pure torch)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -111,9 +115,13 @@ def load(cfg: EngineConfig) -> LoadedModel:
     with torch.device("meta"):
         model = family.model_class(model_config)
     load_weights(model, path, dtype, device)
-    kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights)
+    kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights, cfg.cpu_kernels)
+    ops = None
     if cfg.compile:
-        compile_model(model)
+        compile_model(model)  # inductor fuses the same ops itself; the fused kernels would split its graphs
+    elif cfg.cpu_kernels and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+        ops = active_kernels()
+        bind_kernels(model, ops)
     return LoadedModel(
         path=path,
         config=model_config,
@@ -124,4 +132,5 @@ def load(cfg: EngineConfig) -> LoadedModel:
         max_model_len=max_len,
         generation_config=read_json(path / "generation_config.json", required=False),
         kernels=kernels,
+        ops=ops,
     )

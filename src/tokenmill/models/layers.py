@@ -16,6 +16,7 @@ from torch import nn
 
 from tokenmill.attention import KVBackend
 from tokenmill.config import ModelConfig, RopeConfig
+from tokenmill.kernels import Kernels
 from tokenmill.models.linear import Linear
 
 # fused parameter -> (HF sub-module name, shard index) in the order they are concatenated
@@ -25,17 +26,34 @@ STACKED_PARAMS: dict[str, tuple[tuple[str, int], ...]] = {
 }
 
 
+def _fused(ops: Kernels | None, x: torch.Tensor) -> Kernels | None:
+    """The fused CPU ops, when bound (`bind_kernels`) and x is a contiguous CPU bf16/float32 tensor."""
+    if ops is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous():
+        return ops
+    return None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: Kernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if (ops := _fused(self.ops, x)) is not None:
+            return ops.rmsnorm(x, None, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(x + residual), x + residual), in one pass when fused (the residual is updated in place)."""
+        if (ops := _fused(self.ops, x)) is not None and residual.is_contiguous():
+            return ops.rmsnorm(x, residual, self.weight, self.eps), residual
+        residual = x + residual
+        return self(residual), residual
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -128,6 +146,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.ops: Kernels | None = None
 
     def forward(
         self,
@@ -137,13 +156,18 @@ class Attention(nn.Module):
         kv: KVBackend,
         meta: Any,  # what `kv.prepare` built for this batch
     ) -> torch.Tensor:  # [T, D]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        ops = _fused(self.ops, qkv) if self.q_norm is None else None
+        if ops is not None:  # RoPE in place on the q and k heads, side by side at the start of each qkv row
+            ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, Dh]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if ops is None:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv.write(self.layer_idx, k, v, meta)
         o = kv.attend(self.layer_idx, q, k, v, meta)  # [T, H, Dh]
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -155,9 +179,13 @@ class GatedMLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.ops: Kernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if (ops := _fused(self.ops, gate_up)) is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -170,10 +198,21 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBackend, meta: Any
-    ) -> torch.Tensor:  # [T, D]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVBackend,
+        meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, D] the block's output, [T, D] the residual stream before it)
+        """The residual add is carried into the next norm (vLLM's shape): x + residual is the layer's input."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, cos, sin, kv, meta), residual)
+        return self.mlp(h), residual  # fmt: skip
 
 
 class DecoderModel(nn.Module):
@@ -189,9 +228,10 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVBackend, meta: Any) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary(positions, x.dtype)  # [T, Dh] each
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, meta)
+        return self.norm.add_and_norm(x, residual)[0] if residual is not None else self.norm(x)
 
 
 class CausalLM(nn.Module):
@@ -219,3 +259,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
         return self.lm_head(hidden).float()
+
+
+def bind_kernels(model: nn.Module, ops: Kernels | None) -> int:
+    """Give the norms, attention and MLPs the fused CPU ops (or None: pure torch). Returns how many modules."""
+    modules = [m for m in model.modules() if isinstance(m, RMSNorm | Attention | GatedMLP)]
+    for m in modules:
+        m.ops = ops
+    return len(modules)

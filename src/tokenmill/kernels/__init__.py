@@ -1,0 +1,58 @@
+"""tokenmill's own CPU kernels: linear layers over packed bf16 / Q8_0 / Q4_0 weights, compiled per ISA.
+
+`active()` is the compiled module for the variant this CPU runs (see isa.py), built on first use (build.py),
+or None when it cannot be built here: then tokenmill runs on the pure-torch path, and says so once, in one
+line. `status()` says which path is active and why (`tokenmill env` prints it).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from functools import cache
+from typing import Any
+
+from tokenmill.kernels.build import KernelBuildError, build_key, cache_root, load
+from tokenmill.kernels.isa import LANES, LEVELS, choose, cpu_flags, cpu_name, supported_levels
+from tokenmill.kernels.ops import Kernels
+
+log = logging.getLogger("tokenmill.kernels")
+
+
+@cache
+def variant(level: str) -> Kernels:
+    """The compiled kernels of one variant (tests run every variant the CPU supports)."""
+    return Kernels(load(level), level)
+
+
+@cache
+def _active() -> tuple[Kernels | None, str]:
+    choice = choose()
+    try:
+        return variant(choice.level), ""
+    except KernelBuildError as e:
+        reason = f"the {choice.level} kernels could not be built ({e}); running on the pure-torch path"
+        print(f"tokenmill: {reason}", file=sys.stderr, flush=True)
+        return None, reason
+
+
+def active() -> Kernels | None:
+    return _active()[0]
+
+
+def status() -> dict[str, Any]:
+    """What runs and why, for `tokenmill env` and the bench records."""
+    choice = choose()
+    module, failure = _active()
+    return {
+        "cpu": cpu_name(),
+        "isa_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx"))),
+        "supported": supported_levels(),
+        "kernels": choice.level if module is not None else "pure-torch",
+        "why": choice.reason if module is not None else failure,
+        "lanes": LANES[choice.level] if module is not None else None,
+        "cache": str(cache_root() / build_key(choice.level)),
+    }
+
+
+__all__ = ["LEVELS", "KernelBuildError", "Kernels", "active", "status", "variant"]

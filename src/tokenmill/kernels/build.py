@@ -1,0 +1,78 @@
+"""Compile the C++ kernels for one ISA variant with torch.utils.cpp_extension, once, and cache the result.
+
+The cache key holds the torch version, the variant and a hash of the sources and flags, so a build for
+AVX-512 is never loaded on an AVX2 machine and an edited source is rebuilt. Builds go to
+`$TOKENMILL_CACHE_DIR` (default `~/.cache/tokenmill`)/kernels/<key>; the first build of a variant takes
+about a minute on two cores, later loads are instant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from tokenmill.kernels.isa import COMPILE_FLAGS, LANES
+
+# A test-only variant: the 16-lane code (AVX-512's) built with AVX2 flags, so an AVX2 machine checks its logic.
+EMULATED = "avx2-16-lanes"
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("kernels.cpp",)
+HEADERS = ("simd.h", "gemm.h", "fused.h")
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels could not be compiled or loaded here (no compiler, no ninja, ...)."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill") / "kernels"
+
+
+def cflags(level: str) -> list[str]:
+    lanes, flags = (16, COMPILE_FLAGS["avx2"]) if level == EMULATED else (LANES[level], COMPILE_FLAGS[level])
+    return ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", f"-DTM_W={lanes}", *flags]
+
+
+def build_key(level: str) -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join(cflags(level)).encode())
+    return f"{torch.__version__.replace('+', '_')}-{level}-{digest.hexdigest()[:12]}"
+
+
+def load(level: str) -> ModuleType:
+    """The compiled module for `level`, building it first if the cache has none."""
+    from torch.utils import cpp_extension
+
+    key = build_key(level)
+    directory = cache_root() / key
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"tokenmill_kernels_{key.replace('.', '_').replace('-', '_')}"
+    if not any(directory.glob(f"{name}*.so")):
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            raise KernelBuildError(f"no C++ compiler: {compiler!r} is not on PATH (install g++, or set CXX)")
+        print(
+            f"tokenmill: compiling the {level} CPU kernels (once; cached in {directory})", file=sys.stderr, flush=True
+        )
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=cflags(level),
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a compiler that rejects the flags: the caller falls back
+        first = str(e).strip().splitlines()
+        raise KernelBuildError(f"{type(e).__name__}: {first[0] if first else e}") from e

@@ -1,0 +1,188 @@
+// The decode step's small ops, fused so a layer is a handful of calls instead of dozens of torch ops.
+//
+// Activations are bfloat16 or float32 (`bf16`), like the model. Each op computes in float32 and rounds where
+// the torch code it replaces rounds (a bf16 tensor op rounds its result), so the two paths agree to the last
+// bit almost always (summation order aside).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "simd.h"
+
+namespace tmk {
+
+struct Act {  // a row-major activation buffer of either dtype
+  void* ptr;
+  bool bf16;
+  inline float get(int64_t i) const {
+    if (!bf16) return ((const float*)ptr)[i];
+    uint32_t bits = (uint32_t)((const uint16_t*)ptr)[i] << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  inline void set(int64_t i, float f) const {
+    if (bf16) ((uint16_t*)ptr)[i] = float_to_bf16(f);
+    else ((float*)ptr)[i] = f;
+  }
+  // what storing f in this dtype keeps
+  inline float round(float f) const {
+    if (!bf16) return f;
+    uint32_t bits = (uint32_t)float_to_bf16(f) << 16;
+    float r;
+    std::memcpy(&r, &bits, 4);
+    return r;
+  }
+};
+
+// residual (optional, [rows, D]) += x; out = rmsnorm(residual or x) * weight. HF's order: the sum rounded to the
+// dtype, the normalized value rounded, then multiplied by the weight and rounded.
+inline void rmsnorm_rows(Act x, Act residual, bool has_residual, Act weight, float eps, Act out, int64_t rows,
+                         int64_t D) {
+  std::vector<float> h(D);
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < D; ++i) {
+      float v = x.get(r * D + i);
+      if (has_residual) {
+        v = residual.round(v + residual.get(r * D + i));
+        residual.set(r * D + i, v);
+      }
+      h[i] = v;
+      ss += (double)v * v;
+    }
+    const float rs = 1.0f / std::sqrt((float)(ss / D) + eps);
+    for (int64_t i = 0; i < D; ++i) out.set(r * D + i, out.round(weight.get(i) * out.round(h[i] * rs)));
+  }
+}
+
+// x [T, heads, Dh] in place: rotate-half RoPE with cos/sin [T, Dh] (both in x's dtype), as HF: x * cos and
+// rotate_half(x) * sin each rounded, then their sum.
+inline void rope_rows(Act x, Act cos, Act sin, int64_t T, int64_t heads, int64_t Dh, int64_t row_stride) {
+  const int64_t half = Dh / 2;
+  std::vector<float> v(Dh);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t base = t * row_stride + h * Dh;
+      for (int64_t i = 0; i < Dh; ++i) v[i] = x.get(base + i);
+      for (int64_t i = 0; i < Dh; ++i) {
+        const float rot = i < half ? -v[i + half] : v[i - half];
+        const float a = x.round(v[i] * cos.get(t * Dh + i)), b = x.round(rot * sin.get(t * Dh + i));
+        x.set(base + i, a + b);
+      }
+    }
+  }
+}
+
+// out [rows, I] = silu(gate) * up, from gate_up [rows, 2I] (gate first): silu rounded, then the product.
+inline void silu_mul_rows(Act gate_up, Act out, int64_t rows, int64_t I) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = gate_up.get(r * 2 * I + i), u = gate_up.get(r * 2 * I + I + i);
+      out.set(r * I + i, out.round(g / (1.0f + std::exp(-g))) * u);
+    }
+  }
+}
+
+// W lanes of a row of T (bfloat16 as uint16_t, or float) as floats
+template <typename T>
+inline vf load_row(const T* p) {
+  if constexpr (sizeof(T) == 2) return load_bf16((const uint16_t*)p);
+  else return load((const float*)p);
+}
+
+template <typename T>
+inline float load_one(const T* p) {
+  if constexpr (sizeof(T) == 2) {
+    uint32_t bits = (uint32_t)*(const uint16_t*)p << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  } else {
+    return *(const float*)p;
+  }
+}
+
+// dot(a[0..Dh), row[0..Dh)) with a in float32 and the row in T
+template <typename T>
+inline float dot_row(const float* a, const T* row, int64_t Dh) {
+  vf s = {};
+  int64_t i = 0;
+  for (; i + W <= Dh; i += W) s += load(a + i) * load_row(row + i);
+  float r = hsum(s);
+  for (; i < Dh; ++i) r += a[i] * load_one(row + i);
+  return r;
+}
+
+// acc[0..Dh) += p * row[0..Dh)
+template <typename T>
+inline void axpy_row(float* acc, float p, const T* row, int64_t Dh) {
+  const vf pv = splat(p);
+  int64_t i = 0;
+  for (; i + W <= Dh; i += W) store(acc + i, load(acc + i) + pv * load_row(row + i));
+  for (; i < Dh; ++i) acc[i] += p * load_one(row + i);
+}
+
+// Attention of one new token per sequence over its paged context, for one (sequence b, KV head g). cache:
+// [2, slots, Hkv, Dh] for this layer (keys then values); q/out: [B, H, Dh]; table: the sequence's block ids;
+// len: its context length. The G = H / Hkv query heads of a KV head share each key and value read. float32
+// scores, softmax and sums; `scratch` holds G * (Dh + len) + G * Dh floats.
+template <typename T>
+inline void decode_attention_task(const T* q, const T* cache, int64_t slots, const int64_t* table, int64_t len,
+                                  int64_t b, int64_t g, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size,
+                                  float scale, T* out, float* scratch) {
+  const int64_t G = H / Hkv, kv_stride = Hkv * Dh;
+  float* qv = scratch;                // [G, Dh]
+  float* scores = qv + G * Dh;        // [G, len]
+  float* acc = scores + G * len;      // [G, Dh]
+  for (int64_t j = 0; j < G * Dh; ++j) qv[j] = load_one(q + (b * H + g * G) * Dh + j) * scale;
+  // block by block: the slot of token t is table[t / block_size] * block_size + t % block_size
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const T* kb = cache + table[t0 / block_size] * block_size * kv_stride + g * Dh;
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < G; ++j) scores[j * len + t0 + i] = dot_row(qv + j * Dh, kb + i * kv_stride, Dh);
+  }
+  for (int64_t j = 0; j < G; ++j) {
+    float* sc = scores + j * len;
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sc[t]);
+    int64_t t = 0;
+    vf sums = {};
+    for (; t + W <= len; t += W) {
+      const vf e = exp_neg(load(sc + t) - splat(mx));
+      store(sc + t, e);
+      sums += e;
+    }
+    sum = hsum(sums);
+    for (; t < len; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
+    const float inv = 1.0f / sum;
+    for (t = 0; t < len; ++t) sc[t] *= inv;
+  }
+  std::fill(acc, acc + G * Dh, 0.f);
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const T* vb = cache + (slots + table[t0 / block_size] * block_size) * kv_stride + g * Dh;
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < G; ++j) axpy_row(acc + j * Dh, scores[j * len + t0 + i], vb + i * kv_stride, Dh);
+  }
+  for (int64_t j = 0; j < G * Dh; ++j) {
+    T* o = out + (b * H + g * G) * Dh + j;
+    if constexpr (sizeof(T) == 2) *(uint16_t*)o = float_to_bf16(acc[j]);
+    else *(float*)o = acc[j];
+  }
+}
+
+// k, v [T, Hkv * Dh] (rows of strides k_stride, v_stride) -> cache [2, slots, Hkv * Dh] at slots[t]
+template <typename T>
+inline void kv_write_rows(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* cache, int64_t slots,
+                          const int64_t* slot, int64_t n, int64_t width) {
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(cache + slot[t] * width, k + t * k_stride, width * sizeof(T));
+    std::memcpy(cache + (slots + slot[t]) * width, v + t * v_stride, width * sizeof(T));
+  }
+}
+
+}  // namespace tmk

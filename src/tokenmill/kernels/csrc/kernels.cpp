@@ -1,0 +1,250 @@
+// tokenmill's CPU kernels: linear layers over packed bf16 / Q8_0 / Q4_0 weights, built once per ISA (TM_W lanes)
+// by kernels/build.py. Threads come from torch's own OpenMP pool through at::parallel_for.
+//
+// The functions take raw pointers (Python passes tensor.data_ptr(); kernels/ops.py checks shapes and dtypes):
+// without torch's tensor headers a variant compiles in seconds instead of a minute.
+#include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "fused.h"
+#include "gemm.h"
+
+namespace tmk {
+
+// rows of one tile for each format at this vector width (what fits in the register file)
+constexpr int MT_BF16 = W == 4 ? 2 : (W == 8 ? 4 : 8);
+constexpr int MT_QUANT = W == 4 ? 1 : 4;
+
+template <Format F, int MT>
+inline void run_tile(const uint8_t* panel, const float* x, int64_t ldx, const float* xs, int64_t K, vf (*acc)[V]) {
+  if constexpr (F == BF16) {
+    if constexpr (MT == 1) tile_dense<1, 4>((const uint16_t*)panel, x, ldx, K, acc);
+    else tile_dense<MT, 1>((const uint16_t*)panel, x, ldx, K, acc);
+  } else if constexpr (F == F32) {
+    if constexpr (MT == 1) tile_dense<1, 4>((const float*)panel, x, ldx, K, acc);
+    else tile_dense<MT, 1>((const float*)panel, x, ldx, K, acc);
+  } else {
+    tile_quant<F, MT>(panel, x, ldx, xs, K, acc);
+  }
+}
+
+template <Format F, int MT>
+void panel_rows(const uint8_t* panel, const float* x, int64_t ldx, const float* xs, int64_t nb, int64_t K, int64_t rows,
+                vf (*acc)[V]) {
+  // rows <= MT: dispatch the remainder of M to the tile of exactly that many rows
+  if constexpr (MT > 1) {
+    if (rows < MT) return panel_rows<F, MT - 1>(panel, x, ldx, xs, nb, K, rows, acc);
+  }
+  run_tile<F, MT>(panel, x, ldx, xs, K, acc);
+}
+
+template <Format F>
+void linear_impl(const float* x, int64_t M, int64_t ldx, const float* xs, int64_t nb, const uint8_t* packed, int64_t N,
+                 int64_t K, const float* bias, float* out32, uint16_t* out16) {
+  constexpr int MT = F == BF16 || F == F32 ? MT_BF16 : MT_QUANT;
+  const int64_t n_panels = (N + P - 1) / P, stride = panel_bytes(F, K);
+  // NOTE: a chunk of at least ~256 KB of weight reads (more with more rows) per thread: a smaller matrix runs on
+  // the calling thread alone, because waking a second thread costs more than it saves, and far more when the
+  // machine is busy and that thread is not on a core.
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / (stride * (1 + M / 8)));
+  at::parallel_for(0, n_panels, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = packed + p * stride;
+      const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t rows = std::min<int64_t>(MT, M - m0);
+        vf acc[MT][V] = {};
+        panel_rows<F, MT>(panel, x + m0 * ldx, ldx, xs + m0 * nb, nb, K, rows, acc);
+        for (int64_t m = 0; m < rows; ++m) {
+          float lane[P];
+          for (int v = 0; v < V; ++v) store(lane + v * W, acc[m][v]);
+          for (int64_t i = 0; i < n_valid; ++i) {
+            const float y = lane[i] + (bias ? bias[n0 + i] : 0.f);
+            if (out16) out16[(m0 + m) * N + n0 + i] = float_to_bf16(y);
+            else out32[(m0 + m) * N + n0 + i] = y;
+          }
+        }
+      }
+    }
+  });
+}
+
+// out[M, N] = x[M, Kx] @ w^T (+ bias): x and out bfloat16 (`bf16` true) or float32, bias float32 or none;
+// the weight packed in `format` with N outputs and K inputs (Kx <= K: K padded to whole blocks)
+void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, int64_t format, int64_t N, int64_t K,
+            uintptr_t bias_ptr, uintptr_t out_ptr) {
+  const auto F = static_cast<Format>(format);
+  const int64_t nb = K / QK;
+  std::vector<float> xf(M * K, 0.f);  // activations in float32, zero-padded to K (a few KB at decode sizes)
+  if (bf16) {
+    const uint16_t* src = (const uint16_t*)x_ptr;
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t k = 0; k < Kx; ++k) {
+        uint32_t bits = (uint32_t)src[i * Kx + k] << 16;
+        std::memcpy(&xf[i * K + k], &bits, 4);
+      }
+  } else {
+    const float* src = (const float*)x_ptr;
+    for (int64_t i = 0; i < M; ++i) std::memcpy(&xf[i * K], src + i * Kx, Kx * 4);
+  }
+  std::vector<float> xs(F == Q4_0 ? M * nb : 1, 0.f);
+  if (F == Q4_0)
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t k = 0; k < K; ++k) xs[i * nb + k / QK] += xf[i * K + k];
+  const float* bias = (const float*)bias_ptr;
+  float* o32 = bf16 ? nullptr : (float*)out_ptr;
+  uint16_t* o16 = bf16 ? (uint16_t*)out_ptr : nullptr;
+  const uint8_t* w = (const uint8_t*)w_ptr;
+  if (F == BF16) linear_impl<BF16>(xf.data(), M, K, xs.data(), nb, w, N, K, bias, o32, o16);
+  else if (F == F32) linear_impl<F32>(xf.data(), M, K, xs.data(), nb, w, N, K, bias, o32, o16);
+  else if (F == Q8_0) linear_impl<Q8_0>(xf.data(), M, K, xs.data(), nb, w, N, K, bias, o32, o16);
+  else linear_impl<Q4_0>(xf.data(), M, K, xs.data(), nb, w, N, K, bias, o32, o16);
+}
+
+// The packed weight back as float32 out[N, K] (the prefill path multiplies it with torch's own GEMM)
+void unpack(uintptr_t w_ptr, int64_t format, int64_t N, int64_t K, uintptr_t out_ptr) {
+  const auto F = static_cast<Format>(format);
+  float* o = (float*)out_ptr;
+  const uint8_t* w = (const uint8_t*)w_ptr;
+  const int64_t n_panels = (N + P - 1) / P, stride = panel_bytes(F, K);
+  at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = w + p * stride;
+      const int64_t n_valid = std::min<int64_t>(P, N - p * P);
+      for (int64_t k = 0; k < K; ++k) {
+        float vals[P];
+        if (F == F32) {
+          std::memcpy(vals, (const float*)panel + k * P, sizeof(vals));
+        } else if (F == BF16) {
+          for (int i = 0; i < P; ++i) {
+            uint32_t bits = (uint32_t)((const uint16_t*)panel)[k * P + i] << 16;
+            std::memcpy(&vals[i], &bits, 4);
+          }
+        } else {
+          const int64_t bb = F == Q8_0 ? 2 * P + QK * P : 2 * P + QK / 2 * P;
+          const uint8_t* blk = panel + (k / QK) * bb;
+          const int kk = k % QK;
+          for (int i = 0; i < P; ++i) {
+            const float d = half_to_float(((const uint16_t*)blk)[i]);
+            if (F == Q8_0) {
+              vals[i] = d * (float)((const int8_t*)(blk + 2 * P))[kk * P + i];
+            } else {
+              const uint8_t byte = blk[2 * P + (kk / 2) * P + i];
+              vals[i] = d * (float)(((kk & 1) ? byte >> 4 : byte & 15) - 8);
+            }
+          }
+        }
+        for (int64_t i = 0; i < n_valid; ++i) o[(p * P + i) * K + k] = vals[i];
+      }
+    }
+  });
+}
+
+// -- the fused decode ops (fused.h): rows split across threads only when there are enough to pay for it -----------
+void rmsnorm(uintptr_t x, uintptr_t residual, uintptr_t weight, bool bf16, double eps, uintptr_t out, int64_t rows,
+             int64_t D) {
+  const Act xa{(void*)x, bf16}, ra{(void*)residual, bf16}, wa{(void*)weight, bf16}, oa{(void*)out, bf16};
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t begin, int64_t end) {
+    const int64_t off = begin * D;
+    auto shift = [&](Act a) { return Act{(char*)a.ptr + off * (bf16 ? 2 : 4), bf16}; };
+    rmsnorm_rows(shift(xa), residual ? shift(ra) : ra, residual != 0, wa, (float)eps, shift(oa), end - begin, D);
+  });
+}
+
+void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, bool bf16, int64_t T, int64_t heads, int64_t Dh,
+          int64_t row_stride) {
+  const Act xa{(void*)x, bf16}, ca{(void*)cos, bf16}, sa{(void*)sin, bf16};
+  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / (heads * Dh)), [&](int64_t begin, int64_t end) {
+    const int64_t e = bf16 ? 2 : 4;
+    rope_rows(Act{(char*)xa.ptr + begin * row_stride * e, bf16}, Act{(char*)ca.ptr + begin * Dh * e, bf16},
+              Act{(char*)sa.ptr + begin * Dh * e, bf16}, end - begin, heads, Dh, row_stride);
+  });
+}
+
+void silu_mul(uintptr_t gate_up, uintptr_t out, bool bf16, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
+    const int64_t e = bf16 ? 2 : 4;
+    silu_mul_rows(Act{(char*)gate_up + begin * 2 * I * e, bf16}, Act{(char*)out + begin * I * e, bf16},
+                  end - begin, I);
+  });
+}
+
+template <typename T>
+void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const int64_t* tab, int64_t max_blocks,
+                           const int64_t* len, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size,
+                           float scale, uintptr_t out) {
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b]);
+  const int64_t G = H / Hkv;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, longest * G * Dh));  // see linear
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(G * (2 * Dh + longest));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, g = task % Hkv;
+      decode_attention_task<T>((const T*)q, (const T*)cache, slots, tab + b * max_blocks, len[b], b, g, H, Hkv, Dh,
+                               block_size, scale, (T*)out, scratch.data());
+    }
+  });
+}
+
+void decode_attention(uintptr_t q, uintptr_t cache, bool bf16, int64_t slots, uintptr_t tables, int64_t max_blocks,
+                      uintptr_t lens, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size, double scale,
+                      uintptr_t out) {
+  const int64_t* tab = (const int64_t*)tables;
+  const int64_t* len = (const int64_t*)lens;
+  if (bf16) decode_attention_impl<uint16_t>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, out);
+  else decode_attention_impl<float>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, out);
+}
+
+void kv_write(uintptr_t k, int64_t k_stride, uintptr_t v, int64_t v_stride, bool bf16, uintptr_t cache, int64_t slots,
+              uintptr_t slot, int64_t n, int64_t width) {
+  const int64_t* s = (const int64_t*)slot;
+  if (bf16)
+    kv_write_rows((const uint16_t*)k, k_stride, (const uint16_t*)v, v_stride, (uint16_t*)cache, slots, s, n, width);
+  else
+    kv_write_rows((const float*)k, k_stride, (const float*)v, v_stride, (float*)cache, slots, s, n, width);
+}
+
+// Stream `bytes` of memory once and return their float sum: the machine's read bandwidth, as the GEMVs see it.
+double read_sum(uintptr_t ptr, int64_t bytes) {
+  const float* p = (const float*)ptr;
+  const int64_t n = bytes / 4, chunk = 1 << 16;
+  std::vector<double> partial((n + chunk - 1) / chunk, 0.0);
+  at::parallel_for(0, (int64_t)partial.size(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      vf s0 = {}, s1 = {}, s2 = {}, s3 = {};
+      const int64_t lo = c * chunk, hi = std::min(n, lo + chunk);
+      int64_t i = lo;
+      for (; i + 4 * W <= hi; i += 4 * W) {
+        s0 += load(p + i);
+        s1 += load(p + i + W);
+        s2 += load(p + i + 2 * W);
+        s3 += load(p + i + 3 * W);
+      }
+      float r = hsum(s0 + s1 + s2 + s3);
+      for (; i < hi; ++i) r += p[i];
+      partial[c] = r;
+    }
+  });
+  double total = 0.0;
+  for (double v : partial) total += v;
+  return total;
+}
+
+}  // namespace tmk
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
+  m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
+  m.def("rmsnorm", &tmk::rmsnorm, "residual += x (if given); out = rmsnorm(.) * weight");
+  m.def("rope", &tmk::rope, "rotate-half RoPE in place");
+  m.def("silu_mul", &tmk::silu_mul, "silu(gate) * up");
+  m.def("decode_attention", &tmk::decode_attention, "one new token per sequence over a paged KV cache");
+  m.def("kv_write", &tmk::kv_write, "new keys and values into their cache slots");
+  m.def("read_sum", &tmk::read_sum, "stream a buffer once (the bandwidth probe)");
+  m.attr("lanes") = tmk::W;
+  m.attr("panel") = tmk::P;
+}

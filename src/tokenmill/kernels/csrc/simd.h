@@ -1,0 +1,153 @@
+// Portable SIMD for the kernels: GCC/Clang vector extensions of TM_W float lanes.
+//
+// One source serves every ISA: the build compiles it with TM_W=4 and no ISA flags (the portable "scalar"
+// variant: SSE2 on x86-64, NEON on arm64), TM_W=8 with -mavx2 -mfma -mf16c, and TM_W=16 with AVX-512 flags.
+// Arithmetic is plain vector code (`acc += a * b` becomes vfmadd under -ffp-contract=fast). The widening
+// loads (int8, uint8, fp16 -> 32-bit lanes) use the ISA's instructions where there is one: GCC 12 turns a
+// generic narrow-to-float vector conversion into scalar code.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#ifndef TM_W
+#define TM_W 8
+#endif
+
+namespace tmk {
+
+constexpr int W = TM_W;  // float lanes per vector
+constexpr int P = 16;    // output channels per weight panel (every packed format); W divides P
+constexpr int V = P / W; // vectors per panel row
+static_assert(P % W == 0, "the lane count must divide the panel width");
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(W * 2)));
+typedef int8_t vi8 __attribute__((vector_size(W)));
+typedef uint8_t vu8 __attribute__((vector_size(W)));
+
+inline vf splat(float x) {
+#if TM_W == 8 && defined(__AVX2__)
+  return (vf)_mm256_set1_ps(x);
+#elif TM_W == 16 && defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(x);
+#else
+  vf v;
+  for (int i = 0; i < W; ++i) v[i] = x;
+  return v;
+#endif
+}
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+// W bfloat16 values -> W floats: a bf16 is the top half of a float's bits.
+inline vf load_bf16(const uint16_t* p) {
+#if TM_W == 8 && defined(__AVX2__)
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#elif TM_W == 16 && defined(__AVX512F__)
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#else
+  vu16 h;
+  std::memcpy(&h, p, sizeof(h));
+  vu bits = __builtin_convertvector(h, vu) << 16;
+  vf f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+// W unsigned bytes -> W int32 lanes (for nibble unpacking).
+inline vi load_u8(const uint8_t* p) {
+#if TM_W == 8 && defined(__AVX2__)
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#elif TM_W == 16 && defined(__AVX512F__)
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#else
+  vi out;
+  for (int i = 0; i < W; ++i) out[i] = p[i];
+  return out;
+#endif
+}
+
+// W signed bytes -> W floats.
+inline vf load_i8(const int8_t* p) {
+#if TM_W == 8 && defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#elif TM_W == 16 && defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+  vi out;
+  for (int i = 0; i < W; ++i) out[i] = p[i];
+  return __builtin_convertvector(out, vf);
+#endif
+}
+
+// e^x for x <= 0 (softmax's shifted scores), ~1 ulp: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5], with a
+// degree-6 polynomial for 2^f. Underflows cleanly to 0 below -87.
+inline vf exp_neg(vf x) {
+  x = x < splat(-87.f) ? splat(-87.f) : x;
+  vf t = x * splat(1.44269504088896341f);
+  vf n = __builtin_convertvector(__builtin_convertvector(t + (t < splat(0.f) ? splat(-0.5f) : splat(0.5f)), vi), vf);
+  vf f = t - n;  // [-0.5, 0.5]
+  vf p = splat(1.535336188319500e-4f);
+  p = p * f + splat(1.339887440266574e-3f);
+  p = p * f + splat(9.618437357674640e-3f);
+  p = p * f + splat(5.550332471162809e-2f);
+  p = p * f + splat(2.402264791363012e-1f);
+  p = p * f + splat(6.931472028550421e-1f);
+  p = p * f + splat(1.f);
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+// IEEE half -> float, for the per-block scales of Q8_0 / Q4_0 (read once per block, scalar is fine).
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400)) { man <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// float -> bfloat16 with round-to-nearest-even (NaN stays NaN), as torch rounds.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return (uint16_t)(bits >> 16);
+}
+
+}  // namespace tmk

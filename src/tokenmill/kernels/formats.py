@@ -1,0 +1,119 @@
+"""Weight formats for the kernels, packed with torch ops at load time, and their pure-torch reference.
+
+Every format groups output channels in panels of P=16 and stores a panel k-major (gemm.h says why):
+- `bf16`: [K][16] bfloat16 per panel; `f32`: [K][16] float32 per panel;
+- `q8_0` (ggml's Q8_0: blocks of 32 int8 with one fp16 scale, w = d * q): per panel, K/32 blocks of
+  {fp16 d[16]; int8 q[32][16]};
+- `q4_0` (ggml's Q4_0: blocks of 32 4-bit values with one fp16 scale, w = d * (q - 8)): per panel, K/32
+  blocks of {fp16 d[16]; uint8 q[16][16]}, byte j holding k = 2j (low nibble) and k = 2j + 1 (high nibble).
+The quantizers reproduce ggml's reference rounding, so a GGUF's Q8_0/Q4_0 blocks and ours hold the same bytes
+(only their order differs). Rows are padded with zeros to whole panels, and K to whole blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PANEL = 16
+BLOCK = 32
+FORMATS = {"bf16": 0, "q8_0": 1, "q4_0": 2, "f32": 3}
+CHUNK_ROWS = 4096  # rows quantized at a time: bounds the float32 temporaries of a 150k-row LM head
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    data: torch.Tensor  # uint8, the panels back to back
+    format: str
+    out_features: int  # N
+    in_features: int  # K as the model has it
+    padded_in: int  # K as packed (a whole number of blocks for the quantized formats)
+
+    @property
+    def format_id(self) -> int:
+        return FORMATS[self.format]
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf (ggml rounds this way; torch.round rounds half to even)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] (K a multiple of 32) -> (int8 q [N, K], fp16 d [N, K/32]): d = max|w| / 127, q = roundf(w / d)."""
+    n, k = w.shape
+    blocks = w.float().view(n, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127.0  # [N, K/32] float32, as ggml divides by it before rounding to fp16
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = _round_half_away(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(n, k), d.to(torch.float16)
+
+
+def quantize_q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (uint8 q in 0..15 [N, K], fp16 d [N, K/32]): d = (the value of largest magnitude) / -8,
+    q = min(15, trunc(w / d + 8.5)), as ggml's quantize_row_q4_0_ref."""
+    n, k = w.shape
+    blocks = w.float().view(n, k // BLOCK, BLOCK)
+    index = blocks.abs().argmax(dim=-1, keepdim=True)  # the first of equal magnitudes, as ggml's strict '<'
+    d = blocks.gather(-1, index)[..., 0] / -8.0  # [N, K/32]
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.trunc(blocks * inv[..., None] + 8.5).clamp(0, 15).to(torch.uint8)
+    return q.view(n, k), d.to(torch.float16)
+
+
+def _panels(t: torch.Tensor, n_padded: int) -> torch.Tensor:
+    """[N, ...] -> [N / 16, 16, ...], zero rows appended up to `n_padded`."""
+    if t.shape[0] < n_padded:
+        t = torch.cat([t, t.new_zeros(n_padded - t.shape[0], *t.shape[1:])])
+    return t.view(n_padded // PANEL, PANEL, *t.shape[1:])
+
+
+def pack(w: torch.Tensor, fmt: str) -> PackedWeight:
+    """Pack a [N, K] weight (any float dtype) into `fmt`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"weight format {fmt!r} is not supported; allowed: {', '.join(FORMATS)}")
+    n, k = w.shape
+    kp = k if fmt in ("bf16", "f32") else -(-k // BLOCK) * BLOCK
+    n_padded = -(-n // PANEL) * PANEL
+    chunks = []
+    for start in range(0, n, CHUNK_ROWS):  # CHUNK_ROWS is a multiple of PANEL: chunks are whole panels
+        rows = w[start : start + CHUNK_ROWS].detach()
+        if kp != k:
+            rows = torch.nn.functional.pad(rows.float(), (0, kp - k))
+        chunks.append(_pack_rows(rows, fmt, min(CHUNK_ROWS, n_padded - start)))
+    return PackedWeight(torch.cat(chunks), fmt, n, k, kp)
+
+
+def _pack_rows(rows: torch.Tensor, fmt: str, n_padded: int) -> torch.Tensor:
+    kp = rows.shape[1]
+    if fmt in ("bf16", "f32"):
+        panels = _panels(rows.to(torch.bfloat16 if fmt == "bf16" else torch.float32), n_padded)  # [np, 16, K]
+        return panels.transpose(1, 2).contiguous().view(torch.uint8).reshape(-1)
+    q, d = quantize_q8_0(rows) if fmt == "q8_0" else quantize_q4_0(rows)
+    nb = kp // BLOCK
+    q = _panels(q, n_padded).view(-1, PANEL, nb, BLOCK)  # [np, 16, nb, 32]
+    if fmt == "q4_0":
+        q = q[..., 0::2] | (q[..., 1::2] << 4)  # [np, 16, nb, 16]: byte j = k 2j (low) and 2j + 1 (high)
+    scales = _panels(d, n_padded).permute(0, 2, 1).contiguous().view(torch.uint8)  # [np, nb, 32] bytes
+    values = q.permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [np, nb, 32 or 16, 16] -> bytes
+    return torch.cat([scales, values.reshape(*scales.shape[:2], -1)], dim=-1).reshape(-1)
+
+
+def unpack(p: PackedWeight) -> torch.Tensor:
+    """The packed weight as float32 [N, K] (the reference for the kernels, and the dequantized weight)."""
+    n_panels, kp = -(-p.out_features // PANEL), p.padded_in
+    if p.format in ("bf16", "f32"):
+        panels = p.data.view(torch.bfloat16 if p.format == "bf16" else torch.float32).view(n_panels, kp, PANEL)
+        w = panels.transpose(1, 2).reshape(n_panels * PANEL, kp).float()
+    else:
+        nb, per_k = kp // BLOCK, BLOCK if p.format == "q8_0" else BLOCK // 2
+        blocks = p.data.view(n_panels, nb, 2 * PANEL + per_k * PANEL)
+        d = blocks[..., : 2 * PANEL].contiguous().view(torch.float16).float()  # [np, nb, 16]
+        raw = blocks[..., 2 * PANEL :].reshape(n_panels, nb, per_k, PANEL)
+        if p.format == "q8_0":
+            q = raw.view(torch.int8).float()  # [np, nb, 32, 16]
+        else:
+            q = torch.stack([raw & 15, raw >> 4], dim=3).reshape(n_panels, nb, BLOCK, PANEL).float() - 8
+        w = (q * d[:, :, None, :]).permute(0, 3, 1, 2).reshape(n_panels * PANEL, kp)
+    return w[: p.out_features, : p.in_features]

@@ -1,0 +1,78 @@
+"""Which kernel variant this CPU runs, and why.
+
+Variants, lowest first: `scalar` (portable C++ vectors, 4 lanes: SSE2 on x86-64, NEON on arm64), `avx2` (AVX2 +
+FMA + F16C, 8 lanes) and `avx512` (AVX-512 F/BW/VL/DQ, 16 lanes). The CPU's best is picked from the flags
+the kernel reports; `TOKENMILL_ISA=scalar|avx2` forces a lower one (to test each path on a bigger machine).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from functools import cache
+
+LEVELS = ("scalar", "avx2", "avx512")
+LANES = {"scalar": 4, "avx2": 8, "avx512": 16}
+COMPILE_FLAGS = {
+    "scalar": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+}
+_REQUIRED_FLAGS = {
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+}
+ENV = "TOKENMILL_ISA"
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags the kernel reports (Linux); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@cache
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def supported_levels() -> list[str]:
+    """Every variant this CPU can run, lowest first."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    flags = cpu_flags()
+    return ["scalar"] + [lv for lv in LEVELS[1:] if x86 and _REQUIRED_FLAGS[lv] <= flags]
+
+
+@dataclass(frozen=True)
+class Choice:
+    level: str
+    reason: str
+
+
+def choose() -> Choice:
+    """The variant to run: the CPU's best, or a lower one that TOKENMILL_ISA asks for."""
+    supported = supported_levels()
+    best = supported[-1]
+    forced = os.environ.get(ENV, "").strip().lower()
+    if not forced:
+        return Choice(best, f"the best this CPU supports ({', '.join(supported)})")
+    if forced not in LEVELS:
+        raise ValueError(f"{ENV}={forced!r} is not a kernel variant; allowed: {', '.join(LEVELS)}")
+    if forced not in supported:
+        raise ValueError(f"{ENV}={forced!r} needs CPU features this CPU lacks; it supports {', '.join(supported)}")
+    return Choice(forced, f"forced by {ENV} (the CPU supports {', '.join(supported)})")

@@ -1,0 +1,113 @@
+"""The compiled kernels behind a typed, checked call: tensors in, tensors out.
+
+The C++ side takes raw pointers (it compiles in seconds without torch's tensor headers), so every check of
+shape, dtype, layout and device happens here, before a pointer crosses.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from tokenmill.kernels.formats import BLOCK, FORMATS, PANEL
+
+
+def panel_bytes(format_id: int, k: int) -> int:
+    if format_id in (FORMATS["bf16"], FORMATS["f32"]):
+        return k * PANEL * (2 if format_id == FORMATS["bf16"] else 4)
+    per_k = BLOCK if format_id == FORMATS["q8_0"] else BLOCK // 2
+    return (k // BLOCK) * (2 * PANEL + per_k * PANEL)
+
+
+class Kernels:
+    """One compiled variant (`level`: scalar, avx2, avx512)."""
+
+    def __init__(self, module: ModuleType, level: str) -> None:
+        self.module, self.level, self.lanes = module, level, int(module.lanes)
+
+    def _check_weight(self, packed: torch.Tensor, format_id: int, n: int, k: int) -> None:
+        if packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.device.type != "cpu":
+            raise ValueError("packed weights must be a contiguous uint8 CPU tensor")
+        if packed.numel() != -(-n // PANEL) * panel_bytes(format_id, k):
+            raise ValueError(f"packed weights hold {packed.numel()} bytes, not a format {format_id} [{n}, {k}] weight")
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, format_id: int, n: int, k: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K'] (bfloat16 or float32, K' <= k) @ packed^T (+ bias, float32 [n]) -> [M, n] in x's dtype."""
+        if x.dim() != 2 or x.shape[1] > k or x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu":
+            raise ValueError(f"x must be a [M, <= {k}] bfloat16/float32 CPU tensor, got {tuple(x.shape)} {x.dtype}")
+        self._check_weight(packed, format_id, n, k)
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"bias must be a contiguous float32 [{n}] tensor")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        self.module.linear(
+            x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], packed.data_ptr(), format_id, n, k,
+            0 if bias is None else bias.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    def unpack(self, packed: torch.Tensor, format_id: int, n: int, k: int) -> torch.Tensor:
+        """The packed weight as float32 [n, k] (k the packed, padded width)."""
+        self._check_weight(packed, format_id, n, k)
+        out = torch.empty(n, k, dtype=torch.float32)
+        self.module.unpack(packed.data_ptr(), format_id, n, k, out.data_ptr())
+        return out
+
+    # -- the fused decode ops (fused.h). Callers pass contiguous CPU tensors of one dtype (bf16 or float32). ----
+    def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """[rows, D]: residual += x (in place, when given), then rmsnorm(residual or x) * weight."""
+        out = torch.empty_like(x)
+        d = x.shape[-1]
+        self.module.rmsnorm(
+            x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+            x.dtype == torch.bfloat16, eps, out.data_ptr(), x.numel() // d, d,
+        )  # fmt: skip
+        return out
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+        """Rotate-half RoPE in place on x [T, >= heads * Dh] (rows may be wider: a slice of a fused qkv)."""
+        self.module.rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], heads,
+                         head_dim, x.stride(0))  # fmt: skip
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2I] (gate, then up) -> silu(gate) * up [rows, I]."""
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self.module.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.dtype == torch.bfloat16, rows, width // 2)
+        return out
+
+    def kv_write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [T, Hkv, Dh] (rows may be strided: slices of a fused qkv) -> a layer's cache [2, S, Hkv, Dh] at
+        `slots` [T] (int64)."""
+        width = k.shape[1] * k.shape[2]
+        self.module.kv_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.dtype == torch.bfloat16,
+                             cache.data_ptr(), cache.shape[1], slots.data_ptr(), k.shape[0], width)  # fmt: skip
+
+    def decode_attention(
+        self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """q [B, H, Dh], one new token per sequence, over a layer's paged cache [2, slots, Hkv, Dh] through block
+        tables [B, M] (int64) and context lengths [B] (int64) -> [B, H, Dh]."""
+        b, h, dh = q.shape
+        out = torch.empty_like(q)
+        self.module.decode_attention(
+            q.data_ptr(), cache.data_ptr(), q.dtype == torch.bfloat16, cache.shape[1], tables.data_ptr(),
+            tables.shape[1], lens.data_ptr(), b, h, cache.shape[2], dh, block_size, dh**-0.5, out.data_ptr(),
+        )  # fmt: skip
+        return out
+
+    def read_bandwidth(self, megabytes: int = 1024, repeats: int = 5) -> float:
+        """The machine's read bandwidth in GB/s: the best of `repeats` streams over a buffer far larger than the
+        caches, on torch's threads (what a decode step's weight reads can reach)."""
+        import time
+
+        buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first pass faults the pages in
+            start = time.perf_counter()
+            self.module.read_sum(buf.data_ptr(), buf.numel() * 4)
+            best = min(best, time.perf_counter() - start)
+        return buf.numel() * 4 / best / 1e9

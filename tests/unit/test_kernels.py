@@ -1,0 +1,219 @@
+"""tokenmill's CPU kernels against the pure-torch reference, on every variant this CPU runs.
+
+Each variant (scalar everywhere; avx2 and avx512 where the CPU has them; and, on an AVX2 machine, the 16-lane
+AVX-512 code built with AVX2 flags) multiplies every format with odd shapes (N not a whole panel, K not a whole
+block), one row to many, float32 and bfloat16 activations, with and without a bias. The formats' quantizers
+are checked byte for byte against the gguf package's (ggml's reference rounding).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill import kernels
+from tokenmill.kernels.build import EMULATED
+from tokenmill.kernels.formats import FORMATS, pack, quantize_q4_0, quantize_q8_0, unpack
+from tokenmill.kernels.isa import supported_levels
+
+
+def _levels() -> list[str]:
+    levels = supported_levels()
+    if "avx2" in levels and "avx512" not in levels:
+        levels.append(EMULATED)  # the AVX-512 variant's 16-lane logic, on this AVX2 CPU
+    return levels
+
+
+@pytest.fixture(scope="module", params=_levels())
+def ops(request: pytest.FixtureRequest) -> kernels.Kernels:
+    try:
+        return kernels.variant(request.param)
+    except kernels.KernelBuildError as e:  # pragma: no cover - a machine without a compiler
+        pytest.skip(f"the {request.param} kernels cannot be built here: {e}")
+
+
+SHAPES = [(16, 32), (37, 70), (80, 96), (130, 257)]  # (N, K): partial panels, K not a multiple of 32
+ROWS = [1, 2, 3, 5, 8, 17]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_linear_equals_the_reference(ops: kernels.Kernels, fmt: str, n: int, k: int) -> None:
+    torch.manual_seed(n * k)
+    packed = pack(torch.randn(n, k), fmt)
+    w = unpack(packed)  # [n, k] float32: what the packed weight means
+    bias = torch.randn(n)
+    for rows in ROWS:
+        x = torch.randn(rows, k)
+        for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1e-2)):
+            xd = x.to(dtype)
+            ref = xd.float() @ w.T
+            for b in (None, bias):
+                y = ops.linear(xd, packed.data, packed.format_id, n, packed.padded_in, b)
+                expected = ref if b is None else ref + b
+                assert y.dtype == dtype and y.shape == (rows, n)
+                scale = expected.abs().max().item()
+                assert (y.float() - expected).abs().max().item() <= tol * scale, (fmt, n, k, rows, dtype)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_unpack_equals_the_reference(ops: kernels.Kernels, fmt: str) -> None:
+    packed = pack(torch.randn(37, 70), fmt)
+    dense = ops.unpack(packed.data, packed.format_id, 37, packed.padded_in)
+    assert torch.equal(dense[:, :70], unpack(packed))
+    assert not dense[:, 70:].any()  # the padded columns are zero
+
+
+def test_dense_formats_pack_exactly() -> None:
+    w = torch.randn(37, 70)
+    assert torch.equal(unpack(pack(w, "bf16")), w.bfloat16().float())
+    assert torch.equal(unpack(pack(w, "f32")), w)
+
+
+def _gguf_blocks(w: torch.Tensor, kind: str) -> np.ndarray:
+    gguf = pytest.importorskip("gguf", reason="the gguf package (the bench extra) holds ggml's reference quantizer")
+    qtype = gguf.GGMLQuantizationType.Q8_0 if kind == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+    raw = gguf.quants.quantize(w.numpy(), qtype)  # [N, blocks * bytes]
+    return raw.reshape(w.shape[0], w.shape[1] // 32, -1)
+
+
+def test_q8_0_matches_ggml_byte_for_byte() -> None:
+    w = torch.randn(24, 128) * torch.linspace(0.01, 3, 24)[:, None]
+    q, d = quantize_q8_0(w)
+    blocks = _gguf_blocks(w, "q8_0")  # per block: fp16 d, then 32 int8
+    assert np.array_equal(d.numpy().view(np.uint16), blocks[..., :2].copy().view(np.uint16)[..., 0])
+    assert np.array_equal(q.numpy().reshape(24, 4, 32), blocks[..., 2:].view(np.int8))
+
+
+def test_q4_0_matches_ggml_byte_for_byte() -> None:
+    w = torch.randn(24, 128) * torch.linspace(0.01, 3, 24)[:, None]
+    q, d = quantize_q4_0(w)
+    blocks = _gguf_blocks(w, "q4_0")  # per block: fp16 d, then 16 bytes: element j low, element j + 16 high
+    assert np.array_equal(d.numpy().view(np.uint16), blocks[..., :2].copy().view(np.uint16)[..., 0])
+    nibbles = blocks[..., 2:]
+    ggml_q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # [N, blocks, 32]
+    assert np.array_equal(q.numpy().reshape(24, 4, 32), ggml_q)
+
+
+def test_quantization_error_is_bounded_per_block() -> None:
+    """Half a step for Q8_0; Q4_0's grid [-8, 7] * d ends one step short on the side opposite the largest
+    magnitude, so a value there may be a whole step off. Plus, as in ggml, the scale's rounding to fp16 after
+    quantizing (up to 2^-11 of it per step of q)."""
+    w = torch.randn(8, 64)
+    for quantize, offset, steps in ((quantize_q8_0, 0, 0.5 + 127 / 2048), (quantize_q4_0, 8, 1.0 + 8 / 2048)):
+        q, d = quantize(w)
+        deq = (q.float() - offset).view(8, 2, 32) * d.float()[..., None]
+        err = (deq - w.view(8, 2, 32)).abs().amax(dim=-1)
+        assert torch.all(err <= d.float().abs() * (steps + 1e-3)), quantize.__name__
+
+
+def test_status_names_the_path() -> None:
+    s = kernels.status()
+    assert s["kernels"] in (*kernels.LEVELS, "pure-torch") and s["supported"][0] == "scalar" and s["why"]
+
+
+def test_a_forced_isa_must_exist_and_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenmill.kernels.isa import choose
+
+    monkeypatch.setenv("TOKENMILL_ISA", "scalar")
+    assert choose().level == "scalar" and "forced" in choose().reason
+    monkeypatch.setenv("TOKENMILL_ISA", "sse9")
+    with pytest.raises(ValueError, match="TOKENMILL_ISA='sse9' is not a kernel variant; allowed: scalar, avx2, avx512"):
+        choose()
+    if "avx512" not in supported_levels():
+        monkeypatch.setenv("TOKENMILL_ISA", "avx512")
+        with pytest.raises(ValueError, match="needs CPU features this CPU lacks"):
+            choose()
+
+
+# -- the fused decode ops, against the torch code they replace ---------------------------------------------------
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+def test_rmsnorm_with_and_without_residual(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
+    from tokenmill.models.layers import RMSNorm
+
+    norm = RMSNorm(200, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(200).to(dtype)
+    x, residual = torch.randn(5, 200).to(dtype), torch.randn(5, 200).to(dtype)
+    torch.testing.assert_close(ops.rmsnorm(x, None, norm.weight, 1e-6), norm(x), atol=tol, rtol=tol)
+    mine = residual.clone()
+    out = ops.rmsnorm(x, mine, norm.weight, 1e-6)
+    assert torch.equal(mine, x + residual)  # the residual stream, updated in place, rounded like torch's add
+    torch.testing.assert_close(out, norm(x + residual), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+def test_rope_in_place_on_fused_rows(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
+    from tokenmill.config import RopeConfig
+    from tokenmill.models.layers import RotaryEmbedding, apply_rotary
+
+    heads, kv_heads, dh, t = 4, 2, 48, 7
+    cos, sin = RotaryEmbedding(RopeConfig(theta=500.0), dh)(torch.arange(3, 3 + t), dtype)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dh).to(dtype)  # q | k | v columns
+    q, k = qkv[:, : heads * dh].view(t, heads, dh), qkv[:, heads * dh : (heads + kv_heads) * dh].view(t, kv_heads, dh)
+    expected_q, expected_k, v_before = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), qkv[:, -kv_heads * dh :]
+    v_before = v_before.clone()
+    ops.rope_(qkv, cos, sin, heads + kv_heads, dh)
+    torch.testing.assert_close(q, expected_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, expected_k, atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, -kv_heads * dh :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+def test_silu_mul(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
+    gate_up = (torch.randn(6, 2 * 70) * 3).to(dtype)
+    gate, up = gate_up.split(70, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 32), (8, 2, 64), (6, 1, 40)])
+def test_decode_attention_over_paged_blocks(
+    ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    block_size, num_blocks = 4, 40
+    cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim).to(dtype)
+    lens = torch.tensor([1, 13, 37], dtype=torch.int64)  # one token, partial blocks, several blocks
+    generator = torch.Generator().manual_seed(0)
+    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:10] for _ in lens])  # [B, 10]
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    out = ops.decode_attention(q, cache, tables, lens, block_size)
+    for b, n in enumerate(lens.tolist()):
+        slots = tables[b, torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+        keys = cache[0, slots].transpose(0, 1).float().repeat_interleave(heads // kv_heads, 0)  # [H, n, Dh]
+        values = cache[1, slots].transpose(0, 1).float().repeat_interleave(heads // kv_heads, 0)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[b, :, None].float(), keys, values)[:, 0]
+        torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+def test_kv_write_from_strided_rows(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
+    qkv = torch.randn(3, (2 + 2 * 2) * 16).to(dtype)
+    k, v = qkv[:, 32:64].view(3, 2, 16), qkv[:, 64:].view(3, 2, 16)
+    cache = torch.zeros(2, 20, 2, 16, dtype=dtype)
+    slots = torch.tensor([7, 0, 19], dtype=torch.int64)
+    ops.kv_write(k, v, cache, slots)
+    expected = torch.zeros_like(cache)
+    expected[0].index_copy_(0, slots, k)
+    expected[1].index_copy_(0, slots, v)
+    assert torch.equal(cache, expected)
+
+
+def test_without_a_compiler_the_pure_torch_path_runs_and_says_so_once(tmp_path: Path) -> None:
+    """A machine with no C++ compiler (and nothing cached) still generates, and one stderr line says why."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TOKENMILL_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "tokenmill", "generate", "--prompt", "Hello", "--max-tokens", "4", "--json"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert '"finish_reason": "length"' in done.stdout
+    notes = [line for line in done.stderr.splitlines() if "kernels" in line]
+    assert len(notes) == 1 and "no C++ compiler" in notes[0] and "pure-torch path" in notes[0], done.stderr
+    assert "Traceback" not in done.stderr
