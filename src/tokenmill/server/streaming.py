@@ -94,7 +94,7 @@ async def merged(call: Call) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 
 async def run_to_end(call: Call, raw: Request) -> dict[int, RequestOutput]:
-    """Collect the final outputs; if the client goes away first, abort everything (within one step)."""
+    """Collect the final outputs; if the client goes away first, abort everything (within ~0.1 s)."""
     finals: dict[int, RequestOutput] = {}
 
     async def collect() -> None:
@@ -105,7 +105,7 @@ async def run_to_end(call: Call, raw: Request) -> dict[int, RequestOutput]:
 
     task = asyncio.create_task(collect())
     while not task.done():
-        await asyncio.wait({task}, timeout=0.5)
+        await asyncio.wait({task}, timeout=0.1)
         if not task.done() and await raw.is_disconnected():
             task.cancel()  # merged() closes the streams, which aborts the requests
             with contextlib.suppress(asyncio.CancelledError):
