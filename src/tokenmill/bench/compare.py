@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench.bandwidth import read_bandwidth_gb_s
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
 
@@ -125,6 +126,8 @@ def _summarize_backend(backend: str, result: dict[str, Any]) -> dict[str, Any]:
         peak_memory_mib=result.get("peak_memory_mib"),
         text=runs[0]["text"],
     )
+    if result.get("weight_bytes") and row["tg_tokens_per_sec"]:
+        row["tg_gb_per_sec"] = result["weight_bytes"] * row["tg_tokens_per_sec"] / 1e9
     return row
 
 
@@ -178,6 +181,7 @@ def run_compare(args: argparse.Namespace) -> Path:
         if reference and mine:
             same = sum(a == b for a, b in zip(reference["token_ids"], mine["token_ids"]))
             row["greedy_agreement_with_first"] = same / max(len(reference["token_ids"]), 1)
+    config["read_bandwidth_gb_per_sec"] = read_bandwidth_gb_s()
     run.save_raw(raw)
     run.save_summary(rows)
     _plot(run, rows)
@@ -197,9 +201,9 @@ def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) ->
     lines = [
         f"# compare: {Path(config['model']).name}, {config['num_prompts']} prompts x {config['prompt_tokens']} "
         f"tokens, {config['max_tokens']} generated, {config['dtype']}, threads={config['threads']}\n",
-        "| backend | status | load s | generate s | tokens | tok/s | TTFT ms | pp tok/s | tg tok/s | peak MiB "
-        f"| greedy agreement with {config['backends'][0]} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| backend | status | load s | generate s | tokens | tok/s | TTFT ms | pp tok/s | tg tok/s | tg GB/s "
+        f"| peak MiB | greedy agreement with {config['backends'][0]} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v: Any, spec: str) -> str:
@@ -211,10 +215,13 @@ def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) ->
             f"{f(r.get('generate_time_s'), '.1f')} | {f(r.get('completion_tokens'), 'd')} | "
             f"{f(r.get('tokens_per_second'), '.1f')} | {f(r.get('ttft_ms'), '.0f')} | "
             f"{f(r.get('pp_tokens_per_sec'), '.1f')} | {f(r.get('tg_tokens_per_sec'), '.2f')} | "
-            f"{f(r.get('peak_memory_mib'), '.0f')} | {f(r.get('greedy_agreement_with_first'), '.2f')} |"
+            f"{f(r.get('tg_gb_per_sec'), '.1f')} | {f(r.get('peak_memory_mib'), '.0f')} | "
+            f"{f(r.get('greedy_agreement_with_first'), '.2f')} |"
         )
     errors = [f"- {r['backend']}: {r.get('error')}" for r in rows if r["status"] != "ok"]
-    return "\n".join(lines + ([""] + errors if errors else []) + ["", f"Command: `{command}`", ""])
+    probe = config.get("read_bandwidth_gb_per_sec")
+    footer = [f"Memory read bandwidth (probe): {probe:.1f} GB/s. tg GB/s = weight bytes x tg tok/s."] if probe else []
+    return "\n".join(lines + ([""] + errors if errors else []) + [""] + footer + [f"Command: `{command}`", ""])
 
 
 def _plot(run: Run, rows: list[dict[str, Any]]) -> None:

@@ -12,6 +12,7 @@ import resource
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench.bandwidth import read_bandwidth_gb_s
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
 
@@ -74,6 +75,7 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
     rows = measure(llm, args.prompt_tokens, args.gen_tokens, args.repeat, args.warmup, args.seed)
     measured = [r for r in rows if not r["warmup"]]
     wbytes = weight_bytes(llm)
+    probe = read_bandwidth_gb_s()  # after the trials: it must not warm anything for them
     pp = summarize([r["pp_tokens_per_sec"] for r in measured])
     tg = summarize([r["tg_tokens_per_sec"] for r in measured])
     summary = {
@@ -82,6 +84,8 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         f"tg{args.gen_tokens}_tokens_per_sec": tg,
         "weight_bytes": wbytes,
         "achieved_gb_per_sec": wbytes * tg["mean"] / 1e9,
+        "read_bandwidth_gb_per_sec": probe,
+        "kernels": _kernel_path(),
         "peak_rss_mb": peak_rss_mb(),
     }
     run.save_raw(rows)
@@ -93,8 +97,11 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         f"| pp{args.prompt_tokens} tok/s | {pp['mean']:.1f} | {pp['std']:.1f} |\n"
         f"| tg{args.gen_tokens} tok/s | {tg['mean']:.2f} | {tg['std']:.2f} |\n"
         f"| achieved GB/s (weights x tg) | {summary['achieved_gb_per_sec']:.2f} | |\n"
+        f"| read bandwidth probe GB/s | {probe:.1f} | |\n"
+        f"| achieved / probe | {wbytes * tg['mean'] / 1e9 / probe:.0%} | |\n"
         f"| peak RSS MB | {summary['peak_rss_mb']:.0f} | |\n\n"
-        f"{args.repeat} trials after {args.warmup} warmup (excluded). Command: `{run.manifest['command']}`\n"
+        f"{args.repeat} trials after {args.warmup} warmup (excluded); CPU kernels: {summary['kernels']}. "
+        f"Command: `{run.manifest['command']}`\n"
     )
     print(report)
     return run.finish(
@@ -104,6 +111,12 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         "tokenmill",
         warmup_excluded=args.warmup,
     )
+
+
+def _kernel_path() -> str:
+    from tokenmill import kernels
+
+    return str(kernels.status()["kernels"])
 
 
 def _plot(run: Run, rows: list[dict[str, Any]]) -> None:

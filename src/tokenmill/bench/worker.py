@@ -44,7 +44,9 @@ def _tokenmill(model: str, spec: dict[str, Any]) -> dict[str, Any]:
                 "text": c.text,
             }
         )
-    return {"load_time_s": load, "runs": runs}
+    from tokenmill.models.linear import weight_bytes
+
+    return {"load_time_s": load, "runs": runs, "weight_bytes": weight_bytes(llm.loaded.model)}
 
 
 def _transformers(model: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +107,8 @@ def _llamacpp(model: str, spec: dict[str, Any]) -> dict[str, Any]:
     from tokenmill.bench.llamacpp_backend import run_llamacpp
 
     result = run_llamacpp(Path(spec["gguf"]), spec["prompts"], spec["max_tokens"], spec["threads"], spec["n_ctx"])
-    return dict(result)
+    # what a decode step reads: the GGUF's tensors (its token embedding too: read whole when tied to the LM head)
+    return {**result, "weight_bytes": Path(spec["gguf"]).stat().st_size}
 
 
 BACKENDS = {"tokenmill": _tokenmill, "transformers": _transformers, "llama.cpp": _llamacpp}
