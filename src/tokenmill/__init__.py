@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
+
+# OpenMP workers that spin after every parallel region fight the engine's own threads and every other process
+# for the cores: on a busy 2-core machine that cost 2-4x (docs/benchmarks.md, "Threads"). Set before torch loads
+# its OpenMP runtime, which reads it once; a value set by the user wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
