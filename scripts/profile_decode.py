@@ -49,6 +49,30 @@ def label_modules(model: nn.Module) -> Callable[[], None]:
     return restore
 
 
+def linear_labels(model: nn.Module) -> set[str]:
+    from tokenmill.models.linear import KernelLinear, Linear
+
+    return {name for name, m in model.named_modules() if isinstance(m, KernelLinear | Linear)}
+
+
+def print_groups(prof: Any, steps: int, linears: set[str]) -> None:
+    """Self time per step, grouped by module kind (a label's last part: q_proj, input_layernorm, ...; an
+    unlabelled torch op by its name), and the share outside the weight multiplications."""
+    groups: dict[str, float] = {}
+    in_linears = 0.0
+    for e in prof.key_averages():
+        ms = e.self_cpu_time_total / 1000 / steps
+        key = e.key.rsplit(".", 1)[-1] if e.key.startswith("model.") or e.key == "lm_head" else e.key
+        groups[key] = groups.get(key, 0.0) + ms
+        in_linears += ms if e.key in linears else 0.0
+    total = sum(groups.values())
+    print(f"{'group':<28} {'ms/step':>8} {'share':>6}")
+    for key, ms in sorted(groups.items(), key=lambda kv: -kv[1])[:16]:
+        print(f"{key:<28} {ms:8.2f} {ms / total:6.1%}")
+    print(f"weight multiplications {in_linears:.2f} ms/step; everything else {total - in_linears:.2f} ms/step "
+          f"({(total - in_linears) / total:.1%} of the profiled step)")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="default: the built-in demo model")
@@ -81,6 +105,7 @@ def main() -> None:
                 engine.step()
     undo()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    print_groups(prof, a.steps, linear_labels(llm.loaded.model))
     if a.trace:
         prof.export_chrome_trace(a.trace)
         print(f"trace: {a.trace}")

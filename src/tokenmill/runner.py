@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.attention import KVBackend
 from tokenmill.models import CausalLM
+from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.sampling import Sampler, SamplingBatch, topk_logprobs
 from tokenmill.types import ModelInput, RunnerOutput, SequenceInput
 
@@ -32,6 +33,7 @@ class InjectedFatalFault(BaseException):
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, kv: KVBackend, seed: int = 0) -> None:
         self.model, self.device, self.kv = model, device, kv
+        self.decode_stack = DecodeStack.build(model, kv)  # decode-only steps in one kernel call, where it fits
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
         fault = os.environ.get("TOKENMILL_TEST_FAULT_TOKEN", "")
@@ -78,7 +80,11 @@ class ModelRunner:
         meta = self.kv.prepare(seqs, num_decodes)
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids_t, pos_t, self.kv, meta)  # [T, D]
+        all_logits = None  # [T, V] float32, when the decode stack computed every row's
+        if self.decode_stack is not None and self.decode_stack.applies(meta):
+            hidden, all_logits = self.decode_stack(ids_t, pos_t, meta)  # [B, D], [B, V]
+        else:
+            hidden = self.model(ids_t, pos_t, self.kv, meta)  # [T, D]
 
         out = RunnerOutput()
         for s, row in prompt_rows:
@@ -89,7 +95,12 @@ class ModelRunner:
             out.prompt_logprobs[s.request_id] = topk_logprobs(logprobs, targets, [plp.num_top] * plp.count)
         sampling = [s for s in seqs if s.sampling is not None]
         if sampling:
-            logits = self.model.compute_logits(hidden[sample_rows])  # [B, V] float32
+            if all_logits is None:
+                logits = self.model.compute_logits(hidden[sample_rows])  # [B, V] float32
+            elif len(sample_rows) == len(all_logits):  # every row samples (one per decode): no gather
+                logits = all_logits
+            else:
+                logits = all_logits[sample_rows]
             inputs = [s.sampling for s in sampling if s.sampling is not None]
             sbatch = SamplingBatch.build(
                 [i.params for i in inputs],

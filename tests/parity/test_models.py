@@ -147,3 +147,29 @@ def test_bfloat16_close_to_transformers(case: tuple[str, Path, Any, LLM]) -> Non
     ours_err = (_full_logits(llm, ids) - ref32).abs().max().item()
     hf_err = (_hf_logits(hf, ids) - ref32).abs().max().item()
     assert ours_err <= 2 * hf_err + 1e-3
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 0.05)])
+def test_decode_stack_equals_the_module_path(case: tuple[str, Path, Any, LLM], dtype: str, tol: float) -> None:
+    """A decode-only step runs the whole stack in one kernel call (models/decode_stack.py); a batch of
+    sequences at different lengths gets the same tokens and logprobs as the per-module path."""
+    _, folder, _, _ = case
+    llm = LLM(str(folder), dtype=dtype, device="cpu")
+    runner = llm.engine.runner
+    if runner.decode_stack is None:
+        pytest.skip("no compiled CPU kernels here: the decode stack needs them")
+    ids = llm.tokenizer.encode(PROMPT)
+    prompts = [{"prompt_token_ids": ids[:n]} for n in (3, 9, len(ids))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def run() -> list[Any]:
+        return [o.outputs[0] for o in llm.generate(prompts, params)]
+
+    stacked = run()
+    runner.decode_stack = None
+    modules = run()
+    for a, b in zip(stacked, modules):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys()
+            assert max(abs(la[t] - lb[t]) for t in la) < tol

@@ -22,7 +22,7 @@ EMULATED = "avx2-16-lanes"
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("kernels.cpp",)
-HEADERS = ("simd.h", "gemm.h", "fused.h")
+HEADERS = ("simd.h", "gemm.h", "fused.h", "pool.h", "stack.h")
 
 
 class KernelBuildError(RuntimeError):

@@ -32,6 +32,9 @@ class SamplingBatch:
     output_token_ids: list[list[int]]
     suppressed_token_ids: list[list[int]]  # per row: ids that must not be sampled this step
     num_logprobs: list[int | None]
+    # NOTE: decided from the parameters, so a plain greedy step runs no tensor test of the columns above
+    penalized: bool = True  # some row has a repetition, presence or frequency penalty
+    sampled: bool = True  # some row draws (temperature > 0)
 
     @classmethod
     def build(
@@ -43,22 +46,25 @@ class SamplingBatch:
         suppressed_token_ids: Sequence[list[int]],
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
-        def col(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        floats = torch.tensor(
+            [[p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+             for p in params], dtype=torch.float32,
+        ).T.to(device)  # [6, B]: one tensor built per step, its rows are the columns  # fmt: skip
         return cls(
-            temperature=col([p.temperature for p in params]),
-            top_k=col([max(p.top_k, 0) for p in params], torch.int64),
-            top_p=col([p.top_p for p in params]),
-            min_p=col([p.min_p for p in params]),
-            repetition_penalty=col([p.repetition_penalty for p in params]),
-            presence_penalty=col([p.presence_penalty for p in params]),
-            frequency_penalty=col([p.frequency_penalty for p in params]),
+            temperature=floats[0],
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
+            top_p=floats[1],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            presence_penalty=floats[4],
+            frequency_penalty=floats[5],
             generators=list(generators),
             prompt_token_ids=list(prompt_token_ids),
             output_token_ids=list(output_token_ids),
             suppressed_token_ids=list(suppressed_token_ids),
             num_logprobs=[p.logprobs for p in params],
+            penalized=any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params),
+            sampled=any(p.temperature > 0 for p in params),
         )
 
 
@@ -83,6 +89,8 @@ def _token_mask(rows: Sequence[list[int]], vocab: int, device: torch.device) -> 
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # [B, V] -> [B, V]
+    if not batch.penalized:
+        return logits
     vocab, device = logits.shape[1], logits.device
     if bool((batch.repetition_penalty != 1).any()):
         seen = _token_mask([p + o for p, o in zip(batch.prompt_token_ids, batch.output_token_ids)], vocab, device)
@@ -152,8 +160,8 @@ class Sampler:
                     logits[i, ids] = float("-inf")
         logits = apply_penalties(logits, batch)
         tokens = logits.argmax(dim=-1)  # [B], final for greedy rows
-        sampled_rows = batch.temperature > 0
-        if bool(sampled_rows.any()):
+        if batch.sampled:
+            sampled_rows = batch.temperature > 0
             temperature = torch.where(sampled_rows, batch.temperature, 1.0)[:, None]
             probs = apply_filters(logits / temperature, batch).softmax(dim=-1)  # [B, V]
             race = probs / self._exponentials(probs, batch.generators)

@@ -5,6 +5,7 @@
 // without torch's tensor headers a variant compiles in seconds instead of a minute.
 #include <ATen/Parallel.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <vector>
@@ -41,35 +42,67 @@ void panel_rows(const uint8_t* panel, const float* x, int64_t ldx, const float* 
   run_tile<F, MT>(panel, x, ldx, xs, K, acc);
 }
 
+// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias); x float32 (see prep_row), out in float32
+// (out32) or bfloat16 (out16).
 template <Format F>
-void linear_impl(const float* x, int64_t M, int64_t ldx, const float* xs, int64_t nb, const uint8_t* packed, int64_t N,
-                 int64_t K, const float* bias, float* out32, uint16_t* out16) {
+void linear_panels(const float* x, int64_t M, int64_t ldx, const float* xs, int64_t nb, const uint8_t* packed,
+                   int64_t N, int64_t K, const float* bias, float* out32, uint16_t* out16, int64_t p_begin,
+                   int64_t p_end) {
   constexpr int MT = F == BF16 || F == F32 ? MT_BF16 : MT_QUANT;
-  const int64_t n_panels = (N + P - 1) / P, stride = panel_bytes(F, K);
-  // NOTE: a chunk of at least ~256 KB of weight reads (more with more rows) per thread: a smaller matrix runs on
-  // the calling thread alone, because waking a second thread costs more than it saves, and far more when the
-  // machine is busy and that thread is not on a core.
-  const int64_t grain = std::max<int64_t>(1, (256 << 10) / (stride * (1 + M / 8)));
-  at::parallel_for(0, n_panels, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = packed + p * stride;
-      const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += MT) {
-        const int64_t rows = std::min<int64_t>(MT, M - m0);
-        vf acc[MT][V] = {};
-        panel_rows<F, MT>(panel, x + m0 * ldx, ldx, xs + m0 * nb, nb, K, rows, acc);
-        for (int64_t m = 0; m < rows; ++m) {
-          float lane[P];
-          for (int v = 0; v < V; ++v) store(lane + v * W, acc[m][v]);
-          for (int64_t i = 0; i < n_valid; ++i) {
-            const float y = lane[i] + (bias ? bias[n0 + i] : 0.f);
-            if (out16) out16[(m0 + m) * N + n0 + i] = float_to_bf16(y);
-            else out32[(m0 + m) * N + n0 + i] = y;
-          }
+  const int64_t stride = panel_bytes(F, K);
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const uint8_t* panel = packed + p * stride;
+    const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {
+      const int64_t rows = std::min<int64_t>(MT, M - m0);
+      vf acc[MT][V] = {};
+      panel_rows<F, MT>(panel, x + m0 * ldx, ldx, xs + m0 * nb, nb, K, rows, acc);
+      for (int64_t m = 0; m < rows; ++m) {
+        float lane[P];
+        for (int v = 0; v < V; ++v) store(lane + v * W, acc[m][v]);
+        for (int64_t i = 0; i < n_valid; ++i) {
+          const float y = lane[i] + (bias ? bias[n0 + i] : 0.f);
+          if (out16) out16[(m0 + m) * N + n0 + i] = float_to_bf16(y);
+          else out32[(m0 + m) * N + n0 + i] = y;
         }
       }
     }
-  });
+  }
+}
+
+void linear_range(Format F, const float* x, int64_t M, const float* xs, const uint8_t* w, int64_t N, int64_t K,
+                  const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end) {
+  const int64_t nb = K / QK;
+  if (F == BF16) linear_panels<BF16>(x, M, K, xs, nb, w, N, K, bias, o32, o16, p_begin, p_end);
+  else if (F == F32) linear_panels<F32>(x, M, K, xs, nb, w, N, K, bias, o32, o16, p_begin, p_end);
+  else if (F == Q8_0) linear_panels<Q8_0>(x, M, K, xs, nb, w, N, K, bias, o32, o16, p_begin, p_end);
+  else linear_panels<Q4_0>(x, M, K, xs, nb, w, N, K, bias, o32, o16, p_begin, p_end);
+}
+
+// How many output panels one thread's chunk should take: at least ~`bytes` of weight reads (more rows, fewer).
+inline int64_t panels_per_chunk(Format F, int64_t K, int64_t M, int64_t bytes) {
+  return std::max<int64_t>(1, bytes / (panel_bytes(F, K) * (1 + M / 8)));
+}
+
+// One activation row (bfloat16 or float32, Kx wide) as the kernels read it: float32, zero-padded to K, and for
+// Q4_0 its per-block sums (xs, K / 32 of them).
+inline void prep_row(const void* src, bool bf16, int64_t Kx, int64_t K, Format F, float* dst, float* xs) {
+  if (bf16) {
+    const uint16_t* s = (const uint16_t*)src;
+    for (int64_t k = 0; k < Kx; ++k) {
+      uint32_t bits = (uint32_t)s[k] << 16;
+      std::memcpy(&dst[k], &bits, 4);
+    }
+  } else {
+    std::memcpy(dst, src, Kx * 4);
+  }
+  std::fill(dst + Kx, dst + K, 0.f);
+  if (F == Q4_0)
+    for (int64_t b = 0; b < K / QK; ++b) {
+      float sum = 0.f;
+      for (int64_t k = b * QK; k < (b + 1) * QK; ++k) sum += dst[k];
+      xs[b] = sum;
+    }
 }
 
 // out[M, N] = x[M, Kx] @ w^T (+ bias): x and out bfloat16 (`bf16` true) or float32, bias float32 or none;
@@ -77,31 +110,19 @@ void linear_impl(const float* x, int64_t M, int64_t ldx, const float* xs, int64_
 void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, int64_t format, int64_t N, int64_t K,
             uintptr_t bias_ptr, uintptr_t out_ptr) {
   const auto F = static_cast<Format>(format);
-  const int64_t nb = K / QK;
-  std::vector<float> xf(M * K, 0.f);  // activations in float32, zero-padded to K (a few KB at decode sizes)
-  if (bf16) {
-    const uint16_t* src = (const uint16_t*)x_ptr;
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t k = 0; k < Kx; ++k) {
-        uint32_t bits = (uint32_t)src[i * Kx + k] << 16;
-        std::memcpy(&xf[i * K + k], &bits, 4);
-      }
-  } else {
-    const float* src = (const float*)x_ptr;
-    for (int64_t i = 0; i < M; ++i) std::memcpy(&xf[i * K], src + i * Kx, Kx * 4);
-  }
-  std::vector<float> xs(F == Q4_0 ? M * nb : 1, 0.f);
-  if (F == Q4_0)
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t k = 0; k < K; ++k) xs[i * nb + k / QK] += xf[i * K + k];
+  const int64_t nb = K / QK, e = bf16 ? 2 : 4;
+  std::vector<float> xf(M * K), xs(M * nb);  // activations in float32 (a few KB at decode sizes)
+  for (int64_t i = 0; i < M; ++i) prep_row((const char*)x_ptr + i * Kx * e, bf16, Kx, K, F, &xf[i * K], &xs[i * nb]);
   const float* bias = (const float*)bias_ptr;
   float* o32 = bf16 ? nullptr : (float*)out_ptr;
   uint16_t* o16 = bf16 ? (uint16_t*)out_ptr : nullptr;
   const uint8_t* w = (const uint8_t*)w_ptr;
-  if (F == BF16) linear_impl<BF16>(xf.data(), M, K, xs.data(), nb, w, N, K, bias, o32, o16);
-  else if (F == F32) linear_impl<F32>(xf.data(), M, K, xs.data(), nb, w, N, K, bias, o32, o16);
-  else if (F == Q8_0) linear_impl<Q8_0>(xf.data(), M, K, xs.data(), nb, w, N, K, bias, o32, o16);
-  else linear_impl<Q4_0>(xf.data(), M, K, xs.data(), nb, w, N, K, bias, o32, o16);
+  // NOTE: a chunk of at least ~256 KB of weight reads (more with more rows) per thread: a smaller matrix runs on
+  // the calling thread alone, because waking a second thread costs more than it saves
+  const int64_t n_panels = (N + P - 1) / P;
+  at::parallel_for(0, n_panels, panels_per_chunk(F, K, M, 256 << 10), [&](int64_t begin, int64_t end) {
+    linear_range(F, xf.data(), M, xs.data(), w, N, K, bias, o32, o16, begin, end);
+  });
 }
 
 // The packed weight back as float32 out[N, K] (the prefill path multiplies it with torch's own GEMM)
@@ -236,7 +257,12 @@ double read_sum(uintptr_t ptr, int64_t bytes) {
 
 }  // namespace tmk
 
+#include "stack.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  // a whole step releases the GIL: the server's event loop runs meanwhile (a single small op would not pay for it)
+  using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
   m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
   m.def("rmsnorm", &tmk::rmsnorm, "residual += x (if given); out = rmsnorm(.) * weight");
@@ -245,6 +271,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &tmk::decode_attention, "one new token per sequence over a paged KV cache");
   m.def("kv_write", &tmk::kv_write, "new keys and values into their cache slots");
   m.def("read_sum", &tmk::read_sum, "stream a buffer once (the bandwidth probe)");
+  py::class_<tmk::DecodeStack>(m, "DecodeStack", py::module_local())  // one per variant in a process
+      .def(py::init<bool, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, uintptr_t, int64_t, int>())
+      .def("add_layer", &tmk::DecodeStack::add_layer)
+      .def("num_layers", &tmk::DecodeStack::num_layers)
+      .def("set_head", &tmk::DecodeStack::set_head)
+      .def("run", &tmk::DecodeStack::run, "a decode step through every layer and the final norm", nogil());
   m.attr("lanes") = tmk::W;
   m.attr("panel") = tmk::P;
 }

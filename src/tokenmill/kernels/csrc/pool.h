@@ -1,0 +1,152 @@
+// A work pool for the decode stack that never waits for a thread that is not running.
+//
+// OpenMP (torch's at::parallel_for) ends every parallel region at a barrier: all threads must arrive. On a
+// machine where another process holds a core, the thread that lost its core arrives a scheduler slice later, and
+// a decode step has hundreds of regions: a 4-5x loss (docs/benchmarks.md). Here a step is a list of stages,
+// each cut into chunks; the caller and the helpers claim chunks from one atomic cursor, and a stage ends when
+// all of its chunks are done, not when every thread has checked in. A helper that is off its core claims
+// nothing, and the caller does its share.
+//
+// When the machine is oversubscribed even a helper that claims nothing costs: a spinning helper is one more
+// runnable thread, and the scheduler takes that share from the caller. So the caller measures each program: when
+// it got less than 80% of a core's time (its thread CPU time over the wall time), other work is competing, and the
+// helpers sleep for the next half second; then one program tries them again.
+//
+// The cursor packs {program epoch, stage, next chunk}: a claim is a compare-and-swap on it, so a helper holding a
+// stale view (an older program or stage) can never claim a chunk that is not the current one.
+#pragma once
+
+#include <time.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TM_PAUSE() _mm_pause()
+#else
+#define TM_PAUSE() std::this_thread::yield()
+#endif
+
+namespace tmk {
+
+class Pool {
+ public:
+  struct Stage {
+    std::atomic<int64_t> n{0};           // chunks in this stage
+    std::function<void(int64_t)> fn;    // runs chunk c
+  };
+
+  Pool(int helpers, int64_t max_stages) : stages_(new Stage[max_stages]), max_stages_(max_stages) {
+    for (int i = 0; i < helpers; ++i) threads_.emplace_back([this, i] { helper(i); });
+  }
+
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  int64_t max_stages() const { return max_stages_; }
+
+  // What stage i runs, and how many chunks it has: set by the owner between programs only.
+  void set_stage(int64_t i, std::function<void(int64_t)> fn) { stages_[i].fn = std::move(fn); }
+  void set_chunks(int64_t i, int64_t chunks) { stages_[i].n.store(chunks, std::memory_order_relaxed); }
+
+  // Run stages [0, count) in order, each stage's chunks on whichever threads claim them; returns when all are done.
+  void run(int64_t count) {
+    const double wall0 = now(CLOCK_MONOTONIC), cpu0 = now(CLOCK_THREAD_CPUTIME_ID);
+    const int helpers = wall0 < quiet_after_ ? 0 : (int)threads_.size();
+    active_.store(helpers, std::memory_order_seq_cst);
+    epoch_ = (epoch_ + 1) & kEpochMask;
+    for (int64_t s = 0; s < count; ++s) {
+      done_.store(0, std::memory_order_relaxed);
+      cursor_.store(pack(epoch_, s, 0), std::memory_order_seq_cst);
+      if (s == 0 && helpers > 0 && sleepers_.load(std::memory_order_seq_cst) > 0) {
+        { std::lock_guard<std::mutex> lock(mutex_); }
+        wake_.notify_all();
+      }
+      while (claim()) {
+      }
+      const int64_t n = stages_[s].n.load(std::memory_order_relaxed);
+      for (int spins = 0; done_.load(std::memory_order_acquire) < n; ++spins) {
+        if (spins < 4096) TM_PAUSE();  // a helper is finishing its chunk
+        else std::this_thread::yield();  // ... and may be off its core: let it run
+      }
+    }
+    cursor_.store(kIdle, std::memory_order_seq_cst);
+    const double wall = now(CLOCK_MONOTONIC) - wall0, cpu = now(CLOCK_THREAD_CPUTIME_ID) - cpu0;
+    if (helpers > 0 && wall > 200e-6 && cpu < 0.8 * wall) quiet_after_ = wall0 + wall + 0.5;  // see the top
+  }
+
+ private:
+  static constexpr uint64_t kIdle = ~0ull;
+  static constexpr uint64_t kEpochMask = (1ull << 28) - 1;
+  static double now(clockid_t clock) {
+    timespec t;
+    clock_gettime(clock, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+  }
+  static uint64_t pack(uint64_t epoch, uint64_t stage, uint64_t chunk) { return epoch << 36 | stage << 22 | chunk; }
+
+  // Claim one chunk of the current stage and run it; false when there is none to claim.
+  bool claim() {
+    uint64_t v = cursor_.load(std::memory_order_acquire);
+    for (;;) {
+      if (v == kIdle) return false;
+      const int64_t stage = (v >> 22) & ((1 << 14) - 1), chunk = v & ((1 << 22) - 1);
+      if (stage >= max_stages_ || chunk >= stages_[stage].n.load(std::memory_order_relaxed)) return false;
+      if (cursor_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) {
+        stages_[stage].fn(chunk);
+        done_.fetch_add(1, std::memory_order_release);
+        return true;
+      }
+    }
+  }
+
+  void helper(int index) {
+    int idle = 0;
+    for (;;) {
+      if (index < active_.load(std::memory_order_relaxed) && claim()) {
+        idle = 0;
+        continue;
+      }
+      if (++idle < 4000) {  // ~100 microseconds: the next stage or step is usually that close
+        TM_PAUSE();
+        continue;
+      }
+      std::unique_lock<std::mutex> lock(mutex_);
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      wake_.wait(lock, [this, index] {
+        return stop_ || (index < active_.load(std::memory_order_seq_cst) && cursor_.load(std::memory_order_seq_cst) != kIdle);
+      });
+      sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+      if (stop_) return;
+      idle = 0;
+    }
+  }
+
+  std::unique_ptr<Stage[]> stages_;
+  const int64_t max_stages_;
+  std::atomic<uint64_t> cursor_{kIdle};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<int> active_{0};  // helpers [0, active_) take part in the current program
+  uint64_t epoch_ = 0;
+  double quiet_after_ = 0;  // the helpers rest until this time (CLOCK_MONOTONIC seconds)
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace tmk

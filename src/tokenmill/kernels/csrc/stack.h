@@ -1,0 +1,227 @@
+// A decode step's whole decoder stack in one call: for each layer, residual add + RMSNorm, qkv, (q/k norm),
+// RoPE, KV write, paged attention, o, residual add + RMSNorm, gate|up, SiLU*mul, down; then the final norm.
+//
+// The functions the per-module path calls (kernels.cpp, fused.h), applied to the same rows in the same order, so
+// both paths give the same numbers; what goes is Python between them: ~15 calls per layer become one per step.
+// The layers' weights, norms and KV tensors are registered once (`add_layer`: raw pointers the Python side keeps
+// alive); scratch activations live here and are reused from step to step.
+//
+// Threads: a step is a program of stages (pool.h), ten per layer. Row stages (norms, RoPE + KV write, SiLU*mul)
+// take one chunk per sequence; a linear takes chunks of output panels; attention one chunk per (sequence, KV
+// head). Each stage also leaves its output in float32 rows (`xq`), ready for the next linear.
+//
+// Included by kernels.cpp after the functions it calls.
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "pool.h"
+
+namespace tmk {
+
+// one packed linear: {weight pointer, format, N outputs, K packed inputs, float32 bias pointer or 0}
+using LinearSpec = std::array<int64_t, 5>;
+
+struct LayerSpec {
+  uintptr_t in_norm, post_norm, q_norm, k_norm, cache;  // q_norm / k_norm: 0 without (Qwen3 has them)
+  LinearSpec qkv, o, gate_up, down;
+};
+
+class DecodeStack {
+ public:
+  static constexpr int kStagesPerLayer = 10;
+
+  DecodeStack(bool bf16, int64_t D, int64_t H, int64_t Hkv, int64_t Dh, int64_t I, double eps, int64_t slots,
+              uintptr_t final_norm, int64_t num_layers, int threads)
+      : bf16_(bf16), e_(bf16 ? 2 : 4), D_(D), H_(H), Hkv_(Hkv), Dh_(Dh), I_(I), eps_((float)eps), slots_(slots),
+        final_norm_(final_norm), threads_(std::max(1, threads)), pool_(std::max(0, threads - 1), num_layers * kStagesPerLayer + 2) {}
+
+  void add_layer(uintptr_t in_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t cache,
+                 LinearSpec qkv, LinearSpec o, LinearSpec gate_up, LinearSpec down) {
+    const int64_t l = (int64_t)layers_.size();
+    layers_.push_back({in_norm, post_norm, q_norm, k_norm, cache, qkv, o, gate_up, down});
+    max_k_ = std::max({max_k_, qkv[3], o[3], gate_up[3], down[3]});
+    const int64_t base = l * kStagesPerLayer;
+    pool_.set_stage(base + 0, [this, l](int64_t b) { input_norm(l, b); });
+    pool_.set_stage(base + 1, [this, l](int64_t c) { panels(layers_[l].qkv, c, qkv_); });
+    pool_.set_stage(base + 2, [this, l](int64_t b) { rope_and_write(l, b); });
+    pool_.set_stage(base + 3, [this, l](int64_t t) { attention(l, t); });
+    pool_.set_stage(base + 4, [this, l](int64_t b) { prep(attn_ + b * H_ * Dh_ * e_, H_ * Dh_, layers_[l].o, b); });
+    pool_.set_stage(base + 5, [this, l](int64_t c) { panels(layers_[l].o, c, hidden_); });
+    pool_.set_stage(base + 6, [this, l](int64_t b) { this->post_norm(l, b); });
+    pool_.set_stage(base + 7, [this, l](int64_t c) { panels(layers_[l].gate_up, c, gate_up_); });
+    pool_.set_stage(base + 8, [this, l](int64_t b) { silu(l, b); });
+    pool_.set_stage(base + 9, [this, l](int64_t c) { panels(layers_[l].down, c, hidden_); });
+  }
+
+  int64_t num_layers() const { return (int64_t)layers_.size(); }
+
+  // The LM head, run after the final norm when run() is given a logits buffer.
+  void set_head(LinearSpec head) {
+    head_ = head;
+    max_k_ = std::max(max_k_, head[3]);
+  }
+
+  // x [B, D] the embedded tokens; cos, sin [B, Dh]; slot [B] each new token's cache slot; tables [B, max_blocks]
+  // and lens [B] the paged context (int64) -> out [B, D], the final norm's output, and logits [B, V] (the head's
+  // output, in the model dtype) when `logits` is not 0.
+  void run(uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t slot, uintptr_t tables, int64_t max_blocks,
+           uintptr_t lens, int64_t B, int64_t block_size, uintptr_t out, uintptr_t logits) {
+    grow(B);
+    std::memcpy(residual_, (const void*)x, B * D_ * e_);
+    B_ = B, cos_ = (const char*)cos, sin_ = (const char*)sin, slot_ = (const int64_t*)slot;
+    tables_ = (const int64_t*)tables, max_blocks_ = max_blocks, lens_ = (const int64_t*)lens;
+    block_size_ = block_size, out_ = (char*)out, logits_ = (char*)logits;
+    longest_ = 0;
+    for (int64_t b = 0; b < B; ++b) longest_ = std::max(longest_, lens_[b]);
+    const int64_t L = num_layers();
+    for (int64_t l = 0; l < L; ++l) {
+      const LayerSpec& s = layers_[l];
+      const int64_t base = l * kStagesPerLayer;
+      const int64_t counts[kStagesPerLayer] = {B, chunks(s.qkv), B, B * Hkv_, B, chunks(s.o), B, chunks(s.gate_up),
+                                              B, chunks(s.down)};
+      for (int i = 0; i < kStagesPerLayer; ++i) pool_.set_chunks(base + i, counts[i]);
+    }
+    pool_.set_stage(L * kStagesPerLayer, [this](int64_t b) { final_norm(b); });
+    pool_.set_chunks(L * kStagesPerLayer, B);
+    pool_.set_stage(L * kStagesPerLayer + 1, [this](int64_t c) { panels(head_, c, logits_); });
+    pool_.set_chunks(L * kStagesPerLayer + 1, logits_ ? chunks(head_) : 0);
+    pool_.run(L * kStagesPerLayer + (logits_ ? 2 : 1));
+  }
+
+ private:
+  Act act(char* base, int64_t row, int64_t width) const { return Act{base + row * width * e_, bf16_}; }
+  Act param(uintptr_t p) const { return Act{(void*)p, bf16_}; }
+
+  // Output panels per chunk of linear `w`: ~256 KB of weights (long runs of sequential reads), but at least four
+  // chunks per thread, so a thread that starts late or loses its core leaves little for the others to wait on.
+  int64_t per_chunk(const LinearSpec& w) const {
+    const int64_t n_panels = (w[2] + P - 1) / P;
+    const int64_t balanced = std::max<int64_t>(1, n_panels / (4 * threads_));
+    return std::min(panels_per_chunk((Format)w[1], w[3], B_, 256 << 10), balanced);
+  }
+
+  int64_t chunks(const LinearSpec& w) const {
+    const int64_t n_panels = (w[2] + P - 1) / P, per = per_chunk(w);
+    return (n_panels + per - 1) / per;
+  }
+
+  // row b of `src` (width Kx, the model dtype) -> xq_ row b, ready for linear `w`
+  void prep(const char* src, int64_t Kx, const LinearSpec& w, int64_t b) {
+    prep_row(src, bf16_, Kx, w[3], (Format)w[1], xq_.data() + b * max_k_, xs_.data() + b * (max_k_ / QK + 1));
+  }
+
+  // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ apart; their Q4_0 sums max_k_ / 32 + 1 apart)
+  void panels(const LinearSpec& w, int64_t c, char* out) {
+    const auto F = (Format)w[1];
+    const int64_t n_panels = (w[2] + P - 1) / P, per = per_chunk(w);
+    const int64_t begin = c * per, end = std::min(n_panels, begin + per), ldx = max_k_, ldxs = max_k_ / QK + 1;
+    const float* bias = (const float*)w[4];
+    float* o32 = bf16_ ? nullptr : (float*)out;
+    uint16_t* o16 = bf16_ ? (uint16_t*)out : nullptr;
+    const uint8_t* wp = (const uint8_t*)w[0];
+    const float *x = xq_.data(), *xs = xs_.data();
+    if (F == BF16) linear_panels<BF16>(x, B_, ldx, xs, ldxs, wp, w[2], w[3], bias, o32, o16, begin, end);
+    else if (F == F32) linear_panels<F32>(x, B_, ldx, xs, ldxs, wp, w[2], w[3], bias, o32, o16, begin, end);
+    else if (F == Q8_0) linear_panels<Q8_0>(x, B_, ldx, xs, ldxs, wp, w[2], w[3], bias, o32, o16, begin, end);
+    else linear_panels<Q4_0>(x, B_, ldx, xs, ldxs, wp, w[2], w[3], bias, o32, o16, begin, end);
+  }
+
+  void input_norm(int64_t l, int64_t b) {
+    const LayerSpec& s = layers_[l];
+    if (l == 0) rmsnorm_rows(act(residual_, b, D_), Act{nullptr, bf16_}, false, param(s.in_norm), eps_,
+                             act(normed_, b, D_), 1, D_);
+    else rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(s.in_norm), eps_, act(normed_, b, D_),
+                      1, D_);
+    prep(normed_ + b * D_ * e_, D_, s.qkv, b);
+  }
+
+  void rope_and_write(int64_t l, int64_t b) {
+    const LayerSpec& s = layers_[l];
+    const int64_t width = (H_ + 2 * Hkv_) * Dh_;
+    char* row = qkv_ + b * width * e_;
+    if (s.q_norm) {  // per-head RMSNorm of q and k, in place (Qwen3)
+      rmsnorm_rows(Act{row, bf16_}, Act{nullptr, bf16_}, false, param(s.q_norm), eps_, Act{row, bf16_}, H_, Dh_);
+      char* k = row + H_ * Dh_ * e_;
+      rmsnorm_rows(Act{k, bf16_}, Act{nullptr, bf16_}, false, param(s.k_norm), eps_, Act{k, bf16_}, Hkv_, Dh_);
+    }
+    rope_rows(Act{row, bf16_}, Act{(void*)(cos_ + b * Dh_ * e_), bf16_}, Act{(void*)(sin_ + b * Dh_ * e_), bf16_}, 1,
+              H_ + Hkv_, Dh_, width);
+    const char* k = row + H_ * Dh_ * e_;
+    const char* v = row + (H_ + Hkv_) * Dh_ * e_;
+    if (bf16_) kv_write_rows((const uint16_t*)k, width, (const uint16_t*)v, width, (uint16_t*)s.cache, slots_,
+                             slot_ + b, 1, Hkv_ * Dh_);
+    else kv_write_rows((const float*)k, width, (const float*)v, width, (float*)s.cache, slots_, slot_ + b, 1,
+                       Hkv_ * Dh_);
+    std::memcpy(q_ + b * H_ * Dh_ * e_, row, H_ * Dh_ * e_);
+  }
+
+  void attention(int64_t l, int64_t task) {
+    const int64_t b = task / Hkv_, g = task % Hkv_, G = H_ / Hkv_;
+    thread_local std::vector<float> scratch;
+    scratch.resize(G * (2 * Dh_ + longest_));
+    const float scale = (float)std::pow((double)Dh_, -0.5);
+    if (bf16_) decode_attention_task<uint16_t>((const uint16_t*)q_, (const uint16_t*)layers_[l].cache, slots_,
+                                               tables_ + b * max_blocks_, lens_[b], b, g, H_, Hkv_, Dh_, block_size_,
+                                               scale, (uint16_t*)attn_, scratch.data());
+    else decode_attention_task<float>((const float*)q_, (const float*)layers_[l].cache, slots_,
+                                      tables_ + b * max_blocks_, lens_[b], b, g, H_, Hkv_, Dh_, block_size_, scale,
+                                      (float*)attn_, scratch.data());
+  }
+
+  void post_norm(int64_t l, int64_t b) {
+    const LayerSpec& s = layers_[l];
+    rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(s.post_norm), eps_, act(normed_, b, D_), 1,
+                 D_);
+    prep(normed_ + b * D_ * e_, D_, s.gate_up, b);
+  }
+
+  void silu(int64_t l, int64_t b) {
+    silu_mul_rows(act(gate_up_, b, 2 * I_), act(act_, b, I_), 1, I_);
+    prep(act_ + b * I_ * e_, I_, layers_[l].down, b);
+  }
+
+  void final_norm(int64_t b) {
+    rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(final_norm_), eps_, act(out_, b, D_), 1, D_);
+    if (logits_) prep(out_ + b * D_ * e_, D_, head_, b);
+  }
+
+  void grow(int64_t B) {
+    if (B <= rows_) return;
+    const int64_t widths[8] = {D_, D_, D_, (H_ + 2 * Hkv_) * Dh_, H_ * Dh_, H_ * Dh_, 2 * I_, I_};
+    for (int i = 0; i < 8; ++i) scratch_[i].assign(B * widths[i] * e_, 0);
+    hidden_ = scratch_[0].data(), residual_ = scratch_[1].data(), normed_ = scratch_[2].data();
+    qkv_ = scratch_[3].data(), q_ = scratch_[4].data(), attn_ = scratch_[5].data();
+    gate_up_ = scratch_[6].data(), act_ = scratch_[7].data();
+    xq_.assign(B * max_k_, 0.f);
+    xs_.assign(B * (max_k_ / QK + 1), 0.f);
+    rows_ = B;
+  }
+
+  const bool bf16_;
+  const int64_t e_, D_, H_, Hkv_, Dh_, I_;
+  const float eps_;
+  const int64_t slots_;
+  const uintptr_t final_norm_;
+  const int64_t threads_;
+  std::vector<LayerSpec> layers_;
+  int64_t max_k_ = 0;
+  Pool pool_;
+  // scratch, [rows_, width] each, in the model dtype; xq_ / xs_ float32 rows for the next linear
+  std::vector<char> scratch_[8];
+  char *hidden_ = nullptr, *residual_ = nullptr, *normed_ = nullptr, *qkv_ = nullptr, *q_ = nullptr,
+       *attn_ = nullptr, *gate_up_ = nullptr, *act_ = nullptr;
+  std::vector<float> xq_, xs_;
+  int64_t rows_ = 0;
+  // this step's inputs (set by run, read by the stages)
+  int64_t B_ = 0, max_blocks_ = 0, block_size_ = 0, longest_ = 0;
+  const char *cos_ = nullptr, *sin_ = nullptr;
+  const int64_t *slot_ = nullptr, *tables_ = nullptr, *lens_ = nullptr;
+  char *out_ = nullptr, *logits_ = nullptr;
+  LinearSpec head_{};
+};
+
+}  // namespace tmk

@@ -1,0 +1,110 @@
+"""A decode-only step through every decoder layer in one C++ call (kernels/csrc/stack.h).
+
+Per layer, the module path makes ~15 Python calls (norms, linears, RoPE, KV write, attention, SiLU*mul); on a
+small model that Python costs more than the arithmetic. For a step in which every sequence decodes one token
+over the paged cache, the runner hands the embedded tokens to this stack instead, which calls the same kernels
+in the same order from C++ and returns the final norm's output. Prefills and mixed steps take the modules.
+
+It applies to the Llama-shaped stack of `layers.py` (Llama, Mistral, Qwen2, Qwen3) with every linear a
+`KernelLinear`; `DecodeStack.build` returns None for anything else, which then runs on the modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.attention import KVBackend, PagedKVCache
+from tokenmill.attention.paged import PagedMetadata
+from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
+from tokenmill.models.linear import KernelLinear
+
+
+def _linear_spec(m: nn.Module, in_features: int) -> tuple[int, int, int, int, int] | None:
+    if type(m) is not KernelLinear or m.ops is None or m.in_features != in_features:
+        return None
+    return (m.data.data_ptr(), m.format_id, m.out_features, m.padded_in, 0 if m.bias is None else m.bias.data_ptr())
+
+
+def _norm(m: nn.Module | None, dtype: torch.dtype) -> int | None:
+    if type(m) is not RMSNorm or m.weight.dtype != dtype or not m.weight.is_contiguous():
+        return None
+    return int(m.weight.data_ptr())
+
+
+def _layer_spec(layer: DecoderLayer, dims: tuple[int, ...], dtype: torch.dtype) -> list[Any] | None:
+    """[input norm, post norm, q norm, k norm, qkv, o, gate_up, down] for the kernel, or None if it does not fit."""
+    d, h, hkv, dh, i = dims
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not Attention or type(mlp) is not GatedMLP:
+        return None
+    if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size) != (h, hkv, dh, i):
+        return None
+    norms = [_norm(layer.input_layernorm, dtype), _norm(layer.post_attention_layernorm, dtype)]
+    qk = [0, 0] if attn.q_norm is None else [_norm(attn.q_norm, dtype), _norm(attn.k_norm, dtype)]
+    specs = [_linear_spec(attn.qkv_proj, d), _linear_spec(attn.o_proj, h * dh), _linear_spec(mlp.gate_up_proj, d),
+             _linear_spec(mlp.down_proj, i)]  # fmt: skip
+    parts = [*norms, *qk, *specs]
+    return None if any(p is None for p in parts) else parts
+
+
+class DecodeStack:
+    def __init__(self, native: Any, decoder: DecoderModel, kv: PagedKVCache, vocab_size: int | None) -> None:
+        self.native, self.decoder, self.kv, self.vocab_size = native, decoder, kv, vocab_size  # None: no head
+
+    @staticmethod
+    def build(model: CausalLM, kv: KVBackend) -> DecodeStack | None:
+        """The stack for `model` over `kv`, or None when a layer, the cache or a weight does not fit."""
+        decoder = model.model
+        if not isinstance(kv, PagedKVCache) or kv.ops is None or type(decoder) is not DecoderModel:
+            return None
+        layers = [layer for layer in decoder.layers if type(layer) is DecoderLayer]
+        if not layers or len(layers) != len(decoder.layers):
+            return None
+        first, mlp = layers[0].self_attn, layers[0].mlp
+        dims = (
+            decoder.norm.weight.shape[0],
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+            mlp.intermediate_size,
+        )
+        final = _norm(decoder.norm, kv.dtype)
+        if final is None:
+            return None
+        native = kv.ops.module.DecodeStack(kv.dtype == torch.bfloat16, *dims, decoder.norm.eps, kv.cache.shape[2],
+                                           final, len(layers), torch.get_num_threads())  # fmt: skip
+        for index, layer in enumerate(layers):
+            spec = _layer_spec(layer, dims, kv.dtype)
+            if spec is None or layer.self_attn.layer_idx != index:
+                return None
+            native.add_layer(*spec[:4], kv.cache[index].data_ptr(), *spec[4:])
+        # the LM head joins the stack when logits are the head's output as is (a family may post-process them)
+        plain_logits = type(model).compute_logits is CausalLM.compute_logits
+        head = _linear_spec(model.lm_head, dims[0]) if plain_logits else None
+        if head is not None:
+            native.set_head(head)
+        return DecodeStack(native, decoder, kv, None if head is None else head[2])
+
+    @staticmethod
+    def applies(meta: Any) -> bool:
+        """Every sequence of the step decodes one token over the paged cache."""
+        return isinstance(meta, PagedMetadata) and meta.num_decodes == meta.num_seqs and meta.decode_lens is not None
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions [B] -> ([B, D] what the decoder's forward returns for them, [B, V] float32 what
+        `compute_logits` makes of that, or None when the LM head is not a kernel linear)."""
+        assert meta.decode_block_tables is not None and meta.decode_lens is not None
+        x = self.decoder.embed_tokens(input_ids)  # [B, D]
+        cos, sin = self.decoder.rotary(positions, x.dtype)  # [B, Dh] each
+        tables, lens, slots = meta.decode_block_tables, meta.decode_lens, meta.slot_mapping
+        out = torch.empty_like(x)
+        logits = None if self.vocab_size is None else torch.empty(x.shape[0], self.vocab_size, dtype=x.dtype)
+        self.native.run(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                        tables.shape[1], lens.data_ptr(), x.shape[0], self.kv.block_size, out.data_ptr(),
+                        0 if logits is None else logits.data_ptr())  # fmt: skip
+        return out, None if logits is None else logits.float()
