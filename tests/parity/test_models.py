@@ -173,3 +173,32 @@ def test_decode_stack_equals_the_module_path(case: tuple[str, Path, Any, LLM], d
         for la, lb in zip(a.logprobs, b.logprobs):
             assert la.keys() == lb.keys()
             assert max(abs(la[t] - lb[t]) for t in la) < tol
+
+
+@pytest.mark.parametrize("level", ["scalar", "avx2-16-lanes"])
+def test_decode_stack_on_every_kernel_variant(case: tuple[str, Path, Any, LLM], level: str) -> None:
+    """The stack built from another variant (the portable one; AVX-512's 16-lane code on AVX2) over the same
+    packed weights and cache gives the module path's tokens and logprobs."""
+    from tokenmill import kernels
+    from tokenmill.kernels.isa import supported_levels
+    from tokenmill.models.decode_stack import DecodeStack
+
+    if level != "scalar" and ("avx2" not in supported_levels() or "avx512" in supported_levels()):
+        pytest.skip(f"{level} is the AVX2 build of the 16-lane code: only for an AVX2 CPU without AVX-512")
+    _, folder, _, _ = case
+    llm = LLM(str(folder), dtype="float32", device="cpu")
+    runner = llm.engine.runner
+    if runner.decode_stack is None:
+        pytest.skip("no compiled CPU kernels here: the decode stack needs them")
+    runner.kv.ops = kernels.variant(level)  # type: ignore[attr-defined]
+    runner.decode_stack = DecodeStack.build(llm.loaded.model, runner.kv)
+    assert runner.decode_stack is not None
+    ids = llm.tokenizer.encode(PROMPT)
+    prompts = [{"prompt_token_ids": ids[:n]} for n in (5, len(ids))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    stacked = [o.outputs[0] for o in llm.generate(prompts, params)]
+    runner.decode_stack = None
+    modules = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for a, b in zip(stacked, modules):
+        assert a.token_ids == b.token_ids
+        assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < 1e-5

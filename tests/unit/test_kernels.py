@@ -217,3 +217,17 @@ def test_without_a_compiler_the_pure_torch_path_runs_and_says_so_once(tmp_path: 
     notes = [line for line in done.stderr.splitlines() if "kernels" in line]
     assert len(notes) == 1 and "no C++ compiler" in notes[0] and "pure-torch path" in notes[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_env_names_the_path_and_the_thread_policy() -> None:
+    """`tokenmill env` says which kernels run and why; tokenmill asks OpenMP not to spin unless told otherwise."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run([sys.executable, "-m", "tokenmill", "env"], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(None, 1) for line in done.stdout.splitlines() if line.strip())
+    assert lines["kernels"] in (*kernels.LEVELS, "pure-torch") and lines["why"]
+    assert "'OMP_WAIT_POLICY': 'PASSIVE'" in lines["environment"]
+    mine = subprocess.run([sys.executable, "-m", "tokenmill", "env"], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert "'OMP_WAIT_POLICY': 'ACTIVE'" in mine.stdout
