@@ -66,3 +66,27 @@ $TM bench sweep "$MODEL" --dtype bfloat16 --experiment quantization --prompt-tok
   --output-dir "$OUT"
 "$LLAMA_BIN/llama-bench" -m "$(ls -t "$OUT"/compare_*/model-bf16.gguf | head -1)" \
   -m "$(ls -t "$OUT"/compare_*/model-q8_0.gguf | head -1)" -t 2 -p 512 -n 128 -r 2
+
+# 4. own CPU kernels (docs/benchmarks.md, issue 14): every format against llama.cpp, single stream and online
+$TM bench compare "$MODEL" --backends tokenmill,tokenmill:int8,tokenmill:int4,llama.cpp,llama.cpp:q8_0,llama.cpp:q4_0 \
+  --dtype bfloat16 --num-prompts 2 --prompt-tokens 512 --max-tokens 128 --threads 2 --output-dir "$OUT"
+G=$(ls -td "$OUT"/compare_* | head -1)
+for pair in none:bf16 int8:q8_0 int4:q4_0; do
+  q=${pair%%:*}; g=${pair##*:}
+  for c in 1 16; do
+    if [ "$c" = 1 ]; then n=4; len=64; else n=32; len=128; fi
+    "$LLAMA_BIN/llama-server" -m "$G/model-$g.gguf" -t 2 -tb 2 -np 16 -c 8192 --port 8102 --host 127.0.0.1 & LPID=$!
+    wait_up http://127.0.0.1:8102/health
+    $TM serve "$MODEL" --dtype bfloat16 --quantization "$q" --port 8100 --served-model-name qwen --log-level warning & PID=$!
+    wait_up http://127.0.0.1:8100/health
+    $TM bench serve --url http://127.0.0.1:8100 --model qwen --tokenizer "$MODEL" --workload custom --max-concurrency "$c" \
+      --num-prompts "$n" --request-rate inf --input-len "$len" --output-len "$len" --warmup 1 --output-dir "$OUT" \
+      --server-label "tokenmill-$q" --server-peers "llama-server-$g=http://127.0.0.1:8102"
+    kill -TERM $PID $LPID; wait $PID $LPID || true
+  done
+done
+# the fixed overhead per step: the demo model, quiet, then with one other process keeping a core busy
+$TM bench latency --prompt-tokens 64 --gen-tokens 128 --repeat 3 --output-dir "$OUT"
+python3 -c "while True: pass" & BUSY=$!
+$TM bench latency --prompt-tokens 64 --gen-tokens 128 --repeat 3 --output-dir "$OUT"
+kill $BUSY
