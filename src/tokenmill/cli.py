@@ -228,9 +228,10 @@ def cmd_env(a: argparse.Namespace) -> int:
             "torch_threads": torch.get_num_threads(),
             "onednn_native_bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
             **kernels.status(), "environment": env_vars}  # fmt: skip
-    ops = kernels.active()
-    if a.bandwidth and ops is not None:
-        info["read_bandwidth_gb_s"] = round(ops.read_bandwidth(), 1)
+    if a.bandwidth:
+        from tokenmill.bench.bandwidth import read_bandwidth_gb_s
+
+        info["read_bandwidth_gb_s"] = round(read_bandwidth_gb_s(), 1)
     width = max(len(k) for k in info)
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")

@@ -98,16 +98,3 @@ class Kernels:
             tables.shape[1], lens.data_ptr(), b, h, cache.shape[2], dh, block_size, dh**-0.5, out.data_ptr(),
         )  # fmt: skip
         return out
-
-    def read_bandwidth(self, megabytes: int = 1024, repeats: int = 5) -> float:
-        """The machine's read bandwidth in GB/s: the best of `repeats` streams over a buffer far larger than the
-        caches, on torch's threads (what a decode step's weight reads can reach)."""
-        import time
-
-        buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first pass faults the pages in
-            start = time.perf_counter()
-            self.module.read_sum(buf.data_ptr(), buf.numel() * 4)
-            best = min(best, time.perf_counter() - start)
-        return buf.numel() * 4 / best / 1e9

@@ -70,13 +70,13 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const float* xs, int6
   }
 }
 
-void linear_range(Format F, const float* x, int64_t M, const float* xs, const uint8_t* w, int64_t N, int64_t K,
-                  const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end) {
-  const int64_t nb = K / QK;
-  if (F == BF16) linear_panels<BF16>(x, M, K, xs, nb, w, N, K, bias, o32, o16, p_begin, p_end);
-  else if (F == F32) linear_panels<F32>(x, M, K, xs, nb, w, N, K, bias, o32, o16, p_begin, p_end);
-  else if (F == Q8_0) linear_panels<Q8_0>(x, M, K, xs, nb, w, N, K, bias, o32, o16, p_begin, p_end);
-  else linear_panels<Q4_0>(x, M, K, xs, nb, w, N, K, bias, o32, o16, p_begin, p_end);
+// Output panels [p_begin, p_end) for any format: x rows `ldx` floats apart, their Q4_0 block sums `ldxs` apart.
+void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const float* xs, int64_t ldxs, const uint8_t* w,
+                  int64_t N, int64_t K, const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end) {
+  if (F == BF16) linear_panels<BF16>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
+  else if (F == F32) linear_panels<F32>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
+  else if (F == Q8_0) linear_panels<Q8_0>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
+  else linear_panels<Q4_0>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
 }
 
 // How many output panels one thread's chunk should take: at least ~`bytes` of weight reads (more rows, fewer).
@@ -121,7 +121,7 @@ void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, 
   // the calling thread alone, because waking a second thread costs more than it saves
   const int64_t n_panels = (N + P - 1) / P;
   at::parallel_for(0, n_panels, panels_per_chunk(F, K, M, 256 << 10), [&](int64_t begin, int64_t end) {
-    linear_range(F, xf.data(), M, xs.data(), w, N, K, bias, o32, o16, begin, end);
+    linear_range(F, xf.data(), M, K, xs.data(), nb, w, N, K, bias, o32, o16, begin, end);
   });
 }
 

@@ -55,6 +55,9 @@ class DecodeStack {
     pool_.set_stage(base + 7, [this, l](int64_t c) { panels(layers_[l].gate_up, c, gate_up_); });
     pool_.set_stage(base + 8, [this, l](int64_t b) { silu(l, b); });
     pool_.set_stage(base + 9, [this, l](int64_t c) { panels(layers_[l].down, c, hidden_); });
+    // after the last layer added so far: the final norm, then the LM head (the next layer overwrites both)
+    pool_.set_stage(base + kStagesPerLayer, [this](int64_t b) { final_norm(b); });
+    pool_.set_stage(base + kStagesPerLayer + 1, [this](int64_t c) { panels(head_, c, logits_); });
   }
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
@@ -85,9 +88,7 @@ class DecodeStack {
                                               B, chunks(s.down)};
       for (int i = 0; i < kStagesPerLayer; ++i) pool_.set_chunks(base + i, counts[i]);
     }
-    pool_.set_stage(L * kStagesPerLayer, [this](int64_t b) { final_norm(b); });
     pool_.set_chunks(L * kStagesPerLayer, B);
-    pool_.set_stage(L * kStagesPerLayer + 1, [this](int64_t c) { panels(head_, c, logits_); });
     pool_.set_chunks(L * kStagesPerLayer + 1, logits_ ? chunks(head_) : 0);
     pool_.run(L * kStagesPerLayer + (logits_ ? 2 : 1));
   }
@@ -116,18 +117,10 @@ class DecodeStack {
 
   // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ apart; their Q4_0 sums max_k_ / 32 + 1 apart)
   void panels(const LinearSpec& w, int64_t c, char* out) {
-    const auto F = (Format)w[1];
     const int64_t n_panels = (w[2] + P - 1) / P, per = per_chunk(w);
-    const int64_t begin = c * per, end = std::min(n_panels, begin + per), ldx = max_k_, ldxs = max_k_ / QK + 1;
-    const float* bias = (const float*)w[4];
-    float* o32 = bf16_ ? nullptr : (float*)out;
-    uint16_t* o16 = bf16_ ? (uint16_t*)out : nullptr;
-    const uint8_t* wp = (const uint8_t*)w[0];
-    const float *x = xq_.data(), *xs = xs_.data();
-    if (F == BF16) linear_panels<BF16>(x, B_, ldx, xs, ldxs, wp, w[2], w[3], bias, o32, o16, begin, end);
-    else if (F == F32) linear_panels<F32>(x, B_, ldx, xs, ldxs, wp, w[2], w[3], bias, o32, o16, begin, end);
-    else if (F == Q8_0) linear_panels<Q8_0>(x, B_, ldx, xs, ldxs, wp, w[2], w[3], bias, o32, o16, begin, end);
-    else linear_panels<Q4_0>(x, B_, ldx, xs, ldxs, wp, w[2], w[3], bias, o32, o16, begin, end);
+    const int64_t begin = c * per, end = std::min(n_panels, begin + per);
+    linear_range((Format)w[1], xq_.data(), B_, max_k_, xs_.data(), max_k_ / QK + 1, (const uint8_t*)w[0], w[2], w[3],
+                 (const float*)w[4], bf16_ ? nullptr : (float*)out, bf16_ ? (uint16_t*)out : nullptr, begin, end);
   }
 
   void input_norm(int64_t l, int64_t b) {
