@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -42,14 +43,32 @@ SHAPES = [(16, 32), (37, 70), (80, 96), (130, 257)]  # (N, K): partial panels, K
 ROWS = [1, 2, 3, 5, 8, 17]
 
 
+@pytest.fixture(params=["tiles", "blocked"])
+def path(request: pytest.FixtureRequest, ops: kernels.Kernels) -> Iterator[str]:
+    """Each linear path on every row count: the register tiles, or the cache-blocked GEMM (blocked.h)."""
+    previous = ops.module.set_blocked_rows(1 if request.param == "blocked" else 1 << 40)
+    yield request.param
+    ops.module.set_blocked_rows(previous)
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_linear_equals_the_reference(ops: kernels.Kernels, fmt: str, n: int, k: int) -> None:
+def test_linear_equals_the_reference(ops: kernels.Kernels, path: str, fmt: str, n: int, k: int) -> None:
+    _check_linear(ops, fmt, n, k, ROWS)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_blocked_gemm_across_its_row_and_k_blocks(ops: kernels.Kernels, fmt: str) -> None:
+    # more rows than one row block (192) and K over two k blocks (256) with a tail, by default thresholds
+    _check_linear(ops, fmt, 70, 600, [200])
+
+
+def _check_linear(ops: kernels.Kernels, fmt: str, n: int, k: int, row_counts: list[int]) -> None:
     torch.manual_seed(n * k)
     packed = pack(torch.randn(n, k), fmt)
     w = unpack(packed)  # [n, k] float32: what the packed weight means
     bias = torch.randn(n)
-    for rows in ROWS:
+    for rows in row_counts:
         x = torch.randn(rows, k)
         for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1e-2)):
             xd = x.to(dtype)

@@ -8,9 +8,10 @@ The model is built with `Linear`: an `nn.Linear` whose one-row product on the CP
   - `bf16` and `f32` for a bfloat16 or float32 model with `--quantization none`;
   - `q8_0` for `--quantization int8` and `q4_0` for `--quantization int4`: ggml's block formats (32 weights,
     one fp16 scale), so a GGUF's blocks and ours hold the same numbers.
-  Up to `KERNEL_MAX_ROWS` rows (decode, small batches, speculative verification) run in the kernel; more rows
-  (prefill) unpack the weight and take torch's GEMM (oneDNN bf16 where the CPU has native bf16, else fp32).
-  Without a compiled kernel (no compiler here) the same module multiplies the unpacked weight with torch.
+  Every row count runs in the kernel (a few rows: register tiles; many: a cache-blocked GEMM), except that on a
+  CPU where oneDNN has a native bf16 GEMM (AVX-512 BF16, AMX) a bf16 prefill of more than `KERNEL_MAX_ROWS`
+  rows unpacks the weight and takes oneDNN's. Without a compiled kernel (no compiler here) the same module
+  multiplies the unpacked weight with torch.
 - `PackedLinear` (`--pack-weights`, CPU, quantization none): the weight reordered into oneDNN's blocked layout.
 - A float16 model, a non-CPU device or `--no-cpu-kernels` keeps `Linear` (torch's own GEMV/GEMM).
 """
@@ -26,8 +27,8 @@ from torch import nn
 from tokenmill.config import QUANTIZATION_MODES
 from tokenmill.kernels import Kernels, formats
 
-# Rows above which unpacking the weight and calling torch's GEMM beats the kernel (measured on Zen 3 AVX2,
-# docs/benchmarks.md); the kernel's own tiles cover everything up to it.
+# Rows above which a bf16 product goes to oneDNN where it has a native bf16 GEMM. Elsewhere the kernel's blocked
+# GEMM beats unpacking to float32 for torch's sgemm at every size (Zen 3 AVX2: 1.1-1.6x, docs/benchmarks.md).
 KERNEL_MAX_ROWS = 64
 FORMAT_OF_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0"}
 
@@ -67,7 +68,8 @@ class KernelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        if self.ops is not None and rows <= KERNEL_MAX_ROWS and x2.dtype in (torch.bfloat16, torch.float32):
+        native = x2.dtype == torch.bfloat16 and rows > KERNEL_MAX_ROWS and _native_bf16_gemm()
+        if self.ops is not None and not native and x2.dtype in (torch.bfloat16, torch.float32):
             # NOTE: the weight and bias were checked against the format when packed; this is the decode hot path
             x2 = x2.contiguous()
             y = torch.empty(rows, self.out_features, dtype=x2.dtype)

@@ -8,8 +8,10 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
+#include "blocked.h"
 #include "fused.h"
 #include "gemm.h"
 
@@ -73,6 +75,13 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const float* xs, int6
 // Output panels [p_begin, p_end) for any format: x rows `ldx` floats apart, their Q4_0 block sums `ldxs` apart.
 void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const float* xs, int64_t ldxs, const uint8_t* w,
                   int64_t N, int64_t K, const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end) {
+  if (M >= blocked_min_rows(F)) {
+    if (F == BF16) linear_blocked<BF16>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+    else if (F == F32) linear_blocked<F32>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+    else if (F == Q8_0) linear_blocked<Q8_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+    else linear_blocked<Q4_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+    return;
+  }
   if (F == BF16) linear_panels<BF16>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
   else if (F == F32) linear_panels<F32>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
   else if (F == Q8_0) linear_panels<Q8_0>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
@@ -111,8 +120,13 @@ void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, 
             uintptr_t bias_ptr, uintptr_t out_ptr) {
   const auto F = static_cast<Format>(format);
   const int64_t nb = K / QK, e = bf16 ? 2 : 4;
-  std::vector<float> xf(M * K), xs(M * nb);  // activations in float32 (a few KB at decode sizes)
-  for (int64_t i = 0; i < M; ++i) prep_row((const char*)x_ptr + i * Kx * e, bf16, Kx, K, F, &xf[i * K], &xs[i * nb]);
+  thread_local std::vector<float> xf, xs;  // activations in float32, reused from call to call
+  xf.resize(M * K), xs.resize(M * nb);
+  float *xf_ptr = xf.data(), *xs_ptr = xs.data();  // (a thread_local named in the lambda is the worker's own)
+  at::parallel_for(0, M, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      prep_row((const char*)x_ptr + i * Kx * e, bf16, Kx, K, F, xf_ptr + i * K, xs_ptr + i * nb);
+  });
   const float* bias = (const float*)bias_ptr;
   float* o32 = bf16 ? nullptr : (float*)out_ptr;
   uint16_t* o16 = bf16 ? (uint16_t*)out_ptr : nullptr;
@@ -121,7 +135,7 @@ void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, 
   // the calling thread alone, because waking a second thread costs more than it saves
   const int64_t n_panels = (N + P - 1) / P;
   at::parallel_for(0, n_panels, panels_per_chunk(F, K, M, 256 << 10), [&](int64_t begin, int64_t end) {
-    linear_range(F, xf.data(), M, K, xs.data(), nb, w, N, K, bias, o32, o16, begin, end);
+    linear_range(F, xf_ptr, M, K, xs_ptr, nb, w, N, K, bias, o32, o16, begin, end);
   });
 }
 
@@ -270,6 +284,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &tmk::silu_mul, "silu(gate) * up");
   m.def("decode_attention", &tmk::decode_attention, "one new token per sequence over a paged KV cache");
   m.def("kv_write", &tmk::kv_write, "new keys and values into their cache slots");
+  m.def("set_blocked_rows", [](int64_t rows) { return std::exchange(tmk::blocked_rows, rows); },
+        "rows from which every linear takes the cache-blocked GEMM (0: each format's default); returns the old one");
   m.def("read_sum", &tmk::read_sum, "stream a buffer once (the bandwidth probe)");
   py::class_<tmk::DecodeStack>(m, "DecodeStack", py::module_local())  // one per variant in a process
       .def(py::init<bool, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, uintptr_t, int64_t, int>())

@@ -1,0 +1,127 @@
+// Many rows (prefill, batched decode, speculative verification): a cache-blocked GEMM over the packed panels.
+//
+// The tiles of gemm.h read each weight straight from its panel, once per tile of rows: right for a few rows,
+// where the weights stream from memory once and the conversion hides behind that stream. With many rows the
+// same weight is converted again for every tile, and each tile re-reads its rows of x along the whole of K,
+// which falls out of the caches when K is long. Here, as in every BLAS (Goto's layout):
+// - K is cut into blocks of KC. A panel's KC x P weights are converted to float32 once, into a 16 KB buffer
+//   that stays in L1, and every tile of rows reuses them;
+// - the rows are cut into blocks of MC, so that the MC x KC block of x (192 KB) stays in L2 while every panel
+//   of the range passes over it;
+// - partial sums wait in a float32 buffer between K blocks; bias and the output dtype apply once, at the end.
+// The inner tile is pure float32: MT_F32 rows x P channels of accumulators, one vector load per P/W channels
+// and one broadcast per row at each k.
+#pragma once
+
+#include <algorithm>
+#include <vector>
+
+#include "gemm.h"
+
+namespace tmk {
+
+constexpr int64_t KC = 256;  // k per block: a multiple of QK, so quantized blocks never straddle two
+constexpr int64_t MC = 192;  // rows per block
+// rows per register tile: MT x V accumulators + V weights + 1 broadcast fit the register file
+constexpr int MT_F32 = W == 4 ? 2 : (W == 8 ? 6 : 12);
+// Rows from which the blocked path beats the tiles (Zen 3 AVX2, docs/benchmarks.md): a bf16 weight widens in one
+// shift, so its tiles hold out longer than the quantized formats' dequantization. Tests set `blocked_rows` (> 0)
+// to run both paths on the same shapes.
+inline int64_t blocked_rows = 0;
+inline int64_t blocked_min_rows(Format F) {
+  if (blocked_rows > 0) return blocked_rows;
+  return F == BF16 || F == F32 ? 48 : 8;
+}
+
+// k rows [k0, k0 + kc) of a packed panel as float32 [kc][P] in `dst`; returns where they are (an f32 panel is
+// used in place).
+template <Format F>
+inline const float* panel_block_f32(const uint8_t* panel, int64_t k0, int64_t kc, float* dst) {
+  if constexpr (F == F32) {
+    return (const float*)panel + k0 * P;
+  } else if constexpr (F == BF16) {
+    const uint16_t* src = (const uint16_t*)panel + k0 * P;
+    for (int64_t i = 0; i < kc * P; i += W) store(dst + i, load_bf16(src + i));
+    return dst;
+  } else {
+    constexpr int64_t block_bytes = F == Q8_0 ? 2 * P + QK * P : 2 * P + QK / 2 * P;
+    for (int64_t b = 0; b < kc / QK; ++b) {
+      const uint8_t* blk = panel + (k0 / QK + b) * block_bytes;
+      float* out = dst + b * QK * P;
+      vf d[V], offset[V];
+      load_scales(blk, d);
+      for (int v = 0; v < V; ++v) offset[v] = d[v] * splat(F == Q4_0 ? -8.f : 0.f);
+      for (int j = 0; j < QK / 2; ++j)
+        for (int v = 0; v < V; ++v) {
+          vf w0, w1;
+          load_pair<F>(blk + 2 * P, j, v, w0, w1);
+          store(out + (2 * j) * P + v * W, w0 * d[v] + offset[v]);
+          store(out + (2 * j + 1) * P + v * W, w1 * d[v] + offset[v]);
+        }
+    }
+    return dst;
+  }
+}
+
+// c[m][0..P) (+)= sum over kc of x[m * ldx + k] * w[k][0..P), for MT rows; `first` starts from zero.
+template <int MT>
+inline void tile_f32(const float* w, const float* x, int64_t ldx, int64_t kc, float* c, bool first) {
+  vf acc[MT][V];
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v] = first ? splat(0.f) : load(c + m * P + v * W);
+  for (int64_t k = 0; k < kc; ++k) {
+    vf wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = load(w + k * P + v * W);
+    for (int m = 0; m < MT; ++m) {
+      const vf xb = splat(x[m * ldx + k]);
+      for (int v = 0; v < V; ++v) acc[m][v] += wv[v] * xb;
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < V; ++v) store(c + m * P + v * W, acc[m][v]);
+}
+
+// `rows` (< MT) rows: the tile of exactly that many
+template <int MT>
+inline void tile_f32_rows(const float* w, const float* x, int64_t ldx, int64_t kc, float* c, bool first,
+                          int64_t rows) {
+  if constexpr (MT > 1) {
+    if (rows < MT) return tile_f32_rows<MT - 1>(w, x, ldx, kc, c, first, rows);
+  }
+  tile_f32<MT>(w, x, ldx, kc, c, first);
+}
+
+// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), as linear_panels (gemm.h) computes them.
+template <Format F>
+void linear_blocked(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
+                    const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end) {
+  const int64_t stride = panel_bytes(F, K), n_panels = p_end - p_begin;
+  alignas(64) float wbuf[KC * P];
+  thread_local std::vector<float> cbuf;  // [n_panels][MC][P] partial sums
+  cbuf.resize(n_panels * MC * P);
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t mc = std::min(MC, M - m0);
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = std::min(KC, K - k0);
+      for (int64_t p = 0; p < n_panels; ++p) {
+        const float* w = panel_block_f32<F>(packed + (p_begin + p) * stride, k0, kc, wbuf);
+        float* c = cbuf.data() + p * MC * P;
+        for (int64_t m = 0; m < mc; m += MT_F32)
+          tile_f32_rows<MT_F32>(w, x + (m0 + m) * ldx + k0, ldx, kc, c + m * P, k0 == 0,
+                                std::min<int64_t>(MT_F32, mc - m));
+      }
+    }
+    for (int64_t p = 0; p < n_panels; ++p) {
+      const int64_t n0 = (p_begin + p) * P, n_valid = std::min<int64_t>(P, N - n0);
+      const float* c = cbuf.data() + p * MC * P;
+      for (int64_t m = 0; m < mc; ++m)
+        for (int64_t i = 0; i < n_valid; ++i) {
+          const float y = c[m * P + i] + (bias ? bias[n0 + i] : 0.f);
+          if (out16) out16[(m0 + m) * N + n0 + i] = float_to_bf16(y);
+          else out32[(m0 + m) * N + n0 + i] = y;
+        }
+    }
+  }
+}
+
+}  // namespace tmk
