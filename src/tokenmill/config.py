@@ -16,8 +16,9 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 KVCacheMode = Literal["paged", "contiguous", "none"]
 KV_CACHE_MODES: tuple[str, ...] = ("paged", "contiguous", "none")
-ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
-ACTIVATIONS: tuple[str, ...] = ("silu",)
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope")
+# the MLP activation; the GELUs are GPT-2's ("gelu_new", the tanh approximation) and the exact one
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the eps of every norm (GPT-2's LayerNorms too)
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool = False
@@ -52,6 +53,8 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # attention window (Mistral v0.1, Phi-3), when it binds: tokens see the last `sliding_window` positions
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -75,6 +78,11 @@ class ModelConfig:
             raise ConfigError(
                 f"config.json: rope type {self.rope.kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
             )
+        missing = [
+            k for k in ("short_factor", "long_factor") if self.rope.kind == "longrope" and k not in self.rope.params
+        ]
+        if missing:
+            raise ConfigError(f"config.json: longrope scaling needs {' and '.join(missing)} in rope_parameters")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(
                 f"config.json: hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
@@ -112,12 +120,22 @@ class ModelConfig:
                 torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                sliding_window=_sliding_window(hf),
             )
         except KeyError as e:
             raise ConfigError(f"config.json is missing the required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise ConfigError(f"config.json has an invalid value: {e}") from None
         return cls(**{**fields, **overrides})
+
+
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    """The window, when it is on (Qwen2 configs carry one with `use_sliding_window: false`) and shorter than
+    the context."""
+    window = hf.get("sliding_window")
+    if not window or hf.get("use_sliding_window") is False:
+        return None
+    return int(window) if int(window) < int(hf.get("max_position_embeddings", 2048)) else None
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
@@ -131,8 +149,11 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
         params.update(v4)
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = str(params.pop("rope_type", params.pop("type", "default")))
-    if kind == "yarn":
-        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+    if kind in ("yarn", "longrope"):
+        original = hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048)
+        params.setdefault("original_max_position_embeddings", original)
+    if kind == "longrope":  # Phi-3: the default factor is the ratio of the two context lengths
+        params.setdefault("max_position_embeddings", hf.get("max_position_embeddings", 2048))
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError("config.json: partial_rotary_factor != 1 is not supported")
     return RopeConfig(theta=theta, kind=kind, params=params)

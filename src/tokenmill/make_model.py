@@ -27,6 +27,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
         tie_word_embeddings=True, rms_norm_eps=1e-6,
     ),
+    "gpt2": dict(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+        num_key_value_heads=12, vocab_size=50257, max_position_embeddings=1024, tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    ),
+    "phi-3-mini": dict(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096, rope_theta=10000.0,
+        tie_word_embeddings=False, rms_norm_eps=1e-5,
+    ),
     "llama-3.2-1b": dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
@@ -44,12 +54,8 @@ def hf_config(arch: str, **fields: Any) -> Any:
 
     from tokenmill.models import family_named
 
-    config_class = getattr(transformers, family_named(arch).hf_config_class)
-    fields = dict(fields)
-    theta = fields.pop("rope_theta", 10000.0)
-    scaling = fields.pop("rope_scaling", None)
-    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, **(scaling or {})}
-    return config_class(**fields)
+    family = family_named(arch)
+    return getattr(transformers, family.hf_config_class)(**family.make_fields(fields))
 
 
 def write_checkpoint(

@@ -24,6 +24,8 @@ BF16_TOL = 0.08  # absolute, on logits of magnitude ~1-3: bf16 keeps ~3 signific
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=32)  # fmt: skip
 YARN_ROPE = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)
+LONGROPE = dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 4.0],
+                long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0])  # fmt: skip  # head_dim 16: 8 each
 
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-gqa2": ("llama", {}),
@@ -39,6 +41,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen3",
         dict(tie_word_embeddings=True, attention_bias=True, num_key_value_heads=1),
     ),
+    "gpt2-tied": ("gpt2", {}),
+    "gpt2-untied-exact-gelu": ("gpt2", dict(tie_word_embeddings=False, activation_function="gelu")),
+    "phi3-gqa": ("phi3", {}),
+    # prompt and generation stay under 64 positions: the short factors (the long ones: test_longrope_past_...)
+    "phi3-longrope": ("phi3", dict(rope_scaling=LONGROPE, original_max_position_embeddings=64)),
 }
 SPREAD = dict(initializer_range=0.1)  # larger weights than HF's default: peaked logits, no near-ties in greedy
 PROMPT = "To be, or not to be, that is the question. Hello world!"
@@ -149,6 +156,16 @@ def test_bfloat16_close_to_transformers(case: tuple[str, Path, Any, LLM]) -> Non
     assert ours_err <= 2 * hf_err + 1e-3
 
 
+def _skip_without_stack(llm: LLM) -> None:
+    from tokenmill.models.layers import DecoderModel
+
+    if llm.loaded.ops is None:
+        pytest.skip("no compiled CPU kernels here: the decode stack needs them")
+    if type(llm.loaded.model.decoder()) is not DecoderModel:
+        pytest.skip(f"{llm.loaded.config.architecture} is not Llama-shaped: its decode steps run on the modules")
+    assert llm.engine.runner.decode_stack is not None
+
+
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 0.05)])
 def test_decode_stack_equals_the_module_path(case: tuple[str, Path, Any, LLM], dtype: str, tol: float) -> None:
     """A decode-only step runs the whole stack in one kernel call (models/decode_stack.py); a batch of
@@ -156,8 +173,7 @@ def test_decode_stack_equals_the_module_path(case: tuple[str, Path, Any, LLM], d
     _, folder, _, _ = case
     llm = LLM(str(folder), dtype=dtype, device="cpu")
     runner = llm.engine.runner
-    if runner.decode_stack is None:
-        pytest.skip("no compiled CPU kernels here: the decode stack needs them")
+    _skip_without_stack(llm)
     ids = llm.tokenizer.encode(PROMPT)
     prompts = [{"prompt_token_ids": ids[:n]} for n in (3, 9, len(ids))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
@@ -188,8 +204,7 @@ def test_decode_stack_on_every_kernel_variant(case: tuple[str, Path, Any, LLM], 
     _, folder, _, _ = case
     llm = LLM(str(folder), dtype="float32", device="cpu")
     runner = llm.engine.runner
-    if runner.decode_stack is None:
-        pytest.skip("no compiled CPU kernels here: the decode stack needs them")
+    _skip_without_stack(llm)
     runner.kv.ops = kernels.variant(level)  # type: ignore[attr-defined]
     runner.decode_stack = DecodeStack.build(llm.loaded.model, runner.kv)
     assert runner.decode_stack is not None
@@ -202,3 +217,29 @@ def test_decode_stack_on_every_kernel_variant(case: tuple[str, Path, Any, LLM], 
     for a, b in zip(stacked, modules):
         assert a.token_ids == b.token_ids
         assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < 1e-5
+
+
+def test_longrope_past_the_original_length_matches_transformers_with_a_cache(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """Past `original_max_position_embeddings` each new token rotates by the long factors, over keys cached
+    with the short ones: what HF's model computes step by step with a KV cache. (HF's `generate` for Phi-3
+    instead recomputes the whole cache once, at the crossing; we do not.)"""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    folder = make_checkpoint("phi3", **SPREAD, rope_scaling=LONGROPE, original_max_position_embeddings=32)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    llm = LLM(str(folder), dtype="float32", device="cpu")
+    ids = llm.tokenizer.encode(PROMPT)
+    assert len(ids) < 32 < len(ids) + 16
+    seq, ref = list(ids), []
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config)
+        logits = hf(torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
+        for _ in range(16):
+            ref.append(int(logits.argmax()))
+            seq.append(ref[-1])
+            step = hf(torch.tensor([[ref[-1]]]), past_key_values=cache, position_ids=torch.tensor([[len(seq) - 1]]))
+            logits = step.logits[0, -1]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == ref

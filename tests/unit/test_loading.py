@@ -49,7 +49,7 @@ def test_sharded_checkpoint_loads_identically(folder: Path, tmp_path: Path) -> N
 
 def test_dtype_auto_follows_config(make_checkpoint: Callable[..., Path]) -> None:
     llm = LLM(str(make_checkpoint("llama", dtype="bfloat16")))
-    assert llm.loaded.dtype == torch.bfloat16 and llm.loaded.model.model.norm.weight.dtype == torch.bfloat16
+    assert llm.loaded.dtype == torch.bfloat16 and llm.loaded.model.decoder().norm.weight.dtype == torch.bfloat16
     assert LLM(str(make_checkpoint("llama", dtype="bfloat16")), dtype="float32").loaded.dtype == torch.float32
 
 
@@ -64,7 +64,9 @@ def test_a_checkpoint_dtype_we_cannot_compute_in_is_refused(folder: Path, tmp_pa
 def test_unknown_architecture_lists_supported(folder: Path, tmp_path: Path) -> None:
     bad = _copy(folder, tmp_path)
     _edit_config(bad, architectures=["FancyNetForCausalLM"])
-    with pytest.raises(ConfigError, match="FancyNetForCausalLM.*supported architectures: LlamaForCausalLM"):
+    with pytest.raises(
+        ConfigError, match="FancyNetForCausalLM.*supported architectures: GPT2LMHeadModel, LlamaForCausalLM"
+    ):
         LLM(str(bad))
 
 
@@ -133,8 +135,8 @@ def test_unexpected_tensor_is_named(folder: Path, tmp_path: Path) -> None:
 
 def test_config_errors_are_clear(folder: Path, tmp_path: Path) -> None:
     bad = _copy(folder, tmp_path)
-    _edit_config(bad, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0})
-    with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
+    _edit_config(bad, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ConfigError, match="rope type 'dynamic' is not supported"):
         LLM(str(bad))
     cfg = json.loads((bad / "config.json").read_text())
     del cfg["hidden_size"]
@@ -156,3 +158,32 @@ def test_engine_options_are_validated() -> None:
         LLM("x", dtype="float8")
     with pytest.raises(ValueError, match="kv_cache='paged2'"):
         LLM("x", kv_cache="paged2")
+
+
+def test_a_sliding_window_caps_the_context_where_full_attention_is_exact(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    windowed = make_checkpoint("mistral", sliding_window=16)
+    llm = LLM(str(windowed), dtype="float32")
+    assert llm.loaded.config.sliding_window == 16 and llm.loaded.max_model_len == 16
+    with pytest.raises(ValueError, match="max_model_len=32 exceeds the model's sliding_window=16"):
+        LLM(str(windowed), dtype="float32", max_model_len=32)
+    # a window switched off (Qwen2's configs carry one) or as long as the context binds nothing
+    off = make_checkpoint("qwen2", sliding_window=16, use_sliding_window=False)
+    assert LLM(str(off), dtype="float32").loaded.max_model_len == 512
+    assert LLM(str(make_checkpoint("mistral", sliding_window=4096)), dtype="float32").loaded.max_model_len == 512
+
+
+def test_gpt2_config_names_and_the_conv1d_layout_load(make_checkpoint: Callable[..., Path]) -> None:
+    llm = LLM(str(make_checkpoint("gpt2")), dtype="float32", cpu_kernels=False)  # plain nn.Linear weights
+    cfg, model = llm.loaded.config, llm.loaded.model
+    assert (cfg.hidden_size, cfg.num_layers, cfg.intermediate_size, cfg.hidden_act) == (64, 2, 96, "gelu_new")
+    assert cfg.tie_word_embeddings and model.lm_head.weight is model.embeddings().weight
+    assert model.transformer.h[0].attn.c_attn.weight.shape == (3 * 64, 64)  # [out, in], turned around
+
+
+def test_gpt2_options_we_do_not_compute_are_refused(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    bad = _copy(make_checkpoint("gpt2"), tmp_path)
+    _edit_config(bad, scale_attn_by_inverse_layer_idx=True)
+    with pytest.raises(ConfigError, match="scale_attn_by_inverse_layer_idx=true is not supported"):
+        LLM(str(bad))

@@ -9,8 +9,10 @@ from typing import Any
 
 from tokenmill.errors import ConfigError
 from tokenmill.models.family import ModelFamily
+from tokenmill.models.gpt2 import GPT2
 from tokenmill.models.layers import CausalLM
 from tokenmill.models.llama import LLAMA, MISTRAL
+from tokenmill.models.phi3 import PHI3
 from tokenmill.models.qwen import QWEN2, QWEN3
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -18,6 +20,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     MISTRAL,
     QWEN2,
     QWEN3,
+    PHI3,
+    GPT2,
 )
 
 

@@ -38,7 +38,7 @@ def _layer_spec(layer: DecoderLayer, dims: tuple[int, ...], dtype: torch.dtype) 
     """[input norm, post norm, q norm, k norm, qkv, o, gate_up, down] for the kernel, or None if it does not fit."""
     d, h, hkv, dh, i = dims
     attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not Attention or type(mlp) is not GatedMLP:
+    if type(attn) is not Attention or type(mlp) is not GatedMLP or mlp.act != "silu":
         return None
     if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size) != (h, hkv, dh, i):
         return None
@@ -57,7 +57,7 @@ class DecodeStack:
     @staticmethod
     def build(model: CausalLM, kv: KVBackend) -> DecodeStack | None:
         """The stack for `model` over `kv`, or None when a layer, the cache or a weight does not fit."""
-        decoder = model.model
+        decoder = model.decoder()
         if not isinstance(kv, PagedKVCache) or kv.ops is None or type(decoder) is not DecoderModel:
             return None
         layers = [layer for layer in decoder.layers if type(layer) is DecoderLayer]

@@ -2,7 +2,8 @@
 
 A family names its Hugging Face `architectures` and `model_type`s, its model class, its quirks as
 `adapt_config(hf_config) -> ModelConfig field overrides`, the transformers config class `make-model` uses,
-and the GGUF arch the exporter writes. Adding a family is one file plus one line in `models/__init__.py`.
+the GGUF arch the exporter writes, and for a family with its own config names, how they map. Adding a family is
+one file plus one line in `models/__init__.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,19 @@ def no_quirks(hf: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def same_names(hf: dict[str, Any]) -> dict[str, Any]:
+    return hf
+
+
+def rope_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """make-model's shape fields for a rotary family: `rope_theta` / `rope_scaling` as v5 `rope_parameters`."""
+    fields = dict(fields)
+    theta = fields.pop("rope_theta", 10000.0)
+    scaling = fields.pop("rope_scaling", None)
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, **(scaling or {})}
+    return fields
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     name: str  # `make-model --arch` name
@@ -29,7 +43,12 @@ class ModelFamily:
     gguf_arch: str | None = None  # `gguf.MODEL_ARCH` member the GGUF exporter writes (None: no export)
     gguf_permute_qk: bool = False  # that arch rotates interleaved pairs, HF rotates halves: permute Q/K rows
     adapt_config: Callable[[dict[str, Any]], dict[str, Any]] = field(default=no_quirks)
+    # config.json in the family's own names (GPT-2's n_embd, ...) -> the shared names ModelConfig reads
+    normalize_hf: Callable[[dict[str, Any]], dict[str, Any]] = field(default=same_names)
+    # make-model's shape fields -> the family's transformers config arguments
+    make_fields: Callable[[dict[str, Any]], dict[str, Any]] = field(default=rope_fields)
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         """Normalise a parsed config.json: the shared fields, then this family's quirks over them."""
+        hf = self.normalize_hf(hf)
         return ModelConfig.from_hf(hf, default_architecture=self.architectures[0], **self.adapt_config(hf))

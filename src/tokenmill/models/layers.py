@@ -75,7 +75,23 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]
         return torch.where(is_medium, smoothed, scaled), 1.0
     if rope.kind == "yarn":
         return _yarn_inv_freq(rope, head_dim)
+    if rope.kind == "longrope":  # the short factors; RotaryEmbedding switches to the long ones past the original length
+        return _longrope_inv_freq(rope, head_dim, "short_factor")
     raise ValueError(f"rope type {rope.kind!r} is not supported")
+
+
+def _longrope_inv_freq(rope: RopeConfig, head_dim: int, which: str) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-frequency rescale factors (`short_factor` up to the pretraining length, then
+    `long_factor`), and a cos/sin scale from the context extension ratio (HF's formulas)."""
+    p = rope.params
+    original = float(p["original_max_position_embeddings"])
+    factor = p.get("factor") or float(p.get("max_position_embeddings", original)) / original
+    scale = p.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(p[which], dtype=torch.float32)  # [Dh/2]
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (ext * rope.theta**exponents), float(scale)
 
 
 def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -117,13 +133,23 @@ class RotaryEmbedding(nn.Module):
         self.rope, self.head_dim = rope, head_dim
         inv_freq, self.scale = rope_inv_freq(rope, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [Dh/2] float32
+        # LongRoPE: positions from `long_from` on rotate by the long factors (HF switches a whole forward once
+        # its length passes the original context; here each token goes by its own position)
+        self.long_from = int(rope.params["original_max_position_embeddings"]) if rope.kind == "longrope" else None
+        long = _longrope_inv_freq(rope, head_dim, "long_factor")[0] if self.long_from is not None else None
+        self.register_buffer("long_inv_freq", long, persistent=False)  # [Dh/2] float32, or None
 
     def materialize(self, device: torch.device) -> None:
-        """Recompute the buffer on `device` (the model was built on the meta device)."""
+        """Recompute the buffers on `device` (the model was built on the meta device)."""
         self.inv_freq = rope_inv_freq(self.rope, self.head_dim)[0].to(device)
+        if self.long_from is not None:
+            self.long_inv_freq = _longrope_inv_freq(self.rope, self.head_dim, "long_factor")[0].to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
+        inv_freq = self.inv_freq[None, :]  # [1, Dh/2]
+        if self.long_inv_freq is not None and self.long_from is not None:
+            inv_freq = torch.where((positions >= self.long_from)[:, None], self.long_inv_freq, inv_freq)  # [T, Dh/2]
+        freqs = positions.float()[:, None] * inv_freq  # [T, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
@@ -173,20 +199,27 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """config.json's `hidden_act` (one of config.ACTIVATIONS) applied to x."""
+    if name == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="none" if name == "gelu" else "tanh")
+
+
 class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
+        self.intermediate_size, self.act = cfg.intermediate_size, cfg.hidden_act
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.ops: Kernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if (ops := _fused(self.ops, gate_up)) is not None:
+        if self.act == "silu" and (ops := _fused(self.ops, gate_up)) is not None:
             return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(activation(self.act, gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -237,16 +270,33 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """A decoder-only language model: `forward` gives final hidden states, `compute_logits` the vocabulary scores.
 
-    A family subclasses this and, where its checkpoint differs, adjusts the config or the modules.
+    A family subclasses this and, where its checkpoint differs, adjusts the config or the modules. A family
+    with a decoder of another shape (GPT-2) overrides `build_decoder` and `embeddings`, and names the
+    checkpoint's quirks for the loader in the class attributes below.
     """
+
+    # checkpoint tensors (name suffixes) stored [in, out] (GPT-2's Conv1D), and ones the loader skips
+    hf_transposed: tuple[str, ...] = ()
+    hf_ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.build_decoder(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = self.embeddings().weight
+
+    def build_decoder(self, cfg: ModelConfig) -> None:
+        """Set the decoder as an attribute, named as in the checkpoint (`model.*`)."""
+        self.model = DecoderModel(cfg)
+
+    def decoder(self) -> nn.Module:
+        return self.model
+
+    def embeddings(self) -> nn.Embedding:
+        """The token embedding (a tied LM head shares its weight)."""
+        return self.model.embed_tokens
 
     def forward(
         self,
@@ -255,7 +305,7 @@ class CausalLM(nn.Module):
         kv: KVBackend,  # where keys and values live (attention/)
         meta: Any,  # what `kv.prepare` built for this batch
     ) -> torch.Tensor:  # [T, D]
-        return self.model(input_ids, positions, kv, meta)
+        return self.decoder()(input_ids, positions, kv, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
         return self.lm_head(hidden).float()

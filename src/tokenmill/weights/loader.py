@@ -1,8 +1,10 @@
 """Fill a model built on the meta device straight from the checkpoint's tensors.
 
 Hugging Face names map one to one onto ours except the fused projections: `q_proj|k_proj|v_proj` land in
-slices of `qkv_proj`, `gate_proj|up_proj` in slices of `gate_up_proj`. Every parameter must be filled
-exactly once and every checkpoint tensor must land somewhere, so a mismatched checkpoint fails loudly.
+slices of `qkv_proj`, `gate_proj|up_proj` in slices of `gate_up_proj` (a checkpoint that stores them fused, as
+Phi-3's, fills them whole). A family's `hf_transposed` tensors are stored [in, out] and turned around. Every
+parameter must be filled exactly once and every checkpoint tensor must land somewhere, so a mismatched
+checkpoint fails loudly.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.models import CausalLM
 from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
 from tokenmill.weights.safetensors_io import iter_tensors
-
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
@@ -48,8 +48,10 @@ def load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: torc
     shard_sizes = _shard_sizes(cfg)
     filled: dict[str, set[int]] = {}
     for hf_name, tensor, path in iter_tensors(folder):
-        if hf_name.endswith(IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and hf_name == "lm_head.weight"):
+        if hf_name.endswith(model.hf_ignored) or (cfg.tie_word_embeddings and hf_name == "lm_head.weight"):
             continue
+        if hf_name.endswith(model.hf_transposed):  # [in, out] -> [out, in]
+            tensor = tensor.t()
         name, fused, shard = _map_name(hf_name)
         if name not in params:
             raise ModelLoadError(
@@ -66,10 +68,11 @@ def load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: torc
             raise ModelLoadError(
                 f"tensor {hf_name!r} in {path} has shape {list(tensor.shape)}, but config.json implies {list(expected)}"
             )
-        value = tensor.to(device=device, dtype=dtype)
-        if fused is None:
+        value = tensor.to(device=device, dtype=dtype).contiguous()
+        if fused is None:  # a tensor of its own, or a fused one stored whole (Phi-3's qkv_proj, gate_up_proj)
             _set_param(model, name, value)
-            filled[name] = {0}
+            whole = next((f for f in STACKED_PARAMS if f".{f}." in name), None)
+            filled[name] = {idx for _, idx in STACKED_PARAMS[whole]} if whole else {0}
             continue
         if name not in filled:  # the first shard seen allocates the fused tensor
             _set_param(model, name, torch.empty(param.shape, dtype=dtype, device=device))
@@ -93,7 +96,7 @@ def load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: torc
         raise ModelLoadError(f"checkpoint {folder} is missing tensor(s): {shown}")
 
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = model.embeddings().weight
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.materialize(device)
