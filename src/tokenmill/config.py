@@ -78,9 +78,8 @@ class ModelConfig:
             raise ConfigError(
                 f"config.json: rope type {self.rope.kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
             )
-        missing = [
-            k for k in ("short_factor", "long_factor") if self.rope.kind == "longrope" and k not in self.rope.params
-        ]
+        factors = ("short_factor", "long_factor") if self.rope.kind == "longrope" else ()
+        missing = [k for k in factors if k not in self.rope.params]
         if missing:
             raise ConfigError(f"config.json: longrope scaling needs {' and '.join(missing)} in rope_parameters")
         if self.hidden_act not in ACTIVATIONS:

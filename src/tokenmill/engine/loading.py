@@ -105,7 +105,7 @@ def load(cfg: EngineConfig) -> LoadedModel:
     window = model_config.sliding_window
     # NOTE: no sliding-window attention yet: up to the window, full attention is the same thing, so the context
     # stops there (by default) rather than silently differ from the model past it
-    max_len = cfg.max_model_len or min(model_config.max_position_embeddings, window or 1 << 62)
+    max_len = cfg.max_model_len or window or model_config.max_position_embeddings  # a window is the shorter
     if window is not None and max_len > window:
         raise ValueError(
             f"max_model_len={max_len} exceeds the model's sliding_window={window}: tokenmill attends to the whole "

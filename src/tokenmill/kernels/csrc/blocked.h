@@ -114,12 +114,7 @@ void linear_blocked(const float* x, int64_t M, int64_t ldx, const uint8_t* packe
     for (int64_t p = 0; p < n_panels; ++p) {
       const int64_t n0 = (p_begin + p) * P, n_valid = std::min<int64_t>(P, N - n0);
       const float* c = cbuf.data() + p * MC * P;
-      for (int64_t m = 0; m < mc; ++m)
-        for (int64_t i = 0; i < n_valid; ++i) {
-          const float y = c[m * P + i] + (bias ? bias[n0 + i] : 0.f);
-          if (out16) out16[(m0 + m) * N + n0 + i] = float_to_bf16(y);
-          else out32[(m0 + m) * N + n0 + i] = y;
-        }
+      for (int64_t m = 0; m < mc; ++m) store_outputs(c + m * P, m0 + m, n0, n_valid, N, bias, out32, out16);
     }
   }
 }

@@ -37,6 +37,17 @@ inline void load_scales(const uint8_t* p, vf* d) {
 #endif
 }
 
+// One output row's sums for channels n0.. (n_valid of them) -> out[row], plus bias, in the output dtype (out16
+// when it is set, else out32).
+inline void store_outputs(const float* sums, int64_t row, int64_t n0, int64_t n_valid, int64_t N, const float* bias,
+                          float* out32, uint16_t* out16) {
+  for (int64_t i = 0; i < n_valid; ++i) {
+    const float y = sums[i] + (bias ? bias[n0 + i] : 0.f);
+    if (out16) out16[row * N + n0 + i] = float_to_bf16(y);
+    else out32[row * N + n0 + i] = y;
+  }
+}
+
 inline vf load_weights(const uint16_t* p) { return load_bf16(p); }
 inline vf load_weights(const float* p) { return load(p); }
 

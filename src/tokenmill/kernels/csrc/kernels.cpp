@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -62,11 +63,7 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const float* xs, int6
       for (int64_t m = 0; m < rows; ++m) {
         float lane[P];
         for (int v = 0; v < V; ++v) store(lane + v * W, acc[m][v]);
-        for (int64_t i = 0; i < n_valid; ++i) {
-          const float y = lane[i] + (bias ? bias[n0 + i] : 0.f);
-          if (out16) out16[(m0 + m) * N + n0 + i] = float_to_bf16(y);
-          else out32[(m0 + m) * N + n0 + i] = y;
-        }
+        store_outputs(lane, m0 + m, n0, n_valid, N, bias, out32, out16);
       }
     }
   }
@@ -75,17 +72,15 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const float* xs, int6
 // Output panels [p_begin, p_end) for any format: x rows `ldx` floats apart, their Q4_0 block sums `ldxs` apart.
 void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const float* xs, int64_t ldxs, const uint8_t* w,
                   int64_t N, int64_t K, const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end) {
-  if (M >= blocked_min_rows(F)) {
-    if (F == BF16) linear_blocked<BF16>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-    else if (F == F32) linear_blocked<F32>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-    else if (F == Q8_0) linear_blocked<Q8_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-    else linear_blocked<Q4_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-    return;
-  }
-  if (F == BF16) linear_panels<BF16>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
-  else if (F == F32) linear_panels<F32>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
-  else if (F == Q8_0) linear_panels<Q8_0>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
-  else linear_panels<Q4_0>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
+  auto run = [&](auto format) {
+    constexpr Format G = decltype(format)::value;
+    if (M >= blocked_min_rows(G)) linear_blocked<G>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+    else linear_panels<G>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
+  };
+  if (F == BF16) run(std::integral_constant<Format, BF16>{});
+  else if (F == F32) run(std::integral_constant<Format, F32>{});
+  else if (F == Q8_0) run(std::integral_constant<Format, Q8_0>{});
+  else run(std::integral_constant<Format, Q4_0>{});
 }
 
 // How many output panels one thread's chunk should take: at least ~`bytes` of weight reads (more rows, fewer).
