@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,15 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.kernels.build import EMULATED
-from tokenmill.kernels.formats import FORMATS, pack, quantize_q4_0, quantize_q8_0, unpack
+from tokenmill.kernels.formats import (
+    FORMATS,
+    pack,
+    quantize_activations,
+    quantize_q4_0,
+    quantize_q8_0,
+    reference_linear,
+    unpack,
+)
 from tokenmill.kernels.isa import supported_levels
 
 
@@ -43,36 +52,95 @@ SHAPES = [(16, 32), (37, 70), (80, 96), (130, 257)]  # (N, K): partial panels, K
 ROWS = [1, 2, 3, 5, 8, 17]
 
 
-@pytest.fixture(params=["tiles", "blocked"])
-def path(request: pytest.FixtureRequest, ops: kernels.Kernels) -> Iterator[str]:
-    """Each linear path on every row count: the register tiles, or the cache-blocked GEMM (blocked.h)."""
-    previous = ops.module.set_blocked_rows(1 if request.param == "blocked" else 1 << 40)
-    yield request.param
-    ops.module.set_blocked_rows(previous)
+# Each linear path on every row count: a dense format's register tiles or cache-blocked GEMM (blocked.h); the
+# quantized formats have one integer path (qdot.h) for every row count.
+PATHS = [("bf16", "tiles"), ("bf16", "blocked"), ("f32", "tiles"), ("f32", "blocked"), ("q8_0", "int"), ("q4_0", "int")]
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@contextmanager
+def _path(ops: kernels.Kernels, path: str) -> Iterator[None]:
+    previous = ops.module.set_blocked_rows(1 if path == "blocked" else 1 << 40)
+    try:
+        yield
+    finally:
+        ops.module.set_blocked_rows(previous)
+
+
+@pytest.mark.parametrize(("fmt", "path"), PATHS)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_linear_equals_the_reference(ops: kernels.Kernels, path: str, fmt: str, n: int, k: int) -> None:
-    _check_linear(ops, fmt, n, k, ROWS)
+def test_linear_equals_the_reference(ops: kernels.Kernels, fmt: str, path: str, n: int, k: int) -> None:
+    with _path(ops, path):
+        _check_linear(ops, fmt, n, k, ROWS)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_blocked_gemm_across_its_row_and_k_blocks(ops: kernels.Kernels, fmt: str) -> None:
-    # more rows than one row block (192) and K over two k blocks (256) with a tail, by default thresholds
+    # by default thresholds, more rows than one row block (blocked.h: 192, qdot.h: 64) and K over two k blocks
+    # (256) with a tail
     _check_linear(ops, fmt, 70, 600, [200])
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_integer_sums_do_not_saturate(ops: kernels.Kernels, fmt: str) -> None:
+    """The largest products the formats can hold: every weight and activation at the end of its range, with
+    signs that add up. vpmaddubsw saturates 16-bit sums; the layout keeps them below it (qdot.h)."""
+    k = 256
+    if fmt == "q4_0":
+        w = torch.full((32, k), 7.0)  # the block's largest magnitude maps to q 0 (-8 d), 7 to q 15 (7 * d)
+        w[:, ::32] = -8.0
+        x = torch.ones(3, k)  # q 127
+    else:
+        w = torch.randint(0, 2, (32, k)).float() * 2 - 1  # q +-127
+        x = w[:3].clone()  # row i times channel i: every product +127 * 127
+    w[16:] *= -1  # the second half of the channels the other way
+    packed = pack(w, fmt)
+    for rows in (x, -x):
+        y = ops.linear(rows, packed.data, packed.format_id, 32, packed.padded_in, None)
+        torch.testing.assert_close(y, reference_linear(rows, packed), rtol=1e-5, atol=1e-3)  # saturation: off by 100s
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_a_quantized_row_gives_the_same_bits_alone_and_in_a_batch(ops: kernels.Kernels, fmt: str) -> None:
+    """Each row is quantized and summed on its own, in exact integers: batching cannot change its output."""
+    packed = pack(torch.randn(70, 300), fmt)
+    x = torch.randn(37, 300)
+    batch = ops.linear(x, packed.data, packed.format_id, 70, packed.padded_in, None)
+    for i in (0, 5, 36):
+        alone = ops.linear(x[i : i + 1], packed.data, packed.format_id, 70, packed.padded_in, None)
+        assert torch.equal(alone[0], batch[i])
+
+
+def test_activation_quantization_equals_the_reference(ops: kernels.Kernels) -> None:
+    """Bit for bit, ties included: the row's largest magnitude 127 makes the scale 1, so x.5 is a tie (to even)."""
+    x = torch.randn(9, 96) * 3
+    x[0, :32] = torch.arange(32) - 15.5  # ties: -15.5 .. 15.5
+    x[0, 0] = 127.0
+    x[1, 32:64] = 0.0
+    q, d = ops.quantize_rows(x)
+    q_ref, d_ref = quantize_activations(x)
+    assert torch.equal(d, d_ref) and torch.equal(q, q_ref)
+    assert q[0, 1].item() == -14 and q[0, 2].item() == -14  # -14.5 and -13.5: ties to even
+
+
+def test_activation_quantization_rounds_to_the_nearest_step() -> None:
+    x = torch.randn(5, 96) * torch.linspace(0.01, 10, 5)[:, None]
+    x[1, :32] = 0.0  # an all-zero block: scale 0, values 0
+    q, d = quantize_activations(x)
+    assert q.dtype == torch.int8 and d.shape == (5, 3) and d[1, 0] == 0 and not q[1, :32].any()
+    assert q.abs().max() == 127 and torch.equal(q.view(5, 3, 32).abs().amax(-1) == 127, d > 0)
+    err = (q.float().view(5, 3, 32) * d[..., None] - x.view(5, 3, 32)).abs()
+    assert torch.all(err <= d[..., None] * (0.5 + 1e-5))
 
 
 def _check_linear(ops: kernels.Kernels, fmt: str, n: int, k: int, row_counts: list[int]) -> None:
     torch.manual_seed(n * k)
     packed = pack(torch.randn(n, k), fmt)
-    w = unpack(packed)  # [n, k] float32: what the packed weight means
     bias = torch.randn(n)
     for rows in row_counts:
         x = torch.randn(rows, k)
         for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1e-2)):
             xd = x.to(dtype)
-            ref = xd.float() @ w.T
+            ref = reference_linear(xd, packed)  # float32 [rows, n]: what the kernel must compute
             for b in (None, bias):
                 y = ops.linear(xd, packed.data, packed.format_id, n, packed.padded_in, b)
                 expected = ref if b is None else ref + b

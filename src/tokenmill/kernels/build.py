@@ -22,7 +22,6 @@ EMULATED = "avx2-16-lanes"
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("kernels.cpp",)
-HEADERS = ("simd.h", "gemm.h", "fused.h", "pool.h", "stack.h")
 
 
 class KernelBuildError(RuntimeError):
@@ -42,8 +41,8 @@ def build_key(level: str) -> str:
     import torch
 
     digest = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
-        digest.update((CSRC / name).read_bytes())
+    for path in sorted(CSRC.iterdir()):  # every source and header: an edit to any of them is a new build
+        digest.update(path.name.encode() + path.read_bytes())
     digest.update(" ".join(cflags(level)).encode())
     return f"{torch.__version__.replace('+', '_')}-{level}-{digest.hexdigest()[:12]}"
 

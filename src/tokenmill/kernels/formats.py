@@ -1,13 +1,17 @@
 """Weight formats for the kernels, packed with torch ops at load time, and their pure-torch reference.
 
-Every format groups output channels in panels of P=16 and stores a panel k-major (gemm.h says why):
-- `bf16`: [K][16] bfloat16 per panel; `f32`: [K][16] float32 per panel;
+Every format groups output channels in panels of P=16:
+- `bf16`: [K][16] bfloat16 per panel; `f32`: [K][16] float32 per panel (k-major, gemm.h says why);
 - `q8_0` (ggml's Q8_0: blocks of 32 int8 with one fp16 scale, w = d * q): per panel, K/32 blocks of
-  {fp16 d[16]; int8 q[32][16]};
+  {fp16 d[16]; int8 q[8][16][4]}, q[g][c][i] the weight of channel c at k = 4g + i;
 - `q4_0` (ggml's Q4_0: blocks of 32 4-bit values with one fp16 scale, w = d * (q - 8)): per panel, K/32
-  blocks of {fp16 d[16]; uint8 q[16][16]}, byte j holding k = 2j (low nibble) and k = 2j + 1 (high nibble).
-The quantizers reproduce ggml's reference rounding, so a GGUF's Q8_0/Q4_0 blocks and ours hold the same bytes
-(only their order differs). Rows are padded with zeros to whole panels, and K to whole blocks.
+  blocks of {fp16 d[16]; uint8 q[8][8][4]}, byte [g][c][i] holding channel c at k = 4g + i in its low nibble
+  and channel c + 8 in its high one.
+The quantized layouts group 4 k per channel for the kernels' 8-bit integer dot products (qdot.h), which
+multiply by activations quantized per row to Q8_0 blocks (`quantize_activations`); `reference_linear` is the
+same product in torch. The quantizers reproduce ggml's reference rounding, so a GGUF's Q8_0/Q4_0 blocks and
+ours hold the same bytes (only their order differs). Rows are padded with zeros to whole panels, and K to
+whole blocks.
 """
 
 from __future__ import annotations
@@ -86,17 +90,22 @@ def pack(w: torch.Tensor, fmt: str) -> PackedWeight:
 
 
 def _pack_rows(rows: torch.Tensor, fmt: str, n_padded: int) -> torch.Tensor:
-    kp = rows.shape[1]
     if fmt in ("bf16", "f32"):
         panels = _panels(rows.to(torch.bfloat16 if fmt == "bf16" else torch.float32), n_padded)  # [np, 16, K]
         return panels.transpose(1, 2).contiguous().view(torch.uint8).reshape(-1)
     q, d = quantize_q8_0(rows) if fmt == "q8_0" else quantize_q4_0(rows)
-    nb = kp // BLOCK
-    q = _panels(q, n_padded).view(-1, PANEL, nb, BLOCK)  # [np, 16, nb, 32]
+    return pack_blocks(q, d, fmt, n_padded)
+
+
+def pack_blocks(q: torch.Tensor, d: torch.Tensor, fmt: str, n_padded: int) -> torch.Tensor:
+    """Quantized values q [N, K] (int8, or uint8 0..15 for q4_0) and fp16 scales d [N, K/32], as ggml's blocks
+    hold them, -> the panels of `fmt` (bytes). Only the order changes: a GGUF's blocks load through here."""
+    nb = q.shape[1] // BLOCK
+    q = _panels(q, n_padded).view(-1, PANEL, nb, BLOCK // 4, 4)  # [np, c 16, nb, g 8, i 4]
     if fmt == "q4_0":
-        q = q[..., 0::2] | (q[..., 1::2] << 4)  # [np, 16, nb, 16]: byte j = k 2j (low) and 2j + 1 (high)
+        q = q[:, : PANEL // 2] | (q[:, PANEL // 2 :] << 4)  # [np, 8, nb, 8, 4]: channel c low, c + 8 high
     scales = _panels(d, n_padded).permute(0, 2, 1).contiguous().view(torch.uint8)  # [np, nb, 32] bytes
-    values = q.permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [np, nb, 32 or 16, 16] -> bytes
+    values = q.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)  # [np, nb, g, c, i] -> bytes
     return torch.cat([scales, values.reshape(*scales.shape[:2], -1)], dim=-1).reshape(-1)
 
 
@@ -110,10 +119,32 @@ def unpack(p: PackedWeight) -> torch.Tensor:
         nb, per_k = kp // BLOCK, BLOCK if p.format == "q8_0" else BLOCK // 2
         blocks = p.data.view(n_panels, nb, 2 * PANEL + per_k * PANEL)
         d = blocks[..., : 2 * PANEL].contiguous().view(torch.float16).float()  # [np, nb, 16]
-        raw = blocks[..., 2 * PANEL :].reshape(n_panels, nb, per_k, PANEL)
-        if p.format == "q8_0":
-            q = raw.view(torch.int8).float()  # [np, nb, 32, 16]
-        else:
-            q = torch.stack([raw & 15, raw >> 4], dim=3).reshape(n_panels, nb, BLOCK, PANEL).float() - 8
-        w = (q * d[:, :, None, :]).permute(0, 3, 1, 2).reshape(n_panels * PANEL, kp)
+        raw = blocks[..., 2 * PANEL :].reshape(n_panels, nb, BLOCK // 4, -1, 4)  # [np, nb, g, c, i]
+        # q8_0: int8 [np, nb, 8, 16, 4]; q4_0: channels 0..7 in the low nibbles, 8..15 in the high ones
+        q = raw.view(torch.int8).float() if p.format == "q8_0" else torch.cat([raw & 15, raw >> 4], dim=3).float() - 8
+        q = q.permute(0, 1, 3, 2, 4).reshape(n_panels, nb, PANEL, BLOCK)  # [np, nb, c, k]
+        w = (q * d[..., None]).permute(0, 2, 1, 3).reshape(n_panels * PANEL, kp)
     return w[: p.out_features, : p.in_features]
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) -> (int8 q [M, K], float32 d [M, K/32]), as the kernels quantize each row
+    before an integer dot product (qdot.h): ggml's Q8_0 (d = max|x| / 127, q = x / d rounded to nearest, ties to
+    even, as ggml's AVX2 quantize_row_q8_0) with d kept in float32."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(m, k), d
+
+
+def reference_linear(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ the packed weight^T (+ bias) in float32, as the kernels compute it: the quantized formats
+    multiply by the activations quantized per row (up to float rounding, the kernels' exact integer sums)."""
+    x = x.float()
+    if p.format in ("q8_0", "q4_0"):
+        xp = torch.nn.functional.pad(x, (0, p.padded_in - p.in_features))
+        q, d = quantize_activations(xp)
+        x = (q.float().view(*d.shape, BLOCK) * d[..., None]).view(xp.shape)[:, : p.in_features]
+    return torch.nn.functional.linear(x, unpack(p), bias)

@@ -56,6 +56,17 @@ class Kernels:
         self.module.unpack(packed.data_ptr(), format_id, n, k, out.data_ptr())
         return out
 
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 x [M, K] (K a multiple of 32) -> (int8 q [M, K], float32 d [M, K/32]), as the quantized linears
+        quantize their input (formats.quantize_activations is the reference)."""
+        if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] % BLOCK:
+            raise ValueError(f"x must be float32 [M, K] with K a multiple of {BLOCK}, got {tuple(x.shape)} {x.dtype}")
+        x = x.contiguous()
+        q = torch.empty(x.shape, dtype=torch.int8)
+        d = torch.empty(x.shape[0], x.shape[1] // BLOCK, dtype=torch.float32)
+        self.module.quantize_rows(x.data_ptr(), x.shape[0], x.shape[1], d.data_ptr(), q.data_ptr())
+        return q, d
+
     # -- the fused decode ops (fused.h). Callers pass contiguous CPU tensors of one dtype (bf16 or float32). ----
     def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """[rows, D]: residual += x (in place, when given), then rmsnorm(residual or x) * weight."""

@@ -7,11 +7,13 @@ The model is built with `Linear`: an `nn.Linear` whose one-row product on the CP
   tokenmill's own kernels (`kernels/`), converted or dequantized in registers:
   - `bf16` and `f32` for a bfloat16 or float32 model with `--quantization none`;
   - `q8_0` for `--quantization int8` and `q4_0` for `--quantization int4`: ggml's block formats (32 weights,
-    one fp16 scale), so a GGUF's blocks and ours hold the same numbers.
-  Every row count runs in the kernel (a few rows: register tiles; many: a cache-blocked GEMM), except that on a
-  CPU where oneDNN has a native bf16 GEMM (AVX-512 BF16, AMX) a bf16 prefill of more than `KERNEL_MAX_ROWS`
-  rows unpacks the weight and takes oneDNN's. Without a compiled kernel (no compiler here) the same module
-  multiplies the unpacked weight with torch.
+    one fp16 scale), so a GGUF's blocks and ours hold the same numbers. As in llama.cpp, the activations are
+    quantized per row to Q8_0 blocks and multiplied in 8-bit integers.
+  Every row count runs in the kernel (dense formats: register tiles for a few rows, a cache-blocked GEMM for
+  many; quantized ones: integer tiles), except that on a CPU where oneDNN has a native bf16 GEMM (AVX-512
+  BF16, AMX) a bf16 prefill of more than `KERNEL_MAX_ROWS` rows through a bf16 weight unpacks it and takes
+  oneDNN's. Without a compiled kernel (no compiler here) the
+  same module computes the same product in torch (`formats.reference_linear`).
 - `PackedLinear` (`--pack-weights`, CPU, quantization none): the weight reordered into oneDNN's blocked layout.
 - A float16 model, a non-CPU device or `--no-cpu-kernels` keeps `Linear` (torch's own GEMV/GEMM).
 """
@@ -68,7 +70,7 @@ class KernelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        native = x2.dtype == torch.bfloat16 and rows > KERNEL_MAX_ROWS and _native_bf16_gemm()
+        native = self.format == "bf16" and x2.dtype == torch.bfloat16 and rows > KERNEL_MAX_ROWS and _native_bf16_gemm()
         if self.ops is not None and not native and x2.dtype in (torch.bfloat16, torch.float32):
             # NOTE: the weight and bias were checked against the format when packed; this is the decode hot path
             x2 = x2.contiguous()
@@ -82,6 +84,8 @@ class KernelLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N], the weight unpacked for this call
+        if self.format in ("q8_0", "q4_0"):  # no compiled kernel here: the kernel's product, in torch
+            return formats.reference_linear(x, self.packed(), self.bias).to(x.dtype)
         if self.ops is not None:
             w = self.ops.unpack(self.data, self.format_id, self.out_features, self.padded_in)[:, : self.in_features]
         else:

@@ -1,4 +1,5 @@
-// Many rows (prefill, batched decode, speculative verification): a cache-blocked GEMM over the packed panels.
+// Many rows (prefill, batched decode, speculative verification) in bf16 or float32: a cache-blocked GEMM over the
+// packed panels. (The quantized formats have their own integer path, qdot.h.)
 //
 // The tiles of gemm.h read each weight straight from its panel, once per tile of rows: right for a few rows,
 // where the weights stream from memory once and the conversion hides behind that stream. With many rows the
@@ -20,18 +21,14 @@
 
 namespace tmk {
 
-constexpr int64_t KC = 256;  // k per block: a multiple of QK, so quantized blocks never straddle two
+constexpr int64_t KC = 256;  // k per block
 constexpr int64_t MC = 192;  // rows per block
 // rows per register tile: MT x V accumulators + V weights + 1 broadcast fit the register file
 constexpr int MT_F32 = W == 4 ? 2 : (W == 8 ? 6 : 12);
-// Rows from which the blocked path beats the tiles (Zen 3 AVX2, docs/benchmarks.md): a bf16 weight widens in one
-// shift, so its tiles hold out longer than the quantized formats' dequantization. Tests set `blocked_rows` (> 0)
-// to run both paths on the same shapes.
+// Rows from which the blocked path beats the tiles (Zen 3 AVX2, docs/benchmarks.md). Tests set `blocked_rows`
+// (> 0) to run both paths on the same shapes.
 inline int64_t blocked_rows = 0;
-inline int64_t blocked_min_rows(Format F) {
-  if (blocked_rows > 0) return blocked_rows;
-  return F == BF16 || F == F32 ? 48 : 8;
-}
+inline int64_t blocked_min_rows() { return blocked_rows > 0 ? blocked_rows : 48; }
 
 // k rows [k0, k0 + kc) of a packed panel as float32 [kc][P] in `dst`; returns where they are (an f32 panel is
 // used in place).
@@ -39,26 +36,10 @@ template <Format F>
 inline const float* panel_block_f32(const uint8_t* panel, int64_t k0, int64_t kc, float* dst) {
   if constexpr (F == F32) {
     return (const float*)panel + k0 * P;
-  } else if constexpr (F == BF16) {
+  } else {
+    static_assert(F == BF16, "quantized formats multiply in integers (qdot.h)");
     const uint16_t* src = (const uint16_t*)panel + k0 * P;
     for (int64_t i = 0; i < kc * P; i += W) store(dst + i, load_bf16(src + i));
-    return dst;
-  } else {
-    constexpr int64_t block_bytes = F == Q8_0 ? 2 * P + QK * P : 2 * P + QK / 2 * P;
-    for (int64_t b = 0; b < kc / QK; ++b) {
-      const uint8_t* blk = panel + (k0 / QK + b) * block_bytes;
-      float* out = dst + b * QK * P;
-      vf d[V], offset[V];
-      load_scales(blk, d);
-      for (int v = 0; v < V; ++v) offset[v] = d[v] * splat(F == Q4_0 ? -8.f : 0.f);
-      for (int j = 0; j < QK / 2; ++j)
-        for (int v = 0; v < V; ++v) {
-          vf w0, w1;
-          load_pair<F>(blk + 2 * P, j, v, w0, w1);
-          store(out + (2 * j) * P + v * W, w0 * d[v] + offset[v]);
-          store(out + (2 * j + 1) * P + v * W, w1 * d[v] + offset[v]);
-        }
-    }
     return dst;
   }
 }

@@ -15,51 +15,36 @@
 #include "blocked.h"
 #include "fused.h"
 #include "gemm.h"
+#include "qdot.h"
 
 namespace tmk {
 
-// rows of one tile for each format at this vector width (what fits in the register file)
-constexpr int MT_BF16 = W == 4 ? 2 : (W == 8 ? 4 : 8);
-constexpr int MT_QUANT = W == 4 ? 1 : 4;
+// rows of one dense tile at this vector width (what fits in the register file)
+constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 4 : 8);
 
-template <Format F, int MT>
-inline void run_tile(const uint8_t* panel, const float* x, int64_t ldx, const float* xs, int64_t K, vf (*acc)[V]) {
-  if constexpr (F == BF16) {
-    if constexpr (MT == 1) tile_dense<1, 4>((const uint16_t*)panel, x, ldx, K, acc);
-    else tile_dense<MT, 1>((const uint16_t*)panel, x, ldx, K, acc);
-  } else if constexpr (F == F32) {
-    if constexpr (MT == 1) tile_dense<1, 4>((const float*)panel, x, ldx, K, acc);
-    else tile_dense<MT, 1>((const float*)panel, x, ldx, K, acc);
-  } else {
-    tile_quant<F, MT>(panel, x, ldx, xs, K, acc);
-  }
-}
-
-template <Format F, int MT>
-void panel_rows(const uint8_t* panel, const float* x, int64_t ldx, const float* xs, int64_t nb, int64_t K, int64_t rows,
-                vf (*acc)[V]) {
+template <typename T, int MT>
+void panel_rows(const T* panel, const float* x, int64_t ldx, int64_t K, int64_t rows, vf (*acc)[V]) {
   // rows <= MT: dispatch the remainder of M to the tile of exactly that many rows
   if constexpr (MT > 1) {
-    if (rows < MT) return panel_rows<F, MT - 1>(panel, x, ldx, xs, nb, K, rows, acc);
+    if (rows < MT) return panel_rows<T, MT - 1>(panel, x, ldx, K, rows, acc);
   }
-  run_tile<F, MT>(panel, x, ldx, xs, K, acc);
+  if constexpr (MT == 1) tile_dense<1, 4>(panel, x, ldx, K, acc);
+  else tile_dense<MT, 1>(panel, x, ldx, K, acc);
 }
 
-// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias); x float32 (see prep_row), out in float32
-// (out32) or bfloat16 (out16).
-template <Format F>
-void linear_panels(const float* x, int64_t M, int64_t ldx, const float* xs, int64_t nb, const uint8_t* packed,
-                   int64_t N, int64_t K, const float* bias, float* out32, uint16_t* out16, int64_t p_begin,
-                   int64_t p_end) {
-  constexpr int MT = F == BF16 || F == F32 ? MT_BF16 : MT_QUANT;
-  const int64_t stride = panel_bytes(F, K);
+// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias) for a dense format (T: uint16_t for bf16,
+// float for f32); x float32 (see prep_row), out in float32 (out32) or bfloat16 (out16).
+template <typename T>
+void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
+                   const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end) {
+  const int64_t stride = K * P * (int64_t)sizeof(T);
   for (int64_t p = p_begin; p < p_end; ++p) {
-    const uint8_t* panel = packed + p * stride;
+    const T* panel = (const T*)(packed + p * stride);
     const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
-    for (int64_t m0 = 0; m0 < M; m0 += MT) {
-      const int64_t rows = std::min<int64_t>(MT, M - m0);
-      vf acc[MT][V] = {};
-      panel_rows<F, MT>(panel, x + m0 * ldx, ldx, xs + m0 * nb, nb, K, rows, acc);
+    for (int64_t m0 = 0; m0 < M; m0 += MT_DENSE) {
+      const int64_t rows = std::min<int64_t>(MT_DENSE, M - m0);
+      vf acc[MT_DENSE][V] = {};
+      panel_rows<T, MT_DENSE>(panel, x + m0 * ldx, ldx, K, rows, acc);
       for (int64_t m = 0; m < rows; ++m) {
         float lane[P];
         for (int v = 0; v < V; ++v) store(lane + v * W, acc[m][v]);
@@ -69,18 +54,17 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const float* xs, int6
   }
 }
 
-// Output panels [p_begin, p_end) for any format: x rows `ldx` floats apart, their Q4_0 block sums `ldxs` apart.
-void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const float* xs, int64_t ldxs, const uint8_t* w,
-                  int64_t N, int64_t K, const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end) {
-  auto run = [&](auto format) {
-    constexpr Format G = decltype(format)::value;
-    if (M >= blocked_min_rows(G)) linear_blocked<G>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-    else linear_panels<G>(x, M, ldx, xs, ldxs, w, N, K, bias, o32, o16, p_begin, p_end);
-  };
-  if (F == BF16) run(std::integral_constant<Format, BF16>{});
-  else if (F == F32) run(std::integral_constant<Format, F32>{});
-  else if (F == Q8_0) run(std::integral_constant<Format, Q8_0>{});
-  else run(std::integral_constant<Format, Q4_0>{});
+// Output panels [p_begin, p_end) for any format, x rows prepared by prep_row `ldx` floats apart: the quantized
+// formats in integers (qdot.h), the dense ones in register tiles or, from blocked_min_rows(), the blocked GEMM.
+void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t N, int64_t K,
+                  const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end) {
+  const bool blocked = M >= blocked_min_rows();
+  if (F == Q8_0) linear_quant<Q8_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+  else if (F == Q4_0) linear_quant<Q4_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+  else if (F == BF16 && blocked) linear_blocked<BF16>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+  else if (F == BF16) linear_panels<uint16_t>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+  else if (blocked) linear_blocked<F32>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+  else linear_panels<float>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
 }
 
 // How many output panels one thread's chunk should take: at least ~`bytes` of weight reads (more rows, fewer).
@@ -88,25 +72,24 @@ inline int64_t panels_per_chunk(Format F, int64_t K, int64_t M, int64_t bytes) {
   return std::max<int64_t>(1, bytes / (panel_bytes(F, K) * (1 + M / 8)));
 }
 
-// One activation row (bfloat16 or float32, Kx wide) as the kernels read it: float32, zero-padded to K, and for
-// Q4_0 its per-block sums (xs, K / 32 of them).
-inline void prep_row(const void* src, bool bf16, int64_t Kx, int64_t K, Format F, float* dst, float* xs) {
+// One activation row (bfloat16 or float32, Kx wide) as the kernels read it, in `dst` (room for K floats): float32,
+// zero-padded to K; for Q8_0 / Q4_0 weights, quantized to the QRow layout (qdot.h).
+inline void prep_row(const void* src, bool bf16, int64_t Kx, int64_t K, Format F, float* dst) {
+  thread_local std::vector<float> staged;
+  const bool quant = F == Q8_0 || F == Q4_0;
+  float* f = dst;
+  if (quant) staged.resize(K), f = staged.data();
   if (bf16) {
     const uint16_t* s = (const uint16_t*)src;
     for (int64_t k = 0; k < Kx; ++k) {
       uint32_t bits = (uint32_t)s[k] << 16;
-      std::memcpy(&dst[k], &bits, 4);
+      std::memcpy(&f[k], &bits, 4);
     }
   } else {
-    std::memcpy(dst, src, Kx * 4);
+    std::memcpy(f, src, Kx * 4);
   }
-  std::fill(dst + Kx, dst + K, 0.f);
-  if (F == Q4_0)
-    for (int64_t b = 0; b < K / QK; ++b) {
-      float sum = 0.f;
-      for (int64_t k = b * QK; k < (b + 1) * QK; ++k) sum += dst[k];
-      xs[b] = sum;
-    }
+  std::fill(f + Kx, f + K, 0.f);
+  if (quant) quantize_row(f, K, dst);
 }
 
 // out[M, N] = x[M, Kx] @ w^T (+ bias): x and out bfloat16 (`bf16` true) or float32, bias float32 or none;
@@ -114,13 +97,12 @@ inline void prep_row(const void* src, bool bf16, int64_t Kx, int64_t K, Format F
 void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, int64_t format, int64_t N, int64_t K,
             uintptr_t bias_ptr, uintptr_t out_ptr) {
   const auto F = static_cast<Format>(format);
-  const int64_t nb = K / QK, e = bf16 ? 2 : 4;
-  thread_local std::vector<float> xf, xs;  // activations in float32, reused from call to call
-  xf.resize(M * K), xs.resize(M * nb);
-  float *xf_ptr = xf.data(), *xs_ptr = xs.data();  // (a thread_local named in the lambda is the worker's own)
+  const int64_t e = bf16 ? 2 : 4;
+  thread_local std::vector<float> xf;  // activations as the kernels read them, reused from call to call
+  xf.resize(M * K);
+  float* xf_ptr = xf.data();  // (a thread_local named in the lambda is the worker's own)
   at::parallel_for(0, M, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      prep_row((const char*)x_ptr + i * Kx * e, bf16, Kx, K, F, xf_ptr + i * K, xs_ptr + i * nb);
+    for (int64_t i = begin; i < end; ++i) prep_row((const char*)x_ptr + i * Kx * e, bf16, Kx, K, F, xf_ptr + i * K);
   });
   const float* bias = (const float*)bias_ptr;
   float* o32 = bf16 ? nullptr : (float*)out_ptr;
@@ -130,8 +112,19 @@ void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, 
   // the calling thread alone, because waking a second thread costs more than it saves
   const int64_t n_panels = (N + P - 1) / P;
   at::parallel_for(0, n_panels, panels_per_chunk(F, K, M, 256 << 10), [&](int64_t begin, int64_t end) {
-    linear_range(F, xf_ptr, M, K, xs_ptr, nb, w, N, K, bias, o32, o16, begin, end);
+    linear_range(F, xf_ptr, M, K, w, N, K, bias, o32, o16, begin, end);
   });
+}
+
+// float32 x[M, K] (K a multiple of 32) -> d[M, K/32] float32 and q[M, K] int8, as the quantized linears see x
+void quantize_rows(uintptr_t x_ptr, int64_t M, int64_t K, uintptr_t d_ptr, uintptr_t q_ptr) {
+  std::vector<float> row(K);
+  const int64_t nb = K / QK;
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row((const float*)x_ptr + m * K, K, row.data());
+    std::memcpy((float*)d_ptr + m * nb, row.data(), nb * 4);
+    std::memcpy((int8_t*)q_ptr + m * K, row.data() + 2 * nb, K);
+  }
 }
 
 // The packed weight back as float32 out[N, K] (the prefill path multiplies it with torch's own GEMM)
@@ -154,17 +147,12 @@ void unpack(uintptr_t w_ptr, int64_t format, int64_t N, int64_t K, uintptr_t out
             std::memcpy(&vals[i], &bits, 4);
           }
         } else {
-          const int64_t bb = F == Q8_0 ? 2 * P + QK * P : 2 * P + QK / 2 * P;
-          const uint8_t* blk = panel + (k / QK) * bb;
+          const uint8_t* blk = panel + (k / QK) * quant_block_bytes(F);
           const int kk = k % QK;
           for (int i = 0; i < P; ++i) {
             const float d = half_to_float(((const uint16_t*)blk)[i]);
-            if (F == Q8_0) {
-              vals[i] = d * (float)((const int8_t*)(blk + 2 * P))[kk * P + i];
-            } else {
-              const uint8_t byte = blk[2 * P + (kk / 2) * P + i];
-              vals[i] = d * (float)(((kk & 1) ? byte >> 4 : byte & 15) - 8);
-            }
+            if (F == Q8_0) vals[i] = d * (float)block_value<Q8_0>(blk + 2 * P, i, kk);
+            else vals[i] = d * (float)(block_value<Q4_0>(blk + 2 * P, i, kk) - 8);
           }
         }
         for (int64_t i = 0; i < n_valid; ++i) o[(p * P + i) * K + k] = vals[i];
@@ -274,6 +262,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
   m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
+  m.def("quantize_rows", &tmk::quantize_rows, "float32 rows -> their Q8_0 scales and values (the quantized linears)");
   m.def("rmsnorm", &tmk::rmsnorm, "residual += x (if given); out = rmsnorm(.) * weight");
   m.def("rope", &tmk::rope, "rotate-half RoPE in place");
   m.def("silu_mul", &tmk::silu_mul, "silu(gate) * up");

@@ -112,14 +112,14 @@ class DecodeStack {
 
   // row b of `src` (width Kx, the model dtype) -> xq_ row b, ready for linear `w`
   void prep(const char* src, int64_t Kx, const LinearSpec& w, int64_t b) {
-    prep_row(src, bf16_, Kx, w[3], (Format)w[1], xq_.data() + b * max_k_, xs_.data() + b * (max_k_ / QK + 1));
+    prep_row(src, bf16_, Kx, w[3], (Format)w[1], xq_.data() + b * max_k_);
   }
 
-  // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ apart; their Q4_0 sums max_k_ / 32 + 1 apart)
+  // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ floats apart)
   void panels(const LinearSpec& w, int64_t c, char* out) {
     const int64_t n_panels = (w[2] + P - 1) / P, per = per_chunk(w);
     const int64_t begin = c * per, end = std::min(n_panels, begin + per);
-    linear_range((Format)w[1], xq_.data(), B_, max_k_, xs_.data(), max_k_ / QK + 1, (const uint8_t*)w[0], w[2], w[3],
+    linear_range((Format)w[1], xq_.data(), B_, max_k_, (const uint8_t*)w[0], w[2], w[3],
                  (const float*)w[4], bf16_ ? nullptr : (float*)out, bf16_ ? (uint16_t*)out : nullptr, begin, end);
   }
 
@@ -190,7 +190,6 @@ class DecodeStack {
     qkv_ = scratch_[3].data(), q_ = scratch_[4].data(), attn_ = scratch_[5].data();
     gate_up_ = scratch_[6].data(), act_ = scratch_[7].data();
     xq_.assign(B * max_k_, 0.f);
-    xs_.assign(B * (max_k_ / QK + 1), 0.f);
     rows_ = B;
   }
 
@@ -203,11 +202,11 @@ class DecodeStack {
   std::vector<LayerSpec> layers_;
   int64_t max_k_ = 0;
   Pool pool_;
-  // scratch, [rows_, width] each, in the model dtype; xq_ / xs_ float32 rows for the next linear
+  // scratch, [rows_, width] each, in the model dtype; xq_ the rows for the next linear (prep_row)
   std::vector<char> scratch_[8];
   char *hidden_ = nullptr, *residual_ = nullptr, *normed_ = nullptr, *qkv_ = nullptr, *q_ = nullptr,
        *attn_ = nullptr, *gate_up_ = nullptr, *act_ = nullptr;
-  std::vector<float> xq_, xs_;
+  std::vector<float> xq_;
   int64_t rows_ = 0;
   // this step's inputs (set by run, read by the stages)
   int64_t B_ = 0, max_blocks_ = 0, block_size_ = 0, longest_ = 0;

@@ -1,0 +1,218 @@
+// Quantized weights (Q8_0, Q4_0) times quantized activations, in integer arithmetic, as ggml does it.
+//
+// Each activation row is quantized once per call to Q8_0 blocks (32 int8 values and one float scale per block;
+// `quantize_row`). A block's dot product with a weight block is then an exact sum of int8 x int8 (or uint4 x
+// int8) products, scaled once by d_w * d_x. The multiplies are 8-bit: on AVX2, vpmaddubsw multiplies 32 byte
+// pairs and adds neighbours into 16-bit lanes, and vpmaddwd adds those into 32-bit lanes, 4 k at a time, so one
+// instruction does the work of four float FMAs. For that the weights are stored in groups of 4 k per channel
+// (formats.py):
+//   Q8_0 block: { fp16 d[16]; int8  q[8][16][4] }  q[g][c][i] = w[c][4g + i]
+//   Q4_0 block: { fp16 d[16]; uint8 q[8][8][4] }   q[g][c][i] = w[c][4g + i] | w[c + 8][4g + i] << 4 (w in 0..15,
+//                                                  the weight is d * (w - 8))
+// so that one 32-byte load holds 8 channels x 4 k (Q8_0), or 16 channels x 4 k in its two nibbles (Q4_0), and
+// the row's 4 bytes at k = 4g.. are broadcast to every channel.
+//
+// vpmaddubsw multiplies an unsigned byte by a signed one and saturates its 16-bit pair sums. Q4_0's nibbles are
+// unsigned (0..15): a pair sums to at most 2 * 15 * 127, so all 8 groups of a block add up in 16 bits (30480
+// < 32767) before one vpmaddwd. Q8_0 takes |w| as the unsigned side and moves w's sign onto x (vpsignb), so a
+// pair sums to at most 2 * 128 * 127 < 32767; its groups widen to 32 bits one by one. The -8 of Q4_0 is
+// subtracted once per block as 8 * (sum of the row's q over the block).
+//
+// The portable variant (no AVX2) runs the same integer sums in plain loops: the numbers are the same.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+#include "gemm.h"
+
+namespace tmk {
+
+constexpr int64_t QMC = 64;  // rows per block: their quantized x (64 x K bytes) stays in L2 across the panels
+constexpr int MT_Q = 4;      // rows per register tile
+
+// A quantized activation row, in place of K floats: float d[nb], int32 s[nb] (sum of q per block), int8 q[K].
+struct QRow {
+  const float* d;
+  const int32_t* s;
+  const int8_t* q;
+};
+
+inline QRow qrow(const float* row, int64_t nb) {
+  return {row, (const int32_t*)(row + nb), (const int8_t*)(row + 2 * nb)};
+}
+
+
+// x[0..K) float32 -> the QRow layout at `dst` (which has room for K floats): per block of 32, d = max|x| / 127 and
+// q = x / d rounded to nearest, ties to even (as ggml's AVX2 quantize_row_q8_0), the scale kept in float32.
+inline void quantize_row(const float* x, int64_t K, float* dst) {
+  const int64_t nb = K / QK;
+  int32_t* s = (int32_t*)(dst + nb);
+  int8_t* q = (int8_t*)(dst + 2 * nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * QK;
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
+    float amax = 0.f;
+    for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+#endif
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+#if defined(__AVX2__)
+    __m256i r[4];
+    for (int i = 0; i < 4; ++i)
+      r[i] = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i*)lanes, total);
+    for (int i = 0; i < 8; ++i) sum += lanes[i];
+    // int32 -> int8: the packs interleave 128-bit lanes; the permute puts the 8 groups of 4 back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256((__m256i*)(q + b * QK),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    for (int i = 0; i < QK; ++i) {
+      const int32_t v = (int32_t)std::nearbyint(xb[i] * id);  // |v| <= 127; ties to even in the default mode
+      q[b * QK + i] = (int8_t)v;
+      sum += v;
+    }
+#endif
+    dst[b] = d;
+    s[b] = sum;
+  }
+}
+
+// The raw weight value of channel c at k = kk of a quantized block (Q4_0: 0..15), for unpacking and the portable
+// tile.
+template <Format F>
+inline int32_t block_value(const uint8_t* q, int c, int kk) {
+  const int g = kk / 4, i = kk % 4;
+  if constexpr (F == Q8_0) return ((const int8_t*)q)[g * 64 + c * 4 + i];
+  const uint8_t byte = q[g * 32 + (c % 8) * 4 + i];
+  return c < 8 ? byte & 15 : byte >> 4;
+}
+
+constexpr int64_t quant_block_bytes(Format F) { return F == Q8_0 ? 2 * P + QK * P : 2 * P + QK / 2 * P; }
+
+#if defined(__AVX2__) && defined(__F16C__)
+// MT rows x the panel's 16 channels -> sums[m][0..16) = sum over the blocks of isum * (d_w * d_x)
+template <Format F, int MT>
+inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * quant_block_bytes(F);
+    const uint8_t* q = blk + 2 * P;
+    __m256i isum[MT][2];
+    if constexpr (F == Q4_0) {
+      __m256i p[MT][2];
+      for (int m = 0; m < MT; ++m) p[m][0] = p[m][1] = _mm256_setzero_si256();
+      // NOTE: unrolled whole, GCC computes every product first and spills them all to the stack
+#pragma GCC unroll 2
+      for (int g = 0; g < QK / 4; ++g) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i*)(q + g * 32));
+        const __m256i w0 = _mm256_and_si256(bytes, low), w1 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        for (int m = 0; m < MT; ++m) {
+          int32_t four;
+          std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
+          const __m256i xb = _mm256_set1_epi32(four);
+          p[m][0] = _mm256_add_epi16(p[m][0], _mm256_maddubs_epi16(w0, xb));
+          p[m][1] = _mm256_add_epi16(p[m][1], _mm256_maddubs_epi16(w1, xb));
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m256i offset = _mm256_set1_epi32(8 * x[m].s[b]);
+        for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_sub_epi32(_mm256_madd_epi16(p[m][h], ones), offset);
+      }
+    } else {
+      for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int g = 0; g < QK / 4; ++g) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i*)(q + g * 64));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(q + g * 64 + 32));
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        for (int m = 0; m < MT; ++m) {
+          int32_t four;
+          std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
+          const __m256i xb = _mm256_set1_epi32(four);
+          const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
+          const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
+          isum[m][0] = _mm256_add_epi32(isum[m][0], _mm256_madd_epi16(p0, ones));
+          isum[m][1] = _mm256_add_epi32(isum[m][1], _mm256_madd_epi16(p1, ones));
+        }
+      }
+    }
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)));
+    for (int m = 0; m < MT; ++m) {
+      const __m256 dx = _mm256_set1_ps(x[m].d[b]);
+      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][0]), _mm256_mul_ps(d0, dx), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][1]), _mm256_mul_ps(d1, dx), acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm256_storeu_ps(sums[m], acc[m][0]);
+    _mm256_storeu_ps(sums[m] + 8, acc[m][1]);
+  }
+}
+#else
+template <Format F, int MT>
+inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
+  for (int m = 0; m < MT; ++m) std::fill(sums[m], sums[m] + P, 0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * quant_block_bytes(F);
+    float dw[P];
+    for (int c = 0; c < P; ++c) dw[c] = half_to_float(((const uint16_t*)blk)[c]);
+    for (int m = 0; m < MT; ++m) {
+      int32_t isum[P] = {};
+      for (int kk = 0; kk < QK; ++kk) {
+        const int32_t xq = x[m].q[b * QK + kk];
+        for (int c = 0; c < P; ++c) isum[c] += block_value<F>(blk + 2 * P, c, kk) * xq;
+      }
+      for (int c = 0; c < P; ++c) {
+        if constexpr (F == Q4_0) isum[c] -= 8 * x[m].s[b];
+        sums[m][c] += (float)isum[c] * (dw[c] * x[m].d[b]);
+      }
+    }
+  }
+}
+#endif
+
+template <Format F, int MT>
+inline void qtile_rows(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t rows) {
+  if constexpr (MT > 1) {
+    if (rows < MT) return qtile_rows<F, MT - 1>(panel, x, nb, sums, rows);
+  }
+  qtile<F, MT>(panel, x, nb, sums);
+}
+
+// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), x rows in the QRow layout `ldx` floats
+// apart: for each block of QMC rows, every panel passes over them in tiles of MT_Q rows. A row's blocks are summed
+// in the same order whatever M is, so its output does not depend on the batch.
+template <Format F>
+void linear_quant(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
+                  const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end) {
+  const int64_t nb = K / QK, stride = panel_bytes(F, K);
+  QRow rx[QMC];
+  float sums[QMC][P];
+  for (int64_t m0 = 0; m0 < M; m0 += QMC) {
+    const int64_t mc = std::min(QMC, M - m0);
+    for (int64_t r = 0; r < mc; ++r) rx[r] = qrow(x + (m0 + r) * ldx, nb);
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      for (int64_t m = 0; m < mc; m += MT_Q)
+        qtile_rows<F, MT_Q>(packed + p * stride, rx + m, nb, sums + m, std::min<int64_t>(MT_Q, mc - m));
+      const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
+      for (int64_t r = 0; r < mc; ++r) store_outputs(sums[r], m0 + r, n0, n_valid, N, bias, out32, out16);
+    }
+  }
+}
+
+}  // namespace tmk
