@@ -17,11 +17,13 @@ namespace tmk {
 enum Format { BF16 = 0, Q8_0 = 1, Q4_0 = 2, F32 = 3 };
 constexpr int QK = 32;  // weights per quantization block
 
+// bytes of one quantized block of a panel: P fp16 scales, then P x 32 values (int8, or two 4-bit per byte)
+constexpr int64_t quant_block_bytes(Format f) { return f == Q8_0 ? 2 * P + QK * P : 2 * P + QK / 2 * P; }
+
 inline int64_t panel_bytes(Format f, int64_t K) {
   if (f == BF16) return K * P * 2;
   if (f == F32) return K * P * 4;
-  if (f == Q8_0) return (K / QK) * (2 * P + QK * P);
-  return (K / QK) * (2 * P + QK / 2 * P);
+  return (K / QK) * quant_block_bytes(f);
 }
 
 // One output row's sums for channels n0.. (n_valid of them) -> out[row], plus bias, in the output dtype (out16

@@ -99,8 +99,6 @@ inline int32_t block_value(const uint8_t* q, int c, int kk) {
   return c < 8 ? byte & 15 : byte >> 4;
 }
 
-constexpr int64_t quant_block_bytes(Format F) { return F == Q8_0 ? 2 * P + QK * P : 2 * P + QK / 2 * P; }
-
 #if defined(__AVX2__) && defined(__F16C__)
 // MT rows x the panel's 16 channels -> sums[m][0..16) = sum over the blocks of isum * (d_w * d_x)
 template <Format F, int MT>

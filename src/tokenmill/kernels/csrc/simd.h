@@ -3,8 +3,8 @@
 // One source serves every ISA: the build compiles it with TM_W=4 and no ISA flags (the portable "scalar"
 // variant: SSE2 on x86-64, NEON on arm64), TM_W=8 with -mavx2 -mfma -mf16c, and TM_W=16 with AVX-512 flags.
 // Arithmetic is plain vector code (`acc += a * b` becomes vfmadd under -ffp-contract=fast). The widening
-// loads (int8, uint8, fp16 -> 32-bit lanes) use the ISA's instructions where there is one: GCC 12 turns a
-// generic narrow-to-float vector conversion into scalar code.
+// load (bf16 -> 32-bit lanes) uses the ISA's instructions where there is one: GCC 12 turns a generic
+// narrow-to-float vector conversion into scalar code.
 #pragma once
 
 #include <cstdint>
@@ -29,8 +29,6 @@ typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(W * 2)));
-typedef int8_t vi8 __attribute__((vector_size(W)));
-typedef uint8_t vu8 __attribute__((vector_size(W)));
 
 inline vf splat(float x) {
 #if TM_W == 8 && defined(__AVX2__)
@@ -65,32 +63,6 @@ inline vf load_bf16(const uint16_t* p) {
   vf f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
-#endif
-}
-
-// W unsigned bytes -> W int32 lanes (for nibble unpacking).
-inline vi load_u8(const uint8_t* p) {
-#if TM_W == 8 && defined(__AVX2__)
-  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-#elif TM_W == 16 && defined(__AVX512F__)
-  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-#else
-  vi out;
-  for (int i = 0; i < W; ++i) out[i] = p[i];
-  return out;
-#endif
-}
-
-// W signed bytes -> W floats.
-inline vf load_i8(const int8_t* p) {
-#if TM_W == 8 && defined(__AVX2__)
-  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-#elif TM_W == 16 && defined(__AVX512F__)
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-#else
-  vi out;
-  for (int i = 0; i < W; ++i) out[i] = p[i];
-  return __builtin_convertvector(out, vf);
 #endif
 }
 
