@@ -201,7 +201,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def _check_architecture(path: Any) -> None:
     from tokenmill.engine.loading import read_json
     from tokenmill.models import family_for
+    from tokenmill.weights.gguf_checkpoint import is_gguf
 
+    if is_gguf(path):  # opening a GGUF reads all its metadata (seconds for a big vocabulary): the load checks it
+        return
     hf_config = read_json(path / "config.json", required=True)
     family_for(hf_config).config_from_hf(hf_config)
 

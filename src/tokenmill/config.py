@@ -16,7 +16,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 KVCacheMode = Literal["paged", "contiguous", "none"]
 KV_CACHE_MODES: tuple[str, ...] = ("paged", "contiguous", "none")
-ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
 # the MLP activation; the GELUs are GPT-2's ("gelu_new", the tanh approximation) and the exact one
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 

@@ -5,6 +5,8 @@ Must not import torch: the server side uses it too.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +17,19 @@ _CONTEXT_TOKENS = 5
 
 
 class Tokenizer:
-    def __init__(self, folder: Path | str) -> None:
+    """The tokenizer of a checkpoint folder, or the one stored in a GGUF file's metadata."""
+
+    def __init__(self, source: Path | str) -> None:
         from transformers import AutoTokenizer
 
+        source = Path(source)
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(folder))
+            if source.suffix.lower() == ".gguf":
+                self.hf = _gguf_tokenizer(source)
+            else:
+                self.hf = AutoTokenizer.from_pretrained(str(source))
         except Exception as e:
-            raise ModelLoadError(f"cannot load the tokenizer from {folder}: {str(e).splitlines()[0]}") from None
+            raise ModelLoadError(f"cannot load the tokenizer from {source}: {str(e).splitlines()[0]}") from None
 
     @property
     def vocab_size(self) -> int:
@@ -89,3 +97,25 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         self.text += delta
         return delta
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """transformers builds a fast tokenizer (with the chat template and BOS/EOS) from the GGUF's metadata. That
+    takes seconds for a 150k vocabulary, so the result is kept, keyed by the file's path, size and mtime, in
+    `$TOKENMILL_CACHE_DIR` (default ~/.cache/tokenmill)/gguf-tokenizers."""
+    from transformers import AutoTokenizer
+
+    stat = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    root = Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
+    cached = root / "gguf-tokenizers" / key
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    staging = cached.with_name(f"{key}.{os.getpid()}.tmp")
+    try:  # written aside and renamed, so a concurrent reader never sees half a cache entry
+        tok.save_pretrained(str(staging))
+        staging.rename(cached)
+    except OSError:  # a read-only home, or another process was first: no cache from us, same tokenizer
+        pass
+    return tok

@@ -178,3 +178,19 @@ def test_compare_backend_specs() -> None:
     ):
         with pytest.raises(ValueError, match=words):
             parse_backends(bad, "bfloat16")
+
+
+def test_compare_runs_every_backend_on_one_gguf(model: Path, tmp_path: Path) -> None:
+    from tokenmill.bench.compare import parse_backends
+    from tokenmill.bench.gguf_export import export_gguf
+
+    path = export_gguf(model, tmp_path / "tiny-q8_0.gguf", "q8_0")
+    run = bench("compare", str(path), "--backends", "tokenmill,transformers,llama.cpp", "--num-prompts", "1",
+                "--prompt-tokens", "8", "--max-tokens", "6", "--output-dir", str(tmp_path))  # fmt: skip
+    rows = {r["backend"]: r for r in json.loads((run / "summary/summary.json").read_text())}
+    assert set(rows) == {"tokenmill", "transformers", "llama.cpp"}  # llama.cpp runs the file itself: no variant
+    assert rows["tokenmill"]["status"] == rows["transformers"]["status"] == "ok"
+    assert rows["tokenmill"]["completion_tokens"] == rows["transformers"]["completion_tokens"] == 6
+    assert not list(run.glob("model-*.gguf"))  # nothing converted
+    with pytest.raises(ValueError, match="drop :q4_0"):
+        parse_backends("llama.cpp:q4_0", "auto", gguf_model=True)

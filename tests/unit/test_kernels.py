@@ -164,7 +164,8 @@ def test_dense_formats_pack_exactly() -> None:
 
 
 def _gguf_blocks(w: torch.Tensor, kind: str) -> np.ndarray:
-    gguf = pytest.importorskip("gguf", reason="the gguf package (the bench extra) holds ggml's reference quantizer")
+    import gguf
+
     qtype = gguf.GGMLQuantizationType.Q8_0 if kind == "q8_0" else gguf.GGMLQuantizationType.Q4_0
     raw = gguf.quants.quantize(w.numpy(), qtype)  # [N, blocks * bytes]
     return raw.reshape(w.shape[0], w.shape[1] // 32, -1)

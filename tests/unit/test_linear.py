@@ -59,7 +59,7 @@ def test_kernel_linear_paths_agree(fmt: str) -> None:
     ops = kernels.active()
     if ops is None:
         pytest.skip(f"no compiled kernels here: {kernels.status()['why']}")
-    fast, fallback = KernelLinear(lin, fmt, ops), KernelLinear(lin, fmt, None)
+    fast, fallback = KernelLinear.from_linear(lin, fmt, ops), KernelLinear.from_linear(lin, fmt, None)
     w = formats.unpack(fast.packed())
     for rows in (1, 7, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 5):
         x = torch.randn(rows, 100, dtype=torch.bfloat16)

@@ -6,7 +6,8 @@ the table gives whole-request tok/s and TTFT, plus the llama-bench pair: pp (pro
 (tokens after the first / time after the first).
 Each backend runs in its own process (`worker.py`), so its memory is its own; the parent samples the child's
 RSS every 50 ms for `peak_memory_mib`. A backend that is not installed is reported as such, never a crash.
-llama.cpp gets a GGUF of the same weights (converted with `gguf_export.py`, or `--gguf PATH`).
+llama.cpp gets a GGUF of the same weights (converted with `gguf_export.py`, or `--gguf PATH`). A `.gguf` model
+runs as it is in every backend (transformers dequantizes it), so tokenmill and llama.cpp read the very same file.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ BACKENDS = ("tokenmill", "transformers", "llama.cpp")
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "auto": "bf16"}
 
 
-def parse_backends(spec: str, dtype: str) -> list[tuple[str, str | None]]:
-    """`tokenmill,llama.cpp,llama.cpp:q8_0` -> [("tokenmill", None), ("llama.cpp", "bf16"), ("llama.cpp", "q8_0")]."""
+def parse_backends(spec: str, dtype: str, gguf_model: bool = False) -> list[tuple[str, str | None]]:
+    """`tokenmill,llama.cpp,llama.cpp:q8_0` -> [("tokenmill", None), ("llama.cpp", "bf16"), ("llama.cpp", "q8_0")].
+    With a .gguf model (`gguf_model`) every backend runs that very file: llama.cpp takes no variant."""
     from tokenmill.bench.gguf_export import GGUF_DTYPES as GGUF_VARIANTS
     from tokenmill.config import QUANTIZATION_MODES
 
@@ -41,7 +43,11 @@ def parse_backends(spec: str, dtype: str) -> list[tuple[str, str | None]]:
         name, _, variant = item.partition(":")
         if name not in BACKENDS:
             raise ValueError(f"--backends {item} unknown; allowed: {', '.join(BACKENDS)} (llama.cpp:VARIANT too)")
-        if name == "llama.cpp":
+        if name == "llama.cpp" and gguf_model:
+            if variant:
+                raise ValueError(f"--backends {item}: with a .gguf model llama.cpp runs that file; drop :{variant}")
+            out.append((name, None))
+        elif name == "llama.cpp":
             variant = variant or GGUF_DTYPES.get(dtype, "bf16")
             if variant not in GGUF_VARIANTS:
                 raise ValueError(f"--backends {item}: GGUF variant must be one of {', '.join(GGUF_VARIANTS)}")
@@ -137,7 +143,10 @@ def run_compare(args: argparse.Namespace) -> Path:
     from tokenmill.weights import resolve_model
 
     model = str(resolve_model(args.model or default_model_ref()))
-    parsed = parse_backends(args.backends, args.dtype)
+    gguf_model = model.lower().endswith(".gguf")
+    if gguf_model and args.gguf:
+        raise ValueError("--gguf names llama.cpp's file for an HF folder; the model is a .gguf already: drop --gguf")
+    parsed = parse_backends(args.backends, args.dtype, gguf_model)
     backends = [label(n, v) for n, v in parsed]
     tok = Tokenizer(model)
     rng = random.Random(args.seed)
@@ -166,7 +175,10 @@ def run_compare(args: argparse.Namespace) -> Path:
         backend = label(name, variant)
         if name == "llama.cpp":
             try:
-                spec["gguf"] = args.gguf or str(_export(model, run.path / f"model-{variant}.gguf", str(variant)))
+                if gguf_model or args.gguf:
+                    spec["gguf"] = model if gguf_model else args.gguf
+                else:
+                    spec["gguf"] = str(_export(model, run.path / f"model-{variant}.gguf", str(variant)))
             except Exception as e:
                 rows.append({"backend": backend, "status": "error", "error": f"GGUF export failed: {e}"})
                 continue

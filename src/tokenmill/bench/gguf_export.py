@@ -29,8 +29,10 @@ import numpy as np
 import numpy.typing as npt
 
 from tokenmill.models import FAMILIES
+from tokenmill.weights.gguf_names import hf_to_gguf
 
 GGUF_DTYPES = ("bf16", "f16", "f32", "q8_0", "q4_0")
+_OVERRIDE_ONLY = ("q4_1", "q5_0")  # types tokenmill loads by dequantizing: for single tensors (tests, experiments)
 # GPT-2's own split (also what `ByteLevel(use_regex=True)` applies), and Llama 3's and Qwen2's (from tokenizer.json)
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_REGEX = (
@@ -39,29 +41,20 @@ _LLAMA3_REGEX = (
 )
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")  # single digits
 _SPLIT_REGEX_TO_PRE = {_GPT2_REGEX: "gpt-2", _LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
-_GLOBAL_TENSORS = {"model.embed_tokens": "TOKEN_EMBD", "model.norm": "OUTPUT_NORM", "lm_head": "OUTPUT"}
-_BLOCK_TENSORS = {
-    "input_layernorm": "ATTN_NORM",
-    "self_attn.q_proj": "ATTN_Q",
-    "self_attn.k_proj": "ATTN_K",
-    "self_attn.v_proj": "ATTN_V",
-    "self_attn.o_proj": "ATTN_OUT",
-    "self_attn.q_norm": "ATTN_Q_NORM",
-    "self_attn.k_norm": "ATTN_K_NORM",
-    "post_attention_layernorm": "FFN_NORM",
-    "mlp.gate_proj": "FFN_GATE",
-    "mlp.up_proj": "FFN_UP",
-    "mlp.down_proj": "FFN_DOWN",
-}
 
 
-def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16") -> Path:
-    """Convert the HF checkpoint folder `hf_dir` to the GGUF file `out_path` with weights in `dtype`."""
+def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16", overrides: dict[str, str] | None = None) -> Path:
+    """Convert the HF checkpoint folder `hf_dir` to the GGUF file `out_path` with weights in `dtype`; `overrides`
+    gives single tensors (by GGUF name) another type, as llama-quantize's `--tensor-type` (also q4_1, q5_0)."""
     import gguf
 
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"GGUF dtype {dtype!r} is not supported; allowed: {', '.join(GGUF_DTYPES)}")
+    for name, kind in (overrides or {}).items():
+        if kind not in (*GGUF_DTYPES, *_OVERRIDE_ONLY):
+            raise ValueError(f"GGUF type {kind!r} for {name} is not supported; allowed: "
+                             f"{', '.join((*GGUF_DTYPES, *_OVERRIDE_ONLY))}")  # fmt: skip
     if not (hf_dir / "config.json").is_file():
         raise ValueError(f"{hf_dir} is not a Hugging Face checkpoint folder (no config.json)")
     config: dict[str, Any] = json.loads((hf_dir / "config.json").read_text())
@@ -79,13 +72,15 @@ def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16") -> Path:
                      "q4_0": "MOSTLY_Q4_0"}[dtype]  # fmt: skip
         writer.add_file_type(gguf.LlamaFileType[file_type])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        rope_factors = _write_hparams(writer, config)
+        arch_name = gguf.MODEL_ARCH_NAMES[arch]
+        rope_factors = None
+        if arch_name == "gpt2":
+            _write_gpt2_hparams(writer, config)
+        else:
+            rope_factors = _write_hparams(writer, config)
         _write_vocab(writer, hf_dir, config)
-        for key, bid, suffix, data in _hf_tensors(hf_dir, config, permute_qk=family.gguf_permute_qk):
-            if gguf.MODEL_TENSOR[key] not in gguf.MODEL_TENSORS[arch]:
-                raise ValueError(f"{hf_arch} checkpoint has a {key} tensor, which GGUF arch {arch.name} lacks")
-            name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[key]].format(bid=bid) + f".{suffix}"
-            _add_tensor(writer, name, data, dtype)
+        for name, data in _hf_tensors(hf_dir, config, arch_name, family):
+            _add_tensor(writer, name, data, (overrides or {}).get(name, dtype))
         if rope_factors is not None:
             writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_factors)
         writer.write_header_to_file()
@@ -136,6 +131,20 @@ def _write_hparams(writer: Any, config: dict[str, Any]) -> npt.NDArray[np.float3
     return None
 
 
+def _write_gpt2_hparams(writer: Any, config: dict[str, Any]) -> None:
+    """GPT-2's hyperparameters (its own config names), as llama.cpp's `gpt2` arch reads them."""
+    n_embd = config["n_embd"]
+    writer.add_context_length(config.get("n_positions", 1024))
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(config.get("n_inner") or 4 * n_embd)
+    writer.add_block_count(config["n_layer"])
+    writer.add_head_count(config["n_head"])
+    writer.add_layer_norm_eps(config.get("layer_norm_epsilon", 1e-5))
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"GPT-2 activation {config['activation_function']!r} is not supported by the GGUF export")
+
+
 def _llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> npt.NDArray[np.float32]:
     """Divisors of each inverse frequency, as transformers' llama3 RoPE applies them (llama.cpp: `rope_freqs`)."""
     factor, low, high = float(rope["factor"]), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
@@ -153,8 +162,9 @@ def _llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> n
     return np.asarray(factors, dtype=np.float32)
 
 
-def _hf_tensors(hf_dir: Path, config: dict[str, Any], permute_qk: bool) -> Iterator[tuple[str, int | None, str, Any]]:
-    """(MODEL_TENSOR key, block id, weight|bias, torch tensor) per weight; Q/K permuted for the `llama` arch."""
+def _hf_tensors(hf_dir: Path, config: dict[str, Any], arch: str, family: Any) -> Iterator[tuple[str, Any]]:
+    """(GGUF name, torch tensor) per weight: Q/K permuted for the `llama` arch, GPT-2's Conv1D weights turned
+    to [out, in] as llama.cpp stores them."""
     from safetensors import safe_open
 
     index = hf_dir / "model.safetensors.index.json"
@@ -164,26 +174,25 @@ def _hf_tensors(hf_dir: Path, config: dict[str, Any], permute_qk: bool) -> Itera
         files = sorted(hf_dir.glob("model*.safetensors"))
     if not files:
         raise ValueError(f"{hf_dir} holds no model*.safetensors weights")
-    n_head = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_head
-    tied = config.get("tie_word_embeddings", False)
+    n_head = int(config.get("num_attention_heads") or config.get("n_head") or 0)
+    n_kv = int(config.get("num_key_value_heads") or n_head)
+    tied = config.get("tie_word_embeddings", arch == "gpt2")
+    skipped = ("rotary_emb.inv_freq", *family.model_class.hf_ignored)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
+                if hf_name.endswith(skipped) or (tied and hf_name == "lm_head.weight"):
                     continue
-                stem, _, suffix = hf_name.rpartition(".")
-                parts = stem.split(".")
-                if stem in _GLOBAL_TENSORS:
-                    key, bid = _GLOBAL_TENSORS[stem], None
-                elif stem.startswith("model.layers.") and ".".join(parts[3:]) in _BLOCK_TENSORS:
-                    key, bid = _BLOCK_TENSORS[".".join(parts[3:])], int(parts[2])
-                else:
+                name = hf_to_gguf(arch, hf_name)
+                if name is None:
                     raise ValueError(f"unexpected tensor {hf_name!r} in {file.name}")
                 data = f.get_tensor(hf_name)
-                if permute_qk and key in ("ATTN_Q", "ATTN_K"):
-                    data = _permute(data, n_head if key == "ATTN_Q" else n_kv)
-                yield key, bid, suffix, data
+                if hf_name.endswith(family.model_class.hf_transposed):
+                    data = data.t().contiguous()
+                if family.gguf_permute_qk and name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight",
+                                                              "attn_k.bias")):  # fmt: skip
+                    data = _permute(data, n_head if ".attn_q." in name else n_kv)
+                yield name, data
 
 
 def _permute(w: Any, n_head: int) -> Any:
@@ -200,8 +209,8 @@ def _add_tensor(writer: Any, name: str, data: Any, dtype: str) -> None:
     elif dtype == "bf16":
         bits = data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         writer.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
-    elif dtype in ("q8_0", "q4_0") and data.shape[-1] % 32 == 0:
-        qtype = gguf.GGMLQuantizationType.Q8_0 if dtype == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+    elif dtype in ("q8_0", "q4_0", *_OVERRIDE_ONLY) and data.shape[-1] % 32 == 0:
+        qtype = gguf.GGMLQuantizationType[dtype.upper()]
         writer.add_tensor(name, gguf.quants.quantize(data.to(torch.float32).numpy(), qtype), raw_dtype=qtype)
     else:  # f16, and the fallback for rows that are not whole blocks (as convert_hf_to_gguf.py does)
         writer.add_tensor(name, data.to(torch.float16).numpy())

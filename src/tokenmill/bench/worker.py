@@ -69,8 +69,11 @@ def _transformers(model: str, spec: dict[str, Any]) -> dict[str, Any]:
 
     dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     start = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype[spec["dtype"]]).eval()
-    tok = AutoTokenizer.from_pretrained(model)
+    where = {"pretrained_model_name_or_path": model}
+    if model.lower().endswith(".gguf"):  # transformers dequantizes a GGUF into its own model
+        where = {"pretrained_model_name_or_path": str(Path(model).parent), "gguf_file": Path(model).name}
+    hf = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype[spec["dtype"]]).eval()
+    tok = AutoTokenizer.from_pretrained(**where)
     load = time.perf_counter() - start
     if spec["prompts"]:  # untimed warmup
         with torch.inference_mode():

@@ -16,10 +16,12 @@ from tokenmill.kernels import active as active_kernels
 from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
-from tokenmill.models.linear import prepare_linears
+from tokenmill.models.linear import FORMAT_OF_QUANTIZATION, prepare_linears
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.weights import load_weights, resolve_model
+from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint, is_gguf
+from tokenmill.weights.safetensors_io import iter_tensors
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
 _TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
@@ -99,9 +101,12 @@ def read_json(path: Path, required: bool) -> dict[str, Any]:
 
 def load(cfg: EngineConfig) -> LoadedModel:
     path = resolve_model(cfg.model or default_model_ref(), cfg.revision)
-    hf_config = read_json(path / "config.json", required=True)
+    gguf = GGUFCheckpoint(path) if is_gguf(path) else None
+    hf_config = gguf.hf_config() if gguf else read_json(path / "config.json", required=True)
     family = family_for(hf_config)  # fail on the architecture before reading any weights
     model_config = family.config_from_hf(hf_config)
+    if gguf and cfg.quantization != "none":
+        _check_gguf_quantization(gguf, cfg.quantization)
     window = model_config.sliding_window
     # NOTE: no sliding-window attention yet: up to the window, full attention is the same thing, so the context
     # stops there (by default) rather than silently differ from the model past it
@@ -122,7 +127,11 @@ def load(cfg: EngineConfig) -> LoadedModel:
         torch.set_num_threads(cfg.threads)
     with torch.device("meta"):
         model = family.model_class(model_config)
-    load_weights(model, path, dtype, device)
+    if gguf:
+        load_weights(model, gguf.iter_tensors(hf_config), str(path), dtype, device, False, "its GGUF metadata")
+    else:
+        tensors = ((name, t, str(file)) for name, t, file in iter_tensors(path))
+        load_weights(model, tensors, str(path), dtype, device)
     kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights, cfg.cpu_kernels)
     ops = None
     if cfg.compile:
@@ -138,7 +147,20 @@ def load(cfg: EngineConfig) -> LoadedModel:
         device=device,
         dtype=dtype,
         max_model_len=max_len,
-        generation_config=read_json(path / "generation_config.json", required=False),
+        generation_config={} if gguf else read_json(path / "generation_config.json", required=False),
         kernels=kernels,
         ops=ops,
     )
+
+
+def _check_gguf_quantization(gguf: GGUFCheckpoint, quantization: str) -> None:
+    """A GGUF's Q8_0/Q4_0 weights run in their own format; --quantization may only ask for that same one."""
+    held = gguf.block_formats()
+    wanted = FORMAT_OF_QUANTIZATION[quantization]
+    if held and held != {wanted}:
+        names = {"q8_0": "Q8_0 (int8)", "q4_0": "Q4_0 (int4)"}
+        raise ConfigError(
+            f"{gguf.path.name} already holds {' and '.join(names[f] for f in sorted(held))} weights, which run as "
+            f"they are; --quantization {quantization} would re-quantize them: drop --quantization, or load a "
+            "float (F32/F16/BF16) GGUF or the HF folder"
+        )

@@ -148,3 +148,37 @@ def reference_linear(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None
         q, d = quantize_activations(xp)
         x = (q.float().view(*d.shape, BLOCK) * d[..., None]).view(xp.shape)[:, : p.in_features]
     return torch.nn.functional.linear(x, unpack(p), bias)
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A weight still in ggml's blocks, as a GGUF holds it: q [N, K] (int8 for q8_0, uint8 0..15 for q4_0) and
+    fp16 scales d [N, K/32]. It becomes a kernel format with `pack_block_weight`, with no re-quantization."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    format: str  # "q8_0" | "q4_0"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.q.shape[1])
+
+    def rows(self, index: torch.Tensor) -> BlockWeight:
+        """The rows in `index` order (a reordering of output channels keeps every block whole)."""
+        return BlockWeight(self.q[index], self.d[index], self.format)
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32, ggml's dequantize_row_q8_0 / _q4_0
+        q = self.q.float() - (8.0 if self.format == "q4_0" else 0.0)
+        return (q.view(self.q.shape[0], -1, BLOCK) * self.d.float()[..., None]).view(self.shape)
+
+    @staticmethod
+    def cat(parts: list[BlockWeight]) -> BlockWeight:
+        """Stack the rows of weights of one format (the shards of a fused projection)."""
+        return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), parts[0].format)
+
+
+def pack_block_weight(w: BlockWeight) -> PackedWeight:
+    """A weight in ggml's blocks -> its kernel format, the same numbers (only their order changes)."""
+    n, k = w.shape
+    n_padded = -(-n // PANEL) * PANEL
+    return PackedWeight(pack_blocks(w.q, w.d, w.format, n_padded), w.format, n, k, k)

@@ -123,5 +123,5 @@ def _gpt2_make_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-GPT2 = ModelFamily("gpt2", ("GPT2LMHeadModel",), ("gpt2",), GPT2LMHeadModel, "GPT2Config",
+GPT2 = ModelFamily("gpt2", ("GPT2LMHeadModel",), ("gpt2",), GPT2LMHeadModel, "GPT2Config", "GPT2",
                    normalize_hf=_gpt2_config, make_fields=_gpt2_make_fields)  # fmt: skip

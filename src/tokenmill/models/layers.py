@@ -75,6 +75,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]
         return torch.where(is_medium, smoothed, scaled), 1.0
     if rope.kind == "yarn":
         return _yarn_inv_freq(rope, head_dim)
+    if rope.kind == "freq_factors":  # a GGUF's `rope_freqs`: each frequency's divisor (llama3 scaling, precomputed)
+        return inv_freq / torch.tensor(p["freq_factors"], dtype=torch.float32), 1.0
     if rope.kind == "longrope":  # the short factors; RotaryEmbedding switches to the long ones past the original length
         return _longrope_inv_freq(rope, head_dim, "short_factor")
     raise ValueError(f"rope type {rope.kind!r} is not supported")

@@ -53,13 +53,17 @@ class KernelLinear(nn.Module):
     data: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, fmt: str, ops: Kernels | None) -> None:
+    def __init__(self, packed: formats.PackedWeight, bias: torch.Tensor | None, ops: Kernels | None) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.format = linear.in_features, linear.out_features, fmt
-        packed = formats.pack(linear.weight.detach(), fmt)
+        self.in_features, self.out_features, self.format = packed.in_features, packed.out_features, packed.format
         self.padded_in, self.format_id, self.ops = packed.padded_in, packed.format_id, ops
         self.register_buffer("data", packed.data)  # uint8 panels (kernels/formats.py)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())  # [N] float32
+        self.register_buffer("bias", None if bias is None else bias.detach().float())  # [N] float32
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, ops: Kernels | None) -> KernelLinear:
+        """`linear`'s weight packed (converted or quantized) into `fmt`."""
+        return cls(formats.pack(linear.weight.detach(), fmt), linear.bias, ops)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.format}, {'kernel' if self.ops else 'pure torch'}"
@@ -148,25 +152,33 @@ def _kind(quantization: str, device: torch.device, dtype: torch.dtype, pack: boo
 def prepare_linears(
     model: nn.Module, quantization: str, device: torch.device, pack_weights: bool = False, cpu_kernels: bool = True
 ) -> dict[str, int]:
-    """Replace every nn.Linear under `model` in place; returns how many linears got each kind."""
+    """Replace every nn.Linear under `model` in place; returns how many linears got each kind.
+
+    Linears that arrived packed (a GGUF's Q8_0/Q4_0 blocks, as `KernelLinear`) keep their format and get the
+    kernels bound."""
     from tokenmill import kernels
 
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization={quantization!r} is not supported; allowed: {', '.join(QUANTIZATION_MODES)}")
+    use_kernels = device.type == "cpu" and cpu_kernels
     counts: dict[str, int] = {}
     # NOTE: hold on to parents only, so each replaced dense weight is freed as soon as its module is swapped
     for parent in [m for m in model.modules() if not isinstance(m, nn.Linear)]:
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
+            if isinstance(child, KernelLinear):
+                child.ops, kind = kernels.active() if use_kernels else None, child.format
+            elif not isinstance(child, nn.Linear):
                 continue
-            kind = _kind(quantization, device, child.weight.dtype, pack_weights, cpu_kernels)
-            if kind == "plain":
-                continue
-            if kind == "packed":
-                setattr(parent, name, PackedLinear(child))
             else:
-                ops = kernels.active() if device.type == "cpu" and cpu_kernels else None
-                setattr(parent, name, KernelLinear(child, kind, ops))
+                kind = _kind(quantization, device, child.weight.dtype, pack_weights, cpu_kernels)
+                if kind == "plain":
+                    continue
+                new = (
+                    PackedLinear(child)
+                    if kind == "packed"
+                    else KernelLinear.from_linear(child, kind, kernels.active() if use_kernels else None)
+                )
+                setattr(parent, name, new)
             counts[kind] = counts.get(kind, 0) + 1
     return counts
 

@@ -1,24 +1,33 @@
-"""Fill a model built on the meta device straight from the checkpoint's tensors.
+"""Fill a model built on the meta device straight from a checkpoint's tensors (a safetensors folder or a GGUF).
 
 Hugging Face names map one to one onto ours except the fused projections: `q_proj|k_proj|v_proj` land in
 slices of `qkv_proj`, `gate_proj|up_proj` in slices of `gate_up_proj` (a checkpoint that stores them fused, as
-Phi-3's, fills them whole). A family's `hf_transposed` tensors are stored [in, out] and turned around. Every
-parameter must be filled exactly once and every checkpoint tensor must land somewhere, so a mismatched
-checkpoint fails loudly.
+Phi-3's, fills them whole). A family's `hf_transposed` tensors are stored [in, out] in HF files and turned
+around. Every parameter must be filled exactly once and every checkpoint tensor must land somewhere, so a
+mismatched checkpoint fails loudly.
+
+A tensor can also arrive as ggml blocks (`BlockWeight`, a GGUF's Q8_0/Q4_0). On the CPU its linear becomes a
+`KernelLinear` of that format from the blocks as they are; a fused projection stays in blocks when all of its
+shards are blocks of one format. Anywhere else (another device, an embedding, mixed shards) it is dequantized.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
+from tokenmill.kernels.formats import BlockWeight, pack_block_weight
 from tokenmill.models import CausalLM
 from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
-from tokenmill.weights.safetensors_io import iter_tensors
+from tokenmill.models.linear import KernelLinear
+
+Value = torch.Tensor | BlockWeight
+Tensors = Iterable[tuple[str, Value, str]]  # (HF tensor name, value, where it came from)
 
 
 def _shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
@@ -41,50 +50,139 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module._parameters[attr] = nn.Parameter(value, requires_grad=False)
 
 
-def load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Fill `model` (built on the meta device) from the safetensors files in `folder`."""
+def _whole(name: str) -> str | None:
+    """The fused module a parameter name belongs to (qkv_proj, gate_up_proj), or None."""
+    return next((f for f in STACKED_PARAMS if f".{f}." in name), None)
+
+
+@dataclass
+class _Fill:
+    """What has landed so far: which shards of each parameter, and the weights still in blocks."""
+
+    model: CausalLM
+    dtype: torch.dtype
+    device: torch.device
+    filled: dict[str, set[int]] = field(default_factory=dict)
+    blocks: dict[str, dict[int, BlockWeight]] = field(default_factory=dict)  # fused or whole, by shard
+
+    def dense(self, name: str, shard: int, offset: int, value: torch.Tensor, whole: bool) -> None:
+        value = value.to(device=self.device, dtype=self.dtype).contiguous()
+        if name in self.blocks:  # earlier shards came in blocks: this one is dense, so all of it is
+            held = self.blocks.pop(name)
+            self._allocate(name)
+            for idx, w in held.items():
+                self._copy(name, self._offset(name, idx), w.dequantize())
+        if whole:
+            _set_param(self.model, name, value)
+            return
+        if name not in self.filled:  # the first shard seen allocates the fused tensor
+            self._allocate(name)
+        self._copy(name, offset, value)
+
+    def block(self, name: str, shard: int, value: BlockWeight) -> None:
+        if name in self.filled and name not in self.blocks:  # dense shards came first: dequantize into them
+            self._copy(name, self._offset(name, shard), value.dequantize())
+            return
+        held = self.blocks.setdefault(name, {})
+        if held and next(iter(held.values())).format != value.format:  # two formats in one weight: dense
+            self.dense(name, shard, self._offset(name, shard), value.dequantize(), whole=False)
+            return
+        held[shard] = value
+
+    def _allocate(self, name: str) -> None:
+        shape = self.model.get_parameter(name).shape
+        _set_param(self.model, name, torch.empty(shape, dtype=self.dtype, device=self.device))
+
+    def _copy(self, name: str, offset: int, value: torch.Tensor) -> None:
+        param = self.model.get_parameter(name)
+        param.data[offset : offset + value.shape[0]].copy_(value)
+
+    def _offset(self, name: str, shard: int) -> int:
+        fused = _whole(name)
+        return sum(_shard_sizes(self.model.config)[fused][:shard]) if fused else 0
+
+
+def load_weights(
+    model: CausalLM,
+    tensors: Tensors,
+    source: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    hf_layout: bool = True,
+    config_source: str = "config.json",
+) -> CausalLM:
+    """Fill `model` (built on the meta device) from `tensors`, HF-named. `hf_layout`: the family's
+    `hf_transposed` tensors are stored [in, out] (a GGUF stores every weight [out, in] already)."""
     cfg = model.config
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
     shard_sizes = _shard_sizes(cfg)
-    filled: dict[str, set[int]] = {}
-    for hf_name, tensor, path in iter_tensors(folder):
+    fill = _Fill(model, dtype, device)
+    tied_blocks: BlockWeight | None = None
+    for hf_name, tensor, where in tensors:
         if hf_name.endswith(model.hf_ignored) or (cfg.tie_word_embeddings and hf_name == "lm_head.weight"):
             continue
-        if hf_name.endswith(model.hf_transposed):  # [in, out] -> [out, in]
-            tensor = tensor.t()
+        if hf_layout and hf_name.endswith(model.hf_transposed) and isinstance(tensor, torch.Tensor):
+            tensor = tensor.t()  # [in, out] -> [out, in]
         name, fused, shard = _map_name(hf_name)
         if name not in params:
             raise ModelLoadError(
-                f"unexpected tensor {hf_name!r} in {path}: {cfg.architecture} has no such weight "
-                "(is config.json from a different model?)"
+                f"unexpected tensor {hf_name!r} in {where}: {cfg.architecture} has no such weight "
+                f"(is {config_source} from a different model?)"
             )
         param = params[name]
-        if fused is None:
-            expected = tuple(param.shape)
-        else:
-            sizes = shard_sizes[fused]
-            expected = (sizes[shard], *param.shape[1:])
+        expected = tuple(param.shape) if fused is None else (shard_sizes[fused][shard], *param.shape[1:])
         if tuple(tensor.shape) != expected:
             raise ModelLoadError(
-                f"tensor {hf_name!r} in {path} has shape {list(tensor.shape)}, but config.json implies {list(expected)}"
+                f"tensor {hf_name!r} in {where} has shape {list(tensor.shape)}, "
+                f"but {config_source} implies {list(expected)}"
             )
-        value = tensor.to(device=device, dtype=dtype).contiguous()
-        if fused is None:  # a tensor of its own, or a fused one stored whole (Phi-3's qkv_proj, gate_up_proj)
-            _set_param(model, name, value)
-            whole = next((f for f in STACKED_PARAMS if f".{f}." in name), None)
-            filled[name] = {idx for _, idx in STACKED_PARAMS[whole]} if whole else {0}
-            continue
-        if name not in filled:  # the first shard seen allocates the fused tensor
-            _set_param(model, name, torch.empty(param.shape, dtype=dtype, device=device))
-            params[name] = model.get_parameter(name)
-            filled[name] = set()
-        offset = sum(shard_sizes[fused][:shard])
-        params[name].data[offset : offset + value.shape[0]].copy_(value)
-        filled[name].add(shard)
+        whole = _whole(name)
+        shards = {idx for _, idx in STACKED_PARAMS[whole]} if whole and fused is None else {shard}
+        if isinstance(tensor, BlockWeight):
+            linear = isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)
+            if linear and device.type == "cpu":
+                fill.block(name, shard, tensor)
+            elif name == _embedding_name(model) and cfg.tie_word_embeddings and device.type == "cpu":
+                tied_blocks = tensor  # the embedding looks rows up dense; the tied LM head keeps the blocks
+                fill.dense(name, shard, 0, tensor.dequantize(), whole=True)
+            else:
+                fill.dense(name, shard, fill._offset(name, shard), tensor.dequantize(), whole=fused is None)
+        else:
+            fill.dense(name, shard, fill._offset(name, shard), tensor, whole=fused is None)
+        fill.filled.setdefault(name, set()).update(shards)
 
+    _check_complete(params, fill.filled, source)
+    for name, held in fill.blocks.items():
+        _swap_in_blocks(model, name, BlockWeight.cat([held[i] for i in sorted(held)]))
+    if cfg.tie_word_embeddings:
+        if tied_blocks is not None:
+            model.lm_head = KernelLinear(pack_block_weight(tied_blocks), None, None)  # type: ignore[assignment]
+        else:
+            model.lm_head.weight = model.embeddings().weight
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.materialize(device)
+    return model.eval()
+
+
+def _embedding_name(model: CausalLM) -> str:
+    emb = model.embeddings()
+    return next(f"{n}.weight" for n, m in model.named_modules() if m is emb)
+
+
+def _swap_in_blocks(model: CausalLM, name: str, weight: BlockWeight) -> None:
+    """Replace the nn.Linear owning parameter `name` by a KernelLinear holding `weight`'s blocks."""
+    module_name = name.rpartition(".")[0]
+    parent_name, _, child = module_name.rpartition(".")
+    bias = getattr(model.get_submodule(module_name), "bias", None)  # filled already, or None
+    bias = bias if isinstance(bias, torch.Tensor) else None
+    setattr(model.get_submodule(parent_name), child, KernelLinear(pack_block_weight(weight), bias, None))
+
+
+def _check_complete(params: dict[str, nn.Parameter], filled: dict[str, set[int]], source: str) -> None:
     missing = []
     for name in params:
-        fused = next((f for f in STACKED_PARAMS if f".{f}." in name), None)
+        fused = _whole(name)
         if fused is None:
             missing += [] if name in filled else [name]
             continue
@@ -93,11 +191,4 @@ def load_weights(model: CausalLM, folder: Path, dtype: torch.dtype, device: torc
                 missing.append(name.replace(f".{fused}.", f".{hf_part}."))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ModelLoadError(f"checkpoint {folder} is missing tensor(s): {shown}")
-
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embeddings().weight
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.materialize(device)
-    return model.eval()
+        raise ModelLoadError(f"checkpoint {source} is missing tensor(s): {shown}")

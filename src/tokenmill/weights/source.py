@@ -1,8 +1,10 @@
-"""Turn a model reference (a local folder or a Hugging Face hub id) into a local checkpoint folder."""
+"""Turn a model reference into a local checkpoint: a folder (local, or a Hugging Face hub id) or a .gguf file
+(local, or `owner/name/file.gguf` on the hub)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenmill.errors import ModelLoadError
@@ -17,25 +19,42 @@ def _looks_like_path(ref: str) -> bool:
 
 
 def resolve_model(ref: str, revision: str | None = None) -> Path:
-    """A local folder holding config.json, downloading from the hub when `ref` is a hub id."""
+    """A local folder holding config.json or a local .gguf file, downloading from the hub when `ref` names one
+    there."""
     path = Path(ref).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model folder {str(path)!r} has no config.json; is it a Hugging Face checkpoint?")
         return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
     if path.exists():
-        raise ModelLoadError(f"model {ref!r} is a file; pass the checkpoint folder that holds config.json")
+        raise ModelLoadError(f"model {ref!r} is a file; pass a checkpoint folder that holds config.json, or a .gguf")
+    if ref.endswith(".gguf") and ref.count("/") == 2 and not ref.startswith((".", "/", "~")):
+        return _download_file(ref, revision)  # owner/name/file.gguf: one file of a hub repo
     if _looks_like_path(ref):
-        raise ModelLoadError(f"model folder {ref!r} does not exist")
+        raise ModelLoadError(f"model {'file' if ref.endswith('.gguf') else 'folder'} {ref!r} does not exist")
     return _download(ref, revision)
+
+
+def _download_file(ref: str, revision: str | None) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    repo_id, filename = ref.rsplit("/", 1)
+    return _from_hub(repo_id, lambda: hf_hub_download(repo_id, filename, revision=revision))
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
+
+    return _from_hub(repo_id, lambda: snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+
+
+def _from_hub(repo_id: str, fetch: Callable[[], str]) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+        return Path(fetch())
     except LocalEntryNotFoundError:
         raise ModelLoadError(
             f"cannot download {repo_id!r} from the Hugging Face hub: the hub is unreachable (offline?) and the "

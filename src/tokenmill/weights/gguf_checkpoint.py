@@ -1,0 +1,209 @@
+"""A GGUF file (llama.cpp's format) as a checkpoint: its metadata as a Hugging Face config, its tensors under HF
+names, read memory-mapped with the `gguf` package.
+
+- Architectures: `GGUF_ARCHS`. The config is built from `{arch}.*` metadata (llama.cpp's keys) and the tensor
+  table (no `output.weight`: tied embeddings; `attn_q.bias`: attention biases; `rope_freqs`: llama3 RoPE).
+- Tensors: F32, F16 and BF16 load as they are. Q8_0 and Q4_0 arrive as `BlockWeight`s, ggml's own blocks, which
+  the loader packs into the int8/int4 kernel formats unchanged. The other ggml types in `DEQUANTIZED` (K-quants,
+  Q4_1/Q5_x: the usual Q4_K_M mix has Q6_K and Q4_K tensors) are dequantized with a one-line notice.
+- llama.cpp's `llama` arch rotates interleaved pairs where HF rotates halves, and its converter permutes the Q/K
+  rows for that; they are permuted back here. The `qwen2`/`qwen3` archs rotate halves, as HF does.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.kernels.formats import BLOCK, BlockWeight
+from tokenmill.weights.gguf_names import gguf_to_hf
+
+# GGUF `general.architecture` -> the HF architecture whose model code runs it
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "gpt2": "GPT2LMHeadModel"}  # fmt: skip
+DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+BLOCKS = {"Q8_0": "q8_0", "Q4_0": "q4_0"}  # ggml type -> our kernel format, block for block
+DEQUANTIZED = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_IGNORED = ("rope_freqs.weight",)  # read into the config, not a model weight
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf"
+
+
+class GGUFCheckpoint:
+    """One GGUF file, opened (memory-mapped) and checked: architecture, tensor types, tensor sizes."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:  # the reader raises ValueError, struct.error, ... on a truncated or foreign file
+            raise ModelLoadError(f"{path} is not a GGUF file, or is truncated or corrupt ({_first_line(e)})") from None
+        self.arch = str(self._field("general.architecture", ""))
+        if self.arch not in GGUF_ARCHS:
+            raise ModelLoadError(f"GGUF architecture {self.arch!r} in {path} is not supported; supported: "
+                                 f"{', '.join(GGUF_ARCHS)}")  # fmt: skip
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        supported = (*DENSE, *BLOCKS, *DEQUANTIZED)
+        for t in self.reader.tensors:
+            kind = t.tensor_type.name
+            if kind not in supported:
+                raise ModelLoadError(f"{path}: tensor {t.name} is {kind}, a type tokenmill does not load; "
+                                     f"supported: {', '.join(supported)}")  # fmt: skip
+            if np.asarray(t.data).nbytes != int(t.n_bytes):
+                raise ModelLoadError(f"{path} is truncated or corrupt: tensor {t.name} holds "
+                                     f"{np.asarray(t.data).nbytes} of its {int(t.n_bytes)} bytes")  # fmt: skip
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        """`{arch}.key`, required unless a default is given."""
+        value = self._field(f"{self.arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{self.path} lacks the metadata key {self.arch}.{key}")
+        if isinstance(value, list):  # per-layer values (llama.cpp allows them): only uniform ones are supported
+            if len(set(value)) != 1:
+                raise ModelLoadError(f"{self.path}: per-layer {self.arch}.{key} values are not supported")
+            value = value[0]
+        return value
+
+    @property
+    def dtype(self) -> str:
+        """The compute dtype "auto" means: float32 for an all-F32 file, else bfloat16."""
+        kinds = {t.tensor_type.name for t in self.reader.tensors if len(t.shape) > 1}
+        return "float32" if kinds <= {"F32"} else "bfloat16"
+
+    def block_formats(self) -> set[str]:
+        return {BLOCKS[t.tensor_type.name] for t in self.reader.tensors if t.tensor_type.name in BLOCKS}
+
+    def hf_config(self) -> dict[str, Any]:
+        """The file's metadata as a config.json dict, in the names our families read."""
+        embd = self.tensors.get("token_embd.weight")
+        if embd is None:
+            raise ModelLoadError(f"{self.path} has no token_embd.weight tensor")
+        vocab = int(embd.shape[1])  # ggml order: [hidden, vocab]
+        hidden, heads = int(self._meta("embedding_length")), int(self._meta("attention.head_count"))
+        eos = [self._field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        common = {
+            "architectures": [GGUF_ARCHS[self.arch]],
+            "model_type": self.arch,
+            "vocab_size": vocab,
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": list(dict.fromkeys(int(e) for e in eos if e is not None)),
+            "torch_dtype": self.dtype,
+        }
+        if self.arch == "gpt2":
+            return {**common, "n_embd": hidden, "n_head": heads, "n_layer": int(self._meta("block_count")),
+                    "n_positions": int(self._meta("context_length")),
+                    "n_inner": int(self._meta("feed_forward_length")),
+                    "layer_norm_epsilon": float(self._meta("attention.layer_norm_epsilon")),
+                    "activation_function": "gelu_new", "tie_word_embeddings": True}  # fmt: skip
+        return {
+            **common,
+            "hidden_size": hidden,
+            "num_hidden_layers": int(self._meta("block_count")),
+            "intermediate_size": int(self._meta("feed_forward_length")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self._meta("attention.head_count_kv", heads)),
+            "head_dim": int(self._meta("attention.key_length", hidden // heads)),
+            "rms_norm_eps": float(self._meta("attention.layer_norm_rms_epsilon")),
+            "max_position_embeddings": int(self._meta("context_length")),
+            "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            "rope_parameters": self._rope(),
+        }
+
+    def _rope(self) -> dict[str, Any]:
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self._meta("rope.freq_base", 10000.0))}
+        kind = str(self._meta("rope.scaling.type", "none"))
+        if kind == "linear":
+            rope.update(rope_type="linear", factor=float(self._meta("rope.scaling.factor")))
+        elif kind == "yarn":
+            rope.update(
+                rope_type="yarn",
+                factor=float(self._meta("rope.scaling.factor")),
+                original_max_position_embeddings=int(self._meta("rope.scaling.original_context_length")),
+            )
+        elif kind != "none":
+            raise ModelLoadError(f"{self.path}: RoPE scaling {kind!r} is not supported (none, linear, yarn)")
+        freqs = self.tensors.get("rope_freqs.weight")
+        if freqs is not None:  # llama3 scaling, stored as the divisor of each frequency
+            if rope["rope_type"] != "default":
+                raise ModelLoadError(f"{self.path}: rope_freqs together with {kind} scaling is not supported")
+            rope.update(rope_type="freq_factors", freq_factors=[float(x) for x in np.asarray(freqs.data)])
+        return rope
+
+    def iter_tensors(self, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor | BlockWeight, str]]:
+        """(HF name, tensor or blocks, file) for every model tensor, Q/K rows un-permuted for the llama arch."""
+        dequantized: dict[str, int] = {}
+        for t in self.reader.tensors:
+            if t.name in _IGNORED:
+                continue
+            name = gguf_to_hf(self.arch, t.name)
+            if name is None:
+                raise ModelLoadError(f"unexpected tensor {t.name!r} in {self.path} for GGUF arch {self.arch}")
+            value = self._value(t, dequantized)
+            if self.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight",
+                                                          "attn_k.bias")):  # fmt: skip
+                heads = hf_config["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"]
+                value = _unpermute(value, heads)
+            yield name, value, str(self.path)
+        if dequantized:
+            kinds = ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items()))
+            print(f"tokenmill: {self.path.name}: {kinds} tensor(s) have no tokenmill kernel and were dequantized "
+                  "(to the model dtype)", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _value(self, t: Any, dequantized: dict[str, int]) -> torch.Tensor | BlockWeight:
+        kind, shape = t.tensor_type.name, [int(n) for n in reversed(t.shape)]  # torch order: [rows, cols]
+        raw = _torch_bytes(t.data)
+        if kind in DENSE:
+            return raw.view(DENSE[kind]).view(shape)
+        if kind in BLOCKS:
+            return _blocks(raw.view(shape[0], -1), BLOCKS[kind])
+        import gguf
+
+        dequantized[kind] = dequantized.get(kind, 0) + 1
+        return torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)).view(shape)
+
+
+def _torch_bytes(data: np.ndarray) -> torch.Tensor:
+    """A tensor's bytes, copied out of the read-only map (torch warns on, and must not write to, a read-only one)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(data).view(np.uint8)).clone().view(-1)
+
+
+def _blocks(raw: torch.Tensor, fmt: str) -> BlockWeight:
+    """ggml block rows [N, nb * bytes] -> BlockWeight: Q8_0 = {fp16 d, int8 q[32]}; Q4_0 = {fp16 d, uint8 qs[16]},
+    qs[j] holding element j in its low nibble and element j + 16 in its high one."""
+    n = raw.shape[0]
+    per_block = 2 + (BLOCK if fmt == "q8_0" else BLOCK // 2)
+    b = raw.view(n, -1, per_block)
+    d = b[..., :2].contiguous().view(torch.float16).view(n, -1)  # [N, nb]
+    qs = b[..., 2:]
+    q = qs.contiguous().view(torch.int8) if fmt == "q8_0" else torch.cat([qs & 15, qs >> 4], dim=-1)
+    return BlockWeight(q.reshape(n, -1), d, fmt)
+
+
+def _unpermute(value: torch.Tensor | BlockWeight, heads: int) -> torch.Tensor | BlockWeight:
+    """Undo convert_hf_to_gguf's Q/K permutation: per head, rows [x0, y0, x1, y1, ...] -> [x0, x1, ..., y0, y1, ...]."""
+    rows = value.shape[0]
+    index = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+    return value.rows(index) if isinstance(value, BlockWeight) else value[index]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

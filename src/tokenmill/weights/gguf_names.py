@@ -1,0 +1,67 @@
+"""Which GGUF tensor is which Hugging Face tensor, per GGUF architecture: one table for the loader (GGUF -> HF)
+and the exporter (HF -> GGUF). Names are module paths without `.weight`/`.bias`; `{bid}` is the layer index.
+
+The GGUF names are llama.cpp's (`gguf.TENSOR_NAMES`, written by its convert_hf_to_gguf.py).
+"""
+
+from __future__ import annotations
+
+# the Llama-shaped decoders (llama, qwen2, qwen3)
+_DECODER = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "model.layers.{bid}.input_layernorm": "blk.{bid}.attn_norm",
+    "model.layers.{bid}.self_attn.q_proj": "blk.{bid}.attn_q",
+    "model.layers.{bid}.self_attn.k_proj": "blk.{bid}.attn_k",
+    "model.layers.{bid}.self_attn.v_proj": "blk.{bid}.attn_v",
+    "model.layers.{bid}.self_attn.o_proj": "blk.{bid}.attn_output",
+    "model.layers.{bid}.self_attn.q_norm": "blk.{bid}.attn_q_norm",
+    "model.layers.{bid}.self_attn.k_norm": "blk.{bid}.attn_k_norm",
+    "model.layers.{bid}.post_attention_layernorm": "blk.{bid}.ffn_norm",
+    "model.layers.{bid}.mlp.gate_proj": "blk.{bid}.ffn_gate",
+    "model.layers.{bid}.mlp.up_proj": "blk.{bid}.ffn_up",
+    "model.layers.{bid}.mlp.down_proj": "blk.{bid}.ffn_down",
+}
+_GPT2 = {
+    "transformer.wte": "token_embd",
+    "transformer.wpe": "position_embd",
+    "transformer.ln_f": "output_norm",
+    "lm_head": "output",
+    "transformer.h.{bid}.ln_1": "blk.{bid}.attn_norm",
+    "transformer.h.{bid}.attn.c_attn": "blk.{bid}.attn_qkv",
+    "transformer.h.{bid}.attn.c_proj": "blk.{bid}.attn_output",
+    "transformer.h.{bid}.ln_2": "blk.{bid}.ffn_norm",
+    "transformer.h.{bid}.mlp.c_fc": "blk.{bid}.ffn_up",
+    "transformer.h.{bid}.mlp.c_proj": "blk.{bid}.ffn_down",
+}
+HF_TO_GGUF: dict[str, dict[str, str]] = {"llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "gpt2": _GPT2}
+
+
+def _split(name: str) -> tuple[str, int | None, str]:
+    """'a.b.3.c.weight' -> ('a.b.{bid}.c', 3, 'weight'); the block index is the first all-digit part."""
+    stem, _, suffix = name.rpartition(".")
+    parts = stem.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            parts[i] = "{bid}"
+            return ".".join(parts), int(part), suffix
+    return stem, None, suffix
+
+
+def _translate(name: str, table: dict[str, str]) -> str | None:
+    template, bid, suffix = _split(name)
+    target = table.get(template)
+    if target is None:
+        return None
+    return (target.format(bid=bid) if bid is not None else target) + f".{suffix}"
+
+
+def gguf_to_hf(arch: str, name: str) -> str | None:
+    """The HF name of GGUF tensor `name` (None: not one this arch maps)."""
+    return _translate(name, {v: k for k, v in HF_TO_GGUF[arch].items()})
+
+
+def hf_to_gguf(arch: str, name: str) -> str | None:
+    """The GGUF name of HF tensor `name` (None: not one this arch maps)."""
+    return _translate(name, HF_TO_GGUF[arch])

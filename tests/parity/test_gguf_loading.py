@@ -1,0 +1,271 @@
+"""GGUF files load directly: tiny random HF checkpoints exported to GGUF here (F32, Q8_0, Q4_0, mixed types).
+
+- F32: logits within 1e-4 of loading the HF folder, greedy tokens identical (alone and batched with chunked
+  prefill and prefix caching), for every GGUF architecture we load.
+- Q8_0 / Q4_0: the blocks load unchanged (the kernel's packed bytes equal our own quantizer's on the same
+  weights), and greedy tokens equal our int8 / int4 path on the same weights.
+- Other ggml types are dequantized, tokenizers come from the file, and bad files fail with one clear line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.attention import causal
+from tokenmill.bench.gguf_export import export_gguf
+from tokenmill.kernels import formats
+from tokenmill.models.linear import KernelLinear
+
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=32)  # fmt: skip
+SPREAD = dict(initializer_range=0.1)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "llama3-rope-tied": ("llama", dict(rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True)),
+    "llama-bias": ("llama", dict(attention_bias=True)),
+    "qwen2": ("qwen2", {}),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("qwen3", {}),
+    "gpt2": ("gpt2", {}),
+}
+PROMPTS = ["To be, or not to be, that is the question.", "Hello world! The quick brown fox", "Numbers 0 1 2 3"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def exported(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
+    cache: dict[tuple[str, str], tuple[Path, Path]] = {}
+
+    def get(case: str, dtype: str = "f32") -> tuple[Path, Path]:
+        if (case, dtype) not in cache:
+            arch, overrides = CASES[case]
+            ckpt = make_checkpoint(arch, **SPREAD, **overrides)
+            cache[case, dtype] = ckpt, export_gguf(ckpt, tmp_path_factory.mktemp("gguf") / f"{case}.gguf", dtype)
+        return cache[case, dtype]
+
+    return get
+
+
+def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V]
+    model = llm.loaded.model
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), *causal(len(ids))))
+
+
+def _greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_f32_gguf_equals_the_hf_folder(exported: Callable[..., Any], case: str) -> None:
+    ckpt, path = exported(case)
+    hf = LLM(str(ckpt), dtype="float32")
+    gg = LLM(str(path), max_num_batched_tokens=16, enable_prefix_caching=True)  # chunked prefill
+    assert gg.loaded.dtype == torch.float32  # "auto" for an all-F32 file
+    assert gg.loaded.config.tie_word_embeddings == hf.loaded.config.tie_word_embeddings
+    ids = hf.loaded.tokenizer.encode(PROMPTS[0])
+    assert gg.loaded.tokenizer.encode(PROMPTS[0]) == ids  # the tokenizer built from the file's metadata
+    diff = (_logits(gg, ids) - _logits(hf, ids)).abs().max().item()
+    assert diff < 1e-4, diff
+    want = _greedy(hf, PROMPTS)
+    assert _greedy(gg, PROMPTS) == want  # batched, chunked
+    assert _greedy(gg, PROMPTS[:1] * 2) == [want[0]] * 2  # the second one hits the prefix cache
+    assert gg.loaded.eos_token_ids == hf.loaded.eos_token_ids
+
+
+def _quantized_checkpoint(make_checkpoint: Callable[..., Path], fmt: str, tmp: Path) -> Path:
+    """A checkpoint whose embedding is exactly representable in `fmt` (a GGUF's quantized token_embd is looked up
+    dequantized; our int8/int4 path looks the float one up): then both paths hold the very same numbers."""
+    from safetensors.torch import load_file, save_file
+
+    src = make_checkpoint("qwen2", **SPREAD)
+    out = tmp / f"qwen2-{fmt}"
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(src / "model.safetensors"))
+    emb = state["model.embed_tokens.weight"]
+    state["model.embed_tokens.weight"] = formats.unpack(formats.pack(emb, fmt)).contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("fmt,quantization", [("q8_0", "int8"), ("q4_0", "int4")])
+def test_quantized_gguf_loads_its_blocks_unchanged(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, fmt: str, quantization: str
+) -> None:
+    ckpt = _quantized_checkpoint(make_checkpoint, fmt, tmp_path)
+    path = export_gguf(ckpt, tmp_path / f"m-{fmt}.gguf", fmt)
+    gg = LLM(str(path), dtype="float32")
+    ours = LLM(str(ckpt), dtype="float32", quantization=quantization)
+    assert gg.loaded.kernels == ours.loaded.kernels == {fmt: 2 * 4 + 1}  # qkv, o, gate_up, down per layer; head
+    for (name, a), (_, b) in zip(_kernel_linears(gg), _kernel_linears(ours), strict=True):
+        assert torch.equal(a.data, b.data), name  # the same bytes: loaded as blocks, never re-quantized
+    ids = ours.loaded.tokenizer.encode(PROMPTS[0])
+    assert torch.equal(_logits(gg, ids), _logits(ours, ids))
+    assert _greedy(gg, PROMPTS) == _greedy(ours, PROMPTS)
+    with pytest.raises(ValueError, match="already holds"):
+        LLM(str(path), quantization="int4" if fmt == "q8_0" else "int8")
+
+
+def _kernel_linears(llm: LLM) -> list[tuple[str, KernelLinear]]:
+    return [(n, m) for n, m in llm.loaded.model.named_modules() if isinstance(m, KernelLinear)]
+
+
+def test_other_types_are_dequantized(
+    exported: Callable[..., Any], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    ckpt, _ = exported("llama")
+    types = {"blk.0.ffn_down.weight": "q4_1", "blk.1.attn_v.weight": "q5_0"}
+    path = export_gguf(ckpt, tmp_path / "mixed.gguf", "f32", overrides=types)
+    gg = LLM(str(path), dtype="float32")
+    assert "q4_1" not in gg.loaded.kernels and "Q4_1, 1 Q5_0" in capfd.readouterr().err
+    reader = gguf.GGUFReader(path)
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).view(64, 96)
+    got = formats.unpack(gg.loaded.model.model.layers[0].mlp.down_proj.packed())
+    assert torch.equal(got, want)
+
+
+def test_mixed_shards_of_one_fused_weight_load_dense(exported: Callable[..., Any], tmp_path: Path) -> None:
+    ckpt, _ = exported("qwen2")
+    path = export_gguf(ckpt, tmp_path / "mixed.gguf", "q8_0", overrides={"blk.0.attn_k.weight": "f32"})
+    gg = LLM(str(path), dtype="float32")
+    layer = gg.loaded.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, KernelLinear) and layer.format == "f32"  # q, v in blocks + k in floats: all floats
+    assert gg.loaded.model.model.layers[1].self_attn.qkv_proj.format == "q8_0"
+    assert len(_greedy(gg, PROMPTS[:1])[0]) == GREEDY.max_tokens
+
+
+def test_tokenizer_chat_template_and_special_tokens(exported: Callable[..., Any]) -> None:
+    ckpt, path = exported("qwen2")
+    hf, gg = LLM(str(ckpt), dtype="float32"), LLM(str(path))
+    for text in PROMPTS + ["Ünïcödé: café, 日本語 🙂"]:
+        assert gg.loaded.tokenizer.encode(text) == hf.loaded.tokenizer.encode(text)
+    messages = [{"role": "user", "content": "Hello"}]
+    assert gg.loaded.tokenizer.apply_chat_template(messages) == hf.loaded.tokenizer.apply_chat_template(messages)
+    assert gg.loaded.tokenizer.eos_token_id == hf.loaded.tokenizer.eos_token_id
+
+
+def _write_gguf(path: Path, arch: str, tensor_type: str = "F32") -> Path:
+    """A minimal GGUF: `arch`, one 32x32 tensor stored as `tensor_type` (a block type gets zero bytes)."""
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, arch)
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    if tensor_type == "F32":
+        writer.add_tensor("token_embd.weight", np.zeros((32, 32), dtype=np.float32))
+    else:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        writer.add_tensor("token_embd.weight", np.zeros((32, 32 // block * size), dtype=np.uint8), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_bad_files_are_one_clear_error(exported: Callable[..., Any], tmp_path: Path) -> None:
+    from tokenmill.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"architecture 'mamba' .* supported: llama, qwen2, qwen3, gpt2"):
+        LLM(str(_write_gguf(tmp_path / "mamba.gguf", "mamba")))
+    with pytest.raises(ModelLoadError, match=r"token_embd.weight is IQ2_XXS, .* supported: F32, F16, BF16, Q8_0"):
+        LLM(str(_write_gguf(tmp_path / "iq.gguf", "llama", "IQ2_XXS")))
+    _, good = exported("llama")
+    data = good.read_bytes()
+    for name, cut in [("header.gguf", data[:200]), ("tensors.gguf", data[: len(data) - 1000])]:
+        (tmp_path / name).write_bytes(cut)
+        with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+            LLM(str(tmp_path / name))
+
+
+def test_cli_reports_a_bad_gguf_in_one_line(exported: Callable[..., Any], tmp_path: Path) -> None:
+    from tests.unit.test_cli import assert_one_line_error, run_cli
+
+    _, good = exported("llama")
+    (tmp_path / "cut.gguf").write_bytes(good.read_bytes()[:-1000])
+    assert_one_line_error(run_cli("generate", str(tmp_path / "cut.gguf"), "--prompt", "x"), "truncated or corrupt")
+    assert_one_line_error(run_cli("generate", str(tmp_path / "none.gguf"), "--prompt", "x"), "does not exist")
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2-tied"])
+def test_llamacpp_greedy_equals_ours_on_the_same_q8_0_file(exported: Callable[..., Any], case: str) -> None:
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional llamacpp extra) is not installed")
+    _, path = exported(case, "q8_0")
+    _assert_llamacpp_top1(LLM(str(path), dtype="float32"), path)
+
+
+def _assert_llamacpp_top1(ours: LLM, path: Path) -> None:
+    """llama.cpp's greedy tokens on the very file we load are our top-1 too. llama.cpp runs in a child process,
+    so that a native crash fails the test rather than pytest."""
+    import json
+    import subprocess
+    import sys
+
+    ids = ours.loaded.tokenizer.encode(PROMPTS[0])
+    code = ("import json, sys; from tokenmill.bench.llamacpp_backend import run_llamacpp\n"
+            "r = run_llamacpp(sys.argv[1], [json.loads(sys.argv[2])], int(sys.argv[3]), 1, 128, warmup=False)\n"
+            "print(json.dumps(r['runs'][0]['token_ids']))\n")  # fmt: skip
+    args = [sys.executable, "-c", code, str(path), json.dumps(ids), str(GREEDY.max_tokens)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    # teacher-forced on llama.cpp's tokens: each is our top-1 too, up to near-ties. llama.cpp keeps its KV cache in
+    # f16 and sums in another order, so logits ~1% of their range apart may swap (measured: 0.016 of 3.5); a wrong
+    # layout, permutation or scale moves them by the whole range
+    logits = _logits(ours, ids + theirs)[len(ids) - 1 : -1]  # [n, V]: the logits each of its tokens came from
+    chosen = logits.gather(1, torch.tensor(theirs)[:, None])[:, 0]
+    gap = logits.max(dim=1).values - chosen  # 0 where its token is our argmax
+    assert (gap <= 0.02 * logits.abs().max()).all(), (theirs, gap)
+    assert (gap == 0).float().mean() >= 0.8  # and nearly always exactly ours
+
+
+def _llama_quantize() -> str | None:
+    import os
+    import shutil
+
+    return os.environ.get("LLAMA_QUANTIZE") or shutil.which("llama-quantize")
+
+
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q8_0", "Q4_0"])
+def test_files_from_llama_quantize_load_what_they_hold(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, kind: str
+) -> None:
+    """A file as llama.cpp users have them: every linear holds exactly the file's values (Q8_0/Q4_0 in the kernel
+    formats, the rest dequantized), and where llama-cpp-python is installed, its greedy tokens are our top-1."""
+    import subprocess
+
+    exe = _llama_quantize()
+    if exe is None:
+        pytest.skip("llama.cpp's llama-quantize is not on PATH nor in $LLAMA_QUANTIZE (the optional llama.cpp peer)")
+    # K-quants need rows of 256: a wider tiny model
+    ckpt = make_checkpoint("llama", hidden_size=256, intermediate_size=512, **SPREAD)
+    f32 = export_gguf(ckpt, tmp_path / "f32.gguf", "f32")
+    out = tmp_path / f"{kind}.gguf"
+    proc = subprocess.run([exe, str(f32), str(out), kind], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    gg = LLM(str(out), dtype="float32")
+    types = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    layer = gg.loaded.model.model.layers[1]
+    for gguf_name, module in [("blk.1.ffn_down.weight", layer.mlp.down_proj), ("blk.1.attn_v.weight", None)]:
+        t = types[gguf_name]
+        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        if module is None:  # v: the last rows of the fused qkv
+            got = formats.unpack(layer.self_attn.qkv_proj.packed())[-want.shape[0] :]
+        else:
+            got = formats.unpack(module.packed())
+        assert torch.equal(got, want.view(got.shape)), (gguf_name, t.tensor_type.name)
+    if kind != "Q4_K_M":
+        assert kind.lower() in gg.loaded.kernels  # (llama-quantize gives Q4_0's output tensor Q6_K)
+    if importlib.util.find_spec("llama_cpp") is not None:
+        _assert_llamacpp_top1(gg, out)
