@@ -21,7 +21,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
-from tokenmill.kernels.formats import BlockWeight, pack_block_weight
+from tokenmill.kernels.formats import BlockWeight, PackedWeight, pack_block_weight
 from tokenmill.models import CausalLM
 from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
 from tokenmill.models.linear import KernelLinear
@@ -63,7 +63,8 @@ class _Fill:
     dtype: torch.dtype
     device: torch.device
     filled: dict[str, set[int]] = field(default_factory=dict)
-    blocks: dict[str, dict[int, BlockWeight]] = field(default_factory=dict)  # fused or whole, by shard
+    blocks: dict[str, dict[int, BlockWeight]] = field(default_factory=dict)  # a weight's shards so far
+    packed: dict[str, PackedWeight] = field(default_factory=dict)  # whole weights, packed as soon as complete
 
     def dense(self, name: str, shard: int, offset: int, value: torch.Tensor, whole: bool) -> None:
         value = value.to(device=self.device, dtype=self.dtype).contiguous()
@@ -88,6 +89,10 @@ class _Fill:
             self.dense(name, shard, self._offset(name, shard), value.dequantize(), whole=False)
             return
         held[shard] = value
+        fused = _whole(name)
+        if fused is None or set(held) == {idx for _, idx in STACKED_PARAMS[fused]}:  # complete: pack it now
+            del self.blocks[name]
+            self.packed[name] = pack_block_weight(BlockWeight.cat([held[i] for i in sorted(held)]))
 
     def _allocate(self, name: str) -> None:
         shape = self.model.get_parameter(name).shape
@@ -117,7 +122,7 @@ def load_weights(
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
     shard_sizes = _shard_sizes(cfg)
     fill = _Fill(model, dtype, device)
-    tied_blocks: BlockWeight | None = None
+    tied_head: PackedWeight | None = None
     for hf_name, tensor, where in tensors:
         if hf_name.endswith(model.hf_ignored) or (cfg.tie_word_embeddings and hf_name == "lm_head.weight"):
             continue
@@ -143,7 +148,7 @@ def load_weights(
             if linear and device.type == "cpu":
                 fill.block(name, shard, tensor)
             elif name == _embedding_name(model) and cfg.tie_word_embeddings and device.type == "cpu":
-                tied_blocks = tensor  # the embedding looks rows up dense; the tied LM head keeps the blocks
+                tied_head = pack_block_weight(tensor)  # the embedding looks rows up dense; the LM head keeps the blocks
                 fill.dense(name, shard, 0, tensor.dequantize(), whole=True)
             else:
                 fill.dense(name, shard, fill._offset(name, shard), tensor.dequantize(), whole=fused is None)
@@ -152,11 +157,11 @@ def load_weights(
         fill.filled.setdefault(name, set()).update(shards)
 
     _check_complete(params, fill.filled, source)
-    for name, held in fill.blocks.items():
-        _swap_in_blocks(model, name, BlockWeight.cat([held[i] for i in sorted(held)]))
+    for name, packed in fill.packed.items():
+        _swap_in_packed(model, name, packed)
     if cfg.tie_word_embeddings:
-        if tied_blocks is not None:
-            model.lm_head = KernelLinear(pack_block_weight(tied_blocks), None, None)  # type: ignore[assignment]
+        if tied_head is not None:
+            model.lm_head = KernelLinear(tied_head, None, None)  # type: ignore[assignment]
         else:
             model.lm_head.weight = model.embeddings().weight
     for module in model.modules():
@@ -170,13 +175,13 @@ def _embedding_name(model: CausalLM) -> str:
     return next(f"{n}.weight" for n, m in model.named_modules() if m is emb)
 
 
-def _swap_in_blocks(model: CausalLM, name: str, weight: BlockWeight) -> None:
-    """Replace the nn.Linear owning parameter `name` by a KernelLinear holding `weight`'s blocks."""
+def _swap_in_packed(model: CausalLM, name: str, weight: PackedWeight) -> None:
+    """Replace the nn.Linear owning parameter `name` by a KernelLinear holding `weight`."""
     module_name = name.rpartition(".")[0]
     parent_name, _, child = module_name.rpartition(".")
     bias = getattr(model.get_submodule(module_name), "bias", None)  # filled already, or None
     bias = bias if isinstance(bias, torch.Tensor) else None
-    setattr(model.get_submodule(parent_name), child, KernelLinear(pack_block_weight(weight), bias, None))
+    setattr(model.get_submodule(parent_name), child, KernelLinear(weight, bias, None))
 
 
 def _check_complete(params: dict[str, nn.Parameter], filled: dict[str, set[int]], source: str) -> None:
