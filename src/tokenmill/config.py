@@ -53,8 +53,12 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # attention window (Mistral v0.1, Phi-3), when it binds: tokens see the last `sliding_window` positions
+    # attention window (Mistral v0.1, Phi-3, Gemma 3), when it binds: a token sees the last `sliding_window`
+    # positions (itself included), in every layer or, with `layer_types`, in the "sliding_attention" ones
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all alike
+    rope_local: RopeConfig | None = None  # Gemma 3: the sliding layers' own RoPE
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scores scaled by this ** -0.5, not Dh ** -0.5
 
     def __post_init__(self) -> None:
         checks = {
@@ -82,10 +86,22 @@ class ModelConfig:
         missing = [k for k in factors if k not in self.rope.params]
         if missing:
             raise ConfigError(f"config.json: longrope scaling needs {' and '.join(missing)} in rope_parameters")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(
+                f"config.json: layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(
                 f"config.json: hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
             )
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's attention window (None: the whole context)."""
+        if self.sliding_window is None:
+            return [None] * self.num_layers
+        if not self.layer_types:
+            return [self.sliding_window] * self.num_layers
+        return [self.sliding_window if t == "sliding_attention" else None for t in self.layer_types]
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], default_architecture: str = "<missing>", **overrides: Any) -> ModelConfig:

@@ -38,7 +38,7 @@ def score(loaded: LoadedModel, text: str, ctx: int = 256) -> Score:
         inputs = torch.tensor(window[:-1], device=loaded.device)  # [T]
         n = len(window) - 1
         # one sequence, no KV cache: a plain causal prefill
-        hidden = loaded.model(inputs, torch.arange(n, device=loaded.device), *causal(n))  # [T, D]
+        hidden = loaded.model(inputs, torch.arange(n, device=loaded.device), *causal(n, loaded.config.layer_windows()))
         logprobs = loaded.model.compute_logits(hidden).log_softmax(-1)  # [T, V] float32
         targets = torch.tensor(window[1:], device=loaded.device)
         top1.append(logprobs.argmax(-1).cpu())

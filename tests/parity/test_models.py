@@ -34,6 +34,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-bias-headdim40": ("llama", dict(attention_bias=True, mlp_bias=True, head_dim=40)),
     "llama-rope-linear": ("llama", dict(rope_scaling=dict(rope_type="linear", factor=2.0), rope_theta=500.0)),
     "mistral-gqa4": ("mistral", dict(num_attention_heads=8, num_key_value_heads=2, sliding_window=None)),
+    # the prompt (~20 tokens) and its 32 generated ones run far past the window, in prefill and decode
+    "mistral-window8": ("mistral", dict(sliding_window=8)),
     "qwen2-bias": ("qwen2", {}),
     "qwen2-tied-yarn": ("qwen2", dict(tie_word_embeddings=True, rope_scaling=YARN_ROPE)),
     "qwen3-qknorm-headdim24": ("qwen3", dict(head_dim=24)),
@@ -71,7 +73,8 @@ def case(request: pytest.FixtureRequest, make_checkpoint: Callable[..., Path]) -
 def _full_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V]
     model = llm.loaded.model
     with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), *causal(len(ids))))
+        windows = llm.loaded.config.layer_windows()
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), *causal(len(ids), windows)))
 
 
 def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:  # [T, V]
@@ -92,7 +95,8 @@ def test_incremental_decode_equals_full_recompute(case: tuple[str, Path, Any, LL
     model, cfg = llm.loaded.model, llm.loaded.config
     ids = llm.tokenizer.encode(PROMPT)
     steps = 12
-    store = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+    store = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"),
+                              cfg.layer_windows())  # fmt: skip
 
     def run(start: int, token_ids: list[int]) -> torch.Tensor:  # one forward of "r" over token_ids at start..
         meta = store.prepare([SequenceInput("r", token_ids, start, [], len(ids) + steps, None)], 0)
@@ -163,6 +167,8 @@ def _skip_without_stack(llm: LLM) -> None:
         pytest.skip("no compiled CPU kernels here: the decode stack needs them")
     if type(llm.loaded.model.decoder()) is not DecoderModel:
         pytest.skip(f"{llm.loaded.config.architecture} is not Llama-shaped: its decode steps run on the modules")
+    if any(w is not None for w in llm.loaded.config.layer_windows()):
+        pytest.skip("sliding-window layers decode on the modules (the decode stack attends to the whole context)")
     assert llm.engine.runner.decode_stack is not None
 
 

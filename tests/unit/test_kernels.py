@@ -264,8 +264,9 @@ def test_silu_mul(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 32), (8, 2, 64), (6, 1, 40)])
+@pytest.mark.parametrize("window", [None, 6, 13])  # 6: starts mid-block; 13: one sequence exactly its length
 def test_decode_attention_over_paged_blocks(
-    ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int
+    ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int, window: int | None
 ) -> None:
     block_size, num_blocks = 4, 40
     cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim).to(dtype)
@@ -273,9 +274,10 @@ def test_decode_attention_over_paged_blocks(
     generator = torch.Generator().manual_seed(0)
     tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:10] for _ in lens])  # [B, 10]
     q = torch.randn(len(lens), heads, head_dim).to(dtype)
-    out = ops.decode_attention(q, cache, tables, lens, block_size)
+    out = ops.decode_attention(q, cache, tables, lens, block_size, window)
     for b, n in enumerate(lens.tolist()):
-        slots = tables[b, torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+        pos = torch.arange(max(0, n - window) if window else 0, n)  # the positions the new token sees
+        slots = tables[b, pos // block_size] * block_size + pos % block_size
         keys = cache[0, slots].transpose(0, 1).float().repeat_interleave(heads // kv_heads, 0)  # [H, n, Dh]
         values = cache[1, slots].transpose(0, 1).float().repeat_interleave(heads // kv_heads, 0)
         ref = torch.nn.functional.scaled_dot_product_attention(q[b, :, None].float(), keys, values)[:, 0]

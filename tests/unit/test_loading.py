@@ -160,18 +160,15 @@ def test_engine_options_are_validated() -> None:
         LLM("x", kv_cache="paged2")
 
 
-def test_a_sliding_window_caps_the_context_where_full_attention_is_exact(
-    make_checkpoint: Callable[..., Path],
-) -> None:
+def test_a_sliding_window_binds_where_it_is_shorter_than_the_context(make_checkpoint: Callable[..., Path]) -> None:
     windowed = make_checkpoint("mistral", sliding_window=16)
     llm = LLM(str(windowed), dtype="float32")
-    assert llm.loaded.config.sliding_window == 16 and llm.loaded.max_model_len == 16
-    with pytest.raises(ValueError, match="max_model_len=32 exceeds the model's sliding_window=16"):
-        LLM(str(windowed), dtype="float32", max_model_len=32)
+    assert llm.loaded.config.layer_windows() == [16, 16] and llm.loaded.max_model_len == 512
     # a window switched off (Qwen2's configs carry one) or as long as the context binds nothing
     off = make_checkpoint("qwen2", sliding_window=16, use_sliding_window=False)
-    assert LLM(str(off), dtype="float32").loaded.max_model_len == 512
-    assert LLM(str(make_checkpoint("mistral", sliding_window=4096)), dtype="float32").loaded.max_model_len == 512
+    assert LLM(str(off), dtype="float32").loaded.config.layer_windows() == [None, None]
+    long = LLM(str(make_checkpoint("mistral", sliding_window=4096)), dtype="float32")
+    assert long.loaded.config.layer_windows() == [None, None]
 
 
 def test_gpt2_config_names_and_the_conv1d_layout_load(make_checkpoint: Callable[..., Path]) -> None:

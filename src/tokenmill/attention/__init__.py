@@ -27,14 +27,15 @@ def make_kv_backend(
             cfg.kv_cache_memory_gb,
         )  # fmt: skip
         paged = PagedKVCache(model.num_layers, num_blocks, cfg.block_size, model.num_kv_heads, model.head_dim, dtype,
-                             device, ops)  # fmt: skip
+                             device, ops, model.layer_windows())  # fmt: skip
         if cfg.touch_kv_cache:
             paged.touch()
         return paged
     if cfg.kv_cache == "contiguous":
-        return ContiguousKVCache(model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
+        return ContiguousKVCache(model.num_layers, model.num_kv_heads, model.head_dim, dtype, device,
+                                 model.layer_windows())  # fmt: skip
     if cfg.kv_cache == "none":
-        return NoKVCache()
+        return NoKVCache(model.layer_windows())
     raise ValueError(f"kv_cache={cfg.kv_cache!r} is not supported; allowed: {', '.join(KV_CACHE_MODES)}")
 
 

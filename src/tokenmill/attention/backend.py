@@ -69,29 +69,42 @@ class KVBackend(Protocol):
         ...
 
 
-def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
-    """[q_len, ctx_len] bool: query i (absolute position ctx_len - q_len + i) sees keys at positions <= its own."""
+def _causal_mask(q_len: int, ctx_len: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """[q_len, ctx_len] bool: query i (absolute position ctx_len - q_len + i) sees keys at positions <= its own,
+    and with a window only the last `window` of them (HF's sliding-window mask: q - k < window)."""
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
     k_pos = torch.arange(ctx_len, device=device)[None, :]
-    return k_pos <= q_pos
+    mask = k_pos <= q_pos
+    return mask if window is None else mask & (k_pos > q_pos - window)
+
+
+def window_of(windows: Sequence[int | None], layer: int) -> int | None:
+    """A layer's attention window from a backend's per-layer list (empty: no windows)."""
+    return windows[layer] if windows else None
 
 
 def attend_sequence(
     q: torch.Tensor,  # [q_len, H, Dh]: one sequence's new queries
     keys: torch.Tensor,  # [Hkv, ctx_len, Dh]: its whole context
     values: torch.Tensor,  # [Hkv, ctx_len, Dh]
+    window: int | None = None,  # each query sees only the last `window` positions (itself included)
 ) -> torch.Tensor:  # [q_len, H, Dh]
     q_len, num_heads = q.shape[0], q.shape[1]
+    if window is not None and keys.shape[1] > window:  # the window binds: keys no query can see are dropped first
+        start = max(0, keys.shape[1] - q_len + 1 - window)
+        keys, values = keys[:, start:], values[:, start:]
+    else:
+        window = None  # every query sees its whole context: plain causal
     ctx_len = keys.shape[1]
     queries = q.transpose(0, 1)  # [H, q_len, Dh]
     if num_heads != keys.shape[0]:  # NOTE: SDPA's fused CPU kernel wants 4-D inputs and equal head counts
         group = num_heads // keys.shape[0]
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [H, ctx, Dh]
-    if q_len == 1:
+    if q_len == 1:  # (with a window, the keys were cut to it above)
         o = F.scaled_dot_product_attention(queries[None], keys[None], values[None])
-    elif q_len == ctx_len:
+    elif q_len == ctx_len and window is None:
         o = F.scaled_dot_product_attention(queries[None], keys[None], values[None], is_causal=True)
     else:
-        mask = _causal_mask(q_len, ctx_len, q.device)
+        mask = _causal_mask(q_len, ctx_len, q.device, window)
         o = F.scaled_dot_product_attention(queries[None], keys[None], values[None], attn_mask=mask)
     return o[0].transpose(0, 1)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.backend import BatchLayout, attend_sequence
+from tokenmill.attention.backend import BatchLayout, attend_sequence, window_of
 from tokenmill.types import SequenceInput
 
 
@@ -25,9 +25,16 @@ class ContiguousKVCache:
     num_blocks = 0
 
     def __init__(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        windows: Sequence[int | None] = (),
     ) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.windows = list(windows)  # per layer attention window (None: whole context); empty: none anywhere
         self.dtype, self.device = dtype, device
         self._buffers: dict[str, torch.Tensor] = {}
 
@@ -58,7 +65,7 @@ class ContiguousKVCache:
             else:
                 buf = self._buffers[meta.request_ids[b]][layer]
                 keys, values = buf[0, :, :ctx], buf[1, :, :ctx]  # [Hkv, ctx, Dh]
-            out[start:end] = attend_sequence(q[start:end], keys, values)
+            out[start:end] = attend_sequence(q[start:end], keys, values, window_of(self.windows, layer))
         return out
 
     def release(self, request_id: str) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenmill.attention.backend import BatchLayout, attend_sequence
+from tokenmill.attention.backend import BatchLayout, attend_sequence, window_of
 from tokenmill.types import SequenceInput
 
 
@@ -15,6 +15,9 @@ class NoKVCache:
     retains_kv = False
     uses_blocks = False
     num_blocks = 0
+
+    def __init__(self, windows: Sequence[int | None] = ()) -> None:
+        self.windows = list(windows)  # per layer attention window (None: whole context); empty: none anywhere
 
     def prepare(self, sequences: Sequence[SequenceInput], num_decodes: int) -> BatchLayout:
         return BatchLayout.of(sequences)
@@ -29,13 +32,15 @@ class NoKVCache:
         for b in range(meta.num_seqs):
             start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
             assert end - start == meta.seq_lens[b], "without a KV cache every step must carry the whole context"
-            out[start:end] = attend_sequence(q[start:end], k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
+            keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, ctx, Dh]
+            out[start:end] = attend_sequence(q[start:end], keys, values, window_of(self.windows, layer))
         return out
 
     def release(self, request_id: str) -> None:
         pass
 
 
-def causal(num_tokens: int) -> tuple[NoKVCache, BatchLayout]:
-    """(backend, metadata) for one sequence of `num_tokens` tokens attending causally: `model(ids, pos, *causal(n))`."""
-    return NoKVCache(), BatchLayout([0, num_tokens], [num_tokens])
+def causal(num_tokens: int, windows: Sequence[int | None] = ()) -> tuple[NoKVCache, BatchLayout]:
+    """(backend, metadata) for one sequence of `num_tokens` tokens attending causally: `model(ids, pos, *causal(n))`.
+    Pass the model's `config.layer_windows()` for a model with sliding-window layers."""
+    return NoKVCache(windows), BatchLayout([0, num_tokens], [num_tokens])

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.backend import BatchLayout, attend_sequence
+from tokenmill.attention.backend import BatchLayout, attend_sequence, window_of
 from tokenmill.config import ModelConfig
 from tokenmill.kernels import Kernels
 from tokenmill.types import SequenceInput
@@ -32,6 +32,7 @@ class PagedMetadata(BatchLayout):
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] block ids (padded with 0)
     decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 context, -inf pad
+    window_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> decode_bias, also -inf before it
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths (the fused kernel's mask)
     context_slots: list[torch.Tensor | None] = field(default_factory=list)  # per sequence: [ctx] slots to read
 
@@ -50,8 +51,10 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         ops: Kernels | None = None,
+        windows: Sequence[int | None] = (),
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.windows = list(windows)  # per layer attention window (None: whole context); empty: none anywhere
         self.dtype, self.device = dtype, device
         # the fused decode attention (kernels/): it reads the blocks in place, no gather and no padding bias
         fused = ops is not None and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
@@ -86,6 +89,11 @@ class PagedKVCache:
             meta.decode_block_tables, meta.decode_bias, meta.decode_lens = self._decode_tables(
                 tables[:num_decodes], meta.seq_lens
             )
+            if meta.decode_bias is not None:  # the SDPA path: a windowed layer also masks what precedes its window
+                for w in {w for w in self.windows if w is not None}:
+                    k_pos = torch.arange(meta.decode_bias.shape[-1], device=self.device)
+                    early = k_pos < meta.decode_lens[:, None] - w  # [B, S]
+                    meta.window_bias[w] = meta.decode_bias.masked_fill(early[:, None, None, :], float("-inf"))
         for s in sequences[num_decodes:]:
             ctx = self._slots_of(s.block_table, 0, s.seq_len)
             meta.context_slots.append(ctx if s.start else None)  # a fresh prefill reads no cache
@@ -145,17 +153,19 @@ class PagedKVCache:
                 keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, ctx, Dh]
             else:
                 keys, values = self.cache[layer, 0, slots].transpose(0, 1), self.cache[layer, 1, slots].transpose(0, 1)
-            out[start:end] = attend_sequence(q[start:end], keys, values)
+            out[start:end] = attend_sequence(q[start:end], keys, values, window_of(self.windows, layer))
         return out
 
     def _decode_batch(self, layer: int, q: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """q: [B, H, Dh], one new token per sequence -> [B, H, Dh], all sequences in one call."""
         assert meta.decode_block_tables is not None and meta.decode_lens is not None
+        window = window_of(self.windows, layer)
         if self.ops is not None:
             return self.ops.decode_attention(
-                q.contiguous(), self.cache[layer], meta.decode_block_tables, meta.decode_lens, self.block_size
+                q.contiguous(), self.cache[layer], meta.decode_block_tables, meta.decode_lens, self.block_size, window
             )
-        assert meta.decode_bias is not None
+        bias = meta.decode_bias if window is None else meta.window_bias[window]
+        assert bias is not None
         b, m = meta.decode_block_tables.shape
         flat = meta.decode_block_tables.reshape(-1)
         kv = self.cache[layer].view(2, self.num_blocks, self.block_size, *self.cache.shape[-2:])
@@ -165,7 +175,7 @@ class PagedKVCache:
         hkv = keys.shape[2]
         queries = q.view(b, hkv, h // hkv, dh)  # [B, Hkv, G, Dh]: a KV head's query heads side by side
         o = F.scaled_dot_product_attention(
-            queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.decode_bias
+            queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias
         )  # [B, Hkv, G, Dh]
         return o.reshape(b, h, dh)
 

@@ -107,15 +107,7 @@ def load(cfg: EngineConfig) -> LoadedModel:
     model_config = family.config_from_hf(hf_config)
     if gguf and cfg.quantization != "none":
         _check_gguf_quantization(gguf, cfg.quantization)
-    window = model_config.sliding_window
-    # NOTE: no sliding-window attention yet: up to the window, full attention is the same thing, so the context
-    # stops there (by default) rather than silently differ from the model past it
-    max_len = cfg.max_model_len or window or model_config.max_position_embeddings  # a window is the shorter
-    if window is not None and max_len > window:
-        raise ValueError(
-            f"max_model_len={max_len} exceeds the model's sliding_window={window}: tokenmill attends to the whole "
-            f"context, which equals the model only up to its window; use --max-model-len {window} or less"
-        )
+    max_len = cfg.max_model_len or model_config.max_position_embeddings
     if max_len > model_config.max_position_embeddings:
         raise ValueError(
             f"max_model_len={max_len} exceeds the model's max_position_embeddings="

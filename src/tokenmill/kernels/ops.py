@@ -98,14 +98,22 @@ class Kernels:
                              cache.data_ptr(), cache.shape[1], slots.data_ptr(), k.shape[0], width)  # fmt: skip
 
     def decode_attention(
-        self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        block_size: int,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q [B, H, Dh], one new token per sequence, over a layer's paged cache [2, slots, Hkv, Dh] through block
-        tables [B, M] (int64) and context lengths [B] (int64) -> [B, H, Dh]."""
+        tables [B, M] (int64) and context lengths [B] (int64) -> [B, H, Dh]; with a window, over the last
+        `window` positions only."""
         b, h, dh = q.shape
         out = torch.empty_like(q)
         self.module.decode_attention(
             q.data_ptr(), cache.data_ptr(), q.dtype == torch.bfloat16, cache.shape[1], tables.data_ptr(),
-            tables.shape[1], lens.data_ptr(), b, h, cache.shape[2], dh, block_size, dh**-0.5, out.data_ptr(),
+            tables.shape[1], lens.data_ptr(), b, h, cache.shape[2], dh, block_size, dh**-0.5, window or 0,
+            out.data_ptr(),
         )  # fmt: skip
         return out

@@ -60,6 +60,8 @@ class DecodeStack:
         decoder = model.decoder()
         if not isinstance(kv, PagedKVCache) or kv.ops is None or type(decoder) is not DecoderModel:
             return None
+        if any(w is not None for w in kv.windows):  # sliding-window layers take the modules' attention
+            return None
         layers = [layer for layer in decoder.layers if type(layer) is DecoderLayer]
         if not layers or len(layers) != len(decoder.layers):
             return None

@@ -16,8 +16,8 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(CausalLM):
-    """Mistral is Llama with a sliding-window option (v0.1: 4096). Without sliding-window attention here, a
-    windowed checkpoint's context stops at its window (engine/loading.py), where full attention is exact."""
+    """Mistral is Llama with a sliding-window option (v0.1: 4096): every layer attends to the last
+    `sliding_window` positions (the KV backends apply `ModelConfig.layer_windows()`)."""
 
 
 # llama.cpp's `llama` arch rotates interleaved pairs (GPT-J style): the GGUF export permutes Q/K rows

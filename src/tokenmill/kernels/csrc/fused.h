@@ -131,42 +131,46 @@ inline void axpy_row(float* acc, float p, const T* row, int64_t Dh) {
 // scores, softmax and sums; `scratch` holds G * (Dh + len) + G * Dh floats.
 template <typename T>
 inline void decode_attention_task(const T* q, const T* cache, int64_t slots, const int64_t* table, int64_t len,
-                                  int64_t b, int64_t g, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size,
-                                  float scale, T* out, float* scratch) {
+                                  int64_t window, int64_t b, int64_t g, int64_t H, int64_t Hkv, int64_t Dh,
+                                  int64_t block_size, float scale, T* out, float* scratch) {
   const int64_t G = H / Hkv, kv_stride = Hkv * Dh;
+  // positions [begin, len): the whole context, or with a window (> 0) its last `window` positions
+  const int64_t begin = window > 0 ? std::max<int64_t>(0, len - window) : 0, n_ctx = len - begin;
   float* qv = scratch;                // [G, Dh]
-  float* scores = qv + G * Dh;        // [G, len]
-  float* acc = scores + G * len;      // [G, Dh]
+  float* scores = qv + G * Dh;        // [G, n_ctx]
+  float* acc = scores + G * n_ctx;    // [G, Dh]
   for (int64_t j = 0; j < G * Dh; ++j) qv[j] = load_one(q + (b * H + g * G) * Dh + j) * scale;
-  // block by block: the slot of token t is table[t / block_size] * block_size + t % block_size
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const T* kb = cache + table[t0 / block_size] * block_size * kv_stride + g * Dh;
-    const int64_t n = std::min(block_size, len - t0);
+  // run by run within a block: the slot of position t is table[t / block_size] * block_size + t % block_size
+  for (int64_t t = begin; t < len;) {
+    const int64_t off = t % block_size, n = std::min(block_size - off, len - t);
+    const T* kb = cache + (table[t / block_size] * block_size + off) * kv_stride + g * Dh;
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < G; ++j) scores[j * len + t0 + i] = dot_row(qv + j * Dh, kb + i * kv_stride, Dh);
+      for (int64_t j = 0; j < G; ++j) scores[j * n_ctx + t - begin + i] = dot_row(qv + j * Dh, kb + i * kv_stride, Dh);
+    t += n;
   }
   for (int64_t j = 0; j < G; ++j) {
-    float* sc = scores + j * len;
+    float* sc = scores + j * n_ctx;
     float mx = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sc[t]);
+    for (int64_t t = 0; t < n_ctx; ++t) mx = std::max(mx, sc[t]);
     int64_t t = 0;
     vf sums = {};
-    for (; t + W <= len; t += W) {
+    for (; t + W <= n_ctx; t += W) {
       const vf e = exp_neg(load(sc + t) - splat(mx));
       store(sc + t, e);
       sums += e;
     }
     sum = hsum(sums);
-    for (; t < len; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
+    for (; t < n_ctx; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
     const float inv = 1.0f / sum;
-    for (t = 0; t < len; ++t) sc[t] *= inv;
+    for (t = 0; t < n_ctx; ++t) sc[t] *= inv;
   }
   std::fill(acc, acc + G * Dh, 0.f);
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const T* vb = cache + (slots + table[t0 / block_size] * block_size) * kv_stride + g * Dh;
-    const int64_t n = std::min(block_size, len - t0);
+  for (int64_t t = begin; t < len;) {
+    const int64_t off = t % block_size, n = std::min(block_size - off, len - t);
+    const T* vb = cache + (slots + table[t / block_size] * block_size + off) * kv_stride + g * Dh;
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < G; ++j) axpy_row(acc + j * Dh, scores[j * len + t0 + i], vb + i * kv_stride, Dh);
+      for (int64_t j = 0; j < G; ++j) axpy_row(acc + j * Dh, scores[j * n_ctx + t - begin + i], vb + i * kv_stride, Dh);
+    t += n;
   }
   for (int64_t j = 0; j < G * Dh; ++j) {
     T* o = out + (b * H + g * G) * Dh + j;

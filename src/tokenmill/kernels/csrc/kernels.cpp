@@ -193,7 +193,7 @@ void silu_mul(uintptr_t gate_up, uintptr_t out, bool bf16, int64_t rows, int64_t
 template <typename T>
 void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const int64_t* tab, int64_t max_blocks,
                            const int64_t* len, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size,
-                           float scale, uintptr_t out) {
+                           float scale, int64_t window, uintptr_t out) {
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b]);
   const int64_t G = H / Hkv;
@@ -202,19 +202,20 @@ void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const in
     std::vector<float> scratch(G * (2 * Dh + longest));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, g = task % Hkv;
-      decode_attention_task<T>((const T*)q, (const T*)cache, slots, tab + b * max_blocks, len[b], b, g, H, Hkv, Dh,
-                               block_size, scale, (T*)out, scratch.data());
+      decode_attention_task<T>((const T*)q, (const T*)cache, slots, tab + b * max_blocks, len[b], window, b, g, H,
+                               Hkv, Dh, block_size, scale, (T*)out, scratch.data());
     }
   });
 }
 
 void decode_attention(uintptr_t q, uintptr_t cache, bool bf16, int64_t slots, uintptr_t tables, int64_t max_blocks,
                       uintptr_t lens, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size, double scale,
-                      uintptr_t out) {
+                      int64_t window, uintptr_t out) {
   const int64_t* tab = (const int64_t*)tables;
   const int64_t* len = (const int64_t*)lens;
-  if (bf16) decode_attention_impl<uint16_t>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, out);
-  else decode_attention_impl<float>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, out);
+  if (bf16)
+    decode_attention_impl<uint16_t>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out);
+  else decode_attention_impl<float>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out);
 }
 
 void kv_write(uintptr_t k, int64_t k_stride, uintptr_t v, int64_t v_stride, bool bf16, uintptr_t cache, int64_t slots,

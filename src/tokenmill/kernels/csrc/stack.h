@@ -158,10 +158,10 @@ class DecodeStack {
     scratch.resize(G * (2 * Dh_ + longest_));
     const float scale = (float)std::pow((double)Dh_, -0.5);
     if (bf16_) decode_attention_task<uint16_t>((const uint16_t*)q_, (const uint16_t*)layers_[l].cache, slots_,
-                                               tables_ + b * max_blocks_, lens_[b], b, g, H_, Hkv_, Dh_, block_size_,
-                                               scale, (uint16_t*)attn_, scratch.data());
+                                               tables_ + b * max_blocks_, lens_[b], 0, b, g, H_, Hkv_, Dh_,
+                                               block_size_, scale, (uint16_t*)attn_, scratch.data());
     else decode_attention_task<float>((const float*)q_, (const float*)layers_[l].cache, slots_,
-                                      tables_ + b * max_blocks_, lens_[b], b, g, H_, Hkv_, Dh_, block_size_, scale,
+                                      tables_ + b * max_blocks_, lens_[b], 0, b, g, H_, Hkv_, Dh_, block_size_, scale,
                                       (float*)attn_, scratch.data());
   }
 
