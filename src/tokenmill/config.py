@@ -125,7 +125,7 @@ class ModelConfig:
                 num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
                 head_dim=int(head_dim),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope=_rope_from_hf(hf),
+                rope=rope_from_hf(hf),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=attention_bias,
@@ -153,7 +153,7 @@ def _sliding_window(hf: dict[str, Any]) -> int | None:
     return int(window) if int(window) < int(hf.get("max_position_embeddings", 2048)) else None
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     """Merge v5 `rope_parameters` and v4 `rope_theta`/`rope_scaling` into one RopeConfig."""
     params: dict[str, Any] = {}
     v5 = hf.get("rope_parameters")

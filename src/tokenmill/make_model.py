@@ -37,6 +37,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096, rope_theta=10000.0,
         tie_word_embeddings=False, rms_norm_eps=1e-5,
     ),
+    "gemma-3-1b": dict(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window=512, query_pre_attn_scalar=256,
+        tie_word_embeddings=True, rms_norm_eps=1e-6,
+    ),
     "llama-3.2-1b": dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,

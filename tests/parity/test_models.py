@@ -46,6 +46,18 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2-tied": ("gpt2", {}),
     "gpt2-untied-exact-gelu": ("gpt2", dict(tie_word_embeddings=False, activation_function="gelu")),
     "phi3-gqa": ("phi3", {}),
+    # one sliding layer (window 8, its own RoPE base) and one global; scores scaled by 24 ** -0.5, not 16 ** -0.5
+    "gemma3-window8-scalar24": (
+        "gemma3",
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            rope_local_base_freq=100.0,
+        ),
+    ),
+    "gemma3-mqa-untied": ("gemma3", dict(head_dim=32, num_key_value_heads=1, tie_word_embeddings=False)),
     # prompt and generation stay under 64 positions: the short factors (the long ones: test_longrope_past_...)
     "phi3-longrope": ("phi3", dict(rope_scaling=LONGROPE, original_max_position_embeddings=64)),
 }
@@ -249,3 +261,26 @@ def test_longrope_past_the_original_length_matches_transformers_with_a_cache(
             logits = step.logits[0, -1]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == ref
+
+
+def test_the_text_tower_of_a_gemma3_multimodal_checkpoint(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """`Gemma3ForConditionalGeneration` checkpoints (Gemma 3 4B and up): the text model loads, the vision tower
+    is skipped, and text-only logits equal transformers' multimodal model's."""
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=384, max_position_embeddings=512, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], initializer_range=0.1)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    torch.manual_seed(0)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=383)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    hf.save_pretrained(str(tmp_path))
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), dtype="float32")
+    assert llm.loaded.config.architecture == "Gemma3ForConditionalGeneration"
+    ids = llm.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([ids])).logits[0].float()
+    assert (_full_logits(llm, ids) - want).abs().max().item() < FP32_TOL

@@ -17,6 +17,16 @@ from tokenmill import LLM, SamplingParams
 WINDOW = 8
 CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    # Gemma 3: sliding layers between global ones, each kind with its RoPE
+    "gemma3": (
+        "gemma3",
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
 }
 rng = random.Random(0)
 PROMPTS = [[rng.randrange(3, 384) for _ in range(n)] for n in (5, 13, 30, 41)]

@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenmill.errors import ConfigError
 from tokenmill.models.family import ModelFamily
+from tokenmill.models.gemma3 import GEMMA3
 from tokenmill.models.gpt2 import GPT2
 from tokenmill.models.layers import CausalLM
 from tokenmill.models.llama import LLAMA, MISTRAL
@@ -22,6 +23,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     QWEN3,
     PHI3,
     GPT2,
+    GEMMA3,
 )
 
 

@@ -280,6 +280,9 @@ class CausalLM(nn.Module):
     # checkpoint tensors (name suffixes) stored [in, out] (GPT-2's Conv1D), and ones the loader skips
     hf_transposed: tuple[str, ...] = ()
     hf_ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    # checkpoint name prefixes renamed to ours (a multimodal checkpoint's text model), and prefixes skipped
+    hf_renames: tuple[tuple[str, str], ...] = ()
+    hf_skipped_prefixes: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -124,6 +124,9 @@ def load_weights(
     fill = _Fill(model, dtype, device)
     tied_head: PackedWeight | None = None
     for hf_name, tensor, where in tensors:
+        if model.hf_skipped_prefixes and hf_name.startswith(model.hf_skipped_prefixes):
+            continue
+        hf_name = next((new + hf_name[len(old) :] for old, new in model.hf_renames if hf_name.startswith(old)), hf_name)
         if hf_name.endswith(model.hf_ignored) or (cfg.tie_word_embeddings and hf_name == "lm_head.weight"):
             continue
         if hf_layout and hf_name.endswith(model.hf_transposed) and isinstance(tensor, torch.Tensor):
