@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +100,15 @@ class IncrementalDetokenizer:
         return delta
 
 
+_PROBE = "Hello, world! To be, or not to be: 12 ünïcödé 日本語 🙂\n\tdone."
+
+
 def _gguf_tokenizer(path: Path) -> Any:
     """transformers builds a fast tokenizer (with the chat template and BOS/EOS) from the GGUF's metadata. That
     takes seconds for a 150k vocabulary, so the result is kept, keyed by the file's path, size and mtime, in
-    `$TOKENMILL_CACHE_DIR` (default ~/.cache/tokenmill)/gguf-tokenizers."""
+    `$TOKENMILL_CACHE_DIR` (default ~/.cache/tokenmill)/gguf-tokenizers, once a reload of it is checked to
+    tokenize as the original (an architecture's tokenizer class can save what it cannot reload: Gemma's class
+    over a byte-level BPE)."""
     from transformers import AutoTokenizer
 
     stat = path.resolve().stat()
@@ -115,7 +121,17 @@ def _gguf_tokenizer(path: Path) -> Any:
     staging = cached.with_name(f"{key}.{os.getpid()}.tmp")
     try:  # written aside and renamed, so a concurrent reader never sees half a cache entry
         tok.save_pretrained(str(staging))
-        staging.rename(cached)
+        if _same_tokens(tok, AutoTokenizer.from_pretrained(str(staging))):
+            staging.rename(cached)
     except OSError:  # a read-only home, or another process was first: no cache from us, same tokenizer
         pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return tok
+
+
+def _same_tokens(a: Any, b: Any) -> bool:
+    try:
+        return bool(a.encode(_PROBE) == b.encode(_PROBE) and a.chat_template == b.chat_template)
+    except Exception:  # the tokenizers library raises a plain Exception for a token missing from the vocabulary
+        return False

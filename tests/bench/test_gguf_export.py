@@ -29,8 +29,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
     "qwen2-tied": ("qwen2", {"initializer_range": 0.1, "tie_word_embeddings": True}, "qwen2"),
     "qwen3": ("qwen3", {"initializer_range": 0.1}, "qwen3"),
     "gpt2": ("gpt2", {"initializer_range": 0.1}, "gpt2"),
+    "gemma3": (
+        "gemma3",
+        {
+            "initializer_range": 0.1,
+            "head_dim": 16,
+            "num_hidden_layers": 6,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 16,
+        },
+        "gemma3",
+    ),
 }
-LLAMA_SHAPED = [f for f in FAMILIES if f != "gpt2"]
+LLAMA_SHAPED = [f for f in FAMILIES if f not in ("gpt2", "gemma3")]
 PROMPT = "The quick brown fox jumps over the lazy dog. To be, or not to be"
 
 

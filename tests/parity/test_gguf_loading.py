@@ -35,6 +35,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("qwen3", {}),
     "gpt2": ("gpt2", {}),
+    # llama.cpp's gemma3: a global layer every 6th, window 8 (binds here), sliding layers' RoPE base 10000
+    "gemma3": ("gemma3", dict(head_dim=16, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=16)),
 }
 PROMPTS = ["To be, or not to be, that is the question.", "Hello world! The quick brown fox", "Numbers 0 1 2 3"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -57,7 +59,8 @@ def exported(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Temp
 def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V]
     model = llm.loaded.model
     with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), *causal(len(ids))))
+        windows = llm.loaded.config.layer_windows()
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), *causal(len(ids), windows)))
 
 
 def _greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:
@@ -198,7 +201,7 @@ def test_cli_reports_a_bad_gguf_in_one_line(exported: Callable[..., Any], tmp_pa
     assert_one_line_error(run_cli("generate", str(tmp_path / "none.gguf"), "--prompt", "x"), "does not exist")
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2-tied"])
+@pytest.mark.parametrize("case", ["llama", "qwen2-tied", "gemma3"])
 def test_llamacpp_greedy_equals_ours_on_the_same_q8_0_file(exported: Callable[..., Any], case: str) -> None:
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional llamacpp extra) is not installed")
     _, path = exported(case, "q8_0")

@@ -76,6 +76,10 @@ def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16", overrides: di
         rope_factors = None
         if arch_name == "gpt2":
             _write_gpt2_hparams(writer, config)
+        elif arch_name == "gemma3":
+            config = family.normalize_hf(config)  # the text config, RoPE flattened to the global layers'
+            rope_factors = _write_hparams(writer, config, act="gelu_pytorch_tanh")  # GeGLU
+            _write_gemma3_hparams(writer, config)
         else:
             rope_factors = _write_hparams(writer, config)
         _write_vocab(writer, hf_dir, config)
@@ -94,7 +98,7 @@ def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16", overrides: di
     return out_path
 
 
-def _write_hparams(writer: Any, config: dict[str, Any]) -> npt.NDArray[np.float32] | None:
+def _write_hparams(writer: Any, config: dict[str, Any], act: str = "silu") -> npt.NDArray[np.float32] | None:
     """Model hyperparameters; returns llama3's per-frequency RoPE factors (a `rope_freqs` tensor) if needed."""
     import gguf
 
@@ -112,10 +116,11 @@ def _write_hparams(writer: Any, config: dict[str, Any]) -> npt.NDArray[np.float3
     writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
     writer.add_vocab_size(config["vocab_size"])
     window = config.get("sliding_window")
-    if window and config.get("use_sliding_window", True) and window < config["max_position_embeddings"]:
+    windowed = window and config.get("use_sliding_window", True) and window < config["max_position_embeddings"]
+    if windowed and act == "silu":  # (Gemma 3's windows are exported, by _write_gemma3_hparams)
         warnings.warn(f"sliding_window={window} is not exported: llama.cpp attends to the whole context", stacklevel=3)
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported by the GGUF export (silu only)")
+    if config.get("hidden_act", act) != act:
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported by the GGUF export ({act} only)")
     # transformers >= 5 keeps theta and scaling in `rope_parameters`, 4.x in `rope_theta` / `rope_scaling`
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
@@ -143,6 +148,28 @@ def _write_gpt2_hparams(writer: Any, config: dict[str, Any]) -> None:
     writer.add_vocab_size(config["vocab_size"])
     if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"GPT-2 activation {config['activation_function']!r} is not supported by the GGUF export")
+
+
+def _write_gemma3_hparams(writer: Any, config: dict[str, Any]) -> None:
+    """Gemma 3's window and pattern; refuses what llama.cpp's `gemma3` arch fixes otherwise (the sliding layers'
+    RoPE base 10000, scores scaled by head_dim ** -0.5, one global layer every `pattern`)."""
+    from tokenmill.weights.gguf_checkpoint import GEMMA3_LOCAL_ROPE_BASE
+
+    types = config["layer_types"]
+    pattern = next((p for p in range(1, len(types) + 2)
+                    if types == ["full_attention" if (i + 1) % p == 0 else "sliding_attention"
+                                 for i in range(len(types))]), None)  # fmt: skip
+    local = float(config["_rope_local"].get("rope_theta", 10000.0))
+    scalar, head_dim = config.get("query_pre_attn_scalar") or config["head_dim"], config["head_dim"]
+    problems = [what for what, bad in (
+        ("layer_types with one global layer every N", pattern is None),
+        (f"a sliding-layer RoPE base of {GEMMA3_LOCAL_ROPE_BASE:g} (not {local:g})", local != GEMMA3_LOCAL_ROPE_BASE),
+        (f"query_pre_attn_scalar = head_dim = {head_dim} (not {scalar})", scalar != head_dim),
+    ) if bad]  # fmt: skip
+    if problems:
+        raise ValueError(f"this Gemma 3 config has no llama.cpp equivalent; llama.cpp needs {'; '.join(problems)}")
+    writer.add_sliding_window(int(config.get("sliding_window") or config["max_position_embeddings"]))
+    writer.add_sliding_window_pattern(pattern)
 
 
 def _llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> npt.NDArray[np.float32]:
@@ -180,15 +207,23 @@ def _hf_tensors(hf_dir: Path, config: dict[str, Any], arch: str, family: Any) ->
     skipped = ("rotary_emb.inv_freq", *family.model_class.hf_ignored)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+            for original in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                skipped_prefixes, renames = family.model_class.hf_skipped_prefixes, family.model_class.hf_renames
+                if skipped_prefixes and original.startswith(skipped_prefixes):
+                    continue  # a multimodal checkpoint's vision tower
+                hf_name = next(
+                    (new + original[len(old) :] for old, new in renames if original.startswith(old)), original
+                )
                 if hf_name.endswith(skipped) or (tied and hf_name == "lm_head.weight"):
                     continue
                 name = hf_to_gguf(arch, hf_name)
                 if name is None:
                     raise ValueError(f"unexpected tensor {hf_name!r} in {file.name}")
-                data = f.get_tensor(hf_name)
+                data = f.get_tensor(original)
                 if hf_name.endswith(family.model_class.hf_transposed):
                     data = data.t().contiguous()
+                if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp multiplies by w, Gemma by 1 + w
+                    data = data.float() + 1.0
                 if family.gguf_permute_qk and name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight",
                                                               "attn_k.bias")):  # fmt: skip
                     data = _permute(data, n_head if ".attn_q." in name else n_kv)

@@ -171,6 +171,7 @@ GEMMA3 = ModelFamily(
     ("gemma3_text", "gemma3"),
     Gemma3ForCausalLM,
     "Gemma3TextConfig",
+    "GEMMA3",  # GGUF: NeoX RoPE as HF, no Q/K permutation; llama.cpp stores norms as 1 + w (gguf_names.py)
     adapt_config=_gemma3_quirks,
     normalize_hf=_gemma3_config,
     make_fields=_gemma3_make_fields,

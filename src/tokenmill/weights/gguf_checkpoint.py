@@ -27,7 +27,10 @@ from tokenmill.weights.gguf_names import gguf_to_hf
 
 # GGUF `general.architecture` -> the HF architecture whose model code runs it
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "gpt2": "GPT2LMHeadModel"}  # fmt: skip
+              "gpt2": "GPT2LMHeadModel", "gemma3": "Gemma3ForCausalLM"}  # fmt: skip
+# llama.cpp's gemma3 constants that its files do not carry: the sliding layers' RoPE base, and (unless the file
+# says) one global layer in every 6
+GEMMA3_LOCAL_ROPE_BASE, GEMMA3_PATTERN = 10000.0, 6
 DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 BLOCKS = {"Q8_0": "q8_0", "Q4_0": "q4_0"}  # ggml type -> our kernel format, block for block
 DEQUANTIZED = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -111,7 +114,7 @@ class GGUFCheckpoint:
                     "n_inner": int(self._meta("feed_forward_length")),
                     "layer_norm_epsilon": float(self._meta("attention.layer_norm_epsilon")),
                     "activation_function": "gelu_new", "tie_word_embeddings": True}  # fmt: skip
-        return {
+        config = {
             **common,
             "hidden_size": hidden,
             "num_hidden_layers": int(self._meta("block_count")),
@@ -124,6 +127,23 @@ class GGUFCheckpoint:
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
             "rope_parameters": self._rope(),
         }
+        return self._gemma3(config) if self.arch == "gemma3" else config
+
+    def _gemma3(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Gemma 3's own fields, as llama.cpp runs the file: the window, one global layer in `pattern`, the local
+        RoPE base, and attention scaled by head_dim ** -0.5 (by (hidden / heads) ** -0.5 for the 62-layer 27B)."""
+        hidden, heads, head_dim = config["hidden_size"], config["num_attention_heads"], config["head_dim"]
+        scalar = hidden // heads if config["num_hidden_layers"] == 62 else head_dim
+        pattern = self._field(f"{self.arch}.attention.sliding_window_pattern", GEMMA3_PATTERN)
+        n = config["num_hidden_layers"]
+        if isinstance(pattern, list):  # newer files: a flag per layer, true where it slides
+            sliding = [bool(x) for x in pattern]
+        else:
+            sliding = [(i + 1) % int(pattern) != 0 for i in range(n)]
+        return {**config, "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+                "sliding_window": int(self._meta("attention.sliding_window")),
+                "layer_types": ["sliding_attention" if x else "full_attention" for x in sliding],
+                "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE, "query_pre_attn_scalar": scalar}  # fmt: skip
 
     def _rope(self) -> dict[str, Any]:
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self._meta("rope.freq_base", 10000.0))}
@@ -155,6 +175,8 @@ class GGUFCheckpoint:
             if name is None:
                 raise ModelLoadError(f"unexpected tensor {t.name!r} in {self.path} for GGUF arch {self.arch}")
             value = self._value(t, dequantized)
+            if self.arch == "gemma3" and t.name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w
+                value = value.float() - 1.0 if isinstance(value, torch.Tensor) else value
             if self.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight",
                                                           "attn_k.bias")):  # fmt: skip
                 heads = hf_config["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"]

@@ -35,7 +35,16 @@ _GPT2 = {
     "transformer.h.{bid}.mlp.c_fc": "blk.{bid}.ffn_up",
     "transformer.h.{bid}.mlp.c_proj": "blk.{bid}.ffn_down",
 }
-HF_TO_GGUF: dict[str, dict[str, str]] = {"llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "gpt2": _GPT2}
+# Gemma 3: a norm before and after attention and the MLP; llama.cpp stores every norm weight as 1 + w
+_GEMMA3 = {
+    **{k: v for k, v in _DECODER.items() if "post_attention_layernorm" not in k},
+    "model.layers.{bid}.post_attention_layernorm": "blk.{bid}.post_attention_norm",
+    "model.layers.{bid}.pre_feedforward_layernorm": "blk.{bid}.ffn_norm",
+    "model.layers.{bid}.post_feedforward_layernorm": "blk.{bid}.post_ffw_norm",
+}
+HF_TO_GGUF: dict[str, dict[str, str]] = {
+    "llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "gpt2": _GPT2, "gemma3": _GEMMA3,
+}  # fmt: skip
 
 
 def _split(name: str) -> tuple[str, int | None, str]:
