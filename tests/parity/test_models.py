@@ -46,6 +46,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2-tied": ("gpt2", {}),
     "gpt2-untied-exact-gelu": ("gpt2", dict(tie_word_embeddings=False, activation_function="gelu")),
     "phi3-gqa": ("phi3", {}),
+    "phi3-window8": ("phi3", dict(sliding_window=8)),  # Phi-3-mini's window (2047) is real: it binds here
     # one sliding layer (window 8, its own RoPE base) and one global; scores scaled by 24 ** -0.5, not 16 ** -0.5
     "gemma3-window8-scalar24": (
         "gemma3",
