@@ -272,3 +272,29 @@ def test_files_from_llama_quantize_load_what_they_hold(
         assert kind.lower() in gg.loaded.kernels  # (llama-quantize gives Q4_0's output tensor Q6_K)
     if importlib.util.find_spec("llama_cpp") is not None:
         _assert_llamacpp_top1(gg, out)
+
+
+def test_a_tokenizer_that_adds_bos_keeps_adding_it(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """A tokenizer whose post-processor prepends BOS (Llama's): the file says add_bos, and the tokenizer built
+    from it prepends it too."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    ckpt = tmp_path / "bos"
+    src = make_checkpoint("llama", **SPREAD)
+    ckpt.mkdir()
+    for f in src.iterdir():
+        (ckpt / f.name).write_bytes(f.read_bytes())
+    tok = AutoTokenizer.from_pretrained(str(src))
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, bos)]
+    )
+    tok.save_pretrained(str(ckpt))
+    hf = AutoTokenizer.from_pretrained(str(ckpt))
+    assert hf.encode("Hello")[0] == bos  # the premise
+    path = export_gguf(ckpt, tmp_path / "bos.gguf", "f32")
+    assert gguf.GGUFReader(path).fields["tokenizer.ggml.add_bos_token"].contents() is True
+    gg = LLM(str(path))
+    for text in PROMPTS:
+        assert gg.loaded.tokenizer.encode(text) == hf.encode(text)

@@ -65,7 +65,8 @@ def test_unknown_architecture_lists_supported(folder: Path, tmp_path: Path) -> N
     bad = _copy(folder, tmp_path)
     _edit_config(bad, architectures=["FancyNetForCausalLM"])
     with pytest.raises(
-        ConfigError, match="FancyNetForCausalLM.*supported architectures: GPT2LMHeadModel, Gemma3ForCausalLM, .*LlamaForCausalLM"
+        ConfigError,
+        match="FancyNetForCausalLM.*supported architectures: GPT2LMHeadModel, Gemma3ForCausalLM, .*LlamaForCausalLM",
     ):
         LLM(str(bad))
 
