@@ -216,6 +216,12 @@ class EngineConfig:
     pack_weights: bool = False
     compile: bool = False
     threads: int | None = None
+    # speculative decoding (spec_decode/): "ngram" is prompt lookup; off when None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4  # drafts verified per step
+    ngram_prompt_lookup_min: int = 1
+    ngram_prompt_lookup_max: int = 4
+    speculative_disable_by_batch_size: int | None = None  # no drafts while more sequences than this run
 
     def __post_init__(self) -> None:
         choices = {
@@ -237,5 +243,21 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} is invalid: allowed an integer >= 1")
         if self.touch_kv_cache and self.kv_cache != "paged":
             raise ValueError(f"touch_kv_cache needs kv_cache='paged'; kv_cache={self.kv_cache!r} has no pool to touch")
+        self._check_speculation()
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: allowed values > 0")
+
+    def _check_speculation(self) -> None:
+        if self.speculative_model not in (None, "ngram"):
+            raise ValueError(f"speculative_model={self.speculative_model!r} is not supported; allowed: ngram "
+                             "(prompt lookup; draft models are not implemented yet)")  # fmt: skip
+        for name in ("num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",
+                     "speculative_disable_by_batch_size"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} is invalid: allowed an integer >= 1")
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError(f"ngram_prompt_lookup_min={self.ngram_prompt_lookup_min} exceeds "
+                             f"ngram_prompt_lookup_max={self.ngram_prompt_lookup_max}")  # fmt: skip
+        if self.speculative_model is not None and self.kv_cache == "none":
+            raise ValueError("speculative decoding needs a KV cache: use kv_cache paged or contiguous")

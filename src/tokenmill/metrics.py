@@ -45,6 +45,8 @@ class EngineStats:
     num_failed: int = 0  # requests a failure inside the engine ended (the others went on)
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    spec_draft_tokens: int = 0  # speculative drafts verified
+    spec_accepted_tokens: int = 0  # of which the target kept
     recent_steps: deque[StepStats] = field(default_factory=lambda: deque(maxlen=1024))
 
     def record(self, step: StepStats) -> None:
@@ -76,6 +78,8 @@ class EngineSnapshot:
     num_completed: int = 0
     num_aborted: int = 0
     num_failed: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -165,6 +169,12 @@ class _EngineCollector:
                       s.prefix_cache_queries)  # fmt: skip
         yield counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("tokenmill:num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions)
+        # vLLM's names for speculative decoding: drafts verified, drafts kept, and their ratio
+        yield counter("tokenmill:spec_decode_num_draft_tokens", "Speculative drafts verified.", s.spec_draft_tokens)
+        yield counter("tokenmill:spec_decode_num_accepted_tokens", "Speculative drafts the target kept.",
+                      s.spec_accepted_tokens)  # fmt: skip
+        rate = s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0
+        yield gauge("tokenmill:spec_decode_draft_acceptance_rate", "Kept / verified speculative drafts.", rate)
         yield gauge("tokenmill:process_cpu_percent", "CPU use of this process since the last scrape.",
                     self.process.cpu_percent(None))  # fmt: skip
         yield gauge("tokenmill:process_rss_bytes", "Resident memory of this process.", self.process.memory_info().rss)

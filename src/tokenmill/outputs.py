@@ -38,6 +38,8 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or shared with a sibling sample)
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative drafts verified for this request
+    num_accepted_tokens: int = 0  # of which the target kept
     token_times: list[float] = field(default_factory=list)  # when each generated token appeared
 
     @property

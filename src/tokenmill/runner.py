@@ -15,9 +15,11 @@ import os
 
 import torch
 
+from tokenmill import spec_decode
 from tokenmill.attention import KVBackend
 from tokenmill.models import CausalLM
 from tokenmill.models.decode_stack import DecodeStack
+from tokenmill.outputs import Logprobs
 from tokenmill.sampling import Sampler, SamplingBatch, topk_logprobs
 from tokenmill.types import ModelInput, RunnerOutput, SequenceInput
 
@@ -66,14 +68,15 @@ class ModelRunner:
         seqs += [s for s in batch.sequences if s.num_new_tokens != 1]
         input_ids: list[int] = []
         positions: list[int] = []
-        sample_rows: list[int] = []  # flattened index of the last token of each sequence that samples
+        sample_rows: list[int] = []  # flattened rows that sample: each sampling sequence's last known token + drafts
         prompt_rows: list[tuple[SequenceInput, int]] = []  # (sequence, flat index of its first scored position)
         for s in seqs:
             offset = len(input_ids)
             input_ids += s.token_ids
             positions += range(s.start, s.seq_len)
             if s.sampling is not None:
-                sample_rows.append(len(input_ids) - 1)
+                num_drafts = len(s.sampling.draft_token_ids)
+                sample_rows += range(len(input_ids) - 1 - num_drafts, len(input_ids))
             if s.prompt_logprobs is not None:
                 prompt_rows.append((s, offset + s.prompt_logprobs.first - s.start))
 
@@ -96,21 +99,40 @@ class ModelRunner:
         sampling = [s for s in seqs if s.sampling is not None]
         if sampling:
             if all_logits is None:
-                logits = self.model.compute_logits(hidden[sample_rows])  # [B, V] float32
+                logits = self.model.compute_logits(hidden[sample_rows])  # [R, V] float32
             elif len(sample_rows) == len(all_logits):  # every row samples (one per decode): no gather
                 logits = all_logits
             else:
                 logits = all_logits[sample_rows]
-            inputs = [s.sampling for s in sampling if s.sampling is not None]
-            sbatch = SamplingBatch.build(
-                [i.params for i in inputs],
-                [i.prompt_token_ids for i in inputs],
-                [i.output_token_ids for i in inputs],
-                [self._generator(s) for s in sampling],
-                [i.suppressed_token_ids for i in inputs],
-                self.device,
-            )
-            result = self.sampler(logits, sbatch)
-            for s, tok, lp in zip(sampling, result.token_ids, result.logprobs):
-                out.sampled[s.request_id] = (tok, lp)
+            self._sample(sampling, logits, out)
         return out
+
+    def _sample(self, sampling: list[SequenceInput], logits: torch.Tensor, out: RunnerOutput) -> None:
+        """Sample every row (a sequence's last known token, then one row per draft), then keep each sequence's
+        drafts while they equal the target's own samples (spec_decode/ says why that is lossless)."""
+        params, prompts, outputs, generators, suppressed = [], [], [], [], []
+        for s in sampling:
+            inp = s.sampling
+            assert inp is not None
+            gen = self._generator(s)
+            for j in range(len(inp.draft_token_ids) + 1):  # row j samples after the first j drafts
+                params.append(inp.params)
+                prompts.append(inp.prompt_token_ids)
+                outputs.append(inp.output_token_ids + list(inp.draft_token_ids[:j]) if j else inp.output_token_ids)
+                generators.append(gen)
+                suppressed.append(inp.suppressed_token_ids[j])
+        batch = SamplingBatch.build(params, prompts, outputs, generators, suppressed, self.device)
+        result = self.sampler(logits, batch)
+        row = 0
+        for s in sampling:
+            drafts = s.sampling.draft_token_ids if s.sampling is not None else ()
+            kept: list[tuple[int, Logprobs | None]] = []
+            for j in range(len(drafts) + 1):
+                token, logprobs = result.token_ids[row + j], result.logprobs[row + j]
+                if j < len(drafts) and spec_decode.keeps(token, drafts[j]):
+                    kept.append((drafts[j], logprobs))  # the next row was computed after this draft
+                    continue
+                kept.append((token, logprobs))  # the target's own token ends the run
+                break
+            out.sampled[s.request_id] = kept
+            row += len(drafts) + 1

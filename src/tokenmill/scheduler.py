@@ -39,7 +39,7 @@ class _Plan:
     """A step's decisions while they are being made; frozen into a SchedulerOutput at the end."""
 
     budget: int
-    scheduled: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, num_new)
+    scheduled: list[tuple[Request, int, int, list[int]]] = field(default_factory=list)  # (req, start, new, drafts)
     preempted: list[str] = field(default_factory=list)
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
 
@@ -81,24 +81,31 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted earlier in this loop
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, plan.budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            num_new = min(remaining, plan.budget)
             if num_new <= 0:
                 continue
-            if not self._allocate_running(req, num_new, plan):
+            # drafts ride along when every known token fits; they take budget and unhashed lookahead slots
+            drafts = req.spec_token_ids[: plan.budget - num_new] if num_new == remaining else []
+            if not self._allocate_running(req, num_new, plan, len(drafts)):
                 continue
-            plan.scheduled.append((req, req.num_computed_tokens, num_new))
-            plan.budget -= num_new
+            plan.scheduled.append((req, req.num_computed_tokens, num_new, drafts))
+            plan.budget -= num_new + len(drafts)
         if not plan.preempted and not (self.config.batching == "static" and self.running):
             self._admit_waiting(plan)
         scheduled = [
-            ScheduledRequest(req.request_id, start, num_new, self.kv.block_table(req.request_id))
-            for req, start, num_new in plan.scheduled
+            ScheduledRequest(
+                req.request_id, start, num_new + len(drafts), self.kv.block_table(req.request_id), tuple(drafts)
+            )
+            for req, start, num_new, drafts in plan.scheduled
         ]
         return SchedulerOutput(scheduled, plan.preempted, plan.num_cached_tokens)
 
-    def _allocate_running(self, req: Request, num_new: int, plan: _Plan) -> bool:
+    def _allocate_running(self, req: Request, num_new: int, plan: _Plan, num_drafts: int = 0) -> bool:
         """Reserve blocks for `req`, preempting from the back of the running queue until it fits."""
-        while not self.kv.allocate_slots(req.request_id, req.all_token_ids, req.num_computed_tokens, num_new):
+        while not self.kv.allocate_slots(
+            req.request_id, req.all_token_ids, req.num_computed_tokens, num_new, num_lookahead_tokens=num_drafts
+        ):
             victim = self.running[-1]
             self._preempt(victim, plan)
             if victim is req:
@@ -130,7 +137,7 @@ class Scheduler:
                 break  # no room: it waits; running requests are never preempted for newcomers
             self.waiting.remove(req)
             self.running.append(req)
-            plan.scheduled.append((req, num_cached, num_new))
+            plan.scheduled.append((req, num_cached, num_new, []))
             plan.num_cached_tokens[req.request_id] = num_cached
             plan.budget -= num_new
 

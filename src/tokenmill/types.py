@@ -54,6 +54,7 @@ class Request:
     logprobs: list[Logprobs] | None = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[Logprobs | None] | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed to follow the known tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,8 +98,9 @@ class Request:
 class ScheduledRequest:
     request_id: str
     num_computed_tokens: int  # tokens already in the KV cache when this step starts (a prefix hit, for a new one)
-    num_new_tokens: int  # computed this step
+    num_new_tokens: int  # computed this step (the drafts included)
     block_table: list[int]  # the request's KV block ids after this step's allocation ([] without paging)
+    spec_token_ids: tuple[int, ...] = ()  # drafts computed after the request's known tokens, verified this step
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,9 @@ class SamplingInput:
     seed: int | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    suppressed_token_ids: list[int]  # may not be sampled now (stop tokens before min_tokens)
+    # per sampled position (1 + the drafts): ids that may not be sampled there (stop tokens before min_tokens)
+    suppressed_token_ids: list[list[int]]
+    draft_token_ids: tuple[int, ...] = ()  # proposed to follow; position j samples after drafts [0, j)
 
 
 @dataclass(frozen=True)
@@ -164,5 +168,6 @@ class ModelInput:
 # -- runner -> core -------------------------------------------------------------------------------------------
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, tuple[int, Logprobs | None]] = field(default_factory=dict)  # request id -> token
+    # request id -> its new tokens: the drafts the target kept, then one token of the target's own
+    sampled: dict[str, list[tuple[int, Logprobs | None]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)  # request id -> new entries

@@ -26,6 +26,7 @@ from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.spec_decode import NgramProposer
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.types import (
     EngineRequest,
@@ -51,8 +52,11 @@ class EngineCore:
         vocab_size: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        proposer: NgramProposer | None = None,
+        spec_off_above: int | None = None,
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
+        self.proposer, self.spec_off_above = proposer, spec_off_above  # speculative decoding (spec_decode/)
         self.kv: KVManager = scheduler.kv
         self.output = OutputProcessor(tokenizer)
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
@@ -81,7 +85,13 @@ class EngineCore:
             SchedulerConfig(cfg.max_num_seqs, budget, chunked, cfg.scheduling_policy, cfg.batching), kv
         )
         runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed)
-        return cls(runner, scheduler, loaded.tokenizer, model_cfg.vocab_size, max_len, loaded.eos_token_ids)
+        proposer = None
+        if cfg.speculative_model == "ngram":
+            proposer = NgramProposer(
+                cfg.num_speculative_tokens, cfg.ngram_prompt_lookup_min, cfg.ngram_prompt_lookup_max
+            )
+        return cls(runner, scheduler, loaded.tokenizer, model_cfg.vocab_size, max_len, loaded.eos_token_ids,
+                   proposer, cfg.speculative_disable_by_batch_size)  # fmt: skip
 
     # -- what the callers see ---------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -189,6 +199,8 @@ class EngineCore:
             num_completed=self.stats.num_completed,
             num_aborted=self.stats.num_aborted,
             num_failed=self.stats.num_failed,
+            spec_draft_tokens=self.stats.spec_draft_tokens,
+            spec_accepted_tokens=self.stats.spec_accepted_tokens,
         )
 
     # -- one step ---------------------------------------------------------------------------------------------
@@ -205,6 +217,7 @@ class EngineCore:
         if failed:  # those requests end with their error; the rest of the step stands
             so = replace(so, scheduled=[s for s in so.scheduled if s.request_id not in failed])
         outputs = self.update_from_output(so, result, start) + self._fail(failed)
+        self._propose()
         self.stats.record(
             StepStats(
                 batch_size=len(so.scheduled),
@@ -255,11 +268,15 @@ class EngineCore:
         return ModelInput([self._sequence_input(self._seqs[s.request_id], s) for s in so.scheduled])
 
     def _sequence_input(self, req: Request, s: ScheduledRequest) -> SequenceInput:
-        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+        drafts = list(s.spec_token_ids)
+        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens - len(drafts)  # known tokens
         sampling = None
         if end == req.num_tokens:
-            suppressed = req.stop_ids_active() if len(req.output_token_ids) < req.params.min_tokens else []
-            sampling = SamplingInput(req.params, req.seed, req.prompt_token_ids, req.output_token_ids, suppressed)
+            num_out, min_tokens = len(req.output_token_ids), req.params.min_tokens
+            stop = req.stop_ids_active() if num_out < min_tokens else []
+            suppressed = [stop if num_out + j < min_tokens else [] for j in range(len(drafts) + 1)]
+            sampling = SamplingInput(req.params, req.seed, req.prompt_token_ids, req.output_token_ids, suppressed,
+                                     tuple(drafts))  # fmt: skip
         prompt_logprobs = None
         if req.prompt_logprobs is not None:
             # position p scores prompt token p+1; skip positions already scored (recompute mode)
@@ -270,7 +287,7 @@ class EngineCore:
                 prompt_logprobs = PromptLogprobsInput(first, num, req.params.prompt_logprobs or 0, targets)
         return SequenceInput(
             request_id=req.request_id,
-            token_ids=req.token_ids_between(start, end),
+            token_ids=req.token_ids_between(start, end) + drafts,
             start=start,
             block_table=s.block_table,
             max_num_tokens=req.num_prompt_tokens + req.max_tokens,
@@ -295,11 +312,22 @@ class EngineCore:
         for s in so.scheduled:
             req = self._seqs[s.request_id]
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or scheduled_at or now
-            req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens if retains_kv else 0
+            new_tokens = result.sampled.get(req.request_id, [])
+            num_drafts = len(s.spec_token_ids)
+            accepted = max(len(new_tokens) - 1, 0) if num_drafts else 0  # kept drafts: their keys/values stand
+            computed = s.num_computed_tokens + s.num_new_tokens - num_drafts + accepted
+            req.num_computed_tokens = computed if retains_kv else 0
             if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:
                 req.prompt_logprobs += result.prompt_logprobs[req.request_id]
-            if req.request_id in result.sampled:
-                self._append_token(req, *result.sampled[req.request_id], now)
+            if num_drafts:
+                req.metrics.num_draft_tokens += num_drafts
+                req.metrics.num_accepted_tokens += accepted
+                self.stats.spec_draft_tokens += num_drafts
+                self.stats.spec_accepted_tokens += accepted
+            for token, logprobs in new_tokens:
+                self._append_token(req, token, logprobs, now)
+                if req.finished:  # a stop inside an accepted run: the rest is dropped
+                    break
         parents = list(dict.fromkeys(self._seqs[s.request_id].parent_id for s in so.scheduled))
         for parent_id in parents:
             for req in self.requests[parent_id]:
@@ -339,6 +367,20 @@ class EngineCore:
                 req.finish_reason, req.stop_reason = "stop", token
         if not req.finished and (len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len):
             req.finish_reason = "length"
+
+    def _propose(self) -> None:
+        """Drafts for every running sequence that decodes next step (none above `spec_off_above` running)."""
+        if self.proposer is None:
+            return
+        running = self.scheduler.running
+        off = self.spec_off_above is not None and len(running) > self.spec_off_above
+        for req in running:
+            req.spec_token_ids = []
+            if off or req.finished or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            # each kept draft and the token after them are outputs: stay inside max_tokens and the context
+            limit = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
+            req.spec_token_ids = self.proposer.propose(req.all_token_ids, limit)
 
     def _release(self, req: Request) -> None:
         req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()

@@ -145,6 +145,9 @@ async def generate(body: GenerateRequest, state: State, engine: Engine) -> Strea
             "rss_start_mb": rss_start,
             "peak_rss_mb": max(peak_rss_mb(), rss_start, rss_end),
             "rss_end_mb": rss_end,
+            # speculative decoding: drafts verified and kept for this request (0 and 0 when off)
+            "spec_draft_tokens": m.num_draft_tokens,
+            "spec_accepted_tokens": m.num_accepted_tokens,
         }
         yield sse(done, event="done")
 
