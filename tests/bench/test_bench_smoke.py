@@ -100,7 +100,7 @@ def test_throughput(model: Path, tmp_path: Path) -> None:
     assert_positive(s, "output_tokens_per_sec", "total_tokens_per_sec", "requests_per_sec", "duration_s")
 
 
-@pytest.mark.parametrize("experiment", ["kv_cache", "prompt_length", "switches"])
+@pytest.mark.parametrize("experiment", ["kv_cache", "prompt_length", "switches", "spec_decode"])
 def test_sweep(model: Path, tmp_path: Path, experiment: str) -> None:
     run = bench(
         "sweep",
@@ -119,13 +119,21 @@ def test_sweep(model: Path, tmp_path: Path, experiment: str) -> None:
         "2",
         "--num-prompts",
         "3",
+        "--grounded-text",
+        str(Path(__file__).parent.parent / "data" / "demo_val.txt"),
+        "--spec-k",
+        "0,3",
         "--output-dir",
         str(tmp_path),
     )
     assert_run_folder(run)
     rows = json.loads((run / "summary/summary.json").read_text())
-    expected = {"kv_cache": 4, "prompt_length": 2, "switches": 5}[experiment]
+    expected = {"kv_cache": 4, "prompt_length": 2, "switches": 5, "spec_decode": 2}[experiment]
     assert len(rows) == expected
+    if experiment == "spec_decode":  # k = 0 drafts nothing: its acceptance rate is 0
+        assert [r["k"] for r in rows] == [0, 3] and rows[0]["acceptance_rate"] == 0
+        assert all(r["tg_tokens_per_sec"] > 0 and r["tokens_per_decode_step"] >= 1 for r in rows)
+        return
     for row in rows:
         assert_positive(row, *[k for k, v in row.items() if isinstance(v, float)])
 

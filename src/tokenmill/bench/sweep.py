@@ -5,6 +5,8 @@
 - prompt_length: prefill time for growing prompts with the output length held fixed (warmup + trials each)
 - quantization:  each weight mode that exists (today: none)
 - switches:      each engine switch on/off on an offline workload (batching, chunked prefill, prefix caching, kv store)
+- spec_decode:   batch-1 decode with prompt-lookup speculation, k = 0 (off), 2, 4, 6 drafts, on an input-grounded
+                 workload: a passage of --grounded-text, then its opening again, to be continued
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tokenmill.bench.store import Run
 from tokenmill.bench.throughput import measure as measure_throughput
 from tokenmill.config import QUANTIZATION_MODES
 
-EXPERIMENTS = ("threads", "kv_cache", "prompt_length", "quantization", "switches")
+EXPERIMENTS = ("threads", "kv_cache", "prompt_length", "quantization", "switches", "spec_decode")
 SWITCHES: list[tuple[str, dict[str, Any]]] = [
     ("baseline (defaults)", {}),
     ("batching=static", {"batching": "static"}),
@@ -164,12 +166,52 @@ def _switches(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str, An
     return rows
 
 
+def _spec_decode(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str, Any]]:
+    """tg tokens/s, draft acceptance and tokens per decode step for each k, the same greedy prompts for all."""
+    from tokenmill import LLM, SamplingParams
+
+    prompts = _grounded_prompts(args, LLM(args.model, **kw).tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
+    rows = []
+    for k in _ints(args.spec_k):
+        spec = {"speculative_model": "ngram", "num_speculative_tokens": k} if k else {"speculative_model": None}
+        llm = LLM(args.model, **{**kw, **spec, "enable_prefix_caching": False})
+        llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(temperature=0, max_tokens=4))  # warmup
+        tg, drafted, kept, per_step = [], 0, 0, []
+        for ids in prompts:
+            steps = llm.engine.stats.num_steps
+            m = llm.generate([{"prompt_token_ids": ids}], params)[0].metrics
+            assert m is not None
+            tg.append(m.decode_tokens_per_sec or 0.0)
+            drafted, kept = drafted + m.num_draft_tokens, kept + m.num_accepted_tokens
+            decode_steps = llm.engine.stats.num_steps - steps - 1  # the first step is the prefill
+            per_step.append((m.num_generated_tokens - 1) / max(decode_steps, 1))
+        rate = kept / drafted if drafted else 0.0
+        rows.append({"k": k, "tg_tokens_per_sec": summarize(tg)["mean"], "acceptance_rate": rate,
+                     "tokens_per_decode_step": summarize(per_step)["mean"], "prompts": len(prompts)})  # fmt: skip
+    return rows
+
+
+def _grounded_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    """--num-prompts passages of --prompt-tokens from --grounded-text, each followed by its first quarter again:
+    a continuation that can copy from its input, as editing or quoting does."""
+    if not args.grounded_text:
+        raise ValueError("--experiment spec_decode needs --grounded-text FILE (a text to quote from)")
+    ids = tokenizer.encode(Path(args.grounded_text).read_text(), add_special_tokens=False)
+    n = args.prompt_tokens
+    if len(ids) < 2 * n:
+        raise ValueError(f"--grounded-text has {len(ids)} tokens; --prompt-tokens {n} needs at least {2 * n}")
+    starts = random.Random(args.seed).sample(range(len(ids) - n), args.num_prompts)
+    return [ids[s : s + n] + ids[s : s + n // 4] for s in starts]
+
+
 RUNNERS = {
     "threads": _threads,
     "kv_cache": _kv_cache,
     "prompt_length": _prompt_length,
     "quantization": _quantization,
     "switches": _switches,
+    "spec_decode": _spec_decode,
 }
 PLOTS = {
     "threads": ("threads", ["pp_tokens_per_sec", "tg_tokens_per_sec"]),
@@ -177,6 +219,7 @@ PLOTS = {
     "prompt_length": ("prompt_tokens", ["prefill_ms_mean"]),
     "quantization": ("quantization", ["tg_tokens_per_sec"]),
     "switches": ("config", ["output_tokens_per_sec"]),
+    "spec_decode": ("k", ["tg_tokens_per_sec"]),
 }
 
 
@@ -226,7 +269,7 @@ def _plot(run: Run, experiment: str, rows: list[dict[str, Any]]) -> None:
 
 
 def add_sweep_parser(sub: Any, engine_args: Any) -> None:
-    p = sub.add_parser("sweep", help="experiments: threads, kv_cache, prompt_length, quantization, switches")
+    p = sub.add_parser("sweep", help="experiments: " + ", ".join(EXPERIMENTS))
     engine_args(p)
     p.add_argument("--experiment", choices=EXPERIMENTS, required=True)
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -236,5 +279,7 @@ def add_sweep_parser(sub: Any, engine_args: Any) -> None:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--num-prompts", type=int, default=16, help="switches: prompts per workload")
     p.add_argument("--quality-text", default=None, help="quantization: text for top-1 agreement and perplexity")
+    p.add_argument("--grounded-text", default=None, help="spec_decode: the text prompts quote from")
+    p.add_argument("--spec-k", default="0,2,4,6", help="spec_decode: drafts per step (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench-results")
