@@ -62,23 +62,25 @@ class ModelRunner:
             s.start == 0 and s.token_ids[0] == self.fault_token for s in batch.sequences
         ):
             raise (InjectedFatalFault if self.fault_fatal else InjectedFault)(f"injected fault at {self.fault_token}")
+        runs, rows_of = _split_drafts(batch.sequences)
         # one-token sequences first: a backend may attend to them in one batched call
-        seqs = [s for s in batch.sequences if s.num_new_tokens == 1]
+        seqs = [s for s in runs if s.num_new_tokens == 1]
         num_decodes = len(seqs)
-        seqs += [s for s in batch.sequences if s.num_new_tokens != 1]
+        seqs += [s for s in runs if s.num_new_tokens != 1]
         input_ids: list[int] = []
         positions: list[int] = []
-        sample_rows: list[int] = []  # flattened rows that sample: each sampling sequence's last known token + drafts
+        flat_rows: dict[tuple[str, int], int] = {}  # (request id, j) -> flattened row sampling its position j
         prompt_rows: list[tuple[SequenceInput, int]] = []  # (sequence, flat index of its first scored position)
         for s in seqs:
             offset = len(input_ids)
             input_ids += s.token_ids
             positions += range(s.start, s.seq_len)
-            if s.sampling is not None:
-                num_drafts = len(s.sampling.draft_token_ids)
-                sample_rows += range(len(input_ids) - 1 - num_drafts, len(input_ids))
+            for j, row in rows_of.get(id(s), ()):  # the rows of this run that sample (see _split_drafts)
+                flat_rows[s.request_id, j] = offset + row
             if s.prompt_logprobs is not None:
                 prompt_rows.append((s, offset + s.prompt_logprobs.first - s.start))
+        sampling = [s for s in batch.sequences if s.sampling is not None]
+        sample_rows = [flat_rows[s.request_id, j] for s in sampling for j in range(_num_drafts(s) + 1)]
 
         meta = self.kv.prepare(seqs, num_decodes)
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
@@ -96,11 +98,10 @@ class ModelRunner:
             logprobs = self.model.compute_logits(hidden[row : row + plp.count]).log_softmax(dim=-1)  # [count, V]
             targets = torch.tensor(plp.target_token_ids, device=self.device)
             out.prompt_logprobs[s.request_id] = topk_logprobs(logprobs, targets, [plp.num_top] * plp.count)
-        sampling = [s for s in seqs if s.sampling is not None]
         if sampling:
             if all_logits is None:
                 logits = self.model.compute_logits(hidden[sample_rows])  # [R, V] float32
-            elif len(sample_rows) == len(all_logits):  # every row samples (one per decode): no gather
+            elif sample_rows == list(range(len(all_logits))):  # every row samples, in order: no gather
                 logits = all_logits
             else:
                 logits = all_logits[sample_rows]
@@ -136,3 +137,31 @@ class ModelRunner:
                 break
             out.sampled[s.request_id] = kept
             row += len(drafts) + 1
+
+
+def _num_drafts(s: SequenceInput) -> int:
+    return len(s.sampling.draft_token_ids) if s.sampling is not None else 0
+
+
+def _split_drafts(
+    sequences: list[SequenceInput],
+) -> tuple[list[SequenceInput], dict[int, list[tuple[int, int]]]]:
+    """The sequences to run, and for each (by id) its rows that sample: [(j, row within it)], j = 0 being the last
+    known token and j > 0 the drafts. A decode with k drafts runs as k + 1 one-token sequences over the same
+    blocks (row j at position start + j, its context ending there): verification is then a plain decode step,
+    in one batched attention call and, for a Llama-shaped model, the decode stack. Every row's keys and values
+    are written before any row attends, so row j sees the drafts before it."""
+    runs: list[SequenceInput] = []
+    rows_of: dict[int, list[tuple[int, int]]] = {}
+    for s in sequences:
+        k = _num_drafts(s)
+        if k and s.num_new_tokens == k + 1:
+            for j, token in enumerate(s.token_ids):
+                run = SequenceInput(s.request_id, [token], s.start + j, s.block_table, s.max_num_tokens, None)
+                runs.append(run)
+                rows_of[id(run)] = [(j, 0)]
+        else:
+            runs.append(s)
+            if s.sampling is not None:
+                rows_of[id(s)] = [(j, s.num_new_tokens - 1 - k + j) for j in range(k + 1)]
+    return runs, rows_of

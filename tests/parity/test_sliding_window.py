@@ -66,8 +66,9 @@ def _run(folder: Path, **engine: Any) -> list[list[int]]:
         {"num_kv_blocks": 18, "block_size": 4},  # preemption by recompute
         {"kv_cache": "contiguous"},
         {"kv_cache": "none", "enable_prefix_caching": False},
+        {"speculative_model": "ngram", "num_speculative_tokens": 3},  # drafts verified as decode rows
     ],
-    ids=["batched", "no-kernels", "chunked", "preempted", "contiguous", "no-cache"],
+    ids=["batched", "no-kernels", "chunked", "preempted", "contiguous", "no-cache", "speculative"],
 )
 def test_windowed_greedy_equals_transformers(windowed: tuple[Path, list[list[int]]], engine: dict[str, Any]) -> None:
     folder, want = windowed
