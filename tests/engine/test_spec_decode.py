@@ -28,7 +28,8 @@ PROMPTS = [
     for i in range(12)
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-SPEC = dict(speculative_model="ngram", num_speculative_tokens=4)
+# drafts for every running sequence (the default switches them off above 4)
+SPEC: dict[str, Any] = dict(speculative_model="ngram", num_speculative_tokens=4, speculative_disable_by_batch_size=64)
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +91,9 @@ def test_stop_strings_n_and_prefix_hits_land_where_they_would(folder: Path) -> N
 
 
 def test_auto_off_above_a_batch_size(folder: Path) -> None:
-    busy, _ = _run(folder, PROMPTS[:4], GREEDY, **SPEC, speculative_disable_by_batch_size=3)
+    busy, _ = _run(folder, PROMPTS[:4], GREEDY, **{**SPEC, "speculative_disable_by_batch_size": 3})
     assert busy.engine.stats.spec_draft_tokens == 0  # four run together, all the way
-    alone, _ = _run(folder, PROMPTS[:1], GREEDY, **SPEC, speculative_disable_by_batch_size=3)
+    alone, _ = _run(folder, PROMPTS[:1], GREEDY, **{**SPEC, "speculative_disable_by_batch_size": 3})
     assert alone.engine.stats.spec_draft_tokens > 0
 
 

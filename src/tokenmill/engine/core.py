@@ -53,7 +53,7 @@ class EngineCore:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         proposer: NgramProposer | None = None,
-        spec_off_above: int | None = None,
+        spec_off_above: int | None = None,  # no drafts while more sequences than this run
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
         self.proposer, self.spec_off_above = proposer, spec_off_above  # speculative decoding (spec_decode/)
