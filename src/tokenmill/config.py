@@ -216,7 +216,8 @@ class EngineConfig:
     pack_weights: bool = False
     compile: bool = False
     threads: int | None = None
-    # speculative decoding (spec_decode/): "ngram" is prompt lookup; off when None
+    # speculative decoding (spec_decode/): "ngram" (prompt lookup), or a draft model (a folder, hub id or .gguf
+    # with the same tokenizer); off when None
     speculative_model: str | None = None
     num_speculative_tokens: int = 4  # drafts verified per step
     ngram_prompt_lookup_min: int = 1
@@ -250,9 +251,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: allowed values > 0")
 
     def _check_speculation(self) -> None:
-        if self.speculative_model not in (None, "ngram"):
-            raise ValueError(f"speculative_model={self.speculative_model!r} is not supported; allowed: ngram "
-                             "(prompt lookup; draft models are not implemented yet)")  # fmt: skip
         for name in ("num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",
                      "speculative_disable_by_batch_size"):  # fmt: skip
             value = getattr(self, name)

@@ -1,6 +1,6 @@
-"""Speculative decoding with the n-gram proposer: greedy output is token for token the same, sampling keeps the
-target's distribution (a chi-square test that a broken acceptance rule fails), and the KV pool comes back
-whole after any mix of kept and rejected drafts, aborts and preemptions."""
+"""Speculative decoding, with prompt lookup and with a draft model: greedy output is token for token the same,
+sampling keeps the target's distribution (a chi-square test that a broken acceptance rule fails), and the KV
+pools come back whole after any mix of kept and rejected drafts, aborts and preemptions."""
 
 from __future__ import annotations
 
@@ -97,9 +97,11 @@ def test_auto_off_above_a_batch_size(folder: Path) -> None:
     assert alone.engine.stats.spec_draft_tokens > 0
 
 
-def test_bad_settings_are_one_clear_error() -> None:
-    with pytest.raises(ValueError, match="speculative_model='draft.gguf' is not supported; allowed: ngram"):
-        LLM("x", speculative_model="draft.gguf")
+def test_bad_settings_are_one_clear_error(folder: Path, tmp_path: Path) -> None:
+    from tokenmill.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(folder), dtype="float32", speculative_model=str(tmp_path / "draft.gguf"))
     with pytest.raises(ValueError, match="needs a KV cache"):
         LLM("x", speculative_model="ngram", kv_cache="none")
     with pytest.raises(ValueError, match="ngram_prompt_lookup_min=3 exceeds"):
@@ -182,3 +184,44 @@ def test_the_pool_comes_back_whole(folder: Path, seed: int, aborts: list[int], t
         engine.kv.check_integrity()
     assert not engine.has_unfinished()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+# -- draft models ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def draft(make_checkpoint: Callable[..., Path]) -> Path:
+    """A smaller model with the same tokenizer (its own random weights: it rarely guesses right)."""
+    return make_checkpoint("llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64, seed=1)
+
+
+@pytest.mark.parametrize("which", ["itself", "smaller"])
+def test_a_draft_model_changes_no_greedy_token(folder: Path, draft: Path, which: str) -> None:
+    """The target as its own draft guesses every token (all drafts kept); a random smaller one guesses none.
+    Either way the output is the same, and both KV pools come back whole."""
+    model = str(folder) if which == "itself" else str(draft)
+    prompts = [p[:9] for p in PROMPTS[:6]]
+    _, want = _run(folder, prompts, GREEDY)
+    llm, got = _run(folder, prompts, GREEDY, **{**SPEC, "speculative_model": model, "num_speculative_tokens": 3})
+    assert [g[0].token_ids for g in got] == [w[0].token_ids for w in want]
+    stats, pool = llm.engine.stats, llm.engine.proposer.kv  # type: ignore[union-attr]
+    assert stats.spec_draft_tokens > 0
+    if which == "itself":
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+    assert pool.num_free_blocks == pool.num_blocks  # the draft's pool too
+
+
+def test_a_draft_model_keeps_the_target_distribution(folder: Path) -> None:
+    prompt = list(range(3, 384))
+    random.Random(1).shuffle(prompt)
+    spec = _chi_square(folder, prompt, **{**SPEC, "speculative_model": str(folder), "num_speculative_tokens": 2})
+    assert spec < CHI2_DF8_P001, spec
+
+
+def test_a_draft_with_another_tokenizer_is_refused(folder: Path, tmp_path: Path) -> None:
+    from tests.conftest import build_tokenizer
+    from tokenmill.make_model import hf_config, write_checkpoint
+
+    other = write_checkpoint(hf_config("llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=320),
+                             build_tokenizer(tmp_path / "tok", vocab_size=300), tmp_path / "other")  # fmt: skip
+    with pytest.raises(ValueError, match="another tokenizer"):
+        LLM(str(folder), dtype="float32", speculative_model=str(other))

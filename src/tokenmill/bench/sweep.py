@@ -5,8 +5,9 @@
 - prompt_length: prefill time for growing prompts with the output length held fixed (warmup + trials each)
 - quantization:  each weight mode that exists (today: none)
 - switches:      each engine switch on/off on an offline workload (batching, chunked prefill, prefix caching, kv store)
-- spec_decode:   batch-1 decode with prompt-lookup speculation, k = 0 (off), 2, 4, 6 drafts, on an input-grounded
-                 workload: a passage of --grounded-text, then its opening again, to be continued
+- spec_decode:   batch-1 decode with speculation (prompt lookup, or the draft model --speculative-model names),
+                 k = 0 (off), 2, 4, 6 drafts, on an input-grounded workload: a passage of --grounded-text, then
+                 its opening again, to be continued
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ def _spec_decode(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str,
     params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
     rows = []
     for k in _ints(args.spec_k):
-        spec = {"speculative_model": "ngram", "num_speculative_tokens": k} if k else {"speculative_model": None}
+        proposer = kw.get("speculative_model") or "ngram"  # --speculative-model names a draft model instead
+        spec = {"speculative_model": proposer, "num_speculative_tokens": k} if k else {"speculative_model": None}
         llm = LLM(args.model, **{**kw, **spec, "enable_prefix_caching": False})
         llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(temperature=0, max_tokens=4))  # warmup
         tg, drafted, kept, per_step = [], 0, 0, []

@@ -26,7 +26,7 @@ from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
-from tokenmill.spec_decode import NgramProposer
+from tokenmill.spec_decode import DraftRequest, NgramProposer, Proposer
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.types import (
     EngineRequest,
@@ -52,7 +52,7 @@ class EngineCore:
         vocab_size: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
         spec_off_above: int | None = None,  # no drafts while more sequences than this run
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
@@ -85,11 +85,13 @@ class EngineCore:
             SchedulerConfig(cfg.max_num_seqs, budget, chunked, cfg.scheduling_policy, cfg.batching), kv
         )
         runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed)
-        proposer = None
+        proposer: Proposer | None = None
         if cfg.speculative_model == "ngram":
             proposer = NgramProposer(
                 cfg.num_speculative_tokens, cfg.ngram_prompt_lookup_min, cfg.ngram_prompt_lookup_max
             )
+        elif cfg.speculative_model is not None:
+            proposer = _draft_proposer(loaded, cfg, max_len)
         return cls(runner, scheduler, loaded.tokenizer, model_cfg.vocab_size, max_len, loaded.eos_token_ids,
                    proposer, cfg.speculative_disable_by_batch_size)  # fmt: skip
 
@@ -374,16 +376,41 @@ class EngineCore:
             return
         running = self.scheduler.running
         off = self.spec_off_above is not None and len(running) > self.spec_off_above
+        asks = []
         for req in running:
             req.spec_token_ids = []
             if off or req.finished or req.num_computed_tokens != req.num_tokens - 1:
                 continue
             # each kept draft and the token after them are outputs: stay inside max_tokens and the context
             limit = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
-            req.spec_token_ids = self.proposer.propose(req.all_token_ids, limit)
+            asks.append(DraftRequest(req.request_id, req.all_token_ids, limit))
+        drafts = self.proposer.propose_batch(asks) if asks else {}
+        for req in running:
+            req.spec_token_ids = drafts.get(req.request_id, [])
 
     def _release(self, req: Request) -> None:
         req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()
         self.scheduler.remove(req)
         self.runner.release(req.request_id)
+        if self.proposer is not None:
+            self.proposer.release(req.request_id)
         self._seqs.pop(req.request_id, None)
+
+
+def _draft_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -> Proposer:
+    """A draft model (`cfg.speculative_model`) with the target's tokenizer, its own paged KV pool sized for the
+    sequences that draft (`speculative_disable_by_batch_size`), and its own runner."""
+    from tokenmill.engine.loading import load
+    from tokenmill.spec_decode.draft import DraftProposer
+
+    draft_cfg = replace(cfg, model=cfg.speculative_model, speculative_model=None, quantization="none",
+                        max_model_len=max_len, kv_cache="paged", num_kv_blocks=None, kv_cache_memory_gb=None,
+                        max_num_seqs=cfg.speculative_disable_by_batch_size, touch_kv_cache=False)  # fmt: skip
+    draft = load(draft_cfg)
+    if draft.tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab():
+        raise ValueError(f"speculative_model={cfg.speculative_model!r} has another tokenizer than the model; "
+                         "a draft model must share the target's vocabulary")  # fmt: skip
+    backend = make_kv_backend(draft_cfg, draft.config, draft.dtype, draft.device, max_len, draft.ops)
+    kv = KVCacheManager(backend.num_blocks, cfg.block_size, enable_prefix_caching=False)
+    runner = ModelRunner(draft.model, draft.device, backend, cfg.seed)
+    return DraftProposer(runner, kv, cfg.num_speculative_tokens, max_len)

@@ -9,6 +9,7 @@ removed. So the output distribution is the target's, and greedy output is token 
 """
 
 from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode.request import DraftRequest, Proposer
 
 
 def keeps(sampled: int, draft: int) -> bool:
@@ -16,4 +17,4 @@ def keeps(sampled: int, draft: int) -> bool:
     return sampled == draft
 
 
-__all__ = ["NgramProposer", "keeps"]
+__all__ = ["DraftRequest", "NgramProposer", "Proposer", "keeps"]

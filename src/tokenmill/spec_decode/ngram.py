@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tokenmill.spec_decode.request import DraftRequest
+
 
 class NgramProposer:
     def __init__(self, num_tokens: int, n_min: int = 1, n_max: int = 4) -> None:
@@ -31,3 +33,9 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the most recent match
                 return ids[start : start + k].tolist()
         return []
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
+        return {r.request_id: self.propose(r.token_ids, r.limit) for r in requests}
+
+    def release(self, request_id: str) -> None:
+        pass  # keeps nothing per request

@@ -1,0 +1,83 @@
+"""Draft-model proposer: a smaller model with the target's tokenizer guesses the next k tokens, greedily.
+
+The draft keeps its own paged KV pool and KV manager (its layers and heads differ from the target's) and its
+own runner. Per request it remembers the tokens whose keys are in its cache (`fed`). Each round it:
+1. keeps the longest prefix of `fed` that the request still has (rejected drafts fall away; their slots are
+   simply overwritten), and computes the rest of the request's tokens, sampling draft 1;
+2. feeds each draft back to get the next one, k - 1 more one-token steps, batched over the requests.
+Drafting greedily makes the proposal deterministic, so the runner's rule (keep a draft while it equals the
+target's own sample) stays lossless (spec_decode/__init__.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokenmill.kv_cache import KVManager
+from tokenmill.runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.request import DraftRequest
+from tokenmill.types import ModelInput, SamplingInput, SequenceInput
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class _State:
+    fed: list[int] = field(default_factory=list)  # tokens whose keys and values are in the draft's cache
+
+
+class DraftProposer:
+    def __init__(self, runner: ModelRunner, kv: KVManager, num_tokens: int, max_num_tokens: int) -> None:
+        self.runner, self.kv = runner, kv
+        self.num_tokens, self.max_num_tokens = num_tokens, max_num_tokens
+        self._states: dict[str, _State] = {}
+
+    def release(self, request_id: str) -> None:
+        if self._states.pop(request_id, None) is not None:
+            self.kv.free(request_id)
+            self.runner.release(request_id)
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
+        """Greedy drafts for each request (none where the draft's pool is full)."""
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        want = {r.request_id: min(self.num_tokens, r.limit) for r in requests}
+        steps = [s for r in requests if want[r.request_id] > 0 and (s := self._catch_up(r, want[r.request_id]))]
+        while steps:  # one batched draft forward per draft position
+            sampled = self.runner.execute(ModelInput(steps)).sampled
+            next_steps = []
+            for step in steps:
+                rid = step.request_id
+                token = sampled[rid][0][0]
+                drafts[rid].append(token)
+                if len(drafts[rid]) < want[rid]:
+                    next_steps.append(self._feed(rid, token))
+            steps = next_steps
+        return drafts
+
+    def _catch_up(self, r: DraftRequest, want: int) -> SequenceInput | None:
+        state = self._states.setdefault(r.request_id, _State())
+        keep = 0
+        for a, b in zip(state.fed, r.token_ids):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(r.token_ids) - 1)  # at least the newest token is computed: its logits give draft 1
+        if not self.kv.allocate_slots(r.request_id, r.token_ids, keep, len(r.token_ids) - keep,
+                                      num_lookahead_tokens=want - 1):  # fmt: skip
+            self.release(r.request_id)  # the draft's pool is full: no drafts for this one
+            return None
+        state.fed = list(r.token_ids)
+        return self._input(r.request_id, r.token_ids[keep:], keep)
+
+    def _feed(self, request_id: str, token: int) -> SequenceInput:
+        state = self._states[request_id]
+        start = len(state.fed)
+        state.fed.append(token)
+        return self._input(request_id, [token], start)
+
+    def _input(self, request_id: str, token_ids: list[int], start: int) -> SequenceInput:
+        sampling = SamplingInput(GREEDY, None, [], [], [[]])
+        return SequenceInput(request_id, token_ids, start, self.kv.block_table(request_id), self.max_num_tokens,
+                             sampling)  # fmt: skip
