@@ -216,8 +216,8 @@ class EngineConfig:
     pack_weights: bool = False
     compile: bool = False
     threads: int | None = None
-    # speculative decoding (spec_decode/): "ngram" (prompt lookup), or a draft model (a folder, hub id or .gguf
-    # with the same tokenizer); off when None
+    # speculative decoding (spec_decode/): "ngram" (prompt lookup), or a draft model with the same tokenizer (a
+    # folder, hub id or .gguf; "demo-draft": the built-in demo model's); off when None
     speculative_model: str | None = None
     num_speculative_tokens: int = 4  # drafts verified per step
     ngram_prompt_lookup_min: int = 1

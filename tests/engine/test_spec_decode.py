@@ -225,3 +225,13 @@ def test_a_draft_with_another_tokenizer_is_refused(folder: Path, tmp_path: Path)
                              build_tokenizer(tmp_path / "tok", vocab_size=300), tmp_path / "other")  # fmt: skip
     with pytest.raises(ValueError, match="another tokenizer"):
         LLM(str(folder), dtype="float32", speculative_model=str(other))
+
+
+def test_the_demo_model_ships_its_draft() -> None:
+    """`--speculative-model demo-draft` needs no download, keeps drafts, and changes no greedy token."""
+    params = SamplingParams(temperature=0, max_tokens=40)
+    want = LLM().generate(["ROMEO:", "JULIET:\nO Romeo"], params)
+    llm = LLM(speculative_model="demo-draft", num_speculative_tokens=3)
+    got = llm.generate(["ROMEO:", "JULIET:\nO Romeo"], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.stats.spec_accepted_tokens > 0

@@ -400,10 +400,11 @@ class EngineCore:
 def _draft_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -> Proposer:
     """A draft model (`cfg.speculative_model`) with the target's tokenizer, its own paged KV pool sized for the
     sequences that draft (`speculative_disable_by_batch_size`), and its own runner."""
-    from tokenmill.engine.loading import load
+    from tokenmill.engine.loading import DEMO_DRAFT, load
     from tokenmill.spec_decode.draft import DraftProposer
 
-    draft_cfg = replace(cfg, model=cfg.speculative_model, speculative_model=None, quantization="none",
+    ref = str(DEMO_DRAFT) if cfg.speculative_model == "demo-draft" else cfg.speculative_model
+    draft_cfg = replace(cfg, model=ref, speculative_model=None, quantization="none",
                         max_model_len=max_len, kv_cache="paged", num_kv_blocks=None, kv_cache_memory_gb=None,
                         max_num_seqs=cfg.speculative_disable_by_batch_size, touch_kv_cache=False)  # fmt: skip
     draft = load(draft_cfg)

@@ -24,6 +24,7 @@ from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from tokenmill.weights.safetensors_io import iter_tensors
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
+DEMO_DRAFT = DEMO_MODEL.parent / "demo-draft"  # its draft model: `--speculative-model demo-draft`
 _TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
