@@ -55,6 +55,8 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[Logprobs | None] | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed to follow the known tokens
+    spec_misses: int = 0  # verification rounds in a row that kept no draft
+    spec_skip: int = 0  # steps to go without drafts (after misses: 2, 4, ... 64)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -235,3 +235,16 @@ def test_the_demo_model_ships_its_draft() -> None:
     got = llm.generate(["ROMEO:", "JULIET:\nO Romeo"], params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.stats.spec_accepted_tokens > 0
+
+
+def test_a_proposer_that_keeps_missing_is_paused(folder: Path, draft: Path) -> None:
+    """The random smaller draft never guesses right: after two fruitless rounds a sequence pauses drafting for
+    2, 4, ... steps, so over 60 tokens it drafts in a handful of rounds, not in every step."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    _, want = _run(folder, PROMPTS[:1], params)
+    llm, got = _run(
+        folder, PROMPTS[:1], params, **{**SPEC, "speculative_model": str(draft), "num_speculative_tokens": 3}
+    )
+    assert got[0][0].token_ids == want[0][0].token_ids
+    stats = llm.engine.stats
+    assert stats.spec_accepted_tokens == 0 and 0 < stats.spec_draft_tokens <= 3 * 8  # 60 steps would draft 177

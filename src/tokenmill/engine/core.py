@@ -324,6 +324,10 @@ class EngineCore:
             if num_drafts:
                 req.metrics.num_draft_tokens += num_drafts
                 req.metrics.num_accepted_tokens += accepted
+                # auto-off for a proposer that keeps missing: after two fruitless rounds in a row, pause this
+                # sequence's drafting for 2, 4, ... 64 steps, probing between pauses; a kept draft resets it
+                req.spec_misses = 0 if accepted else req.spec_misses + 1
+                req.spec_skip = min(2 ** (req.spec_misses - 1), 64) if req.spec_misses >= 2 else 0
                 self.stats.spec_draft_tokens += num_drafts
                 self.stats.spec_accepted_tokens += accepted
             for token, logprobs in new_tokens:
@@ -379,6 +383,9 @@ class EngineCore:
         asks = []
         for req in running:
             req.spec_token_ids = []
+            if req.spec_skip > 0:
+                req.spec_skip -= 1
+                continue
             if off or req.finished or req.num_computed_tokens != req.num_tokens - 1:
                 continue
             # each kept draft and the token after them are outputs: stay inside max_tokens and the context
@@ -405,9 +412,10 @@ def _draft_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -> Pro
 
     ref = str(DEMO_DRAFT) if cfg.speculative_model == "demo-draft" else cfg.speculative_model
     draft_cfg = replace(cfg, model=ref, speculative_model=None, quantization="none",
-                        max_model_len=max_len, kv_cache="paged", num_kv_blocks=None, kv_cache_memory_gb=None,
+                        max_model_len=None, kv_cache="paged", num_kv_blocks=None, kv_cache_memory_gb=None,
                         max_num_seqs=cfg.speculative_disable_by_batch_size, touch_kv_cache=False)  # fmt: skip
     draft = load(draft_cfg)
+    max_len = min(max_len, draft.max_model_len)  # a draft with a shorter context drafts for shorter sequences
     if draft.tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab():
         raise ValueError(f"speculative_model={cfg.speculative_model!r} has another tokenizer than the model; "
                          "a draft model must share the target's vocabulary")  # fmt: skip

@@ -31,7 +31,7 @@ class _State:
 class DraftProposer:
     def __init__(self, runner: ModelRunner, kv: KVManager, num_tokens: int, max_num_tokens: int) -> None:
         self.runner, self.kv = runner, kv
-        self.num_tokens, self.max_num_tokens = num_tokens, max_num_tokens
+        self.num_tokens, self.max_num_tokens = num_tokens, max_num_tokens  # drafts per round, the draft's context
         self._states: dict[str, _State] = {}
 
     def release(self, request_id: str) -> None:
@@ -42,7 +42,8 @@ class DraftProposer:
     def propose_batch(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
         """Greedy drafts for each request (none where the draft's pool is full)."""
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
-        want = {r.request_id: min(self.num_tokens, r.limit) for r in requests}
+        # the draft's own context bounds what it can draft for
+        want = {r.request_id: min(self.num_tokens, r.limit, self.max_num_tokens - len(r.token_ids)) for r in requests}
         steps = [s for r in requests if want[r.request_id] > 0 and (s := self._catch_up(r, want[r.request_id]))]
         while steps:  # one batched draft forward per draft position
             sampled = self.runner.execute(ModelInput(steps)).sampled
