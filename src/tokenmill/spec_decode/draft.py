@@ -21,6 +21,7 @@ from tokenmill.spec_decode.request import DraftRequest
 from tokenmill.types import ModelInput, SamplingInput, SequenceInput
 
 GREEDY = SamplingParams(temperature=0.0)
+SPLIT_MAX = 16  # catch-ups of up to this many tokens run as one-token rows (a decode step), longer as a prefill
 
 
 @dataclass
@@ -44,20 +45,20 @@ class DraftProposer:
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
         # the draft's own context bounds what it can draft for
         want = {r.request_id: min(self.num_tokens, r.limit, self.max_num_tokens - len(r.token_ids)) for r in requests}
-        steps = [s for r in requests if want[r.request_id] > 0 and (s := self._catch_up(r, want[r.request_id]))]
+        steps = [s for r in requests if want[r.request_id] > 0 for s in self._catch_up(r, want[r.request_id])]
         while steps:  # one batched draft forward per draft position
             sampled = self.runner.execute(ModelInput(steps)).sampled
             next_steps = []
-            for step in steps:
-                rid = step.request_id
-                token = sampled[rid][0][0]
-                drafts[rid].append(token)
+            for rid, new in sampled.items():
+                drafts[rid].append(new[0][0])
                 if len(drafts[rid]) < want[rid]:
-                    next_steps.append(self._feed(rid, token))
+                    next_steps.append(self._feed(rid, new[0][0]))
             steps = next_steps
         return drafts
 
-    def _catch_up(self, r: DraftRequest, want: int) -> SequenceInput | None:
+    def _catch_up(self, r: DraftRequest, want: int) -> list[SequenceInput]:
+        """The draft's inputs for the tokens it has not computed; the last one samples draft 1. A few tokens (the
+        kept drafts and the target's token after them) go as one-token rows, so the round is a decode step."""
         state = self._states.setdefault(r.request_id, _State())
         keep = 0
         for a, b in zip(state.fed, r.token_ids):
@@ -68,9 +69,12 @@ class DraftProposer:
         if not self.kv.allocate_slots(r.request_id, r.token_ids, keep, len(r.token_ids) - keep,
                                       num_lookahead_tokens=want - 1):  # fmt: skip
             self.release(r.request_id)  # the draft's pool is full: no drafts for this one
-            return None
+            return []
         state.fed = list(r.token_ids)
-        return self._input(r.request_id, r.token_ids[keep:], keep)
+        new = r.token_ids[keep:]
+        if len(new) > SPLIT_MAX:  # a prompt: one prefill
+            return [self._input(r.request_id, new, keep)]
+        return [self._input(r.request_id, [t], keep + j, sample=j == len(new) - 1) for j, t in enumerate(new)]
 
     def _feed(self, request_id: str, token: int) -> SequenceInput:
         state = self._states[request_id]
@@ -78,7 +82,7 @@ class DraftProposer:
         state.fed.append(token)
         return self._input(request_id, [token], start)
 
-    def _input(self, request_id: str, token_ids: list[int], start: int) -> SequenceInput:
-        sampling = SamplingInput(GREEDY, None, [], [], [[]])
+    def _input(self, request_id: str, token_ids: list[int], start: int, sample: bool = True) -> SequenceInput:
+        sampling = SamplingInput(GREEDY, None, [], [], [[]]) if sample else None
         return SequenceInput(request_id, token_ids, start, self.kv.block_table(request_id), self.max_num_tokens,
                              sampling)  # fmt: skip
