@@ -91,7 +91,9 @@ class EngineCore:
                 cfg.num_speculative_tokens, cfg.ngram_prompt_lookup_min, cfg.ngram_prompt_lookup_max
             )
         elif cfg.speculative_model is not None:
-            proposer = _draft_proposer(loaded, cfg, max_len)
+            from tokenmill.spec_decode.draft import build_draft_proposer
+
+            proposer = build_draft_proposer(loaded, cfg, max_len)
         return cls(runner, scheduler, loaded.tokenizer, model_cfg.vocab_size, max_len, loaded.eos_token_ids,
                    proposer, cfg.speculative_disable_by_batch_size)  # fmt: skip
 
@@ -402,24 +404,3 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.release(req.request_id)
         self._seqs.pop(req.request_id, None)
-
-
-def _draft_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -> Proposer:
-    """A draft model (`cfg.speculative_model`) with the target's tokenizer, its own paged KV pool sized for the
-    sequences that draft (`speculative_disable_by_batch_size`), and its own runner."""
-    from tokenmill.engine.loading import DEMO_DRAFT, load
-    from tokenmill.spec_decode.draft import DraftProposer
-
-    ref = str(DEMO_DRAFT) if cfg.speculative_model == "demo-draft" else cfg.speculative_model
-    draft_cfg = replace(cfg, model=ref, speculative_model=None, quantization="none",
-                        max_model_len=None, kv_cache="paged", num_kv_blocks=None, kv_cache_memory_gb=None,
-                        max_num_seqs=cfg.speculative_disable_by_batch_size, touch_kv_cache=False)  # fmt: skip
-    draft = load(draft_cfg)
-    max_len = min(max_len, draft.max_model_len)  # a draft with a shorter context drafts for shorter sequences
-    if draft.tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab():
-        raise ValueError(f"speculative_model={cfg.speculative_model!r} has another tokenizer than the model; "
-                         "a draft model must share the target's vocabulary")  # fmt: skip
-    backend = make_kv_backend(draft_cfg, draft.config, draft.dtype, draft.device, max_len, draft.ops)
-    kv = KVCacheManager(backend.num_blocks, cfg.block_size, enable_prefix_caching=False)
-    runner = ModelRunner(draft.model, draft.device, backend, cfg.seed)
-    return DraftProposer(runner, kv, cfg.num_speculative_tokens, max_len)
