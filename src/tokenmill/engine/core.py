@@ -384,7 +384,6 @@ class EngineCore:
         off = self.spec_off_above is not None and len(running) > self.spec_off_above
         asks = []
         for req in running:
-            req.spec_token_ids = []
             if req.spec_skip > 0:
                 req.spec_skip -= 1
                 continue
@@ -394,7 +393,7 @@ class EngineCore:
             limit = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
             asks.append(DraftRequest(req.request_id, req.all_token_ids, limit))
         drafts = self.proposer.propose_batch(asks) if asks else {}
-        for req in running:
+        for req in running:  # every running sequence: none keeps last step's drafts
             req.spec_token_ids = drafts.get(req.request_id, [])
 
     def _release(self, req: Request) -> None:

@@ -66,7 +66,7 @@ class _Fill:
     blocks: dict[str, dict[int, BlockWeight]] = field(default_factory=dict)  # a weight's shards so far
     packed: dict[str, PackedWeight] = field(default_factory=dict)  # whole weights, packed as soon as complete
 
-    def dense(self, name: str, shard: int, offset: int, value: torch.Tensor, whole: bool) -> None:
+    def dense(self, name: str, shard: int, value: torch.Tensor, whole: bool) -> None:
         value = value.to(device=self.device, dtype=self.dtype).contiguous()
         if name in self.blocks:  # earlier shards came in blocks: this one is dense, so all of it is
             held = self.blocks.pop(name)
@@ -78,7 +78,7 @@ class _Fill:
             return
         if name not in self.filled:  # the first shard seen allocates the fused tensor
             self._allocate(name)
-        self._copy(name, offset, value)
+        self._copy(name, self._offset(name, shard), value)
 
     def block(self, name: str, shard: int, value: BlockWeight) -> None:
         if name in self.filled and name not in self.blocks:  # dense shards came first: dequantize into them
@@ -86,7 +86,7 @@ class _Fill:
             return
         held = self.blocks.setdefault(name, {})
         if held and next(iter(held.values())).format != value.format:  # two formats in one weight: dense
-            self.dense(name, shard, self._offset(name, shard), value.dequantize(), whole=False)
+            self.dense(name, shard, value.dequantize(), whole=False)
             return
         held[shard] = value
         fused = _whole(name)
@@ -123,6 +123,7 @@ def load_weights(
     shard_sizes = _shard_sizes(cfg)
     fill = _Fill(model, dtype, device)
     tied_head: PackedWeight | None = None
+    embedding = _embedding_name(model)
     for hf_name, tensor, where in tensors:
         if model.hf_skipped_prefixes and hf_name.startswith(model.hf_skipped_prefixes):
             continue
@@ -150,13 +151,13 @@ def load_weights(
             linear = isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)
             if linear and device.type == "cpu":
                 fill.block(name, shard, tensor)
-            elif name == _embedding_name(model) and cfg.tie_word_embeddings and device.type == "cpu":
+            elif name == embedding and cfg.tie_word_embeddings and device.type == "cpu":
                 tied_head = pack_block_weight(tensor)  # the embedding looks rows up dense; the LM head keeps the blocks
-                fill.dense(name, shard, 0, tensor.dequantize(), whole=True)
+                fill.dense(name, shard, tensor.dequantize(), whole=True)
             else:
-                fill.dense(name, shard, fill._offset(name, shard), tensor.dequantize(), whole=fused is None)
+                fill.dense(name, shard, tensor.dequantize(), whole=fused is None)
         else:
-            fill.dense(name, shard, fill._offset(name, shard), tensor, whole=fused is None)
+            fill.dense(name, shard, tensor, whole=fused is None)
         fill.filled.setdefault(name, set()).update(shards)
 
     _check_complete(params, fill.filled, source)
