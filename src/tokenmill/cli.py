@@ -31,7 +31,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 _CHOICES = {"dtype": DTYPES, "kv_cache": KV_CACHE_MODES, "batching": BATCHING_MODES,
-            "scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATION_MODES}  # fmt: skip
+            "scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATION_MODES,
+            "speculative_model_quantization": QUANTIZATION_MODES}  # fmt: skip
 
 
 _NOT_FLAGS = ("model", "seed")  # MODEL is positional; `generate --seed` is the request's seed
@@ -91,6 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-n", type=int, default=128, help="most samples (n) per request (default: 128)")
     srv.add_argument("--max-prompts", type=int, default=256, help="most prompts per completions call (default: 256)")
     srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (default: 4)")
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "hermes", "llama3_json"],
+        default="auto",
+        help="how tool_choice=auto calls are read from the output (default: auto, by the chat template)",
+    )
+    srv.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a structured-output grammar may take to compile before a 400 (default: 10)",
+    )
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 

@@ -225,6 +225,9 @@ class EngineConfig:
     # no drafts while more sequences than this run: verifying k drafts for many sequences makes a step
     # compute-bound (Zen 3, Qwen 0.5B shape, prompts without repeats: 0.97x at 4 streams, 0.91x at 16)
     speculative_disable_by_batch_size: int = 4
+    # the draft model's weight-only quantization: the draft only proposes, so this changes speed and acceptance,
+    # never the output
+    speculative_model_quantization: Quantization = "none"
 
     def __post_init__(self) -> None:
         choices = {
@@ -233,6 +236,7 @@ class EngineConfig:
             "batching": BATCHING_MODES,
             "scheduling_policy": SCHEDULING_POLICIES,
             "quantization": QUANTIZATION_MODES,
+            "speculative_model_quantization": QUANTIZATION_MODES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -80,7 +80,7 @@ class PagedKVCache:
         layout = BatchLayout.of(sequences)
         meta = PagedMetadata(layout.query_start_loc, layout.seq_lens, num_decodes=num_decodes)
         bs, tables = self.block_size, [s.block_table for s in sequences]
-        self._zero_new_blocks(tables)
+        self.zero_new_blocks(tables)
         # decodes: the new token's slot by arithmetic; the context is read as whole blocks in one gather
         slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables[:num_decodes], meta.seq_lens)]
         pieces = [torch.tensor(slots, dtype=torch.int64, device=self.device)]
@@ -101,7 +101,7 @@ class PagedKVCache:
         meta.slot_mapping = torch.cat(pieces)  # [T]
         return meta
 
-    def _zero_new_blocks(self, tables: list[list[int]]) -> None:
+    def zero_new_blocks(self, tables: list[list[int]]) -> None:
         """A block is in some table before its first write, so zeroing every id up to the highest seen means the
         batched decode never reads uninitialized memory (a NaN there would survive any mask)."""
         top = max((max(t) for t in tables if t), default=-1) + 1

@@ -90,6 +90,45 @@ class DecodeStack:
             native.set_head(head)
         return DecodeStack(native, decoder, kv, None if head is None else head[2])
 
+    @property
+    def greedy_ready(self) -> bool:
+        """`greedy` can run: the head is in the stack and the embedding is a plain table in the cache's dtype."""
+        embed = self.decoder.embed_tokens
+        return (self.vocab_size is not None and type(embed) is nn.Embedding and embed.weight.dtype == self.kv.dtype
+                and embed.weight.is_contiguous())  # fmt: skip
+
+    def greedy(
+        self, first: list[int], starts: list[int], tables: list[list[int]], rounds: list[int]
+    ) -> list[list[int]]:
+        """Greedy decoding in one native call, as a draft model proposes: row b feeds token first[b] at position
+        starts[b], then each argmax, for rounds[b] >= 1 steps, and gets back its rounds[b] tokens. The caller has
+        allocated the slots of positions starts[b] .. starts[b] + rounds[b] - 1 in tables[b]."""
+        order = sorted(range(len(first)), key=lambda b: -rounds[b])  # the rows of round r are a prefix
+        n, r_max, bs = len(order), rounds[order[0]], self.kv.block_size
+        start = torch.tensor([starts[b] for b in order], dtype=torch.int64)  # [B]
+        last = start + torch.tensor([rounds[b] for b in order], dtype=torch.int64) - 1  # [B]
+        pos = torch.minimum(start[None, :] + torch.arange(r_max)[:, None], last[None, :])  # [R, B], in range
+        width = max(-(-(starts[b] + rounds[b]) // bs) for b in order)
+        padded = [tables[b][:width] + [0] * (width - len(tables[b][:width])) for b in order]
+        self.kv.zero_new_blocks(padded)
+        block_tables = torch.tensor(padded, dtype=torch.int64)  # [B, M]
+        slots = (block_tables.gather(1, (pos // bs).T).T * bs + pos % bs).contiguous()  # [R, B]
+        lens = (pos + 1).contiguous()  # [R, B]
+        cos, sin = self.decoder.rotary(pos.flatten(), self.kv.dtype)  # [R * B, Dh] each
+        active = torch.tensor([sum(rounds[b] > r for b in order) for r in range(r_max)], dtype=torch.int64)  # [R]
+        tokens = torch.zeros(n, r_max + 1, dtype=torch.int64)  # [B, R + 1]
+        tokens[:, 0] = torch.tensor([first[b] for b in order])
+        out = torch.empty(n, self.decoder.norm.weight.shape[0], dtype=self.kv.dtype)  # [B, D] scratch
+        logits = torch.empty(n, self.vocab_size or 0, dtype=self.kv.dtype)  # [B, V] scratch
+        self.native.run_greedy(self.decoder.embed_tokens.weight.data_ptr(), tokens.data_ptr(), active.data_ptr(),
+                               r_max, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                               width, lens.data_ptr(), n, bs, out.data_ptr(), logits.data_ptr())  # fmt: skip
+        rows = tokens[:, 1:].tolist()
+        result: list[list[int]] = [[] for _ in order]
+        for i, b in enumerate(order):
+            result[b] = rows[i][: rounds[b]]
+        return result
+
     @staticmethod
     def applies(meta: Any) -> bool:
         """Every sequence of the step decodes one token over the paged cache."""

@@ -4,7 +4,8 @@ The draft keeps its own paged KV pool and KV manager (its layers and heads diffe
 own runner. Per request it remembers the tokens whose keys are in its cache (`fed`). Each round it:
 1. keeps the longest prefix of `fed` that the request still has (rejected drafts fall away; their slots are
    simply overwritten), and computes the rest of the request's tokens, sampling draft 1;
-2. feeds each draft back to get the next one, k - 1 more one-token steps, batched over the requests.
+2. feeds each draft back to get the next one, k - 1 more one-token steps, batched over the requests: in one
+   native call (`DecodeStack.greedy`) where the draft runs on the decode stack, else one runner step each.
 Drafting greedily makes the proposal deterministic, so the runner's rule (keep a draft while it equals the
 target's own sample) stays lossless (spec_decode/__init__.py).
 """
@@ -51,10 +52,24 @@ class DraftProposer:
         # the draft's own context bounds what it can draft for
         want = {r.request_id: min(self.num_tokens, r.limit, self.max_num_tokens - len(r.token_ids)) for r in requests}
         steps = [s for r in requests if want[r.request_id] > 0 for s in self._catch_up(r, want[r.request_id])]
+        if not steps:
+            return drafts
+        for rid, new in self.runner.execute(ModelInput(steps)).sampled.items():
+            drafts[rid].append(new[0][0])
+        more = [rid for rid, d in drafts.items() if d and want[rid] > 1]
+        stack = self.runner.decode_stack
+        if more and stack is not None and stack.greedy_ready:  # the other rounds in one native call
+            starts = [len(self._states[rid].fed) for rid in more]
+            tables = [self.kv.block_table(rid) for rid in more]
+            rest = stack.greedy([drafts[rid][0] for rid in more], starts, tables, [want[rid] - 1 for rid in more])
+            for rid, tokens in zip(more, rest):
+                self._states[rid].fed += [drafts[rid][0], *tokens[:-1]]  # the last draft is not fed back
+                drafts[rid] += tokens
+            return drafts
+        steps = [self._feed(rid, drafts[rid][0]) for rid in more]
         while steps:  # one batched draft forward per draft position
-            sampled = self.runner.execute(ModelInput(steps)).sampled
             next_steps = []
-            for rid, new in sampled.items():
+            for rid, new in self.runner.execute(ModelInput(steps)).sampled.items():
                 drafts[rid].append(new[0][0])
                 if len(drafts[rid]) < want[rid]:
                     next_steps.append(self._feed(rid, new[0][0]))
@@ -101,7 +116,7 @@ def build_draft_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -
     from tokenmill.kv_cache import KVCacheManager
 
     ref = str(DEMO_DRAFT) if cfg.speculative_model == "demo-draft" else cfg.speculative_model
-    draft_cfg = replace(cfg, model=ref, speculative_model=None, quantization="none",
+    draft_cfg = replace(cfg, model=ref, speculative_model=None, quantization=cfg.speculative_model_quantization,
                         max_model_len=None, kv_cache="paged", num_kv_blocks=None, kv_cache_memory_gb=None,
                         max_num_seqs=cfg.speculative_disable_by_batch_size, touch_kv_cache=False)  # fmt: skip
     draft = load(draft_cfg)

@@ -277,7 +277,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &tmk::DecodeStack::add_layer)
       .def("num_layers", &tmk::DecodeStack::num_layers)
       .def("set_head", &tmk::DecodeStack::set_head)
-      .def("run", &tmk::DecodeStack::run, "a decode step through every layer and the final norm", nogil());
+      .def("run", &tmk::DecodeStack::run, "a decode step through every layer and the final norm", nogil())
+      .def("run_greedy", &tmk::DecodeStack::run_greedy, "greedy decoding rounds through the stack and head", nogil());
   m.attr("lanes") = tmk::W;
   m.attr("panel") = tmk::P;
 }

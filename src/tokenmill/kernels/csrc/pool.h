@@ -14,6 +14,11 @@
 //
 // The cursor packs {program epoch, stage, next chunk}: a claim is a compare-and-swap on it, so a helper holding a
 // stale view (an older program or stage) can never claim a chunk that is not the current one.
+//
+// One pool per helper count serves every program in the process (`Pool::shared`): a target model's decode stack
+// and its draft's take turns on the same helpers, where a pool each would leave one pool's helper spinning on a
+// core while the other pool works. Programs own their stages; the pool runs one program at a time, and a program
+// is not referenced by the pool once its run returns (helpers enter claims counted, and run waits them out).
 #pragma once
 
 #include <time.h>
@@ -36,37 +41,38 @@
 
 namespace tmk {
 
+struct Stage {
+  std::atomic<int64_t> n{0};         // chunks in this stage
+  std::function<void(int64_t)> fn;  // runs chunk c
+};
+
 class Pool {
  public:
-  struct Stage {
-    std::atomic<int64_t> n{0};           // chunks in this stage
-    std::function<void(int64_t)> fn;    // runs chunk c
-  };
-
-  Pool(int helpers, int64_t max_stages) : stages_(new Stage[max_stages]), max_stages_(max_stages) {
+  explicit Pool(int helpers) {
     for (int i = 0; i < helpers; ++i) threads_.emplace_back([this, i] { helper(i); });
   }
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
 
-  ~Pool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (auto& t : threads_) t.join();
+  // The process's pool with `helpers` helper threads, made on first use and kept for the process's life.
+  static Pool& shared(int helpers) {
+    static std::mutex made_mutex;
+    static std::vector<std::pair<int, Pool*>> made;
+    std::lock_guard<std::mutex> lock(made_mutex);
+    for (auto& [n, pool] : made)
+      if (n == helpers) return *pool;
+    made.emplace_back(helpers, new Pool(helpers));  // never freed: its helpers run until the process exits
+    return *made.back().second;
   }
 
-  int64_t max_stages() const { return max_stages_; }
-
-  // What stage i runs, and how many chunks it has: set by the owner between programs only.
-  void set_stage(int64_t i, std::function<void(int64_t)> fn) { stages_[i].fn = std::move(fn); }
-  void set_chunks(int64_t i, int64_t chunks) { stages_[i].n.store(chunks, std::memory_order_relaxed); }
-
-  // Run stages [0, count) in order, each stage's chunks on whichever threads claim them; returns when all are done.
-  void run(int64_t count) {
+  // Run stages [0, count) of `stages` in order, each stage's chunks on whichever threads claim them; returns when
+  // all are done and no helper holds a reference to `stages`. One program at a time: other callers wait.
+  void run(Stage* stages, int64_t count) {
+    std::lock_guard<std::mutex> owner(owner_mutex_);
     const double wall0 = now(CLOCK_MONOTONIC), cpu0 = now(CLOCK_THREAD_CPUTIME_ID);
     const int helpers = wall0 < quiet_after_ ? 0 : (int)threads_.size();
     active_.store(helpers, std::memory_order_seq_cst);
+    program_.store(stages, std::memory_order_seq_cst), count_.store(count, std::memory_order_seq_cst);
     epoch_ = (epoch_ + 1) & kEpochMask;
     for (int64_t s = 0; s < count; ++s) {
       done_.store(0, std::memory_order_relaxed);
@@ -77,13 +83,14 @@ class Pool {
       }
       while (claim()) {
       }
-      const int64_t n = stages_[s].n.load(std::memory_order_relaxed);
+      const int64_t n = stages[s].n.load(std::memory_order_relaxed);
       for (int spins = 0; done_.load(std::memory_order_acquire) < n; ++spins) {
         if (spins < 4096) TM_PAUSE();  // a helper is finishing its chunk
         else std::this_thread::yield();  // ... and may be off its core: let it run
       }
     }
     cursor_.store(kIdle, std::memory_order_seq_cst);
+    while (inside_.load(std::memory_order_seq_cst) > 0) TM_PAUSE();  // a helper between its cursor read and claim
     const double wall = now(CLOCK_MONOTONIC) - wall0, cpu = now(CLOCK_THREAD_CPUTIME_ID) - cpu0;
     if (helpers > 0 && wall > 200e-6 && cpu < 0.8 * wall) quiet_after_ = wall0 + wall + 0.5;  // see the top
   }
@@ -98,15 +105,23 @@ class Pool {
   }
   static uint64_t pack(uint64_t epoch, uint64_t stage, uint64_t chunk) { return epoch << 36 | stage << 22 | chunk; }
 
-  // Claim one chunk of the current stage and run it; false when there is none to claim.
+  // Claim one chunk of the current stage and run it; false when there is none to claim. The program's stages are
+  // read only while the cursor is that program's (run stores kIdle, then waits for `inside_` to drain).
   bool claim() {
-    uint64_t v = cursor_.load(std::memory_order_acquire);
+    struct Inside {
+      std::atomic<int>& n;
+      explicit Inside(std::atomic<int>& c) : n(c) { n.fetch_add(1, std::memory_order_seq_cst); }
+      ~Inside() { n.fetch_sub(1, std::memory_order_seq_cst); }
+    } inside(inside_);
+    uint64_t v = cursor_.load(std::memory_order_seq_cst);
     for (;;) {
       if (v == kIdle) return false;
+      Stage* stages = program_.load(std::memory_order_seq_cst);
       const int64_t stage = (v >> 22) & ((1 << 14) - 1), chunk = v & ((1 << 22) - 1);
-      if (stage >= max_stages_ || chunk >= stages_[stage].n.load(std::memory_order_relaxed)) return false;
+      if (stage >= count_.load(std::memory_order_seq_cst) || chunk >= stages[stage].n.load(std::memory_order_relaxed))
+        return false;
       if (cursor_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) {
-        stages_[stage].fn(chunk);
+        stages[stage].fn(chunk);
         done_.fetch_add(1, std::memory_order_release);
         return true;
       }
@@ -116,7 +131,8 @@ class Pool {
   void helper(int index) {
     int idle = 0;
     for (;;) {
-      if (index < active_.load(std::memory_order_relaxed) && claim()) {
+      if (index < active_.load(std::memory_order_relaxed) && cursor_.load(std::memory_order_relaxed) != kIdle &&
+          claim()) {
         idle = 0;
         continue;
       }
@@ -127,26 +143,39 @@ class Pool {
       std::unique_lock<std::mutex> lock(mutex_);
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
       wake_.wait(lock, [this, index] {
-        return stop_ || (index < active_.load(std::memory_order_seq_cst) && cursor_.load(std::memory_order_seq_cst) != kIdle);
+        return index < active_.load(std::memory_order_seq_cst) && cursor_.load(std::memory_order_seq_cst) != kIdle;
       });
       sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-      if (stop_) return;
       idle = 0;
     }
   }
 
-  std::unique_ptr<Stage[]> stages_;
-  const int64_t max_stages_;
   std::atomic<uint64_t> cursor_{kIdle};
+  std::atomic<Stage*> program_{nullptr};
+  std::atomic<int64_t> count_{0};
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
+  std::atomic<int> inside_{0};  // helpers inside claim()
   std::atomic<int> active_{0};  // helpers [0, active_) take part in the current program
   uint64_t epoch_ = 0;
   double quiet_after_ = 0;  // the helpers rest until this time (CLOCK_MONOTONIC seconds)
+  std::mutex owner_mutex_;  // one program at a time
   std::mutex mutex_;
   std::condition_variable wake_;
-  bool stop_ = false;
   std::vector<std::thread> threads_;
+};
+
+// A program for the shared pool: its stages, set by its owner between runs.
+class Program {
+ public:
+  Program(int helpers, int64_t max_stages) : pool_(Pool::shared(helpers)), stages_(new Stage[max_stages]) {}
+  void set_stage(int64_t i, std::function<void(int64_t)> fn) { stages_[i].fn = std::move(fn); }
+  void set_chunks(int64_t i, int64_t chunks) { stages_[i].n.store(chunks, std::memory_order_relaxed); }
+  void run(int64_t count) { pool_.run(stages_.get(), count); }
+
+ private:
+  Pool& pool_;
+  std::unique_ptr<Stage[]> stages_;
 };
 
 }  // namespace tmk

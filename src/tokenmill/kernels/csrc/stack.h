@@ -93,7 +93,45 @@ class DecodeStack {
     pool_.run(L * kStagesPerLayer + (logits_ ? 2 : 1));
   }
 
+  // Greedy decoding for R rounds, as a draft model proposes: round r embeds tokens[b, r] for the rows b < active[r]
+  // (so rows are sorted by their round count, most first), runs the stack and the head, and writes each row's
+  // argmax (the first, as torch.argmax) to tokens[b, r + 1]. embed [V, D] the embedding table (model dtype);
+  // tokens [B, R + 1] int64; cos, sin [R, B, Dh]; slots, lens [R, B] int64; tables [B, max_blocks]; out [B, D]
+  // and logits [B, V] scratch (model dtype). Needs the head (set_head).
+  void run_greedy(uintptr_t embed, uintptr_t tokens, uintptr_t active, int64_t R, uintptr_t cos, uintptr_t sin,
+                  uintptr_t slots, uintptr_t tables, int64_t max_blocks, uintptr_t lens, int64_t B, int64_t block_size,
+                  uintptr_t out, uintptr_t logits) {
+    int64_t* tok = (int64_t*)tokens;
+    const int64_t* rows = (const int64_t*)active;
+    const int64_t V = head_[2], row_bytes = D_ * e_;
+    std::vector<char> x(B * row_bytes);
+    for (int64_t r = 0; r < R && rows[r] > 0; ++r) {
+      const int64_t n = rows[r];
+      for (int64_t b = 0; b < n; ++b)
+        std::memcpy(x.data() + b * row_bytes, (const char*)embed + tok[b * (R + 1) + r] * row_bytes, row_bytes);
+      run((uintptr_t)x.data(), cos + r * B * Dh_ * e_, sin + r * B * Dh_ * e_, slots + r * B * 8, tables, max_blocks,
+          lens + r * B * 8, n, block_size, out, logits);
+      for (int64_t b = 0; b < n; ++b) tok[b * (R + 1) + r + 1] = argmax_row(logits_ + b * V * e_, V);
+    }
+  }
+
  private:
+  int64_t argmax_row(const char* row, int64_t V) const {
+    int64_t best = 0;
+    float top = -INFINITY;
+    for (int64_t v = 0; v < V; ++v) {
+      float f;
+      if (bf16_) {
+        const uint32_t bits = (uint32_t)((const uint16_t*)row)[v] << 16;
+        std::memcpy(&f, &bits, 4);
+      } else {
+        f = ((const float*)row)[v];
+      }
+      if (f > top) top = f, best = v;
+    }
+    return best;
+  }
+
   Act act(char* base, int64_t row, int64_t width) const { return Act{base + row * width * e_, bf16_}; }
   Act param(uintptr_t p) const { return Act{(void*)p, bf16_}; }
 
@@ -201,7 +239,7 @@ class DecodeStack {
   const int64_t threads_;
   std::vector<LayerSpec> layers_;
   int64_t max_k_ = 0;
-  Pool pool_;
+  Program pool_;
   // scratch, [rows_, width] each, in the model dtype; xq_ the rows for the next linear (prep_row)
   std::vector<char> scratch_[8];
   char *hidden_ = nullptr, *residual_ = nullptr, *normed_ = nullptr, *qkv_ = nullptr, *q_ = nullptr,
