@@ -12,6 +12,9 @@ trains a byte-level BPE tokenizer and two ``LlamaForCausalLM`` models (main, and
 speculative decoding) on one CPU thread, then writes HF checkpoints to ``src/tokenmill/assets/demo*/``,
 a manifest and loss curve to ``scripts/demo_model_run/`` and ``docs/demo_model.md``.
 
+The shipped draft was then distilled from the main model (``scripts/distill_demo_draft.py``, which also
+documents itself in docs/demo_model.md); run that after this script to rebuild it.
+
 Without ``--main-steps``/``--draft-steps`` a model's step count comes from its time budget: the first
 warmup steps are timed (the warmup learning rate does not depend on the total) and the cosine schedule is
 then fixed. Passing the step counts recorded in the manifest repeats the run exactly on the same hardware.

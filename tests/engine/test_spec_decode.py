@@ -248,3 +248,18 @@ def test_a_proposer_that_keeps_missing_is_paused(folder: Path, draft: Path) -> N
     assert got[0][0].token_ids == want[0][0].token_ids
     stats = llm.engine.stats
     assert stats.spec_accepted_tokens == 0 and 0 < stats.spec_draft_tokens <= 3 * 8  # 60 steps would draft 177
+
+
+def test_a_quantized_draft_changes_no_greedy_token(folder: Path) -> None:
+    """--speculative-model-quantization int8 quantizes the draft alone: it proposes a little differently, the
+    target verifies as before, so the output stays token for token the same."""
+    prompts = [p[:9] for p in PROMPTS[:4]]
+    _, want = _run(folder, prompts, GREEDY)
+    spec = {**SPEC, "speculative_model": str(folder), "num_speculative_tokens": 3}
+    llm, got = _run(folder, prompts, GREEDY, **spec, speculative_model_quantization="int8")
+    assert [g[0].token_ids for g in got] == [w[0].token_ids for w in want]
+    assert llm.engine.stats.spec_accepted_tokens > 0
+    draft = llm.engine.proposer.runner.model  # type: ignore[union-attr]
+    assert any(getattr(m, "format_id", None) == 1 for m in draft.modules())  # int8 (Q8_0) kernel linears
+    with pytest.raises(ValueError, match="speculative_model_quantization"):
+        LLM(str(folder), speculative_model=str(folder), speculative_model_quantization="int3")
