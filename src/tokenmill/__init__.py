@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -36,7 +36,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, kv: KVBackend, seed: int = 0) -> None:
         self.model, self.device, self.kv = model, device, kv
         self.decode_stack = DecodeStack.build(model, kv)  # decode-only steps in one kernel call, where it fits
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, getattr(kv, "ops", None))
         self._generators: dict[str, torch.Generator] = {}
         fault = os.environ.get("TOKENMILL_TEST_FAULT_TOKEN", "")
         self.fault_token: int | None = int(fault) if fault.isdigit() else None
@@ -105,13 +105,15 @@ class ModelRunner:
                 logits = all_logits
             else:
                 logits = all_logits[sample_rows]
-            self._sample(sampling, logits, out)
+            self._sample(sampling, logits, out, batch)
         return out
 
-    def _sample(self, sampling: list[SequenceInput], logits: torch.Tensor, out: RunnerOutput) -> None:
+    def _sample(
+        self, sampling: list[SequenceInput], logits: torch.Tensor, out: RunnerOutput, batch: ModelInput
+    ) -> None:
         """Sample every row (a sequence's last known token, then one row per draft), then keep each sequence's
         drafts while they equal the target's own samples (spec_decode/ says why that is lossless)."""
-        params, prompts, outputs, generators, suppressed = [], [], [], [], []
+        params, prompts, outputs, generators, suppressed, mask_rows = [], [], [], [], [], []
         for s in sampling:
             inp = s.sampling
             assert inp is not None
@@ -122,8 +124,13 @@ class ModelRunner:
                 outputs.append(inp.output_token_ids + list(inp.draft_token_ids[:j]) if j else inp.output_token_ids)
                 generators.append(gen)
                 suppressed.append(inp.suppressed_token_ids[j])
-        batch = SamplingBatch.build(params, prompts, outputs, generators, suppressed, self.device)
-        result = self.sampler(logits, batch)
+                mask_rows.append(batch.grammar_rows.get(s.request_id, -1) if j == 0 else -1)
+        bitmask = None
+        if batch.grammar_rows:  # rows of free sequences allow every token
+            ones = torch.full((1, batch.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
+            bitmask = torch.cat([ones, batch.grammar_bitmask])[torch.tensor(mask_rows) + 1]  # [R, W]
+        params_batch = SamplingBatch.build(params, prompts, outputs, generators, suppressed, self.device, bitmask)
+        result = self.sampler(logits, params_batch)
         row = 0
         for s in sampling:
             drafts = s.sampling.draft_token_ids if s.sampling is not None else ()

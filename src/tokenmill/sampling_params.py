@@ -8,6 +8,9 @@ Semantics:
 - `logprobs=k` returns, per generated token, the log-probabilities of the sampled token plus the top k,
   computed from the model's raw distribution (before penalties and temperature), as vLLM does.
 
+`structured_outputs` constrains the output to a JSON schema, any JSON object, a regex, one of a list of strings,
+or a grammar (Lark/EBNF or llama.cpp's GBNF), as vLLM's `StructuredOutputsParams` does (structured_output/).
+
 Ranges (a value outside is a ValueError naming it): temperature >= 0 (below 1e-5: greedy), top_p in (0, 1],
 top_k -1, 0 or 1..2^31-1, min_p in [0, 1], repetition_penalty > 0, presence/frequency_penalty in [-2, 2], every
 float finite; seed a 64-bit integer; at most 16 stop strings; logprobs and prompt_logprobs in [0, 20].
@@ -15,8 +18,10 @@ float finite; seed a 64-bit integer; at most 16 stop strings; logprobs and promp
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -28,6 +33,44 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 
 def _fail(name: str, value: object, allowed: str) -> None:
     raise ValueError(f"{name}={value!r} is invalid: allowed {allowed}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one constraint: `json` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON
+    object), `regex`, `choice` (one of these strings) or `grammar` (Lark/EBNF, or GBNF as llama.cpp writes it)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            named = ", ".join(given) if given else "none"
+            raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {named}")  # fmt: skip
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            _fail("choice", self.choice, "a non-empty list of non-empty strings")
+        if isinstance(self.json, str):
+            try:
+                _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what a grammar backend compiles, and the compile cache's key."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else _json.dumps(self.json)  # key order is property order
+            return "json", text
+        if self.json_object:
+            return "json", '{"type": "object"}'
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar or "")
 
 
 @dataclass
@@ -50,6 +93,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +135,8 @@ class SamplingParams:
             _fail("stop", self.stop, f"at most {MAX_STOP_STRINGS} non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            _fail("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
 
     def _check_types(self) -> None:
         """Integers must be integers (not bools), floats finite numbers: NaN passes every comparison check."""

@@ -45,6 +45,12 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
+    @property
+    def chat_template_text(self) -> str:
+        """The chat template's source ("" without one; several named templates joined)."""
+        template = getattr(self.hf, "chat_template", None) or ""
+        return "\n".join(template.values()) if isinstance(template, dict) else str(template)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
@@ -57,9 +63,14 @@ class Tokenizer:
         """Token ids of a conversation rendered through the tokenizer's own chat template."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        rendered = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
-        )
+        from jinja2 import TemplateError
+
+        try:
+            rendered = self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+            )
+        except TemplateError as e:  # the template refused the conversation (raise_exception) or failed on it
+            raise ValueError(f"the chat template failed on these messages: {e}") from None
         # The template already holds any BOS it wants; do not add another.
         return self.encode(str(rendered), add_special_tokens=False)
 

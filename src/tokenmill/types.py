@@ -5,6 +5,7 @@ Who writes what (one writer each):
   The scheduler and the output processor read it.
 - `SchedulerOutput` is the scheduler's decision for one step: who runs, from which token, how many tokens.
 - `ModelInput` is the core's description of that batch for the runner; the runner never sees a `Request`.
+  Its one tensor is the grammar bitmask of constrained sequences (structured_output/).
 - `RunnerOutput` is what the runner computed: sampled tokens and prompt logprobs, by request id.
 
 One `Request` is one sequence being generated. A user request with `n > 1` becomes n Requests sharing a
@@ -14,6 +15,7 @@ One `Request` is one sequence being generated. A user request with `n > 1` becom
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.outputs import Logprobs, RequestMetrics
 from tokenmill.sampling_params import SamplingParams
@@ -31,6 +33,7 @@ class EngineRequest:
     arrival_time: float = 0.0  # time.perf_counter(); 0: when the core receives it
     tokenization_ms: float = 0.0
     priority: int = 0
+    grammar: Any = None  # params.structured_outputs compiled (off the engine thread); None: the core compiles it
 
 
 @dataclass
@@ -165,6 +168,10 @@ class SequenceInput:
 @dataclass(frozen=True)
 class ModelInput:
     sequences: list[SequenceInput]
+    # structured output: row i of the bitmask ([R, W] int32, the one tensor in these contracts) holds the tokens
+    # the sequence grammar_rows maps to row i may sample; those sequences carry no drafts
+    grammar_bitmask: Any = None
+    grammar_rows: dict[str, int] = field(default_factory=dict)
 
 
 # -- runner -> core -------------------------------------------------------------------------------------------

@@ -321,3 +321,20 @@ def test_env_names_the_path_and_the_thread_policy() -> None:
     mine = subprocess.run([sys.executable, "-m", "tokenmill", "env"], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert "'OMP_WAIT_POLICY': 'ACTIVE'" in mine.stdout
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 70, 151936])
+def test_the_grammar_bitmask_equals_the_reference(ops: kernels.Kernels, vocab: int) -> None:
+    """The kernel masks in place what `sampling.apply_bitmask` masks: random words, all-ones (free) rows, and a
+    mask narrower than the vocabulary (tokens past it are banned)."""
+    from tokenmill.sampling.sampler import apply_bitmask
+
+    gen = torch.Generator().manual_seed(vocab)
+    for words in ((vocab + 31) // 32, max(1, vocab // 64)):
+        logits = torch.randn(3, vocab, generator=gen)
+        mask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
+        mask[1] = -1  # a free row
+        want = apply_bitmask(logits, mask)
+        got = logits.clone()
+        ops.apply_bitmask(got, mask)
+        assert torch.equal(got, want)

@@ -8,6 +8,8 @@
 - spec_decode:   batch-1 decode with speculation (prompt lookup, or the draft model --speculative-model names),
                  k = 0 (off), 2, 4, 6 drafts, on an input-grounded workload: a passage of --grounded-text, then
                  its opening again, to be continued
+- structured_output: a decode step with and without a JSON-schema grammar at each --batch-sizes, and grammar
+                 compile time (bench/structured.py)
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from typing import Any
 from tokenmill.bench.latency import measure as measure_latency
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
+from tokenmill.bench.structured import run as run_structured
 from tokenmill.bench.throughput import measure as measure_throughput
 from tokenmill.config import QUANTIZATION_MODES
 
-EXPERIMENTS = ("threads", "kv_cache", "prompt_length", "quantization", "switches", "spec_decode")
+EXPERIMENTS = ("threads", "kv_cache", "prompt_length", "quantization", "switches", "spec_decode", "structured_output")
 SWITCHES: list[tuple[str, dict[str, Any]]] = [
     ("baseline (defaults)", {}),
     ("batching=static", {"batching": "static"}),
@@ -214,6 +217,7 @@ RUNNERS = {
     "quantization": _quantization,
     "switches": _switches,
     "spec_decode": _spec_decode,
+    "structured_output": run_structured,
 }
 PLOTS = {
     "threads": ("threads", ["pp_tokens_per_sec", "tg_tokens_per_sec"]),
@@ -222,6 +226,7 @@ PLOTS = {
     "quantization": ("quantization", ["tg_tokens_per_sec"]),
     "switches": ("config", ["output_tokens_per_sec"]),
     "spec_decode": ("k", ["tg_tokens_per_sec"]),
+    "structured_output": ("batch", ["step_ms_free", "step_ms_constrained"]),
 }
 
 
@@ -283,5 +288,6 @@ def add_sweep_parser(sub: Any, engine_args: Any) -> None:
     p.add_argument("--quality-text", default=None, help="quantization: text for top-1 agreement and perplexity")
     p.add_argument("--grounded-text", default=None, help="spec_decode: the text prompts quote from")
     p.add_argument("--spec-k", default="0,2,4,6", help="spec_decode: drafts per step (0: off)")
+    p.add_argument("--batch-sizes", default="1,16", help="structured_output: concurrent requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench-results")

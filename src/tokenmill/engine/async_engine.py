@@ -158,6 +158,11 @@ class AsyncEngine:
         """Raise ValueError for a request that can never run; return its output budget (max_tokens)."""
         return self.core.validate(prompt_token_ids, params)
 
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's grammar (structured_outputs) compiled, or None without one. Cached by its text; the first
+        compile of a schema can take a second, so a server calls this off its event loop. ValueError if bad."""
+        return None if params.structured_outputs is None else self.core.structured.compile(params.structured_outputs)
+
     def snapshot(self) -> EngineSnapshot:
         """The engine's numbers as of the last step (published by the loop thread). `waiting` also counts
         the sequences of requests posted but not yet picked up by the loop."""
@@ -196,19 +201,22 @@ class AsyncEngine:
         else:
             text, token_ids = None, list(prompt)
         request_id = request_id or uuid.uuid4().hex
-        request = EngineRequest(
-            request_id, token_ids, params, self.validate(token_ids, params), text, arrival, tokenization_ms, priority
-        )
+        max_tokens = self.validate(token_ids, params)
+        grammar = self.compile_grammar(params)
+        request = EngineRequest(request_id, token_ids, params, max_tokens, text, arrival, tokenization_ms, priority,
+                                grammar)  # fmt: skip
         return self._post([request])[0]
 
     def add_requests(
-        self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str], priority: int = 0
-    ) -> list[RequestStream]:
-        """Several prompts with the same parameters, all or none: every one is validated before any starts."""
+        self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str], priority: int = 0,
+        grammar: Any = None,
+    ) -> list[RequestStream]:  # fmt: skip
+        """Several prompts with the same parameters, all or none: every one is validated before any starts.
+        `grammar`: `compile_grammar(params)`, already compiled off the event loop (else the engine compiles it)."""
         self._check_alive()
         arrival = time.perf_counter()
         requests = [
-            EngineRequest(rid, ids, params, self.validate(ids, params), None, arrival, 0.0, priority)
+            EngineRequest(rid, ids, params, self.validate(ids, params), None, arrival, 0.0, priority, grammar)
             for rid, ids in zip(request_ids, prompts, strict=True)
         ]
         return self._post(requests)

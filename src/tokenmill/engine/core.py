@@ -20,6 +20,7 @@ from tokenmill.attention import make_kv_backend
 from tokenmill.config import EngineConfig
 from tokenmill.engine.loading import LoadedModel
 from tokenmill.engine.output import OutputProcessor
+from tokenmill.engine.validation import output_budget
 from tokenmill.kv_cache import KVCacheManager, KVManager, UnpagedKVManager
 from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
 from tokenmill.outputs import RequestMetrics, RequestOutput
@@ -27,6 +28,7 @@ from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.spec_decode import DraftRequest, NgramProposer, Proposer
+from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.types import (
     EngineRequest,
@@ -61,6 +63,7 @@ class EngineCore:
         self.output = OutputProcessor(tokenizer)
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
+        self.structured = StructuredOutputManager(tokenizer.hf, vocab_size, eos_token_ids)  # grammars' matchers
         self.requests: dict[str, list[Request]] = {}  # parent request id -> its sequences
         self._seqs: dict[str, Request] = {}  # sequence (request) id -> sequence
         self.stats = EngineStats()
@@ -105,32 +108,7 @@ class EngineCore:
         """Reject a request that can never run; return its output budget (max_tokens).
 
         Reads only facts fixed at construction, so any thread may call it."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is out of range: allowed [0, {self.vocab_size - 1}]")
-        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"stop_token_ids={params.stop_token_ids} is invalid: allowed ids in [0, {self.vocab_size - 1}]"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if max_tokens < 1 or num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max(max_tokens, 1)} tokens ({num_prompt} in the messages, {max(max_tokens, 1)} in the "
-                "completion). Please reduce the length of the prompt or the completion."
-            )
-        needed = self.kv.num_blocks_needed(num_prompt + max_tokens)
-        if needed > self.kv.num_blocks:
-            raise ValueError(
-                f"this request needs {needed} KV blocks ({num_prompt} prompt + {max_tokens} completion tokens) "
-                f"but the whole pool has {self.kv.num_blocks}; lower max_tokens or raise num_kv_blocks / "
-                "kv_cache_memory_gb"
-            )
-        return max_tokens
+        return output_budget(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.kv)
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue one validated user request (its n sequences)."""
@@ -163,7 +141,13 @@ class EngineCore:
             )
             for i in range(params.n)
         ]
+        grammar = request.grammar
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.structured.compile(params.structured_outputs)
         self.requests[request_id] = children
+        if grammar is not None:
+            for child in children:
+                self.structured.add(child.request_id, grammar)
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.output.add_request(request.prompt, children)
         for child in children:
@@ -245,7 +229,7 @@ class EngineCore:
         merged, failed = RunnerOutput(), {}
         for s in so.scheduled:
             try:
-                result = self.runner.execute(ModelInput([self._sequence_input(self._seqs[s.request_id], s)]))
+                result = self.runner.execute(self._model_input(replace(so, scheduled=[s])))
             except Exception as e:
                 log.exception("request %s failed inside the engine", s.request_id)
                 failed[s.request_id] = f"{type(e).__name__}: {e}"
@@ -269,7 +253,11 @@ class EngineCore:
         return outputs
 
     def _model_input(self, so: SchedulerOutput) -> ModelInput:
-        return ModelInput([self._sequence_input(self._seqs[s.request_id], s) for s in so.scheduled])
+        seqs = [self._sequence_input(self._seqs[s.request_id], s) for s in so.scheduled]
+        constrained = [s.request_id for s in seqs if s.sampling is not None and self.structured.has(s.request_id)]
+        if not constrained:
+            return ModelInput(seqs)
+        return ModelInput(seqs, self.structured.bitmask(constrained), {rid: i for i, rid in enumerate(constrained)})
 
     def _sequence_input(self, req: Request, s: ScheduledRequest) -> SequenceInput:
         drafts = list(s.spec_token_ids)
@@ -334,6 +322,8 @@ class EngineCore:
                 self.stats.spec_accepted_tokens += accepted
             for token, logprobs in new_tokens:
                 self._append_token(req, token, logprobs, now)
+                if self.structured.has(req.request_id):
+                    self._advance_grammar(req, token)
                 if req.finished:  # a stop inside an accepted run: the rest is dropped
                     break
         parents = list(dict.fromkeys(self._seqs[s.request_id].parent_id for s in so.scheduled))
@@ -376,6 +366,14 @@ class EngineCore:
         if not req.finished and (len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len):
             req.finish_reason = "length"
 
+    def _advance_grammar(self, req: Request, token: int) -> None:
+        """Feed the sampled token to the request's grammar: the grammar's end is a stop."""
+        if not self.structured.accept(req.request_id, token):  # the mask allowed it, so only a backend fault
+            log.error("request %s: the grammar refused token %d it had allowed", req.request_id, token)
+            req.finish_reason = req.finish_reason or "error"
+        elif not req.finished and self.structured.finished(req.request_id):
+            req.finish_reason = "stop"
+
     def _propose(self) -> None:
         """Drafts for every running sequence that decodes next step (none above `spec_off_above` running)."""
         if self.proposer is None:
@@ -387,7 +385,8 @@ class EngineCore:
             if req.spec_skip > 0:
                 req.spec_skip -= 1
                 continue
-            if off or req.finished or req.num_computed_tokens != req.num_tokens - 1:
+            constrained = self.structured.has(req.request_id)  # no drafts: they would skip the grammar
+            if off or constrained or req.finished or req.num_computed_tokens != req.num_tokens - 1:
                 continue
             # each kept draft and the token after them are outputs: stay inside max_tokens and the context
             limit = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
@@ -400,6 +399,7 @@ class EngineCore:
         req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()
         self.scheduler.remove(req)
         self.runner.release(req.request_id)
+        self.structured.remove(req.request_id)
         if self.proposer is not None:
             self.proposer.release(req.request_id)
         self._seqs.pop(req.request_id, None)

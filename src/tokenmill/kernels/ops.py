@@ -90,6 +90,17 @@ class Kernels:
         self.module.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.dtype == torch.bfloat16, rows, width // 2)
         return out
 
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """logits [B, V] float32: where bitmask [B, W] int32 has token t's bit clear, -inf (in place)."""
+        if logits.dtype != torch.float32 or not logits.is_contiguous() or logits.device.type != "cpu":
+            raise ValueError("logits must be a contiguous float32 CPU tensor")
+        if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
+            raise ValueError(
+                f"bitmask must be int32 [{logits.shape[0]}, W], got {tuple(bitmask.shape)} {bitmask.dtype}"
+            )
+        bitmask = bitmask.contiguous()
+        self.module.apply_bitmask(logits.data_ptr(), bitmask.data_ptr(), *logits.shape, bitmask.shape[1])
+
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v [T, Hkv, Dh] (rows may be strided: slices of a fused qkv) -> a layer's cache [2, S, Hkv, Dh] at
         `slots` [T] (int64)."""

@@ -1,19 +1,24 @@
 """The batched sampler. One call handles every row of the batch with tensors; per-row Python is limited to
 seeded random draws and building the logprob dicts the caller asked for.
 
-Order (as Hugging Face / vLLM): suppress tokens (min_tokens) -> repetition, presence and frequency
-penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw. Draws use the exponential-race
-trick (argmax of p / q with q ~ Exp(1)), which lets each seeded row use its own generator.
+Order (as Hugging Face / vLLM): grammar bitmask (structured output) -> suppress tokens (min_tokens) ->
+repetition, presence and frequency penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> draw.
+Draws use the exponential-race trick (argmax of p / q with q ~ Exp(1)), which lets each seeded row use its own
+generator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.kernels.ops import Kernels
 
 
 @dataclass
@@ -32,6 +37,7 @@ class SamplingBatch:
     output_token_ids: list[list[int]]
     suppressed_token_ids: list[list[int]]  # per row: ids that must not be sampled this step
     num_logprobs: list[int | None]
+    bitmask: torch.Tensor | None = None  # [B, W] int32, bit t of row b set = token t allowed; None: no grammar
     # NOTE: decided from the parameters, so a plain greedy step runs no tensor test of the columns above
     penalized: bool = True  # some row has a repetition, presence or frequency penalty
     sampled: bool = True  # some row draws (temperature > 0)
@@ -45,6 +51,7 @@ class SamplingBatch:
         generators: Sequence[torch.Generator | None],
         suppressed_token_ids: Sequence[list[int]],
         device: torch.device | str = "cpu",
+        bitmask: torch.Tensor | None = None,
     ) -> SamplingBatch:
         floats = torch.tensor(
             [[p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
@@ -63,6 +70,7 @@ class SamplingBatch:
             output_token_ids=list(output_token_ids),
             suppressed_token_ids=list(suppressed_token_ids),
             num_logprobs=[p.logprobs for p in params],
+            bitmask=None if bitmask is None else bitmask.to(device),
             penalized=any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params),
             sampled=any(p.temperature > 0 for p in params),
         )
@@ -86,6 +94,16 @@ def _token_mask(rows: Sequence[list[int]], vocab: int, device: torch.device) -> 
     counts = torch.zeros((len(rows), vocab + 1), dtype=torch.float32, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab]
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:  # [B, V], [B, W] -> [B, V]
+    """Tokens whose bit is clear become -inf (a grammar forbids them); tokens past the mask's width too."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)  # [B, 32 W]
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # [B, V] -> [B, V]
@@ -147,16 +165,34 @@ def topk_logprobs(
     return rows
 
 
+def _only(row: torch.Tensor, ids: list[int]) -> bool:
+    """Nothing but `ids` is allowed in this row (a grammar that can only end): suppressing them would leave no
+    token, so min_tokens yields to the grammar."""
+    rest = row.clone()
+    rest[ids] = float("-inf")
+    return bool(torch.isneginf(rest).all())
+
+
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, ops: Kernels | None = None) -> None:
         self.default_generator = torch.Generator().manual_seed(seed)  # rows without a seed of their own
+        self.ops = ops  # the CPU kernels, for the grammar bitmask (apply_bitmask otherwise)
+
+    def _masked(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+            out = logits.clone()
+            self.ops.apply_bitmask(out, bitmask)
+            return out
+        return apply_bitmask(logits, bitmask)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:  # logits [B, V] float32
         raw = logits
+        if batch.bitmask is not None:
+            logits = self._masked(logits, batch.bitmask)
         if any(batch.suppressed_token_ids):
             logits = logits.clone()
             for i, ids in enumerate(batch.suppressed_token_ids):
-                if ids:
+                if ids and not (batch.bitmask is not None and _only(logits[i], ids)):
                     logits[i, ids] = float("-inf")
         logits = apply_penalties(logits, batch)
         tokens = logits.argmax(dim=-1)  # [B], final for greedy rows

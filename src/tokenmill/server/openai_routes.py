@@ -6,6 +6,7 @@ Must not import torch.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Annotated, Any
@@ -16,9 +17,10 @@ from starlette.concurrency import run_in_threadpool
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import Logprobs
-from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from tokenmill.server import tools
 from tokenmill.server.errors import APIError, bad_value
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions, _SamplingFields
 from tokenmill.server.state import ServerState, get_state, ready_engine
 from tokenmill.server.streaming import Call, ChoiceBuilder, completion_tokens, run_to_end, stream_events
 from tokenmill.tokenizer import Tokenizer
@@ -28,19 +30,44 @@ State = Annotated[ServerState, Depends(get_state)]
 Engine = Annotated[AsyncEngine, Depends(ready_engine)]
 
 
-def _start(
+async def _start(
     state: ServerState, engine: AsyncEngine, kind: str, model: str | None, prompts: list[list[int]],
-    params: SamplingParams, priority: int,
+    params: SamplingParams, priority: int, grammar_field: str | None = None,
 ) -> Call:  # fmt: skip
-    """Check the load, then start every prompt (all validated before any starts)."""
+    """Check the load, compile the grammar (off the event loop, within its time limit), then start every prompt
+    (all validated before any starts)."""
     state.admit(engine, len(prompts) * params.n)
     call_id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
+    grammar = await _compile(state, engine, params, grammar_field)
     try:
-        streams = engine.add_requests(prompts, params, [f"{call_id}-{i}" for i in range(len(prompts))], priority)
+        streams = engine.add_requests(prompts, params, [f"{call_id}-{i}" for i in range(len(prompts))], priority,
+                                      grammar)  # fmt: skip
     except ValueError as e:
         raise bad_value(e) from None
     return Call(kind, call_id, state.config.served_model_name, prompts, streams, params.n, int(time.time()),
                 state.metrics)  # fmt: skip
+
+
+async def _compile(state: ServerState, engine: AsyncEngine, params: SamplingParams, field: str | None) -> Any:
+    if params.structured_outputs is None:
+        return None
+    limit = state.config.grammar_compile_timeout
+    try:
+        return await asyncio.wait_for(run_in_threadpool(engine.compile_grammar, params), limit)
+    except ValueError as e:
+        raise APIError(400, str(e), param=field) from None
+    except TimeoutError:
+        raise APIError(400, f"the grammar took longer than {limit:g} s to compile (--grammar-compile-timeout); "
+                       "simplify it", param=field) from None  # fmt: skip
+
+
+def _structured(body: _SamplingFields) -> tuple[str | None, StructuredOutputsParams | None]:
+    """(the field, the constraint) from response_format / structured_outputs / guided_*; 400 when malformed."""
+    try:
+        found = body.structured()
+    except ValueError as e:
+        raise APIError(400, str(e), param="response_format") from None
+    return found if found is not None else (None, None)
 
 
 def _stream(call: Call, choice: ChoiceBuilder, options: StreamOptions | None) -> StreamingResponse:
@@ -57,14 +84,15 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
     tok = engine.tokenizer
     prompts = await run_in_threadpool(_normalize_prompt, body.prompt, tok)  # tokenizing can take seconds
     want_lp = body.logprobs
+    field, constraint = _structured(body)
     try:
         params = body.sampling_params(
             engine.default_sampling_params(), body.max_tokens, want_lp,
-            want_lp if (body.echo and want_lp is not None) else None,
+            want_lp if (body.echo and want_lp is not None) else None, constraint,
         )  # fmt: skip
     except ValueError as e:
         raise bad_value(e) from None
-    call = _start(state, engine, "text_completion", body.model, prompts, params, body.priority)
+    call = await _start(state, engine, "text_completion", body.model, prompts, params, body.priority, field)
     if body.echo:
         call.echo_texts = await run_in_threadpool(lambda: [tok.decode(p, skip_special_tokens=False) for p in prompts])
 
@@ -101,33 +129,41 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     state.check_model(body.model)
     _check_sizes(state, body.n, 1)
     tok = engine.tokenizer
+    try:
+        plan = tools.plan(body, state.config.tool_call_parser, tok.chat_template_text)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+    field, constraint = _structured(body)
+    forced = tools.constraint(plan, body.parallel_tool_calls)
+    if forced is not None and constraint is not None:
+        raise APIError(400, f"tool_choice={plan.mode!r} constrains the output already; drop {field}", param=field)
+    field, constraint = ("tool_choice", forced) if forced is not None else (field, constraint)
     messages = [m.as_template_dict() for m in body.messages]
+    extra = {"tools": plan.tools} if plan.mode != "none" else {}
     try:  # rendering and tokenizing off the event loop: a long conversation must not stall other clients
-        prompt = await run_in_threadpool(tok.apply_chat_template, messages, body.add_generation_prompt)
+        prompt = await run_in_threadpool(tok.apply_chat_template, messages, body.add_generation_prompt, **extra)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    top = body.top_logprobs or 0
-    if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    if not 0 <= top <= MAX_LOGPROBS:
-        raise APIError(400, f"top_logprobs={top} is invalid: allowed an integer in [0, {MAX_LOGPROBS}]",
-                       param="top_logprobs")  # fmt: skip
-    if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
-        raise APIError(400, f"max_completion_tokens={body.max_completion_tokens} is invalid: allowed an integer "
-                       ">= 1", param="max_completion_tokens")  # fmt: skip
+    top = _check_chat_fields(body)
     try:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(
-            engine.default_sampling_params(), max_tokens, top if body.logprobs else None, None
+            engine.default_sampling_params(), max_tokens, top if body.logprobs else None, None, constraint
         )
     except ValueError as e:
         raise bad_value(e) from None
-    call = _start(state, engine, "chat.completion", body.model, [prompt], params, body.priority)
+    call = await _start(state, engine, "chat.completion", body.model, [prompt], params, body.priority, field)
+    streams: dict[int, tools.ToolStream] = {}
 
     def choice(
         index: int, ids: list[int], lp: list[Logprobs] | None, text: str, finish: str | None, first: bool
     ) -> dict[str, Any]:
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        ts = streams.setdefault(index, tools.ToolStream(plan))
+        delta: dict[str, Any] = ts.feed(text, finish is not None)
+        if first:
+            delta = {"role": "assistant", **delta}
+        if ts.calls and finish == "stop":
+            finish = "tool_calls"
         logprobs = _chat_logprobs(tok, ids, lp, top) if lp is not None else None
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
@@ -137,10 +173,29 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     choices = []
     for c in finals[0].outputs:
         lp = _chat_logprobs(tok, c.token_ids, c.logprobs, top) if body.logprobs and c.logprobs else None
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                        "finish_reason": c.finish_reason})  # fmt: skip
+        content, calls = tools.parse(plan, c.text) if plan.mode != "none" else (c.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        finish = c.finish_reason
+        if calls:
+            message["tool_calls"] = calls
+            finish = "tool_calls" if finish == "stop" else finish
+        choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
     return {"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
             "choices": choices, "usage": call.usage(completion_tokens(finals))}  # fmt: skip
+
+
+def _check_chat_fields(body: ChatCompletionRequest) -> int:
+    """The chat-only limits; returns top_logprobs."""
+    top = body.top_logprobs or 0
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs={top} is invalid: allowed an integer in [0, {MAX_LOGPROBS}]",
+                       param="top_logprobs")  # fmt: skip
+    if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
+        raise APIError(400, f"max_completion_tokens={body.max_completion_tokens} is invalid: allowed an integer "
+                       ">= 1", param="max_completion_tokens")  # fmt: skip
+    return top
 
 
 # -- helpers --------------------------------------------------------------------------------------------------

@@ -5,12 +5,13 @@ Conversion to `SamplingParams` (which checks the ranges) lives here too."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tokenmill.sampling_params import INT64, SamplingParams
+from tokenmill.sampling_params import INT64, SamplingParams, StructuredOutputsParams
 
 
 def _valid_unicode(text: str) -> str:
@@ -36,6 +37,28 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: Text = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extra parameter (one of these)."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Strict):
     model: Text | None = None
     max_tokens: Int64 | None = None
@@ -58,10 +81,43 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     priority: Int64 = 0
+    # structured output: OpenAI's response_format, vLLM's structured_outputs, and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: Text | None = None  # accepted and ignored: there is one backend (llguidance)
+
+    def structured(self) -> tuple[str, StructuredOutputsParams] | None:
+        """(the field it came from, the constraint) for the one structured-output field given, or None.
+        Raises ValueError when several are given or the one given is malformed."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ValueError("response_format of type json_schema needs a json_schema object")
+            found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.schema_)))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            found.append(("structured_outputs", StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=bool(so.json_object))))  # fmt: skip
+        old = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+        for name, key in old.items():
+            if getattr(self, name) is not None:
+                found.append((name, StructuredOutputsParams(**{key: getattr(self, name)})))
+        if len(found) > 1:
+            raise ValueError(f"give one structured-output field, not {' and '.join(f for f, _ in found)}")
+        return found[0] if found else None
 
     def sampling_params(
-        self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
-    ) -> SamplingParams:
+        self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:  # fmt: skip
         """Request fields over the model's generation_config defaults. Raises ValueError on bad values."""
         given: dict[str, Any] = {
             "temperature": self.temperature,
@@ -90,6 +146,7 @@ class _SamplingFields(_Strict):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
 
 
@@ -104,22 +161,72 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text
+
+
+class ToolCall(_Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None  # a tool turn: which call this is the result of
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
-    def as_template_dict(self) -> dict[str, str]:
-        """The message as the chat template sees it; `name` is passed on, as vLLM does."""
-        message = {"role": self.role, "content": self.text()}
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it; `name` is passed on, as vLLM does. Tool-call arguments go
+        to the template as objects, as Hugging Face templates expect."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
         return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -128,6 +235,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class GenerateRequest(_Strict):

@@ -28,6 +28,8 @@ class ServerConfig:
     max_prompts: int = 256  # prompts in one /v1/completions call
     max_body_bytes: int = 4 * 2**20
     public_docs: bool = False  # serve /docs and /openapi.json without the API key
+    tool_call_parser: str = "auto"  # how "auto" tool calls are read: hermes | llama3_json | auto (by template)
+    grammar_compile_timeout: float = 10.0  # seconds a structured-output grammar may take to compile
 
 
 @dataclass

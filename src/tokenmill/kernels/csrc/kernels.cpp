@@ -253,6 +253,23 @@ double read_sum(uintptr_t ptr, int64_t bytes) {
   return total;
 }
 
+// Structured output: logits [B, V] float32 whose bit in mask [B, W] (int32 words, bit t of word w = token
+// 32 w + t) is clear become -inf, in place; tokens past 32 W too. A word of all ones (a free row) is skipped.
+void apply_bitmask(uintptr_t logits, uintptr_t mask, int64_t B, int64_t V, int64_t W) {
+  for (int64_t b = 0; b < B; ++b) {
+    float* row = (float*)logits + b * V;
+    const uint32_t* words = (const uint32_t*)mask + b * W;
+    for (int64_t w = 0; w < W && w * 32 < V; ++w) {
+      const uint32_t word = words[w];
+      if (word == 0xffffffffu) continue;
+      const int64_t base = w * 32, n = std::min<int64_t>(32, V - base);
+      for (int64_t t = 0; t < n; ++t)
+        if (!((word >> t) & 1u)) row[base + t] = -INFINITY;
+    }
+    for (int64_t v = W * 32; v < V; ++v) row[v] = -INFINITY;
+  }
+}
+
 }  // namespace tmk
 
 #include "stack.h"
@@ -272,6 +289,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_blocked_rows", [](int64_t rows) { return std::exchange(tmk::blocked_rows, rows); },
         "rows from which every linear takes the cache-blocked GEMM (0: each format's default); returns the old one");
   m.def("read_sum", &tmk::read_sum, "stream a buffer once (the bandwidth probe)");
+  m.def("apply_bitmask", &tmk::apply_bitmask, "logits whose grammar bit is clear -> -inf, in place");
   py::class_<tmk::DecodeStack>(m, "DecodeStack", py::module_local())  // one per variant in a process
       .def(py::init<bool, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, uintptr_t, int64_t, int>())
       .def("add_layer", &tmk::DecodeStack::add_layer)

@@ -1,0 +1,36 @@
+"""What a request may ask for: checked before it is queued, from facts fixed when the engine was built."""
+
+from __future__ import annotations
+
+from tokenmill.kv_cache import KVManager
+from tokenmill.sampling_params import SamplingParams
+
+
+def output_budget(
+    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int, kv: KVManager
+) -> int:
+    """The request's output budget (max_tokens, capped by the context); ValueError for one that can never run."""
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is out of range: allowed [0, {vocab_size - 1}]")
+    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"stop_token_ids={params.stop_token_ids} is invalid: allowed ids in [0, {vocab_size - 1}]")
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt
+    if max_tokens < 1 or num_prompt + max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt + max(max_tokens, 1)} tokens ({num_prompt} in the messages, {max(max_tokens, 1)} in the "
+            "completion). Please reduce the length of the prompt or the completion."
+        )
+    needed = kv.num_blocks_needed(num_prompt + max_tokens)
+    if needed > kv.num_blocks:
+        raise ValueError(
+            f"this request needs {needed} KV blocks ({num_prompt} prompt + {max_tokens} completion tokens) "
+            f"but the whole pool has {kv.num_blocks}; lower max_tokens or raise num_kv_blocks / "
+            "kv_cache_memory_gb"
+        )
+    return max_tokens

@@ -1,0 +1,187 @@
+"""Tool calling for `/v1/chat/completions`: what `tool_choice` constrains, and tool calls read from the output.
+
+- `"none"` (or no tools): the tools are not shown to the template and nothing is parsed.
+- a named function: the output is constrained to that function's parameter schema, and is its arguments.
+- `"required"`: the output is constrained to a JSON array of `{"name", "parameters"}` calls (one at most when
+  `parallel_tool_calls` is false), each object matching its tool's schema.
+- `"auto"` (the default with tools): the model writes freely; tool calls are parsed from its own format, the
+  chat template's: Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, or Llama 3.x
+  JSON (`{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`, several separated by `;`).
+  `--tool-call-parser auto` picks by the template (one that writes `<tool_call>` is Hermes).
+
+Streaming follows the `openai` SDK: a forced function streams its arguments as `delta.tool_calls` pieces; the
+other modes send content as it comes and each parsed call whole, once the output is complete.
+
+Must not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
+
+PARSERS = ("auto", "hermes", "llama3_json")
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # "none" | "auto" | "required" | "named"
+    parser: str  # "hermes" | "llama3_json"
+    function: str | None = None  # the named function
+    tools: list[dict[str, Any]] = field(default_factory=list)  # as the chat template takes them
+
+
+def plan(body: ChatCompletionRequest, parser: str, chat_template: str) -> ToolPlan:
+    """What this request's tools and tool_choice mean. ValueError for a choice that names no given tool."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    choice = body.tool_choice or ("auto" if tools else "none")
+    if parser == "auto":
+        parser = "hermes" if HERMES_OPEN in chat_template else "llama3_json"
+    if not tools:
+        if choice not in ("none", "auto"):
+            raise ValueError("tool_choice needs tools: the request gives none")
+        return ToolPlan("none", parser)
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in {t["function"]["name"] for t in tools}:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not in tools")
+        return ToolPlan("named", parser, choice.function.name, tools)
+    return ToolPlan(str(choice), parser, None, tools)
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def constraint(p: ToolPlan, parallel: bool) -> StructuredOutputsParams | None:
+    """The grammar a forced tool call needs (None for "auto" and "none")."""
+    if p.mode == "named":
+        tool = next(t for t in p.tools if t["function"]["name"] == p.function)
+        return StructuredOutputsParams(json=_parameters(tool))
+    if p.mode != "required":
+        return None
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in p.tools]  # fmt: skip
+    array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        array["maxItems"] = 1
+    return StructuredOutputsParams(json=array)
+
+
+def new_call(name: str, arguments: Any) -> dict[str, Any]:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a finished output."""
+    if p.mode == "named":
+        return None, [new_call(p.function or "", text)]
+    if p.mode == "required":
+        try:
+            return None, [new_call(c["name"], c["parameters"]) for c in json.loads(text)]
+        except (ValueError, TypeError, KeyError):  # cut short (max_tokens): no calls
+            return text, []
+    if p.mode == "none":
+        return text, []
+    return _parse_hermes(text) if p.parser == "hermes" else _parse_llama3(text)
+
+
+def _call_of(obj: Any) -> dict[str, Any] | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return new_call(obj["name"], args)
+
+
+def _parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    calls = []
+    for m in _HERMES.finditer(text):
+        try:
+            call = _call_of(json.loads(m.group(1)))
+        except ValueError:
+            call = None
+        if call is None:
+            return text, []  # a malformed block: the output stays content, as written
+        calls.append(call)
+    if not calls:
+        return text, []
+    content = text[: text.find(HERMES_OPEN)].strip()
+    return content or None, calls
+
+
+def _parse_llama3(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = []
+    for part in body.split(";"):  # several calls: "{...}; {...}"
+        try:
+            call = _call_of(json.loads(part))
+        except ValueError:
+            return text, []
+        if call is None:
+            return text, []
+        calls.append(call)
+    return None, calls
+
+
+class ToolStream:
+    """One choice's stream: text deltas in, chat `delta` fields out."""
+
+    def __init__(self, p: ToolPlan) -> None:
+        self.plan, self.text, self.sent, self.calls = p, "", 0, 0  # sent: characters of text sent as content
+        self.call_id = "call_" + uuid.uuid4().hex[:24]
+
+    def feed(self, delta: str, finished: bool) -> dict[str, Any]:
+        """The delta fields for new text `delta` (empty when nothing can be sent yet)."""
+        self.text += delta
+        p = self.plan
+        if p.mode == "named":  # the text is the arguments: stream them
+            if self.calls == 0:
+                self.calls = 1
+                call = {"index": 0, "id": self.call_id, "type": "function",
+                        "function": {"name": p.function, "arguments": delta}}  # fmt: skip
+                return {"tool_calls": [call]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]} if delta else {}
+        if p.mode == "none":
+            return {"content": delta} if delta else {}
+        if finished:
+            _, calls = parse(p, self.text)
+            self.calls = len(calls)
+            if not calls:
+                rest = self.text[self.sent :]
+                return {"content": rest} if rest else {}
+            cut = self.text.find(HERMES_OPEN) if p.parser == "hermes" and p.mode == "auto" else self.sent
+            out: dict[str, Any] = {"content": self.text[self.sent : cut].rstrip()} if cut > self.sent else {}
+            out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            return out
+        upto = self._safe_end()
+        if upto > self.sent:
+            chunk, self.sent = self.text[self.sent : upto], upto
+            return {"content": chunk}
+        return {}
+
+    def _safe_end(self) -> int:
+        """How much text can go out as content: none once a call may have begun, and never a tag's prefix."""
+        if self.plan.mode == "required":
+            return 0
+        if self.plan.parser == "llama3_json":  # a call is the whole message: wait until it cannot be one
+            lead = self.text.lstrip()
+            maybe_call = not lead or lead[0] == "{" or PYTHON_TAG.startswith(lead[: len(PYTHON_TAG)])
+            return 0 if maybe_call else len(self.text)
+        at = self.text.find(HERMES_OPEN)
+        end = at if at >= 0 else len(self.text)
+        for k in range(min(len(HERMES_OPEN) - 1, end), 0, -1):  # hold back "<tool" at the end
+            if at < 0 and HERMES_OPEN.startswith(self.text[end - k : end]):
+                end -= k
+                break
+        return len(self.text[:end].rstrip())  # and trailing whitespace: it may precede a call
