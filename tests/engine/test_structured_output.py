@@ -138,6 +138,9 @@ def test_n_stop_strings_and_max_tokens(tiny: LLM) -> None:
         jsonschema.validate(json.loads(c.text), schema)
     cut = tiny.generate(["hello"], _json(SCHEMAS[1], 0.0, stop=['", ']))[0].outputs[0]  # lands mid-JSON
     assert cut.finish_reason == "stop" and cut.text.startswith('{"name": "') and '", ' not in cut.text
+    with_lp = tiny.generate(["hello"], _json(SCHEMAS[3], 1.0, logprobs=2))[0].outputs[0]  # the raw distribution's
+    assert with_lp.logprobs is not None and len(with_lp.logprobs) == len(with_lp.token_ids)
+    assert all(t in lp and lp[t] > float("-inf") for t, lp in zip(with_lp.token_ids, with_lp.logprobs))
     short = tiny.generate(["hello"], SamplingParams(temperature=0, max_tokens=3,
                           structured_outputs=StructuredOutputsParams(json=SCHEMAS[1])))[0].outputs[0]  # fmt: skip
     assert short.finish_reason == "length" and len(short.token_ids) == 3 and short.text.startswith("{")
@@ -175,7 +178,9 @@ def test_constraints_hold_through_preemption_caching_and_speculation(
 def test_bad_grammars_are_one_clear_error(tiny: LLM) -> None:
     bad = [({"json": {"type": "objec"}}, "invalid JSON schema"), ({"json": "{not json"}, "not valid JSON"),
            ({"regex": "a(b"}, "invalid regex"), ({"grammar": "start: foo"}, "invalid grammar"),
-           ({"json": {"type": "string", "format": "no-such-format"}}, "invalid JSON schema")]  # fmt: skip
+           ({"json": {"type": "string", "format": "no-such-format"}}, "invalid JSON schema"),
+           ({"json": {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}},
+            r'Unimplemented keys: \["if", "then"\]')]  # fmt: skip
     for fields, message in bad:
         with pytest.raises(ValueError, match=message):
             tiny.generate(["hello"], SamplingParams(structured_outputs=StructuredOutputsParams(**fields)))
