@@ -216,6 +216,8 @@ class EngineConfig:
     pack_weights: bool = False
     compile: bool = False
     threads: int | None = None
+    # scale-out: ranks that split every layer (parallel/tensor.py); rank 0 is this process
+    tensor_parallel_size: int = 1
     # speculative decoding (spec_decode/): "ngram" (prompt lookup), or a draft model with the same tokenizer (a
     # folder, hub id or .gguf; "demo-draft": the built-in demo model's); off when None
     speculative_model: str | None = None
@@ -243,7 +245,15 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported; allowed: {', '.join(allowed)}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r} is not supported; allowed: auto, cpu, cuda, cuda:N")
-        positive = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "threads")
+        positive = (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "num_kv_blocks",
+            "threads",
+            "tensor_parallel_size",
+        )
         for name in positive:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -251,8 +261,19 @@ class EngineConfig:
         if self.touch_kv_cache and self.kv_cache != "paged":
             raise ValueError(f"touch_kv_cache needs kv_cache='paged'; kv_cache={self.kv_cache!r} has no pool to touch")
         self._check_speculation()
+        self._check_parallel()
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: allowed values > 0")
+
+    def _check_parallel(self) -> None:
+        if self.tensor_parallel_size == 1:
+            return
+        clash = {"kv_cache": self.kv_cache != "paged", "speculative_model": self.speculative_model is not None,
+                 "compile": self.compile}  # fmt: skip
+        named = [k for k, v in clash.items() if v]
+        if named:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} runs with kv_cache='paged', no "
+                             f"speculative_model and no compile; drop {', '.join(named)}")  # fmt: skip
 
     def _check_speculation(self) -> None:
         for name in ("num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",

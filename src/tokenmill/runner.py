@@ -33,8 +33,11 @@ class InjectedFatalFault(BaseException):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, device: torch.device, kv: KVBackend, seed: int = 0) -> None:
+    def __init__(
+        self, model: CausalLM, device: torch.device, kv: KVBackend, seed: int = 0, sample: bool = True
+    ) -> None:
         self.model, self.device, self.kv = model, device, kv
+        self.sample = sample  # False: compute only (a tensor-parallel worker; rank 0 samples)
         self.decode_stack = DecodeStack.build(model, kv)  # decode-only steps in one kernel call, where it fits
         self.sampler = Sampler(seed, getattr(kv, "ops", None))
         self._generators: dict[str, torch.Generator] = {}
@@ -56,12 +59,24 @@ class ModelRunner:
             gen = self._generators[seq.request_id] = torch.Generator().manual_seed(seed)
         return gen
 
-    @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> RunnerOutput:
+    def check_fault(self, batch: ModelInput) -> None:
+        """The test hook (see the top)."""
         if self.fault_token is not None and any(
             s.start == 0 and s.token_ids[0] == self.fault_token for s in batch.sequences
         ):
             raise (InjectedFatalFault if self.fault_fatal else InjectedFault)(f"injected fault at {self.fault_token}")
+
+    def close(self) -> None:
+        """Release what outlives a step (a tensor-parallel runner's worker processes)."""
+
+    @property
+    def alive(self) -> bool:
+        """Everything this runner needs is running (a tensor-parallel runner: every worker)."""
+        return True
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelInput) -> RunnerOutput:
+        self.check_fault(batch)
         runs, rows_of = _split_drafts(batch.sequences)
         # one-token sequences first: a backend may attend to them in one batched call
         seqs = [s for s in runs if s.num_new_tokens == 1]
@@ -92,6 +107,8 @@ class ModelRunner:
             hidden = self.model(ids_t, pos_t, self.kv, meta)  # [T, D]
 
         out = RunnerOutput()
+        if not self.sample:
+            return out
         for s, row in prompt_rows:
             plp = s.prompt_logprobs
             assert plp is not None

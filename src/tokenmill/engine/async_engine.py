@@ -144,10 +144,13 @@ class AsyncEngine:
         if self._thread is not None:
             self._commands.put(_Stop())
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.core.close()
 
     @property
     def is_healthy(self) -> bool:
-        return self.errored is None and self._thread is not None and self._thread.is_alive()
+        alive = self.errored is None and self._thread is not None and self._thread.is_alive()
+        return alive and self.core.runner.alive  # a tensor-parallel worker that died ends serving too
 
     # -- facts and numbers --------------------------------------------------------------------------------
     def default_sampling_params(self) -> SamplingParams:
@@ -313,6 +316,8 @@ class AsyncEngine:
                     for out in self.core.step():
                         self._deliver(out.request_id, out)
                 self._publish()
+                if not self.core.runner.alive:  # checked idle too: a dead tensor-parallel rank ends the engine
+                    raise RuntimeError("a tensor-parallel worker process exited")
         except BaseException as e:  # the engine is dead: tell everyone waiting, never hang them
             log.exception("engine loop died")
             self.errored = e

@@ -87,7 +87,12 @@ class EngineCore:
         scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, budget, chunked, cfg.scheduling_policy, cfg.batching), kv
         )
-        runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed)
+        if cfg.tensor_parallel_size > 1:
+            from tokenmill.parallel.workers import TensorParallelRunner
+
+            runner: ModelRunner = TensorParallelRunner(loaded.model, loaded.device, backend, cfg.seed, cfg)
+        else:
+            runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed)
         proposer: Proposer | None = None
         if cfg.speculative_model == "ngram":
             proposer = NgramProposer(
@@ -153,6 +158,10 @@ class EngineCore:
         for child in children:
             self._seqs[child.request_id] = child
             self.scheduler.add(child)
+
+    def close(self) -> None:
+        """Stop what runs beside the engine (tensor-parallel workers)."""
+        self.runner.close()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

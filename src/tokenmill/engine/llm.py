@@ -28,6 +28,10 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self.engine = EngineCore.build(self.loaded, self.config)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also end with this process)."""
+        self.engine.close()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json sampling defaults (what vLLM uses when none are given)."""
         return self.loaded.default_sampling_params()

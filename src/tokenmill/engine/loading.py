@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
 from tokenmill.models.linear import FORMAT_OF_QUANTIZATION, prepare_linears
+from tokenmill.parallel.tensor import Shard, check_shardable, wrap_row_parallel
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.weights import load_weights, resolve_model
@@ -100,12 +102,20 @@ def read_json(path: Path, required: bool) -> dict[str, Any]:
     return data
 
 
-def load(cfg: EngineConfig) -> LoadedModel:
+def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
+    """The model `cfg` names; with tensor_parallel_size > 1, tensor-parallel rank `rank`'s shard of it."""
     path = resolve_model(cfg.model or default_model_ref(), cfg.revision)
     gguf = GGUFCheckpoint(path) if is_gguf(path) else None
     hf_config = gguf.hf_config() if gguf else read_json(path / "config.json", required=True)
     family = family_for(hf_config)  # fail on the architecture before reading any weights
     model_config = family.config_from_hf(hf_config)
+    shard = None
+    if cfg.tensor_parallel_size > 1:
+        if gguf:
+            raise ConfigError("tensor_parallel_size > 1 loads safetensors checkpoints; this is a GGUF file")
+        check_shardable(model_config.architecture)
+        shard, full_config = Shard(rank, cfg.tensor_parallel_size), model_config
+        model_config = shard.local_config(model_config)
     if gguf and cfg.quantization != "none":
         _check_gguf_quantization(gguf, cfg.quantization)
     max_len = cfg.max_model_len or model_config.max_position_embeddings
@@ -123,9 +133,13 @@ def load(cfg: EngineConfig) -> LoadedModel:
     if gguf:
         load_weights(model, gguf.iter_tensors(hf_config), str(path), dtype, device, False, "its GGUF metadata")
     else:
-        tensors = ((name, t, str(file)) for name, t, file in iter_tensors(path))
+        tensors: Iterator[tuple[str, torch.Tensor, str]] = ((n, t, str(f)) for n, t, f in iter_tensors(path))
+        if shard is not None:
+            tensors = shard.stream(tensors, full_config)
         load_weights(model, tensors, str(path), dtype, device)
     kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights, cfg.cpu_kernels)
+    if shard is not None:
+        wrap_row_parallel(model)
     ops = None
     if cfg.compile:
         compile_model(model)  # inductor fuses the same ops itself; the fused kernels would split its graphs

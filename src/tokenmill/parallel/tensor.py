@@ -1,0 +1,113 @@
+"""Tensor parallelism in the Megatron pattern: what one rank holds, and the all-reduces that join the ranks.
+
+Per decoder layer of the Llama-shaped stack (`models/layers.py`: Llama, Mistral, Qwen2, Qwen3):
+- q/k/v and gate/up are column-parallel: a rank holds its heads' rows and its slice of the intermediate size;
+- o and down are row-parallel: a rank holds the matching columns, and their outputs are summed across ranks
+  (one all-reduce each, `AllReduce`); a bias is added once (rank 0 holds it, the others hold zeros);
+- KV heads are split across ranks, or replicated when there are fewer KV heads than ranks (rank r then holds
+  KV head r * Hkv // N, the one its query heads read);
+- embeddings, norms and the LM head are replicated: the head's [V, D] matmul is ~1/12 of a 0.5B model's
+  weights, and splitting it would add an all-gather of the logits to every step.
+
+A rank's model is an ordinary model built from its local config (fewer heads, a smaller intermediate size), and
+its weights are sliced out of the checkpoint's tensors as they stream in, so each rank reads and holds ~1/N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.errors import ConfigError
+
+Tensors = Iterator[tuple[str, torch.Tensor, str]]
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    size: int
+
+    def check(self, cfg: ModelConfig) -> None:
+        """ConfigError unless `cfg` splits evenly over `size` ranks."""
+        n, h, hkv, i = self.size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        if h % n or i % n or (hkv % n and n % hkv):
+            raise ConfigError(
+                f"tensor_parallel_size={n} does not divide this model: {h} attention heads, {hkv} KV heads and "
+                f"intermediate size {i} must split evenly (or the KV heads divide {n})"
+            )
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        self.check(cfg)
+        n = self.size
+        return replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=max(cfg.num_kv_heads // n, 1),
+                       intermediate_size=cfg.intermediate_size // n)  # fmt: skip
+
+    def kv_heads(self, cfg: ModelConfig) -> range:
+        """The checkpoint's KV heads this rank holds."""
+        if cfg.num_kv_heads >= self.size:
+            per = cfg.num_kv_heads // self.size
+            return range(self.rank * per, (self.rank + 1) * per)
+        head = self.rank * cfg.num_kv_heads // self.size
+        return range(head, head + 1)
+
+    def slice(self, name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        """This rank's part of checkpoint tensor `name` (HF naming)."""
+        r, n, dh = self.rank, self.size, cfg.head_dim
+        if ".self_attn.q_proj." in name:
+            rows = cfg.num_heads // n * dh
+            return t[r * rows : (r + 1) * rows]
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            heads = self.kv_heads(cfg)
+            return t[heads.start * dh : heads.stop * dh]
+        if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+            rows = cfg.intermediate_size // n
+            return t[r * rows : (r + 1) * rows]
+        if name.endswith((".self_attn.o_proj.weight", ".mlp.down_proj.weight")):
+            cols = t.shape[1] // n
+            return t[:, r * cols : (r + 1) * cols]
+        if name.endswith((".self_attn.o_proj.bias", ".mlp.down_proj.bias")):
+            return t if r == 0 else torch.zeros_like(t)
+        return t
+
+    def stream(self, tensors: Tensors, cfg: ModelConfig) -> Tensors:
+        for name, t, where in tensors:
+            yield name, self.slice(name, t, cfg).contiguous(), where
+
+
+class AllReduce(nn.Module):
+    """A row-parallel linear: this rank's partial output, summed over every rank."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        dist.all_reduce(y)
+        return y
+
+
+def wrap_row_parallel(model: nn.Module) -> None:
+    """Put an all-reduce after every layer's o_proj and down_proj."""
+    from tokenmill.models.layers import Attention, GatedMLP
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.o_proj = AllReduce(module.o_proj)  # type: ignore[assignment]
+        elif isinstance(module, GatedMLP):
+            module.down_proj = AllReduce(module.down_proj)  # type: ignore[assignment]
+
+
+SHARDABLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def check_shardable(architecture: str) -> None:
+    """ConfigError unless the architecture is one the rules above describe (separate q/k/v and gate/up)."""
+    if architecture not in SHARDABLE:
+        raise ConfigError(f"tensor_parallel_size > 1 supports {', '.join(SHARDABLE)} today, not {architecture}")

@@ -1,0 +1,121 @@
+"""Tensor-parallel ranks: rank 0 is the engine process, ranks 1..N-1 are worker processes.
+
+Rank 0 owns the scheduler, the KV manager and the sampler, as with one process. Each step its runner
+broadcasts the step's `ModelInput` (torch.distributed's object broadcast) and then runs its own shard; every
+worker receives the same input and runs its shard through the same code path (its own KV tensors, the same
+block tables), so the all-reduces of the row-parallel linears pair up. Workers never sample.
+
+Workers start with `torch.multiprocessing` (spawn) on this machine and join a gloo group (NCCL on CUDA) over a
+local TCP rendezvous. A rank that dies breaks the next collective on rank 0 (gloo sees the closed socket), and
+the runner turns that into `TensorParallelError`, which ends the engine loop: `/health` turns 503 and every
+waiting request gets an error, never a hang. `close()` sends the workers an empty message and joins them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tokenmill.config import EngineConfig
+from tokenmill.runner import ModelRunner
+from tokenmill.types import ModelInput, RunnerOutput
+
+log = logging.getLogger("tokenmill.parallel")
+TIMEOUT = timedelta(seconds=120)  # a collective that waits longer has lost a rank (gloo also notices closed sockets)
+
+
+class TensorParallelError(BaseException):
+    """A rank failed or left: the engine loop must stop (BaseException, so a step's retry does not catch it)."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _init(rank: int, size: int, port: int, device: str) -> None:
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=TIMEOUT)  # fmt: skip
+
+
+def _worker(rank: int, size: int, port: int, cfg: EngineConfig, num_blocks: int) -> None:
+    """A worker rank: load this rank's shard, then run every step rank 0 broadcasts, until an empty one."""
+    from tokenmill.attention import make_kv_backend
+    from tokenmill.engine.loading import load
+
+    torch.set_num_threads(cfg.threads or 1)
+    _init(rank, size, port, cfg.device)
+    loaded = load(cfg, rank=rank)
+    kv_cfg = replace(cfg, num_kv_blocks=num_blocks, kv_cache_memory_gb=None)
+    backend = make_kv_backend(kv_cfg, loaded.config, loaded.dtype, loaded.device, loaded.max_model_len, loaded.ops)
+    runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed, sample=False)
+    dist.barrier()  # loaded: rank 0 may start
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is None:
+            break
+        runner.execute(message[0])
+    dist.destroy_process_group()
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: starts the workers, broadcasts each step to them, then runs its own shard and samples."""
+
+    def __init__(self, model: Any, device: torch.device, kv: Any, seed: int, cfg: EngineConfig) -> None:
+        super().__init__(model, device, kv, seed)
+        size, port = cfg.tensor_parallel_size, _free_port()
+        ctx = mp.get_context("spawn")
+        self.workers = [ctx.Process(target=_worker, args=(rank, size, port, cfg, kv.num_blocks), daemon=True,
+                                    name=f"tokenmill-tp{rank}") for rank in range(1, size)]  # fmt: skip
+        for w in self.workers:
+            w.start()
+        try:
+            _init(0, size, port, cfg.device)
+            dist.barrier()  # every worker has its shard
+        except Exception as e:
+            self.close()
+            raise RuntimeError(f"tensor-parallel workers did not start: {e}") from None
+        self.closed = False
+
+    def execute(self, batch: ModelInput) -> RunnerOutput:
+        self.check_fault(batch)  # before the broadcast: an injected fault must not leave the workers waiting
+        dead = [w.name for w in self.workers if not w.is_alive()]
+        if dead:
+            raise TensorParallelError(f"tensor-parallel rank(s) {', '.join(dead)} exited")
+        try:
+            dist.broadcast_object_list([replace(batch, grammar_bitmask=None, grammar_rows={})], src=0)
+            return super().execute(batch)
+        except Exception as e:  # a collective failed (a rank died), or rank 0 failed mid-step: ranks are out of step
+            raise TensorParallelError(f"tensor-parallel step failed: {type(e).__name__}: {e}") from None
+
+    @property
+    def alive(self) -> bool:
+        return all(w.is_alive() for w in self.workers)
+
+    def close(self) -> None:
+        if getattr(self, "closed", True) is False and all(w.is_alive() for w in self.workers):
+            try:
+                dist.broadcast_object_list([None], src=0)
+                dist.destroy_process_group()
+            except Exception as e:  # a worker already gone: nothing to tell it
+                log.warning("tensor-parallel shutdown: %s", e)
+        self.closed = True
+        for w in self.workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+
+
+def worker_pids(runner: ModelRunner) -> list[int]:
+    """The worker processes' ids (for tests and `/stats`); [] for a one-process runner."""
+    return [w.pid for w in getattr(runner, "workers", []) if w.pid is not None]

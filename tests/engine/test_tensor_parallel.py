@@ -1,0 +1,94 @@
+"""Tensor parallelism on CPU (gloo, 2 processes): the same greedy tokens and float32 logprobs within 1e-4 as
+one process, for each family it shards; KV heads replicated when there are fewer than ranks; each rank holds
+its shard only; a killed rank is an error within seconds, never a hang; what it cannot shard is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import ConfigError
+from tokenmill.parallel.workers import TensorParallelError, worker_pids
+
+PROMPTS = ["hello world", "the quick brown fox jumps", "a"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+
+
+def _outputs(llm: LLM) -> list[Any]:
+    return llm.generate(PROMPTS, GREEDY)
+
+
+def _same(want: list[Any], got: list[Any]) -> None:
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        pairs = list(zip(w.outputs[0].logprobs, g.outputs[0].logprobs)) + list(zip(w.prompt_logprobs[1:],
+                                                                                  g.prompt_logprobs[1:]))  # fmt: skip
+        for a, b in pairs:
+            assert a.keys() == b.keys()
+            assert max(abs(a[t] - b[t]) for t in a) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("qwen3", {}),
+        ("mistral", {"sliding_window": 8}),
+        ("llama", {"num_key_value_heads": 1}),
+    ],
+    ids=["llama", "qwen2", "qwen3", "mistral-window", "kv-replicated"],
+)
+def test_two_ranks_compute_what_one_does(
+    make_checkpoint: Callable[..., Path], arch: str, overrides: dict[str, Any]
+) -> None:
+    folder = str(make_checkpoint(arch, initializer_range=0.1, **overrides))
+    one = LLM(folder, dtype="float32", threads=1)
+    want = _outputs(one)
+    two = LLM(folder, dtype="float32", threads=1, tensor_parallel_size=2)
+    try:
+        assert len(worker_pids(two.engine.runner)) == 1
+        _same(want, _outputs(two))
+        # rank 0 holds its shard of every layer's weights: about half (norms, and replicated KV heads, are whole)
+        assert _layer_bytes(two) < 0.6 * _layer_bytes(one)
+        kv = two.engine.kv
+        kv.check_integrity()
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        two.close()
+
+
+def _layer_bytes(llm: LLM) -> int:
+    state = llm.loaded.model.state_dict()
+    return sum(t.numel() * t.element_size() for name, t in state.items() if ".layers." in name)
+
+
+def test_a_killed_rank_is_an_error_within_seconds(make_checkpoint: Callable[..., Path]) -> None:
+    llm = LLM(str(make_checkpoint("qwen2", initializer_range=0.1)), dtype="float32", threads=1,
+              tensor_parallel_size=2)  # fmt: skip
+    try:
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+        (pid,) = worker_pids(llm.engine.runner)
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=8))
+        assert time.monotonic() - start < 10
+    finally:
+        llm.close()
+
+
+def test_what_cannot_be_sharded_is_refused(make_checkpoint: Callable[..., Path]) -> None:
+    with pytest.raises(ConfigError, match="supports LlamaForCausalLM"):
+        LLM(str(make_checkpoint("gpt2")), dtype="float32", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="does not divide this model"):
+        LLM(str(make_checkpoint("llama", initializer_range=0.1)), dtype="float32", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="drop speculative_model"):
+        LLM(str(make_checkpoint("llama", initializer_range=0.1)), tensor_parallel_size=2, speculative_model="ngram")

@@ -1,0 +1,44 @@
+"""`tokenmill serve --tensor-parallel-size 2`: serves the same greedy tokens as one process through the openai
+client; a worker rank that dies ends an in-flight stream with an error and the server exits non-zero within
+seconds (as any engine death does, for a supervisor to restart), never a hang."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import openai
+import psutil
+
+from tests.server.helpers import Server, offline
+from tokenmill import LLM
+
+SERVER_FLAGS = ("--tensor-parallel-size", "2", "--threads", "1")
+
+
+def _worker(server: Server) -> psutil.Process:
+    kids = psutil.Process(server.proc.pid).children(recursive=True)
+    return next(
+        p for p in kids if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())
+    )
+
+
+def test_two_ranks_serve_and_a_dead_rank_ends_the_server(server: Server, llm: LLM) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=60, max_retries=0)
+    prompts = [[11, 12, 13], [20, 21, 22, 23]]
+    got = client.completions.create(model=server.model, prompt=prompts, max_tokens=12, temperature=0)
+    assert [c.text for c in got.choices] == [
+        offline(llm, {"prompt_token_ids": p}, 12, ignore_eos=False).text for p in prompts
+    ]
+
+    body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # the stream is running
+        _worker(server).send_signal(signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data:")]
+    assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]", rest[-3:]
+    start = time.monotonic()
+    assert server.proc.wait(timeout=20) != 0
+    assert time.monotonic() - start < 20
