@@ -93,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-prompts", type=int, default=256, help="most prompts per completions call (default: 256)")
     srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (default: 4)")
     srv.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas as Ray actors behind this server (default: 1, no Ray; needs tokenmill[ray])",
+    )
+    srv.add_argument(
+        "--ray-address",
+        default=None,
+        help="an existing Ray cluster for --data-parallel-size (default: a local Ray started here)",
+    )
+    srv.add_argument(
         "--tool-call-parser",
         choices=["auto", "hermes", "llama3_json"],
         default="auto",

@@ -93,7 +93,13 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 class PrometheusMetrics:
     """The server's Prometheus collectors, named after vLLM's with a `tokenmill:` prefix."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        snapshot: Callable[[], EngineSnapshot],
+        replicas: Callable[[], dict[str, EngineSnapshot]] | None = None,
+    ) -> None:
+        """`replicas`: each data-parallel replica's snapshot; the engine numbers then carry a `replica` label."""
         from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 
         self.registry = CollectorRegistry()
@@ -116,7 +122,8 @@ class PrometheusMetrics:
             registry=self.registry,
         )
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes
-        self.registry.register(_EngineCollector(model_name, snapshot))
+        by_replica = replicas or (lambda: {"": snapshot()})
+        self.registry.register(_EngineCollector(model_name, by_replica, labelled=replicas is not None))
 
     def observe_finished(self, m: RequestMetrics, finish_reasons: list[str | None]) -> None:
         self.prompt_tokens.inc(m.num_prompt_tokens)
@@ -139,42 +146,57 @@ class PrometheusMetrics:
 
 
 class _EngineCollector:
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(
+        self, model_name: str, snapshots: Callable[[], dict[str, EngineSnapshot]], labelled: bool = False
+    ) -> None:
         import psutil
 
-        self.model_name, self.snapshot = model_name, snapshot
+        self.model_name, self.snapshots, self.labelled = model_name, snapshots, labelled
         self.process = psutil.Process()
         self.process.cpu_percent(None)  # first call primes the counter
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        s = self.snapshot()
-        label = [self.model_name]
+        snaps = self.snapshots()
+        names = ["model_name", "replica"] if self.labelled else ["model_name"]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(label, value)
-            return g
+        def labels(replica: str) -> list[str]:
+            return [self.model_name, replica] if self.labelled else [self.model_name]
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, value)
-            return c
+        def family(kind: Any, name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> Any:
+            f = kind(name, doc, labels=names)
+            for replica, s in snaps.items():
+                f.add_metric(labels(replica), value(s))
+            return f
 
-        yield gauge("tokenmill:num_requests_running", "Requests computing tokens.", s.running)
-        yield gauge("tokenmill:num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
-        yield gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s.kv_usage)
+        def gauge(name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> Any:
+            return family(GaugeMetricFamily, name, doc, value)
+
+        def counter(name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> Any:
+            return family(CounterMetricFamily, name, doc, value)
+
+        yield gauge("tokenmill:num_requests_running", "Requests computing tokens.", lambda s: s.running)
+        yield gauge("tokenmill:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.waiting)
+        yield gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", lambda s: s.kv_usage)
         yield counter("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)  # fmt: skip
-        yield counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
-        yield counter("tokenmill:num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions)
+                      lambda s: s.prefix_cache_queries)  # fmt: skip
+        yield counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      lambda s: s.prefix_cache_hits)  # fmt: skip
+        yield counter(
+            "tokenmill:num_preemptions", "Requests preempted (to be recomputed).", lambda s: s.num_preemptions
+        )
         # vLLM's names for speculative decoding: drafts verified, drafts kept, and their ratio
-        yield counter("tokenmill:spec_decode_num_draft_tokens", "Speculative drafts verified.", s.spec_draft_tokens)
+        yield counter("tokenmill:spec_decode_num_draft_tokens", "Speculative drafts verified.",
+                      lambda s: s.spec_draft_tokens)  # fmt: skip
         yield counter("tokenmill:spec_decode_num_accepted_tokens", "Speculative drafts the target kept.",
-                      s.spec_accepted_tokens)  # fmt: skip
-        rate = s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0
-        yield gauge("tokenmill:spec_decode_draft_acceptance_rate", "Kept / verified speculative drafts.", rate)
-        yield gauge("tokenmill:process_cpu_percent", "CPU use of this process since the last scrape.",
-                    self.process.cpu_percent(None))  # fmt: skip
-        yield gauge("tokenmill:process_rss_bytes", "Resident memory of this process.", self.process.memory_info().rss)
+                      lambda s: s.spec_accepted_tokens)  # fmt: skip
+        yield gauge("tokenmill:spec_decode_draft_acceptance_rate", "Kept / verified speculative drafts.",
+                    lambda s: s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0)  # fmt: skip
+        process = [GaugeMetricFamily("tokenmill:process_cpu_percent", "CPU use of this process since the last scrape.",
+                                     labels=["model_name"]),
+                   GaugeMetricFamily("tokenmill:process_rss_bytes", "Resident memory of this process.",
+                                     labels=["model_name"])]  # fmt: skip
+        process[0].add_metric([self.model_name], self.process.cpu_percent(None))
+        process[1].add_metric([self.model_name], self.process.memory_info().rss)
+        yield from process

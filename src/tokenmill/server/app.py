@@ -31,7 +31,8 @@ def build_app(load_engine: Callable[[], AsyncEngine], config: ServerConfig) -> F
     def load() -> None:
         try:
             engine = load_engine()
-            state.metrics = PrometheusMetrics(config.served_model_name, engine.snapshot)
+            replicas = getattr(engine, "replica_snapshots", None)  # data parallel: per-replica engine numbers
+            state.metrics = PrometheusMetrics(config.served_model_name, engine.snapshot, replicas)
             state.engine = engine
         except BaseException as e:
             log.exception("loading the model failed")

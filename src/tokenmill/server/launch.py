@@ -65,6 +65,9 @@ def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) ->
     from tokenmill.server.app import build_app
 
     config = server_config(args, name)
+    if args.data_parallel_size < 1 or (args.data_parallel_size > 1 and cfg.tensor_parallel_size > 1):
+        raise ValueError(f"--data-parallel-size={args.data_parallel_size} is invalid: allowed an integer >= 1, "
+                         "and 1 with --tensor-parallel-size > 1")  # fmt: skip
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is invalid: allowed an integer in [0, 65535] (0: any free port)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -86,7 +89,12 @@ def _load(cfg: EngineConfig, path: Path, name: str, args: argparse.Namespace, di
     from tokenmill.engine.async_engine import AsyncEngine
 
     try:
-        engine = AsyncEngine.from_config(replace(cfg, model=str(path)))
+        if args.data_parallel_size > 1:
+            from tokenmill.parallel.ray_engine import RayEngine
+
+            engine: Any = RayEngine(replace(cfg, model=str(path)), args.data_parallel_size, args.ray_address)
+        else:
+            engine = AsyncEngine.from_config(replace(cfg, model=str(path)))
     except (TokenmillError, ValueError) as e:
         _die(f"tokenmill serve: error: {e}", EXIT_USAGE)
     except BaseException as e:

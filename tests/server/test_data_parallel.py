@@ -1,0 +1,87 @@
+"""`tokenmill serve --data-parallel-size 2`: two single-thread engine replicas as Ray actors on a local Ray,
+behind one OpenAI front end. 32 concurrent requests come back as one engine would give them and both replicas
+work; prompts with a shared prefix go to one replica (its prefix cache hits); a killed replica loses no request
+that had not started on it, and the server goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.server.helpers import Server, offline
+from tokenmill import LLM
+
+pytest.importorskip("ray", reason="Ray is not installed: pip install 'tokenmill[ray]' to run the data-parallel tests")
+
+SERVER_FLAGS = ("--data-parallel-size", "2", "--threads", "1")
+
+
+def _per_replica(server: Server, metric: str) -> dict[str, float]:
+    time.sleep(1.2)  # the front end polls replicas' numbers every 0.5 s
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    pattern = rf'^{re.escape(metric)}\{{[^}}]*replica="(\d+)"[^}}]*\}} ([0-9.e+]+)$'
+    return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}
+
+
+def _client(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=120, max_retries=0)
+
+
+def test_32_concurrent_requests_use_both_replicas(server: Server, llm: LLM) -> None:
+    prompts = [[11 + i % 7, 12, 13 + i] for i in range(32)]
+
+    async def main() -> list[str]:
+        client = _client(server)
+        rs = await asyncio.gather(*[client.completions.create(model=server.model, prompt=p, max_tokens=10,
+                                                              temperature=0) for p in prompts])  # fmt: skip
+        return [r.choices[0].text for r in rs]
+
+    texts = asyncio.run(main())
+    assert texts == [offline(llm, {"prompt_token_ids": p}, 10, ignore_eos=False).text for p in prompts]
+    queries = _per_replica(server, "tokenmill:prefix_cache_queries_total")
+    assert set(queries) == {"0", "1"} and all(v > 0 for v in queries.values()), queries
+
+
+def test_a_shared_prefix_goes_to_one_replica(server: Server) -> None:
+    prefix = [(7 * i) % 300 + 3 for i in range(64)]
+    before = _per_replica(server, "tokenmill:prefix_cache_hits_total")
+
+    async def main() -> None:
+        client = _client(server)
+        for i in range(6):  # one after another: no replica is loaded, so the prefix decides
+            await client.completions.create(model=server.model, prompt=[*prefix, 100 + i], max_tokens=2)
+
+    asyncio.run(main())
+    after = _per_replica(server, "tokenmill:prefix_cache_hits_total")
+    gained = {r: after[r] - before.get(r, 0) for r in after}
+    assert sorted(gained.values())[0] == 0 and max(gained.values()) >= 5 * 64, gained
+
+
+def _replica_processes() -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline", "name"]):
+        with_title = " ".join(p.info["cmdline"] or []) + " " + (p.info["name"] or "")
+        if "ray::Replica" in with_title:
+            found.append(p)
+    return found
+
+
+def test_a_killed_replica_loses_no_request_that_had_not_started(server: Server) -> None:
+    victims = _replica_processes()
+    assert len(victims) == 2
+    victims[0].kill()  # the front end learns of it at its next poll; requests sent before then are moved
+
+    async def main() -> list[str | None]:
+        client = _client(server)
+        rs = await asyncio.gather(*[client.completions.create(model=server.model, prompt=[20 + i, 21], max_tokens=4)
+                                    for i in range(8)])  # fmt: skip
+        return [r.choices[0].finish_reason for r in rs]
+
+    assert asyncio.run(main()) == ["length"] * 8
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
