@@ -7,6 +7,7 @@ snapshot, health) and routes each prompt to a `Replica` actor (replicas.py says 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ HEALTH_EVERY_S = 0.5
 
 
 def _ray() -> Any:
+    os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", "600")  # a busy machine is not a dead GCS
+    os.environ.setdefault("RAY_install_failure_signal_handler", "0")  # no C++ stack dump on a clean SIGTERM
     try:
         import ray
     except ImportError:

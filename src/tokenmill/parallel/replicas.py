@@ -32,6 +32,7 @@ log = logging.getLogger("tokenmill.parallel")
 PREFIXES = (1024, 512, 256, 128, 64, 32, 16)  # prompt prefix lengths (tokens) the router remembers
 SLACK = 4  # sequences in flight a prefix's replica may have above the least loaded one and still get it
 MAX_PREFIXES = 65536
+NICE = 5
 
 
 class Replica:
@@ -45,6 +46,8 @@ class Replica:
         from tokenmill.engine.async_engine import AsyncEngine
 
         torch.set_num_threads(cfg.threads or 1)
+        # below Ray's own processes: on a machine with no spare core, a starved GCS makes Ray end the driver
+        os.nice(NICE)
         self.pid = os.getpid()
         self.engine = AsyncEngine.from_config(cfg)
 
