@@ -63,19 +63,12 @@ def test_a_shared_prefix_goes_to_one_replica(server: Server) -> None:
     assert sorted(gained.values())[0] == 0 and max(gained.values()) >= 5 * 64, gained
 
 
-def _replica_processes() -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline", "name"]):
-        with_title = " ".join(p.info["cmdline"] or []) + " " + (p.info["name"] or "")
-        if "ray::Replica" in with_title:
-            found.append(p)
-    return found
-
-
 def test_a_killed_replica_loses_no_request_that_had_not_started(server: Server) -> None:
-    victims = _replica_processes()
-    assert len(victims) == 2
-    victims[0].kill()  # the front end learns of it at its next poll; requests sent before then are moved
+    replicas = httpx.get(f"{server.url}/stats", timeout=10).json()["replicas"]
+    assert [r["up"] for r in replicas] == [True, True]
+    psutil.Process(
+        replicas[0]["pid"]
+    ).kill()  # the front end learns of it at its next poll; requests sent before then are moved
 
     async def main() -> list[str | None]:
         client = _client(server)
@@ -85,3 +78,16 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(server: Server) 
 
     assert asyncio.run(main()) == ["length"] * 8
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_disconnect_aborts_the_request_on_its_replica(server: Server) -> None:
+    body = {"model": server.model, "prompt": [40, 41], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        assert '"text"' in first, first
+        assert max(_per_replica(server, "tokenmill:num_requests_running").values()) == 1  # running somewhere
+    deadline = time.monotonic() + 10
+    while max(_per_replica(server, "tokenmill:num_requests_running").values()) > 0:
+        assert time.monotonic() < deadline, "the request still runs on its replica after the client left"

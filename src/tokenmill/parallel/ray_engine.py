@@ -175,6 +175,10 @@ class RayEngine:
                  if f.name not in ("mean_batch_size", "max_batch_size")}  # fmt: skip
         return replace(snaps[0], **total, max_batch_size=max(s.max_batch_size for s in snaps))
 
+    def replicas(self) -> list[dict[str, Any]]:
+        """Each replica's process id (as it started) and whether the router sends it work."""
+        return [{"replica": i, "pid": pid, "up": up} for i, (pid, up) in enumerate(zip(self.pids, self.router.up))]
+
     def replica_snapshots(self) -> dict[str, EngineSnapshot]:
         return {str(i): s for i, s in enumerate(self._snapshots)}
 

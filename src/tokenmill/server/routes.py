@@ -45,7 +45,9 @@ async def metrics(state: State) -> Response:
 @router.get("/stats")
 async def stats(engine: Engine) -> dict[str, Any]:
     s = engine.snapshot()
+    replicas = getattr(engine, "replicas", None)  # data parallel: each replica's process and state
     return {
+        **({"replicas": replicas()} if replicas is not None else {}),
         "running": s.running,
         "waiting": s.waiting,
         "kv_blocks_total": s.kv_blocks_total,
