@@ -219,6 +219,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cfg = EngineConfig(model=a.model, seed=a.seed, **_engine_kwargs(a))
     path = resolve_model(cfg.model or default_model_ref(), cfg.revision)  # fail fast, before the port opens
     _check_architecture(path)
+    from tokenmill.parallel.workers import env_rank, run_env_worker
+
+    if (env_rank(cfg) or 0) > 0:  # torchrun's rank > 0: a tensor-parallel worker for rank 0's server
+        run_env_worker(replace(cfg, model=str(path)))
+        return 0
     return serve(a, cfg, path, a.served_model_name or a.model or "tokenmill-demo")
 
 

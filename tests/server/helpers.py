@@ -60,12 +60,18 @@ class Server:
 
 
 def launch(
-    model_dir: Path | str, tmp_dir: Path, *flags: str, served_name: str | None = None, env: dict[str, str] | None = None
+    model_dir: Path | str,
+    tmp_dir: Path,
+    *flags: str,
+    served_name: str | None = None,
+    env: dict[str, str] | None = None,
+    launcher: list[str] | None = None,
 ) -> Server:
-    """Start `python -m tokenmill serve MODEL_DIR ...` on a free port; return once `/health` answers 200."""
+    """Start `python -m tokenmill serve MODEL_DIR ...` on a free port (`launcher` replaces `python -m`, e.g. with
+    torchrun's); return once `/health` answers 200."""
     port = free_port()
-    cmd = [sys.executable, "-m", "tokenmill", "serve", str(model_dir), "--host", HOST, "--port", str(port),
-           "--dtype", "float32", *flags]  # fmt: skip
+    cmd = [*(launcher or [sys.executable, "-m"]), "tokenmill", "serve", str(model_dir), "--host", HOST, "--port",
+           str(port), "--dtype", "float32", *flags]  # fmt: skip
     if served_name is not None:
         cmd += ["--served-model-name", served_name]
     # Two shared cores: the server and the test process each get one intra-op thread (no spin contention).
@@ -89,9 +95,14 @@ def launch(
 
 @contextlib.contextmanager
 def running(
-    model_dir: Path | str, tmp_dir: Path, *flags: str, served_name: str | None = None, env: dict[str, str] | None = None
+    model_dir: Path | str,
+    tmp_dir: Path,
+    *flags: str,
+    served_name: str | None = None,
+    env: dict[str, str] | None = None,
+    launcher: list[str] | None = None,
 ) -> Iterator[Server]:
-    server = launch(model_dir, tmp_dir, *flags, served_name=served_name, env=env)
+    server = launch(model_dir, tmp_dir, *flags, served_name=served_name, env=env, launcher=launcher)
     try:
         yield server
     finally:

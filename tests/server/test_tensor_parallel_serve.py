@@ -1,17 +1,20 @@
 """`tokenmill serve --tensor-parallel-size 2`: serves the same greedy tokens as one process through the openai
 client; a worker rank that dies ends an in-flight stream with an error and the server exits non-zero within
-seconds (as any engine death does, for a supervisor to restart), never a hang."""
+seconds (as any engine death does, for a supervisor to restart), never a hang. Started by torchrun (one
+process per rank, as across machines), rank 0 serves and rank 1 computes its shard."""
 
 from __future__ import annotations
 
 import signal
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import psutil
 
-from tests.server.helpers import Server, offline
+from tests.server.helpers import Server, free_port, offline, running
 from tokenmill import LLM
 
 SERVER_FLAGS = ("--tensor-parallel-size", "2", "--threads", "1")
@@ -42,3 +45,13 @@ def test_two_ranks_serve_and_a_dead_rank_ends_the_server(server: Server, llm: LL
     start = time.monotonic()
     assert server.proc.wait(timeout=20) != 0
     assert time.monotonic() - start < 20
+
+
+def test_ranks_that_torchrun_started(checkpoint: Path, llm: LLM, tmp_path: Path) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                "--master-port", str(free_port()), "-m"]  # fmt: skip
+    with running(checkpoint, tmp_path, "--tensor-parallel-size", "2", "--threads", "1", launcher=torchrun) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=60, max_retries=0)
+        prompt = [11, 12, 13]
+        got = client.completions.create(model=server.model, prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == offline(llm, {"prompt_token_ids": prompt}, 12, ignore_eos=False).text

@@ -29,8 +29,9 @@ class GPT2Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx, self.num_heads, self.head_dim = layer_idx, cfg.num_heads, cfg.head_dim
-        self.c_attn = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.c_proj = Linear(cfg.hidden_size, cfg.hidden_size)
+        width = cfg.num_heads * cfg.head_dim  # the hidden size, or a tensor-parallel rank's share of it
+        self.c_attn = Linear(cfg.hidden_size, 3 * width)
+        self.c_proj = Linear(width, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, kv: KVBackend, meta: Any) -> torch.Tensor:  # [T, D] -> [T, D]
         q, k, v = (t.view(-1, self.num_heads, self.head_dim) for t in self.c_attn(x).chunk(3, dim=-1))  # [T, H, Dh]

@@ -1,6 +1,6 @@
 """Tensor parallelism in the Megatron pattern: what one rank holds, and the all-reduces that join the ranks.
 
-Per decoder layer of the Llama-shaped stack (`models/layers.py`: Llama, Mistral, Qwen2, Qwen3):
+Per decoder layer (every family: the Llama-shaped stack, Phi-3's fused projections, GPT-2's Conv1D, Gemma 3):
 - q/k/v and gate/up are column-parallel: a rank holds its heads' rows and its slice of the intermediate size;
 - o and down are row-parallel: a rank holds the matching columns, and their outputs are summed across ranks
   (one all-reduce each, `AllReduce`); a bias is added once (rank 0 holds it, the others hold zeros);
@@ -57,21 +57,33 @@ class Shard:
         return range(head, head + 1)
 
     def slice(self, name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-        """This rank's part of checkpoint tensor `name` (HF naming)."""
+        """This rank's part of checkpoint tensor `name` (HF naming, HF layout)."""
         r, n, dh = self.rank, self.size, cfg.head_dim
+        q_rows, i_rows = cfg.num_heads // n * dh, cfg.intermediate_size // n
+        heads = self.kv_heads(cfg)
+        kv = slice(heads.start * dh, heads.stop * dh)
         if ".self_attn.q_proj." in name:
-            rows = cfg.num_heads // n * dh
-            return t[r * rows : (r + 1) * rows]
+            return t[r * q_rows : (r + 1) * q_rows]
         if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-            heads = self.kv_heads(cfg)
-            return t[heads.start * dh : heads.stop * dh]
+            return t[kv]
         if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
-            rows = cfg.intermediate_size // n
+            return t[r * i_rows : (r + 1) * i_rows]
+        if ".self_attn.qkv_proj." in name:  # Phi-3: [q; k; v] rows in one tensor
+            q, k, v = t.split([cfg.num_heads * dh, cfg.num_kv_heads * dh, cfg.num_kv_heads * dh])
+            return torch.cat([q[r * q_rows : (r + 1) * q_rows], k[kv], v[kv]])
+        if ".mlp.gate_up_proj." in name:  # Phi-3: [gate; up] rows
+            return torch.cat([part[r * i_rows : (r + 1) * i_rows] for part in t.chunk(2)])
+        if ".attn.c_attn." in name:  # GPT-2: Conv1D [D, 3D] (bias [3D]), columns [q | k | v]
+            return torch.cat([part[..., r * q_rows : (r + 1) * q_rows] for part in t.chunk(3, dim=-1)], dim=-1)
+        if name.endswith(".mlp.c_fc.weight") or name.endswith(".mlp.c_fc.bias"):  # GPT-2: columns of I
+            return t[..., r * i_rows : (r + 1) * i_rows]
+        if name.endswith((".attn.c_proj.weight", ".mlp.c_proj.weight")):  # GPT-2: Conv1D [in, out], rows of in
+            rows = t.shape[0] // n
             return t[r * rows : (r + 1) * rows]
         if name.endswith((".self_attn.o_proj.weight", ".mlp.down_proj.weight")):
             cols = t.shape[1] // n
             return t[:, r * cols : (r + 1) * cols]
-        if name.endswith((".self_attn.o_proj.bias", ".mlp.down_proj.bias")):
+        if name.endswith((".self_attn.o_proj.bias", ".mlp.down_proj.bias", ".attn.c_proj.bias", ".mlp.c_proj.bias")):
             return t if r == 0 else torch.zeros_like(t)
         return t
 
@@ -94,17 +106,27 @@ class AllReduce(nn.Module):
 
 
 def wrap_row_parallel(model: nn.Module) -> None:
-    """Put an all-reduce after every layer's o_proj and down_proj."""
+    """Put an all-reduce after every layer's row-parallel linears (o / down; GPT-2's c_proj twice)."""
+    from tokenmill.models.gpt2 import GPT2MLP, GPT2Attention
     from tokenmill.models.layers import Attention, GatedMLP
 
+    rows = {Attention: "o_proj", GatedMLP: "down_proj", GPT2Attention: "c_proj", GPT2MLP: "c_proj"}
     for module in model.modules():
-        if isinstance(module, Attention):
-            module.o_proj = AllReduce(module.o_proj)  # type: ignore[assignment]
-        elif isinstance(module, GatedMLP):
-            module.down_proj = AllReduce(module.down_proj)  # type: ignore[assignment]
+        name = next((attr for cls, attr in rows.items() if isinstance(module, cls)), None)
+        if name is not None:
+            setattr(module, name, AllReduce(getattr(module, name)))
 
 
-SHARDABLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SHARDABLE = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "GPT2LMHeadModel",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+)
 
 
 def check_shardable(architecture: str) -> None:

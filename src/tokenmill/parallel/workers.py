@@ -6,14 +6,20 @@ worker receives the same input and runs its shard through the same code path (it
 block tables), so the all-reduces of the row-parallel linears pair up. Workers never sample.
 
 Workers start with `torch.multiprocessing` (spawn) on this machine and join a gloo group (NCCL on CUDA) over a
-local TCP rendezvous. A rank that dies breaks the next collective on rank 0 (gloo sees the closed socket), and
-the runner turns that into `TensorParallelError`, which ends the engine loop: `/health` turns 503 and every
+local TCP rendezvous. Across machines, `torchrun` starts one process per rank with the same command
+(`torchrun --nnodes N --node-rank R --master-addr HEAD ... -m tokenmill serve MODEL --tensor-parallel-size N`):
+with torchrun's RANK / WORLD_SIZE / MASTER_ADDR in the environment, rank 0 joins the group through them
+(`env://`) instead of spawning, and every other rank runs `run_env_worker` instead of the command.
+
+A rank that dies breaks the next collective on rank 0 (gloo sees the closed socket), and the runner turns that
+into `TensorParallelError`, which ends the engine loop: `/health` turns 503 and every
 waiting request gets an error, never a hang. `close()` sends the workers an empty message and joins them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from dataclasses import replace
 from datetime import timedelta
@@ -41,19 +47,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _init(rank: int, size: int, port: int, device: str) -> None:
+def _init(rank: int, size: int, init_method: str, device: str) -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=TIMEOUT)  # fmt: skip
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=TIMEOUT)
 
 
-def _worker(rank: int, size: int, port: int, cfg: EngineConfig, num_blocks: int) -> None:
+def env_rank(cfg: EngineConfig) -> int | None:
+    """This process's rank when torchrun started it for this tensor-parallel size, else None."""
+    if cfg.tensor_parallel_size > 1 and "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        if int(os.environ.get("WORLD_SIZE", "0")) != cfg.tensor_parallel_size:
+            raise ValueError(f"torchrun started {os.environ.get('WORLD_SIZE')} processes but "
+                             f"tensor_parallel_size={cfg.tensor_parallel_size}: they must be equal")  # fmt: skip
+        return int(os.environ["RANK"])
+    return None
+
+
+def run_env_worker(cfg: EngineConfig) -> None:
+    """A rank > 0 that torchrun started: serve rank 0's steps until it ends."""
+    rank = env_rank(cfg)
+    assert rank is not None and rank > 0
+    _worker(rank, cfg.tensor_parallel_size, "env://", cfg)
+
+
+def _worker(rank: int, size: int, init_method: str, cfg: EngineConfig) -> None:
     """A worker rank: load this rank's shard, then run every step rank 0 broadcasts, until an empty one."""
     from tokenmill.attention import make_kv_backend
     from tokenmill.engine.loading import load
 
     torch.set_num_threads(cfg.threads or 1)
-    _init(rank, size, port, cfg.device)
+    _init(rank, size, init_method, cfg.device)
+    sizes: list[Any] = [None]
+    dist.broadcast_object_list(sizes, src=0)  # rank 0's KV pool size: every rank's pool has as many blocks
+    num_blocks = int(sizes[0])
     loaded = load(cfg, rank=rank)
     kv_cfg = replace(cfg, num_kv_blocks=num_blocks, kv_cache_memory_gb=None)
     backend = make_kv_backend(kv_cfg, loaded.config, loaded.dtype, loaded.device, loaded.max_model_len, loaded.ops)
@@ -73,14 +98,18 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, model: Any, device: torch.device, kv: Any, seed: int, cfg: EngineConfig) -> None:
         super().__init__(model, device, kv, seed)
-        size, port = cfg.tensor_parallel_size, _free_port()
-        ctx = mp.get_context("spawn")
-        self.workers = [ctx.Process(target=_worker, args=(rank, size, port, cfg, kv.num_blocks), daemon=True,
-                                    name=f"tokenmill-tp{rank}") for rank in range(1, size)]  # fmt: skip
+        size = cfg.tensor_parallel_size
+        if env_rank(cfg) == 0:  # torchrun started the other ranks, maybe on other machines
+            init_method, self.workers = "env://", []
+        else:
+            init_method, ctx = f"tcp://127.0.0.1:{_free_port()}", mp.get_context("spawn")
+            self.workers = [ctx.Process(target=_worker, args=(rank, size, init_method, cfg), daemon=True,
+                                        name=f"tokenmill-tp{rank}") for rank in range(1, size)]  # fmt: skip
         for w in self.workers:
             w.start()
         try:
-            _init(0, size, port, cfg.device)
+            _init(0, size, init_method, cfg.device)
+            dist.broadcast_object_list([kv.num_blocks], src=0)
             dist.barrier()  # every worker has its shard
         except Exception as e:
             self.close()
