@@ -107,12 +107,13 @@ class ModelRunner:
             hidden = self.model(ids_t, pos_t, self.kv, meta)  # [T, D]
 
         out = RunnerOutput()
-        if not self.sample:
-            return out
         for s, row in prompt_rows:
             plp = s.prompt_logprobs
             assert plp is not None
-            logprobs = self.model.compute_logits(hidden[row : row + plp.count]).log_softmax(dim=-1)  # [count, V]
+            logits = self.model.compute_logits(hidden[row : row + plp.count])  # [count, V]
+            if not self.sample:  # a tensor-parallel worker: its share of a vocab-parallel head, nothing more
+                continue
+            logprobs = logits.log_softmax(dim=-1)
             targets = torch.tensor(plp.target_token_ids, device=self.device)
             out.prompt_logprobs[s.request_id] = topk_logprobs(logprobs, targets, [plp.num_top] * plp.count)
         if sampling:
@@ -122,7 +123,8 @@ class ModelRunner:
                 logits = all_logits
             else:
                 logits = all_logits[sample_rows]
-            self._sample(sampling, logits, out, batch)
+            if self.sample:
+                self._sample(sampling, logits, out, batch)
         return out
 
     def _sample(

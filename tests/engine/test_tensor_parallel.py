@@ -43,11 +43,12 @@ def _same(want: list[Any], got: list[Any]) -> None:
         ("qwen3", {}),
         ("mistral", {"sliding_window": 8}),
         ("llama", {"num_key_value_heads": 1}),
+        ("llama", {"vocab_size": 385}),  # the head's rows split unevenly (193 + 192, padded)
         ("phi3", {}),
         ("gpt2", {}),
         ("gemma3", {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
     ],
-    ids=["llama", "qwen2", "qwen3", "mistral-window", "kv-replicated", "phi3", "gpt2", "gemma3"],
+    ids=["llama", "qwen2", "qwen3", "mistral-window", "kv-replicated", "odd-vocab", "phi3", "gpt2", "gemma3"],
 )
 def test_two_ranks_compute_what_one_does(
     make_checkpoint: Callable[..., Path], arch: str, overrides: dict[str, Any]
@@ -61,6 +62,8 @@ def test_two_ranks_compute_what_one_does(
         _same(want, _outputs(two))
         # rank 0 holds its shard of every layer's weights: about half (norms, and replicated KV heads, are whole)
         assert _layer_bytes(two) < 0.6 * _layer_bytes(one)
+        head = two.loaded.model.lm_head  # vocab-parallel: this rank's rows of it
+        assert head.vocab_size == one.loaded.config.vocab_size and head.size == 2
         kv = two.engine.kv
         kv.check_integrity()
         assert kv.num_free_blocks == kv.num_blocks

@@ -18,7 +18,7 @@ from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
 from tokenmill.models.linear import FORMAT_OF_QUANTIZATION, prepare_linears
-from tokenmill.parallel.tensor import Shard, check_shardable, wrap_row_parallel
+from tokenmill.parallel.tensor import Shard, check_shardable, split_head, wrap_row_parallel
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.weights import load_weights, resolve_model
@@ -137,6 +137,8 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         if shard is not None:
             tensors = shard.stream(tensors, full_config)
         load_weights(model, tensors, str(path), dtype, device)
+    if shard is not None:
+        split_head(model, shard)  # before packing: its rows become a kernel linear like any other
     kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights, cfg.cpu_kernels)
     if shard is not None:
         wrap_row_parallel(model)

@@ -6,8 +6,10 @@ Per decoder layer (every family: the Llama-shaped stack, Phi-3's fused projectio
   (one all-reduce each, `AllReduce`); a bias is added once (rank 0 holds it, the others hold zeros);
 - KV heads are split across ranks, or replicated when there are fewer KV heads than ranks (rank r then holds
   KV head r * Hkv // N, the one its query heads read);
-- embeddings, norms and the LM head are replicated: the head's [V, D] matmul is ~1/12 of a 0.5B model's
-  weights, and splitting it would add an all-gather of the logits to every step.
+- the LM head is vocab-parallel: a rank holds V/N of its rows and the logits are all-gathered (`GatherVocab`).
+  On the Qwen2.5-0.5B shape the head is 27% of the weights: one thread takes 18.3 ms for the whole head and
+  9.5 ms for half, and the all-gather of [1, V/2] float32 over gloo 1.1 ms (59 / 30 / 5.6 ms at 16 rows), so
+  splitting it beats replicating it. Embeddings and norms are replicated: a lookup reads one row per token.
 
 A rank's model is an ordinary model built from its local config (fewer heads, a smaller intermediate size), and
 its weights are sliced out of the checkpoint's tensors as they stream in, so each rank reads and holds ~1/N.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,6 +106,35 @@ class AllReduce(nn.Module):
         y = self.inner(x)
         dist.all_reduce(y)
         return y
+
+
+class GatherVocab(nn.Module):
+    """A vocab-parallel LM head: this rank's rows of the logits, all-gathered into the whole vocabulary."""
+
+    def __init__(self, inner: nn.Module, vocab_size: int, size: int) -> None:
+        super().__init__()
+        self.inner, self.vocab_size, self.size = inner, vocab_size, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
+        part = self.inner(x).contiguous()  # [N, ceil(V / n)]
+        parts = [torch.empty_like(part) for _ in range(self.size)]
+        dist.all_gather(parts, part)
+        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+
+
+def split_head(model: nn.Module, shard: Shard) -> None:
+    """Replace the LM head (tied or not) by this rank's rows of it, zero-padded to ceil(V / n), gathered."""
+    head: Any = model.lm_head
+    weight = head.weight.detach()  # [V, D]
+    if getattr(head, "bias", None) is not None:
+        raise ConfigError("tensor_parallel_size > 1 does not split an LM head with a bias")
+    vocab, rows = weight.shape[0], -(-weight.shape[0] // shard.size)
+    mine = weight[shard.rank * rows : (shard.rank + 1) * rows]
+    local = nn.Linear(weight.shape[1], rows, bias=False, dtype=weight.dtype, device=weight.device)
+    local.weight.data.zero_()
+    local.weight.data[: mine.shape[0]] = mine
+    local.requires_grad_(False)
+    model.lm_head = GatherVocab(local, vocab, shard.size)
 
 
 def wrap_row_parallel(model: nn.Module) -> None:
