@@ -35,6 +35,36 @@ _CHOICES = {"dtype": DTYPES, "kv_cache": KV_CACHE_MODES, "batching": BATCHING_MO
             "speculative_model_quantization": QUANTIZATION_MODES}  # fmt: skip
 
 
+# one line per engine flag; `--help` adds the default
+_HELP = {
+    "dtype": "weights and activations: auto (the checkpoint's), float32, bfloat16, float16",
+    "device": "auto (cuda when there is one), cpu, cuda or cuda:N",
+    "kv_cache": "paged (blocks, prefix caching), contiguous (one buffer per sequence) or none (recompute)",
+    "max_model_len": "the longest sequence, prompt + output (default: the model's max_position_embeddings)",
+    "revision": "hub revision (branch, tag or commit) of a hub model id",
+    "max_num_seqs": "sequences that run in one step at most",
+    "max_num_batched_tokens": "tokens computed in one step at most (chunked prefill splits longer prompts)",
+    "batching": "continuous (join and leave every step) or static (one batch at a time, the baseline)",
+    "enable_chunked_prefill": "split long prompts across steps, beside running decodes",
+    "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before",
+    "scheduling_policy": "fcfs (arrival order) or priority (the request's priority, then arrival)",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "KV blocks in the pool (default: from --kv-cache-memory-gb or the free memory)",
+    "kv_cache_memory_gb": "memory for the KV pool in GB (default: a share of the free memory)",
+    "touch_kv_cache": "write the whole KV pool at start, so its memory is resident and known up front",
+    "quantization": "weight-only: none, int8 (Q8_0 blocks) or int4 (Q4_0 blocks)",
+    "cpu_kernels": "tokenmill's own CPU kernels (compiled for this CPU on first use); off: pure torch",
+    "pack_weights": "oneDNN-prepacked weights (needs native bf16 for bfloat16)",
+    "compile": "torch.compile the model",
+    "threads": "torch threads (default: torch's choice, usually one per core)",
+    "tensor_parallel_size": "processes that split every layer (torch.distributed; under torchrun: its ranks)",
+    "speculative_model": "drafts: ngram (prompt lookup), demo-draft, or a draft model folder / hub id / .gguf",
+    "num_speculative_tokens": "drafts verified per step",
+    "ngram_prompt_lookup_min": "shortest suffix prompt lookup matches",
+    "ngram_prompt_lookup_max": "longest suffix prompt lookup matches",
+    "speculative_disable_by_batch_size": "no drafts while more sequences than this run",
+    "speculative_model_quantization": "the draft model's weight-only quantization: none, int8 or int4",
+}
 _NOT_FLAGS = ("model", "seed")  # MODEL is positional; `generate --seed` is the request's seed
 
 
@@ -47,13 +77,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
+        helped = _HELP[f.name] if f.default is None else f"{_HELP[f.name]} (default: {f.default})"
         if hint is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helped)
         elif f.name in _CHOICES:
-            p.add_argument(flag, choices=_CHOICES[f.name], default=f.default)
+            p.add_argument(flag, choices=_CHOICES[f.name], default=f.default, help=helped)
         else:
             kind = next(t for t in (int, float, str) if t is hint or t in get_args(hint))
-            p.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
+            p.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper(), help=helped)
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -224,7 +255,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if (env_rank(cfg) or 0) > 0:  # torchrun's rank > 0: a tensor-parallel worker for rank 0's server
         run_env_worker(replace(cfg, model=str(path)))
         return 0
-    return serve(a, cfg, path, a.served_model_name or a.model or "tokenmill-demo")
+    demo = a.model in (None, "demo", "tokenmill-demo")
+    return serve(a, cfg, path, a.served_model_name or ("tokenmill-demo" if demo else a.model))
 
 
 def _check_architecture(path: Any) -> None:

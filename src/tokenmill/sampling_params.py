@@ -94,6 +94,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,6 +136,11 @@ class SamplingParams:
             _fail("stop", self.stop, f"at most {MAX_STOP_STRINGS} non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "non-negative integers")
+        bias = self.logit_bias or {}
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in bias) or any(
+            isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100 for v in bias.values()
+        ):
+            _fail("logit_bias", self.logit_bias, "token ids (integers >= 0) mapped to numbers in [-100, 100]")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             _fail("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
 

@@ -157,3 +157,23 @@ def test_api_key_comes_from_flag_file_or_environment(tmp_path: Path, monkeypatch
     key_file.write_text("  \n")
     with pytest.raises(ValueError, match="is empty"):
         api_key(argparse.Namespace(api_key=None, api_key_file=str(key_file)))
+
+
+def test_every_engine_flag_says_what_it_does_and_its_default() -> None:
+    from dataclasses import fields
+
+    from tokenmill.config import EngineConfig
+
+    text = " ".join(run_cli("serve", "--help").stdout.split())
+    for f in fields(EngineConfig):
+        if f.name in ("model", "seed"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        after = text[text.index(flag) :][:400]
+        assert f.default is None or f"(default: {f.default})" in after, (flag, after)
+
+
+def test_scale_out_flag_errors_are_one_line(folder: Path) -> None:
+    assert_one_line_error(run_cli("serve", str(folder), "--data-parallel-size", "0"), "--data-parallel-size=0")
+    assert_one_line_error(run_cli("generate", str(folder), "--prompt", "x", "--tensor-parallel-size", "3"),
+                          "tensor_parallel_size=3 does not divide this model")  # fmt: skip

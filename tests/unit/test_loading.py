@@ -185,3 +185,11 @@ def test_gpt2_options_we_do_not_compute_are_refused(make_checkpoint: Callable[..
     _edit_config(bad, scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ConfigError, match="scale_attn_by_inverse_layer_idx=true is not supported"):
         LLM(str(bad))
+
+
+def test_the_demo_model_loads_by_the_name_the_server_gives_it() -> None:
+    from tokenmill.engine.loading import DEMO_MODEL
+    from tokenmill.weights import resolve_model
+
+    assert resolve_model("tokenmill-demo") == DEMO_MODEL == resolve_model("demo")
+    assert LLM(model="tokenmill-demo").loaded.path == DEMO_MODEL

@@ -16,6 +16,9 @@ def output_budget(
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is out of range: allowed [0, {vocab_size - 1}]")
+    bad = next((t for t in params.logit_bias or {} if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias names token id {bad}, out of range: allowed [0, {vocab_size - 1}]")
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"stop_token_ids={params.stop_token_ids} is invalid: allowed ids in [0, {vocab_size - 1}]")

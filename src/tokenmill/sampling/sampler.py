@@ -38,6 +38,7 @@ class SamplingBatch:
     suppressed_token_ids: list[list[int]]  # per row: ids that must not be sampled this step
     num_logprobs: list[int | None]
     bitmask: torch.Tensor | None = None  # [B, W] int32, bit t of row b set = token t allowed; None: no grammar
+    logit_bias: list[dict[int, float] | None] | None = None  # per row: token id -> added to its logit
     # NOTE: decided from the parameters, so a plain greedy step runs no tensor test of the columns above
     penalized: bool = True  # some row has a repetition, presence or frequency penalty
     sampled: bool = True  # some row draws (temperature > 0)
@@ -71,6 +72,7 @@ class SamplingBatch:
             suppressed_token_ids=list(suppressed_token_ids),
             num_logprobs=[p.logprobs for p in params],
             bitmask=None if bitmask is None else bitmask.to(device),
+            logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
             penalized=any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params),
             sampled=any(p.temperature > 0 for p in params),
         )
@@ -165,6 +167,15 @@ def topk_logprobs(
     return rows
 
 
+def _biased(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:  # [B, V] -> [B, V]
+    logits = logits.clone()
+    for i, bias in enumerate(biases):
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
+
+
 def _only(row: torch.Tensor, ids: list[int]) -> bool:
     """Nothing but `ids` is allowed in this row (a grammar that can only end): suppressing them would leave no
     token, so min_tokens yields to the grammar."""
@@ -194,6 +205,8 @@ class Sampler:
             for i, ids in enumerate(batch.suppressed_token_ids):
                 if ids and not (batch.bitmask is not None and _only(logits[i], ids)):
                     logits[i, ids] = float("-inf")
+        if batch.logit_bias is not None:
+            logits = _biased(logits, batch.logit_bias)
         logits = apply_penalties(logits, batch)
         tokens = logits.argmax(dim=-1)  # [B], final for greedy rows
         if batch.sampled:

@@ -9,7 +9,7 @@ import json
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.sampling_params import INT64, SamplingParams, StructuredOutputsParams
 
@@ -89,6 +89,7 @@ class _SamplingFields(_Strict):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     guided_decoding_backend: Text | None = None  # accepted and ignored: there is one backend (llguidance)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
 
     def structured(self) -> tuple[str, StructuredOutputsParams] | None:
         """(the field it came from, the constraint) for the one structured-output field given, or None.
@@ -147,7 +148,16 @@ class _SamplingFields(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured_outputs,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bad = next((k for k in self.logit_bias if not k.isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias={self.logit_bias!r} is invalid: keys are token ids, and {bad!r} is not one")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
 
 class CompletionRequest(_SamplingFields):
@@ -159,6 +169,14 @@ class CompletionRequest(_SamplingFields):
 class TextPart(_Strict):
     type: Literal["text"]
     text: Text
+
+
+class OtherPart(BaseModel):
+    """A content part that is not text (image_url, input_audio, file, ...): accepted by the schema so that the
+    message can say what is wrong (`ChatMessage` refuses it)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
 
 
 class FunctionCall(_Strict):
@@ -174,14 +192,21 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[TextPart | OtherPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: Text | None = None  # a tool turn: which call this is the result of
 
+    @model_validator(mode="after")
+    def _text_only(self) -> ChatMessage:
+        other = [p.type for p in self.content or [] if not isinstance(p, str | TextPart)]
+        if other:
+            raise ValueError(f"this model takes text only; content parts of type {other[0]!r} are not supported")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
 
     def as_template_dict(self) -> dict[str, Any]:

@@ -67,11 +67,21 @@ async def stats(engine: Engine) -> dict[str, Any]:
     }
 
 
+def _card(state: ServerState, engine: AsyncEngine) -> dict[str, Any]:
+    return {"id": state.config.served_model_name, "object": "model", "created": state.created,
+            "owned_by": "tokenmill", "max_model_len": engine.max_model_len}  # fmt: skip
+
+
 @router.get("/v1/models")
 async def models(state: State, engine: Engine) -> dict[str, Any]:
-    card = {"id": state.config.served_model_name, "object": "model", "created": state.created,
-            "owned_by": "tokenmill", "max_model_len": engine.max_model_len}  # fmt: skip
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [_card(state, engine)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, state: State, engine: Engine) -> dict[str, Any]:
+    """`client.models.retrieve(id)`: the served model's card, or 404 for any other id."""
+    state.check_model(model_id)
+    return _card(state, engine)
 
 
 @router.post("/tokenize")

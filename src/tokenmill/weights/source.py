@@ -21,6 +21,8 @@ def _looks_like_path(ref: str) -> bool:
 def resolve_model(ref: str, revision: str | None = None) -> Path:
     """A local folder holding config.json or a local .gguf file, downloading from the hub when `ref` names one
     there."""
+    if ref in ("tokenmill-demo", "demo"):  # the built-in model, by the name the server gives it
+        return Path(__file__).resolve().parent.parent / "assets" / "demo"
     path = Path(ref).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
