@@ -107,4 +107,7 @@ def make_model(arch: str, shape: str, tokenizer_dir: str | Path, out: str | Path
     if "vocab_size" not in fields:  # tiny: as large as the tokenizer, rounded up like real vocabularies
         n = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
         fields["vocab_size"] = (n + 63) // 64 * 64
-    return write_checkpoint(hf_config(arch, **fields), tokenizer_dir, out, dtype, seed)
+    from tokenmill.progress import progress
+
+    with progress(f"make-model: {arch} at the {shape} shape"):
+        return write_checkpoint(hf_config(arch, **fields), tokenizer_dir, out, dtype, seed)

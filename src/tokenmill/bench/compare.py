@@ -25,6 +25,7 @@ from typing import Any
 from tokenmill.bench.bandwidth import read_bandwidth_gb_s
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
+from tokenmill.progress import progress
 
 BACKENDS = ("tokenmill", "transformers", "llama.cpp")
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "auto": "bf16"}
@@ -183,7 +184,8 @@ def run_compare(args: argparse.Namespace) -> Path:
                 rows.append({"backend": backend, "status": "error", "error": f"GGUF export failed: {e}"})
                 continue
         spec["engine"] = {"quantization": variant} if name == "tokenmill" and variant else {}
-        result = _run_worker(name, model, spec, run.path / "raw", args.timeout, tag=backend.replace(" ", "-"))
+        with progress(f"bench compare: {backend}"):
+            result = _run_worker(name, model, spec, run.path / "raw", args.timeout, tag=backend.replace(" ", "-"))
         raw += [{"backend": backend, "prompt": i, **r} for i, r in enumerate(result.get("runs", []))]
         rows.append(_summarize_backend(backend, result))
         print(f"{backend}: {rows[-1].get('status')} {rows[-1].get('tokens_per_second', '')}", file=sys.stderr)

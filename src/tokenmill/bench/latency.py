@@ -15,6 +15,7 @@ from typing import Any
 from tokenmill.bench.bandwidth import read_bandwidth_gb_s
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
+from tokenmill.progress import progress
 
 
 def weight_bytes(llm: Any) -> int:
@@ -30,29 +31,33 @@ def peak_rss_mb() -> float:
 
 def measure(llm: Any, prompt_tokens: int, gen_tokens: int, repeat: int, warmup: int, seed: int) -> list[dict[str, Any]]:
     """One row per trial (warmups included, flagged) with pp and tg tokens/s."""
-    from tokenmill import SamplingParams
-
     rng = random.Random(seed)
     vocab = llm.loaded.config.vocab_size
     rows = []
-    for trial in range(warmup + repeat):
-        prompt = [rng.randrange(vocab) for _ in range(prompt_tokens)]
-        params = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
-        out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
-        m = out.metrics
-        assert m is not None and m.prefill_ms is not None
-        rows.append(
-            {
-                "trial": trial - warmup,
-                "warmup": trial < warmup,
-                "prompt_tokens": prompt_tokens,
-                "gen_tokens": len(out.outputs[0].token_ids),
-                "prefill_ms": m.prefill_ms,
-                "pp_tokens_per_sec": prompt_tokens / (m.prefill_ms / 1000),
-                "tg_tokens_per_sec": m.decode_tokens_per_sec or 0.0,
-            }
-        )
+    with progress("bench latency: trials", total=warmup + repeat) as advance:
+        for trial in range(warmup + repeat):
+            rows.append(_trial(llm, rng, vocab, prompt_tokens, gen_tokens, trial - warmup))
+            advance()
     return rows
+
+
+def _trial(llm: Any, rng: random.Random, vocab: int, prompt_tokens: int, gen_tokens: int, trial: int) -> dict[str, Any]:
+    from tokenmill import SamplingParams
+
+    prompt = [rng.randrange(vocab) for _ in range(prompt_tokens)]
+    params = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    m = out.metrics
+    assert m is not None and m.prefill_ms is not None
+    return {
+        "trial": trial,
+        "warmup": trial < 0,
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": len(out.outputs[0].token_ids),
+        "prefill_ms": m.prefill_ms,
+        "pp_tokens_per_sec": prompt_tokens / (m.prefill_ms / 1000),
+        "tg_tokens_per_sec": m.decode_tokens_per_sec or 0.0,
+    }
 
 
 def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path:

@@ -27,6 +27,7 @@ from tokenmill.bench.store import Run
 from tokenmill.bench.structured import run as run_structured
 from tokenmill.bench.throughput import measure as measure_throughput
 from tokenmill.config import QUANTIZATION_MODES
+from tokenmill.progress import progress
 
 EXPERIMENTS = ("threads", "kv_cache", "prompt_length", "quantization", "switches", "spec_decode", "structured_output")
 SWITCHES: list[tuple[str, dict[str, Any]]] = [
@@ -233,7 +234,8 @@ PLOTS = {
 def run_sweep(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path:
     config = {k: v for k, v in vars(args).items() if k not in ("func",)} | {"engine": engine_kwargs}
     run = Run.create(args.output_dir, f"sweep_{args.experiment}", config)
-    rows = RUNNERS[args.experiment](args, engine_kwargs)
+    with progress(f"bench sweep: {args.experiment}"):
+        rows = RUNNERS[args.experiment](args, engine_kwargs)
     run.save_raw(rows)
     run.save_summary(rows)
     _plot(run, args.experiment, rows)

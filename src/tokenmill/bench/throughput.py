@@ -12,6 +12,7 @@ from tokenmill.bench.latency import peak_rss_mb
 from tokenmill.bench.plots import cdf_plot
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
+from tokenmill.progress import progress
 
 
 def measure(llm: Any, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
@@ -69,7 +70,8 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> P
     run = Run.create(args.output_dir, "throughput", config)
     if args.warmup:
         measure(llm, min(2, args.num_prompts), args.input_len, min(4, args.output_len), args.seed + 1)
-    result = measure(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
+    with progress(f"bench throughput: {args.num_prompts} prompts"):
+        result = measure(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
     rows = result.pop("rows")
     run.save_raw(rows)
     cdf_plot(

@@ -19,11 +19,12 @@ from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
 from tokenmill.models.linear import FORMAT_OF_QUANTIZATION, prepare_linears
 from tokenmill.parallel.tensor import Shard, check_shardable, split_head, wrap_row_parallel
+from tokenmill.progress import progress
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.weights import load_weights, resolve_model
 from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint, is_gguf
-from tokenmill.weights.safetensors_io import iter_tensors
+from tokenmill.weights.safetensors_io import count_tensors, iter_tensors
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
 DEMO_DRAFT = DEMO_MODEL.parent / "demo-draft"  # its draft model: `--speculative-model demo-draft`
@@ -136,7 +137,8 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         tensors: Iterator[tuple[str, torch.Tensor, str]] = ((n, t, str(f)) for n, t, f in iter_tensors(path))
         if shard is not None:
             tensors = shard.stream(tensors, full_config)
-        load_weights(model, tensors, str(path), dtype, device)
+        with progress(f"loading {path.name}", total=count_tensors(path)) as advance:
+            load_weights(model, _ticking(tensors, advance), str(path), dtype, device)
     if shard is not None:
         split_head(model, shard)  # before packing: its rows become a kernel linear like any other
     kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights, cfg.cpu_kernels)
@@ -160,6 +162,12 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         kernels=kernels,
         ops=ops,
     )
+
+
+def _ticking(tensors: Iterator[Any], advance: Any) -> Iterator[Any]:
+    for item in tensors:
+        yield item
+        advance()
 
 
 def _check_gguf_quantization(gguf: GGUFCheckpoint, quantization: str) -> None:

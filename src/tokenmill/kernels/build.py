@@ -14,6 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from tokenmill.kernels.isa import COMPILE_FLAGS, LANES
 
@@ -62,16 +63,23 @@ def load(level: str) -> ModuleType:
         print(
             f"tokenmill: compiling the {level} CPU kernels (once; cached in {directory})", file=sys.stderr, flush=True
         )
+    from tokenmill.progress import progress
+
     try:
-        return cpp_extension.load(
-            name=name,
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=cflags(level),
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)],
-            build_directory=str(directory),
-            verbose=False,
-        )
+        with progress(f"compiling the {level} CPU kernels"):
+            return _compile(cpp_extension, name, level, directory)
     except Exception as e:  # no compiler, no ninja, a compiler that rejects the flags: the caller falls back
         first = str(e).strip().splitlines()
         raise KernelBuildError(f"{type(e).__name__}: {first[0] if first else e}") from e
+
+
+def _compile(cpp_extension: Any, name: str, level: str, directory: Path) -> ModuleType:
+    return cpp_extension.load(
+        name=name,
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=cflags(level),
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(directory),
+        verbose=False,
+    )

@@ -38,6 +38,18 @@ def weight_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"no weight file (*.safetensors) found in {folder}")
 
 
+def count_tensors(folder: Path) -> int | None:
+    """How many tensors the checkpoint holds (for progress), or None when a file cannot say."""
+    try:
+        total = 0
+        for path in weight_files(folder):
+            with safe_open(str(path), framework="pt") as f:
+                total += len(list(f.keys()))
+        return total
+    except Exception:  # iter_tensors reports a bad file properly
+        return None
+
+
 def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
     """Yield (tensor name, tensor, file) for every tensor in the checkpoint. Tensors are mmap-backed."""
     for path in weight_files(folder):
