@@ -96,3 +96,45 @@ def test_what_cannot_be_sharded_is_refused(make_checkpoint: Callable[..., Path])
         LLM(str(make_checkpoint("llama", initializer_range=0.1)), dtype="float32", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="drop speculative_model"):
         LLM(str(make_checkpoint("llama", initializer_range=0.1)), tensor_parallel_size=2, speculative_model="ngram")
+
+
+def _shm_rank(rank: int, port: int, results: Any) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from tokenmill.parallel.shm import MAX_ELEMS, ShmAllReduce
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    name = [ShmAllReduce.new_name()]
+    dist.broadcast_object_list(name, src=0)
+    reduce = ShmAllReduce(rank, 2, name[0])
+    sums = []
+    for step, n in enumerate([7, 896, 3, MAX_ELEMS, MAX_ELEMS + 5, 12]):  # the last-but-one takes gloo's path
+        x = torch.arange(n, dtype=torch.float32) * (rank + 1) + step
+        reduce(x)
+        sums.append(x.tolist()[:5] + [float(x.sum())])
+    results[rank] = sums
+    dist.destroy_process_group()
+
+
+def test_the_shared_memory_all_reduce_sums_like_gloo() -> None:
+    import multiprocessing as mp
+
+    from tests.server.helpers import free_port
+    from tokenmill.parallel.shm import MAX_ELEMS
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Manager().dict()
+    port = free_port()
+    procs = [ctx.Process(target=_shm_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert results[0] == results[1]  # every rank holds the same sums
+    for step, n in enumerate([7, 896, 3, MAX_ELEMS, MAX_ELEMS + 5, 12]):
+        want = [3 * i + 2 * step for i in range(min(n, 5))] + [3 * n * (n - 1) / 2 + 2 * step * n]
+        assert results[0][step] == pytest.approx(want, rel=1e-6)

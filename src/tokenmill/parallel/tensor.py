@@ -17,7 +17,7 @@ its weights are sliced out of the checkpoint's tensors as they stream in, so eac
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -95,6 +95,14 @@ class Shard:
             yield name, self.slice(name, t, cfg).contiguous(), where
 
 
+_reduce: Callable[[torch.Tensor], Any] = dist.all_reduce  # in place; workers.py may set a shared-memory one
+
+
+def use_reducer(reduce: Callable[[torch.Tensor], Any]) -> None:
+    global _reduce
+    _reduce = reduce
+
+
 class AllReduce(nn.Module):
     """A row-parallel linear: this rank's partial output, summed over every rank."""
 
@@ -104,7 +112,7 @@ class AllReduce(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
-        dist.all_reduce(y)
+        _reduce(y)
         return y
 
 

@@ -6,10 +6,11 @@ worker receives the same input and runs its shard through the same code path (it
 block tables), so the all-reduces of the row-parallel linears pair up. Workers never sample.
 
 Workers start with `torch.multiprocessing` (spawn) on this machine and join a gloo group (NCCL on CUDA) over a
-local TCP rendezvous. Across machines, `torchrun` starts one process per rank with the same command
-(`torchrun --nnodes N --node-rank R --master-addr HEAD ... -m tokenmill serve MODEL --tensor-parallel-size N`):
-with torchrun's RANK / WORLD_SIZE / MASTER_ADDR in the environment, rank 0 joins the group through them
-(`env://`) instead of spawning, and every other rank runs `run_env_worker` instead of the command.
+local TCP rendezvous; their row-parallel sums go through shared memory (shm.py), not gloo. Across machines,
+`torchrun` starts one process per rank with the same command (`torchrun --nnodes N --node-rank R
+--master-addr HEAD ... -m tokenmill serve MODEL --tensor-parallel-size N`): with torchrun's RANK / WORLD_SIZE /
+MASTER_ADDR in the environment, rank 0 joins the group through them (`env://`) instead of spawning, and every
+other rank runs `run_env_worker` instead of the command.
 
 A rank that dies breaks the next collective on rank 0 (gloo sees the closed socket), and the runner turns that
 into `TensorParallelError`, which ends the engine loop: `/health` turns 503 and every
@@ -30,6 +31,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tokenmill.config import EngineConfig
+from tokenmill.parallel.shm import ShmAllReduce
+from tokenmill.parallel.tensor import use_reducer
 from tokenmill.runner import ModelRunner
 from tokenmill.types import ModelInput, RunnerOutput
 
@@ -76,9 +79,12 @@ def _worker(rank: int, size: int, init_method: str, cfg: EngineConfig) -> None:
 
     torch.set_num_threads(cfg.threads or 1)
     _init(rank, size, init_method, cfg.device)
-    sizes: list[Any] = [None]
-    dist.broadcast_object_list(sizes, src=0)  # rank 0's KV pool size: every rank's pool has as many blocks
-    num_blocks = int(sizes[0])
+    setup: list[Any] = [None, None]
+    dist.broadcast_object_list(setup, src=0)  # rank 0's KV pool size (every pool has as many blocks), shm name
+    num_blocks, shm_name = int(setup[0]), setup[1]
+    if shm_name is not None:
+        parent = mp.parent_process()
+        use_reducer(ShmAllReduce(rank, size, shm_name, lambda: parent is None or parent.is_alive()))
     loaded = load(cfg, rank=rank)
     kv_cfg = replace(cfg, num_kv_blocks=num_blocks, kv_cache_memory_gb=None)
     backend = make_kv_backend(kv_cfg, loaded.config, loaded.dtype, loaded.device, loaded.max_model_len, loaded.ops)
@@ -109,7 +115,11 @@ class TensorParallelRunner(ModelRunner):
             w.start()
         try:
             _init(0, size, init_method, cfg.device)
-            dist.broadcast_object_list([kv.num_blocks], src=0)
+            local_cpu = init_method != "env://" and not cfg.device.startswith("cuda")  # ranks share this memory
+            shm_name = ShmAllReduce.new_name() if local_cpu else None
+            dist.broadcast_object_list([kv.num_blocks, shm_name], src=0)
+            if shm_name is not None:
+                use_reducer(ShmAllReduce(0, size, shm_name, lambda: self.alive))
             dist.barrier()  # every worker has its shard
         except Exception as e:
             self.close()
