@@ -15,6 +15,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import ConfigError
+from tokenmill.parallel.shm import ShmAllReduce
 from tokenmill.parallel.workers import TensorParallelError, worker_pids
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a"]
@@ -120,6 +121,8 @@ def _shm_rank(rank: int, port: int, results: Any) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.skipif(not ShmAllReduce.supported(),
+                    reason="the shared-memory all-reduce runs on x86 only; other CPUs keep gloo's")  # fmt: skip
 def test_the_shared_memory_all_reduce_sums_like_gloo() -> None:
     import multiprocessing as mp
 

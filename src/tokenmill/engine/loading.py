@@ -103,13 +103,27 @@ def read_json(path: Path, required: bool) -> dict[str, Any]:
     return data
 
 
-def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
-    """The model `cfg` names; with tensor_parallel_size > 1, tensor-parallel rank `rank`'s shard of it."""
+def read_checkpoint(cfg: EngineConfig) -> tuple[Path, GGUFCheckpoint | None, dict[str, Any], ModelConfig]:
+    """(folder or file, the GGUF or None, config.json as a dict, our config) of the model `cfg` names: no weights
+    read. Fails on an unknown architecture."""
     path = resolve_model(cfg.model or default_model_ref(), cfg.revision)
     gguf = GGUFCheckpoint(path) if is_gguf(path) else None
     hf_config = gguf.hf_config() if gguf else read_json(path / "config.json", required=True)
-    family = family_for(hf_config)  # fail on the architecture before reading any weights
-    model_config = family.config_from_hf(hf_config)
+    return path, gguf, hf_config, family_for(hf_config).config_from_hf(hf_config)
+
+
+def load_front(cfg: EngineConfig) -> LoadedModel:
+    """What a front end needs of the model (configs, tokenizer, sampling defaults, EOS ids), without weights."""
+    path, gguf, _, config = read_checkpoint(cfg)
+    generation = {} if gguf else read_json(path / "generation_config.json", required=False)
+    return LoadedModel(path, config, Tokenizer(path), None, torch.device("cpu"), torch.float32,  # type: ignore[arg-type]
+                       config.max_position_embeddings, generation)  # fmt: skip
+
+
+def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
+    """The model `cfg` names; with tensor_parallel_size > 1, tensor-parallel rank `rank`'s shard of it."""
+    path, gguf, hf_config, model_config = read_checkpoint(cfg)  # fail on the architecture before any weights
+    family = family_for(hf_config)
     shard = None
     if cfg.tensor_parallel_size > 1:
         if gguf:

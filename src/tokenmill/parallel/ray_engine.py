@@ -16,11 +16,12 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import RequestFailedError
-from tokenmill.engine.loading import LoadedModel
+from tokenmill.engine.loading import load_front
 from tokenmill.engine.validation import output_budget
+from tokenmill.kv_cache import KVCacheManager, KVManager, UnpagedKVManager
 from tokenmill.metrics import EngineSnapshot
 from tokenmill.outputs import RequestOutput
-from tokenmill.parallel.replicas import Replica, Router, _Blocks
+from tokenmill.parallel.replicas import Replica, Router
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.types import EngineRequest
@@ -112,7 +113,7 @@ class RayEngine:
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
                      **({} if address else {"num_cpus": max(size, 1)}))  # fmt: skip
-        self.front = _front_end(cfg)  # tokenizer, sampling defaults, EOS ids: no weights
+        self.front = load_front(cfg)  # tokenizer, sampling defaults, EOS ids: no weights
         self.tokenizer = self.front.tokenizer
         self.structured = StructuredOutputManager(self.tokenizer.hf, self.front.config.vocab_size,
                                                   self.front.eos_token_ids)  # fmt: skip
@@ -124,7 +125,8 @@ class RayEngine:
         self.max_model_len, self.vocab_size = int(first["max_model_len"]), int(first["vocab_size"])
         self.description = f"{size} Ray replicas of: {first['description']}"
         self.pids = [int(i["pid"]) for i in infos]
-        self._blocks = _Blocks(int(first["num_blocks"]), int(first["block_size"]))
+        blocks, block_size = int(first["num_blocks"]), int(first["block_size"])  # the same pool on every replica
+        self._kv: KVManager = KVCacheManager(blocks, block_size, False) if blocks else UnpagedKVManager()
         self.router = Router(size)
         self.errored: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None
@@ -142,7 +144,7 @@ class RayEngine:
         return self.front.default_sampling_params()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        return output_budget(prompt_token_ids, params, self.vocab_size, self.max_model_len, self._blocks)  # type: ignore[arg-type]
+        return output_budget(prompt_token_ids, params, self.vocab_size, self.max_model_len, self._kv)
 
     def compile_grammar(self, params: SamplingParams) -> Any:
         """Compile here to check the grammar (a 400 before routing); the replica compiles its own copy."""
@@ -209,22 +211,3 @@ class RayEngine:
                     self.router.up[i] = True
                 except Exception:  # dead, or restarting: route around it until it answers again
                     self.router.up[i] = False
-
-
-def _front_end(cfg: EngineConfig) -> LoadedModel:
-    """What the front end needs of the model: its configs and tokenizer (a `LoadedModel` without weights)."""
-    import torch
-
-    from tokenmill.engine.loading import default_model_ref, read_json
-    from tokenmill.models import family_for
-    from tokenmill.tokenizer import Tokenizer
-    from tokenmill.weights import resolve_model
-    from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint, is_gguf
-
-    path = resolve_model(cfg.model or default_model_ref(), cfg.revision)
-    gguf = GGUFCheckpoint(path) if is_gguf(path) else None
-    hf = gguf.hf_config() if gguf else read_json(path / "config.json", required=True)
-    config = family_for(hf).config_from_hf(hf)
-    generation = {} if gguf else read_json(path / "generation_config.json", required=False)
-    return LoadedModel(path, config, Tokenizer(path), None, torch.device("cpu"), torch.float32,  # type: ignore[arg-type]
-                       config.max_position_embeddings, generation)  # fmt: skip

@@ -99,13 +99,3 @@ class Router:
             self._owner.popitem(last=False)
         self.load[chosen] += n
         return chosen
-
-
-class _Blocks:
-    """The KV pool's size, as `output_budget` asks it (every replica has the same)."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
-
-    def num_blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)

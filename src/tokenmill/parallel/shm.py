@@ -19,6 +19,7 @@ the same on every rank, so the ranks always pick the same path.
 from __future__ import annotations
 
 import os
+import platform
 import time
 import uuid
 from collections.abc import Callable
@@ -48,6 +49,11 @@ class ShmAllReduce:
         dist.barrier()  # everyone has it mapped: the name can go
         if rank == 0:
             os.unlink(self.path)
+
+    @staticmethod
+    def supported() -> bool:
+        """x86 only: the protocol needs stores to stay in order (elsewhere the ranks keep gloo's all-reduce)."""
+        return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
     @staticmethod
     def new_name() -> str:

@@ -116,7 +116,7 @@ class TensorParallelRunner(ModelRunner):
         try:
             _init(0, size, init_method, cfg.device)
             local_cpu = init_method != "env://" and not cfg.device.startswith("cuda")  # ranks share this memory
-            shm_name = ShmAllReduce.new_name() if local_cpu else None
+            shm_name = ShmAllReduce.new_name() if local_cpu and ShmAllReduce.supported() else None
             dist.broadcast_object_list([kv.num_blocks, shm_name], src=0)
             if shm_name is not None:
                 use_reducer(ShmAllReduce(0, size, shm_name, lambda: self.alive))
