@@ -1,7 +1,8 @@
 """Weight formats for the kernels, packed with torch ops at load time, and their pure-torch reference.
 
 Every format groups output channels in panels of P=16:
-- `bf16`: [K][16] bfloat16 per panel; `f32`: [K][16] float32 per panel (k-major, gemm.h says why);
+- `bf16`: [K/2][16][2] bfloat16 per panel (k-major in pairs, K padded to even); `f32`: [K][16] float32 per
+  panel (k-major, gemm.h says why);
 - `q8_0` (ggml's Q8_0: blocks of 32 int8 with one fp16 scale, w = d * q): per panel, K/32 blocks of
   {fp16 d[16]; int8 q[8][16][4]}, q[g][c][i] the weight of channel c at k = 4g + i;
 - `q4_0` (ggml's Q4_0: blocks of 32 4-bit values with one fp16 scale, w = d * (q - 8)): per panel, K/32
@@ -78,7 +79,7 @@ def pack(w: torch.Tensor, fmt: str) -> PackedWeight:
     if fmt not in FORMATS:
         raise ValueError(f"weight format {fmt!r} is not supported; allowed: {', '.join(FORMATS)}")
     n, k = w.shape
-    kp = k if fmt in ("bf16", "f32") else -(-k // BLOCK) * BLOCK
+    kp = {"f32": k, "bf16": k + k % 2}.get(fmt, -(-k // BLOCK) * BLOCK)
     n_padded = -(-n // PANEL) * PANEL
     chunks = []
     for start in range(0, n, CHUNK_ROWS):  # CHUNK_ROWS is a multiple of PANEL: chunks are whole panels
@@ -92,6 +93,8 @@ def pack(w: torch.Tensor, fmt: str) -> PackedWeight:
 def _pack_rows(rows: torch.Tensor, fmt: str, n_padded: int) -> torch.Tensor:
     if fmt in ("bf16", "f32"):
         panels = _panels(rows.to(torch.bfloat16 if fmt == "bf16" else torch.float32), n_padded)  # [np, 16, K]
+        if fmt == "bf16":  # [np, 16, K/2, 2] -> [np, K/2, 16, 2]
+            return panels.unflatten(2, (-1, 2)).transpose(1, 2).contiguous().view(torch.uint8).reshape(-1)
         return panels.transpose(1, 2).contiguous().view(torch.uint8).reshape(-1)
     q, d = quantize_q8_0(rows) if fmt == "q8_0" else quantize_q4_0(rows)
     return pack_blocks(q, d, fmt, n_padded)
@@ -113,8 +116,11 @@ def unpack(p: PackedWeight) -> torch.Tensor:
     """The packed weight as float32 [N, K] (the reference for the kernels, and the dequantized weight)."""
     n_panels, kp = -(-p.out_features // PANEL), p.padded_in
     if p.format in ("bf16", "f32"):
-        panels = p.data.view(torch.bfloat16 if p.format == "bf16" else torch.float32).view(n_panels, kp, PANEL)
-        w = panels.transpose(1, 2).reshape(n_panels * PANEL, kp).float()
+        if p.format == "bf16":  # [np, K/2, 16, 2] -> [np, 16, K]
+            pairs = p.data.view(torch.bfloat16).view(n_panels, kp // 2, PANEL, 2)
+            w = pairs.transpose(1, 2).reshape(n_panels * PANEL, kp).float()
+        else:
+            w = p.data.view(torch.float32).view(n_panels, kp, PANEL).transpose(1, 2).reshape(n_panels * PANEL, kp)
     else:
         nb, per_k = kp // BLOCK, BLOCK if p.format == "q8_0" else BLOCK // 2
         blocks = p.data.view(n_panels, nb, 2 * PANEL + per_k * PANEL)

@@ -38,8 +38,14 @@ inline const float* panel_block_f32(const uint8_t* panel, int64_t k0, int64_t kc
     return (const float*)panel + k0 * P;
   } else {
     static_assert(F == BF16, "quantized formats multiply in integers (qdot.h)");
-    const uint16_t* src = (const uint16_t*)panel + k0 * P;
-    for (int64_t i = 0; i < kc * P; i += W) store(dst + i, load_bf16(src + i));
+    const uint16_t* src = (const uint16_t*)panel + k0 * P;  // k0 and kc even: whole k pairs
+    for (int64_t j = 0; j < kc / 2; ++j)
+      for (int v = 0; v < V; ++v) {
+        vf even, odd;
+        load_bf16_pair(src + j * 2 * P + v * 2 * W, even, odd);
+        store(dst + 2 * j * P + v * W, even);
+        store(dst + (2 * j + 1) * P + v * W, odd);
+      }
     return dst;
   }
 }

@@ -3,12 +3,15 @@
 // The dense formats keep a panel's weights k-major (for each k, the P channels side by side), so one vector load
 // gives W channels at one k, the activation x[m, k] is broadcast, and an FMA updates W outputs at once: no
 // horizontal sums, and the weights are read once per tile of MT rows, converted in registers, never copied.
-//   bf16:  panel = [K][P] bfloat16
+//   bf16:  panel = [K/2][P][2] bfloat16: k in pairs, so one load gives W channels at k and k + 1 as 32-bit
+//          lanes, and a bf16 becomes a float with one shift (k) or one mask (k + 1); K is even (padded)
 //   f32:   panel = [K][P] float32
 // The quantized formats (K/32 blocks of P fp16 scales and P x 32 values per panel, in groups of 4 k: GGUF's
 // bytes per weight) multiply in integer arithmetic, over quantized activations: qdot.h.
 //   Q8_0:  w = d * q, q int8;  Q4_0: w = d * (q - 8), q 4-bit
 #pragma once
+
+#include <type_traits>
 
 #include "simd.h"
 
@@ -21,7 +24,7 @@ constexpr int QK = 32;  // weights per quantization block
 constexpr int64_t quant_block_bytes(Format f) { return f == Q8_0 ? 2 * P + QK * P : 2 * P + QK / 2 * P; }
 
 inline int64_t panel_bytes(Format f, int64_t K) {
-  if (f == BF16) return K * P * 2;
+  if (f == BF16) return K * P * 2;  // K even
   if (f == F32) return K * P * 4;
   return (K / QK) * quant_block_bytes(f);
 }
@@ -37,34 +40,43 @@ inline void store_outputs(const float* sums, int64_t row, int64_t n0, int64_t n_
   }
 }
 
-inline vf load_weights(const uint16_t* p) { return load_bf16(p); }
-inline vf load_weights(const float* p) { return load(p); }
+// The W channels v*W.. of a panel at k-pair j: their weights at k = 2j (`even`) and 2j + 1 (`odd`), as floats.
+inline void load_pair(const uint16_t* panel, int64_t j, int v, vf& even, vf& odd) { load_bf16_pair(panel + j * 2 * P + v * 2 * W, even, odd); }
+inline void load_pair(const float* panel, int64_t j, int v, vf& even, vf& odd) {
+  even = load(panel + 2 * j * P + v * W), odd = load(panel + (2 * j + 1) * P + v * W);
+}
+inline vf load_weight(const float* panel, int64_t k, int v) { return load(panel + k * P + v * W); }
 
 // acc[m][v] += sum_k x[m][k] * w[k][v*W..]: a bf16 (T = uint16_t) or float32 panel, MT rows of x (row stride
-// ldx), k-unrolled by U.
-template <int MT, int U, typename T = uint16_t>
+// ldx). S sets of accumulators take the k pairs in turn (S > 1: more independent FMA chains for one row); a
+// float32 panel of odd K ends with one k alone.
+template <int MT, int S, typename T = uint16_t>
 inline void tile_dense(const T* panel, const float* x, int64_t ldx, int64_t K, vf (*acc)[V]) {
-  vf a[U][MT][V] = {};
-  int64_t k = 0;
-  for (; k + U <= K; k += U) {
-    for (int u = 0; u < U; ++u) {
-      vf w[V];
-      for (int v = 0; v < V; ++v) w[v] = load_weights(panel + (k + u) * P + v * W);
-      for (int m = 0; m < MT; ++m) {
-        vf xb = splat(x[m * ldx + k + u]);
-        for (int v = 0; v < V; ++v) a[u][m][v] += w[v] * xb;
+  vf a[S][MT][V] = {};
+  const int64_t pairs = K / 2;
+  auto step = [&](int64_t j, vf (*set)[V]) {
+    vf we[V], wo[V];
+    for (int v = 0; v < V; ++v) load_pair(panel, j, v, we[v], wo[v]);
+    for (int m = 0; m < MT; ++m) {
+      const vf xe = splat(x[m * ldx + 2 * j]), xo = splat(x[m * ldx + 2 * j + 1]);
+      for (int v = 0; v < V; ++v) {
+        set[m][v] += we[v] * xe;  // two FMAs (not a product plus an FMA)
+        set[m][v] += wo[v] * xo;
       }
     }
+  };
+  int64_t j = 0;
+  for (; j + S <= pairs; j += S)
+    for (int s = 0; s < S; ++s) step(j + s, a[s]);
+  for (; j < pairs; ++j) step(j, a[0]);
+  if constexpr (std::is_same_v<T, float>) {
+    if (K % 2)
+      for (int m = 0; m < MT; ++m)
+        for (int v = 0; v < V; ++v) a[0][m][v] += load_weight(panel, K - 1, v) * splat(x[m * ldx + K - 1]);
   }
-  for (; k < K; ++k) {
-    for (int m = 0; m < MT; ++m) {
-      vf xb = splat(x[m * ldx + k]);
-      for (int v = 0; v < V; ++v) a[0][m][v] += load_weights(panel + k * P + v * W) * xb;
-    }
-  }
-  for (int u = 0; u < U; ++u)
+  for (int s = 0; s < S; ++s)
     for (int m = 0; m < MT; ++m)
-      for (int v = 0; v < V; ++v) acc[m][v] += a[u][m][v];
+      for (int v = 0; v < V; ++v) acc[m][v] += a[s][m][v];
 }
 
 }  // namespace tmk

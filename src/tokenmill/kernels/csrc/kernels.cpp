@@ -20,7 +20,7 @@
 namespace tmk {
 
 // rows of one dense tile at this vector width (what fits in the register file)
-constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 4 : 8);
+constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 5 : 8);
 
 template <typename T, int MT>
 void panel_rows(const T* panel, const float* x, int64_t ldx, int64_t K, int64_t rows, vf (*acc)[V]) {
@@ -41,8 +41,10 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed
   for (int64_t p = p_begin; p < p_end; ++p) {
     const T* panel = (const T*)(packed + p * stride);
     const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
-    for (int64_t m0 = 0; m0 < M; m0 += MT_DENSE) {
-      const int64_t rows = std::min<int64_t>(MT_DENSE, M - m0);
+    // M in the fewest tiles, of even sizes: 8 rows as 4 + 4, not 5 + 3
+    const int64_t tiles = (M + MT_DENSE - 1) / MT_DENSE, per = (M + tiles - 1) / tiles;
+    for (int64_t m0 = 0; m0 < M; m0 += per) {
+      const int64_t rows = std::min<int64_t>(per, M - m0);
       vf acc[MT_DENSE][V] = {};
       panel_rows<T, MT_DENSE>(panel, x + m0 * ldx, ldx, K, rows, acc);
       for (int64_t m = 0; m < rows; ++m) {
@@ -142,8 +144,8 @@ void unpack(uintptr_t w_ptr, int64_t format, int64_t N, int64_t K, uintptr_t out
         if (F == F32) {
           std::memcpy(vals, (const float*)panel + k * P, sizeof(vals));
         } else if (F == BF16) {
-          for (int i = 0; i < P; ++i) {
-            uint32_t bits = (uint32_t)((const uint16_t*)panel)[k * P + i] << 16;
+          for (int i = 0; i < P; ++i) {  // k pairs: [K/2][P][2]
+            uint32_t bits = (uint32_t)((const uint16_t*)panel)[(k / 2) * 2 * P + 2 * i + k % 2] << 16;
             std::memcpy(&vals[i], &bits, 4);
           }
         } else {

@@ -66,6 +66,16 @@ inline vf load_bf16(const uint16_t* p) {
 #endif
 }
 
+// 2W bfloat16 values holding W pairs (a, b) side by side -> the a's and the b's as floats: each pair is one
+// 32-bit lane (a in its low half), and a bf16 is the top half of a float's bits: a = lane << 16, b = lane & high.
+inline void load_bf16_pair(const uint16_t* p, vf& a, vf& b) {
+  vu lanes;
+  std::memcpy(&lanes, p, sizeof(lanes));
+  const vu lo = lanes << 16, hi = lanes & 0xffff0000u;
+  std::memcpy(&a, &lo, sizeof(a));
+  std::memcpy(&b, &hi, sizeof(b));
+}
+
 // e^x for x <= 0 (softmax's shifted scores), ~1 ulp: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5], with a
 // degree-6 polynomial for 2^f. Underflows cleanly to 0 below -87.
 inline vf exp_neg(vf x) {
