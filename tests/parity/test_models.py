@@ -238,6 +238,38 @@ def test_decode_stack_on_every_kernel_variant(case: tuple[str, Path, Any, LLM], 
         assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < 1e-5
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_bf16_pair_tiles_in_the_stack_equal_the_module_path(make_checkpoint: Callable[..., Path], arch: str) -> None:
+    """A bf16 model's linears multiply the model's bf16 rows in k pairs (vdpbf16ps on AVX-512 BF16, kernels/csrc/
+    gemm.h); forced on here, every variant this CPU has feeds each linear of the stack its own input rows (qkv
+    bias: Qwen2; q/k norms: Qwen3), with the module path's tokens and, up to bf16 rounding, logprobs."""
+    from tokenmill import kernels
+    from tokenmill.kernels.isa import supported_levels
+    from tokenmill.models.decode_stack import DecodeStack
+
+    folder = make_checkpoint(arch, **SPREAD)
+    llm = LLM(str(folder), dtype="bfloat16", device="cpu")
+    _skip_without_stack(llm)
+    runner = llm.engine.runner
+    ids = llm.tokenizer.encode(PROMPT)
+    prompts = [{"prompt_token_ids": ids[:n]} for n in (4, 9, len(ids))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    runner.decode_stack = None
+    modules = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for level in supported_levels():
+        ops = kernels.variant(level)
+        runner.kv.ops = ops  # type: ignore[attr-defined]
+        runner.decode_stack = DecodeStack.build(llm.loaded.model, runner.kv)
+        previous = ops.module.set_bf16_dot(1)
+        try:
+            stacked = [o.outputs[0] for o in llm.generate(prompts, params)]
+        finally:
+            ops.module.set_bf16_dot(previous)
+        for a, b in zip(stacked, modules):
+            assert a.token_ids == b.token_ids, level
+            assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < 0.05, level
+
+
 def test_longrope_past_the_original_length_matches_transformers_with_a_cache(
     make_checkpoint: Callable[..., Path],
 ) -> None:

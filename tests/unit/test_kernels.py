@@ -52,18 +52,22 @@ SHAPES = [(16, 32), (37, 70), (80, 96), (130, 257)]  # (N, K): partial panels, K
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 17]  # every register-tile split up to 8 rows (5 + 5 + 5 + 2 for 17)
 
 
-# Each linear path on every row count: a dense format's register tiles or cache-blocked GEMM (blocked.h); the
+# Each linear path on every row count: a dense format's register tiles or cache-blocked GEMM (blocked.h); bf16's
+# pair tiles (bf16 activations read in k pairs: vdpbf16ps on AVX-512 BF16, the same sums in FMAs elsewhere); the
 # quantized formats have one integer path (qdot.h) for every row count.
-PATHS = [("bf16", "tiles"), ("bf16", "blocked"), ("f32", "tiles"), ("f32", "blocked"), ("q8_0", "int"), ("q4_0", "int")]
+PATHS = [("bf16", "tiles"), ("bf16", "pairs"), ("bf16", "blocked"), ("f32", "tiles"), ("f32", "blocked"),
+         ("q8_0", "int"), ("q4_0", "int")]  # fmt: skip
 
 
 @contextmanager
 def _path(ops: kernels.Kernels, path: str) -> Iterator[None]:
-    previous = ops.module.set_blocked_rows(1 if path == "blocked" else 1 << 40)
+    blocked = ops.module.set_blocked_rows(1 if path == "blocked" else 1 << 40)
+    pairs = ops.module.set_bf16_dot(1 if path == "pairs" else 0)
     try:
         yield
     finally:
-        ops.module.set_blocked_rows(previous)
+        ops.module.set_blocked_rows(blocked)
+        ops.module.set_bf16_dot(pairs)
 
 
 @pytest.mark.parametrize(("fmt", "path"), PATHS)

@@ -79,4 +79,71 @@ inline void tile_dense(const T* panel, const float* x, int64_t ldx, int64_t K, v
       for (int v = 0; v < V; ++v) acc[m][v] += a[s][m][v];
 }
 
+// bf16 weights times bf16 activations read as pairs straight from the model's rows (xh, row stride ldxh; K even):
+// acc[m][v] += w[2j] x[m][2j] + w[2j + 1] x[m][2j + 1] for every pair j. With AVX-512 BF16 one vdpbf16ps does a
+// pair for 16 channels (the panel's k-pair layout is its operand, the activation pair one broadcast word); the
+// products are exact in float32 either way, so only the order of the float32 sums differs from tile_dense. Other
+// builds compute the same sums with FMAs, so that the tests can run this path's plumbing on any CPU.
+inline bool bf16_dot_native() {
+#if defined(__AVX512BF16__) && TM_W == 16
+  return true;
+#else
+  return false;
+#endif
+}
+// -1: pairs where the CPU has vdpbf16ps (the default); 0: never; 1: always (tests)
+inline int bf16_dot = -1;
+inline bool use_bf16_dot() { return bf16_dot < 0 ? bf16_dot_native() : bf16_dot > 0; }
+
+template <int MT, int S>
+inline void tile_bf16_pairs(const uint16_t* panel, const uint16_t* xh, int64_t ldxh, int64_t K, vf (*acc)[V]) {
+  const int64_t pairs = K / 2;
+#if defined(__AVX512BF16__) && TM_W == 16
+  static_assert(V == 1, "one 16-channel vector per panel row");
+  __m512 a[S][MT];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < MT; ++m) a[s][m] = _mm512_setzero_ps();
+  auto step = [&](int64_t j, __m512* set) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(panel + j * 2 * P));
+    for (int m = 0; m < MT; ++m) {
+      int32_t pair;  // x[m][2j] in the low half, x[m][2j + 1] in the high one: the same order as the weights
+      std::memcpy(&pair, xh + m * ldxh + 2 * j, 4);
+      set[m] = _mm512_dpbf16_ps(set[m], w, (__m512bh)_mm512_set1_epi32(pair));
+    }
+  };
+  int64_t j = 0;
+  for (; j + S <= pairs; j += S)
+    for (int s = 0; s < S; ++s) step(j + s, a[s]);
+  for (; j < pairs; ++j) step(j, a[0]);
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < MT; ++m) acc[m][0] += (vf)a[s][m];
+#else
+  auto widen = [](uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  };
+  vf a[S][MT][V] = {};
+  auto step = [&](int64_t j, vf (*set)[V]) {
+    vf we[V], wo[V];
+    for (int v = 0; v < V; ++v) load_pair(panel, j, v, we[v], wo[v]);
+    for (int m = 0; m < MT; ++m) {
+      const vf xe = splat(widen(xh[m * ldxh + 2 * j])), xo = splat(widen(xh[m * ldxh + 2 * j + 1]));
+      for (int v = 0; v < V; ++v) {
+        set[m][v] += we[v] * xe;
+        set[m][v] += wo[v] * xo;
+      }
+    }
+  };
+  int64_t j = 0;
+  for (; j + S <= pairs; j += S)
+    for (int s = 0; s < S; ++s) step(j + s, a[s]);
+  for (; j < pairs; ++j) step(j, a[0]);
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < MT; ++m)
+      for (int v = 0; v < V; ++v) acc[m][v] += a[s][m][v];
+#endif
+}
+
 }  // namespace tmk

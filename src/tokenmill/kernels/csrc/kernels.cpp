@@ -24,7 +24,7 @@ constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 5 : 8);
 
 template <typename T, int MT>
 void panel_rows(const T* panel, const float* x, int64_t ldx, int64_t K, int64_t rows, vf (*acc)[V]) {
-  // rows <= MT: dispatch the remainder of M to the tile of exactly that many rows
+  // rows <= MT: dispatch the remainder of M to the tile of exactly that many
   if constexpr (MT > 1) {
     if (rows < MT) return panel_rows<T, MT - 1>(panel, x, ldx, K, rows, acc);
   }
@@ -32,11 +32,23 @@ void panel_rows(const T* panel, const float* x, int64_t ldx, int64_t K, int64_t 
   else tile_dense<MT, 1>(panel, x, ldx, K, acc);
 }
 
+// the same for bf16 activation pairs (gemm.h: tile_bf16_pairs)
+template <int MT>
+void pair_rows(const uint16_t* panel, const uint16_t* xh, int64_t ldxh, int64_t K, int64_t rows, vf (*acc)[V]) {
+  if constexpr (MT > 1) {
+    if (rows < MT) return pair_rows<MT - 1>(panel, xh, ldxh, K, rows, acc);
+  }
+  if constexpr (MT == 1) tile_bf16_pairs<1, 4>(panel, xh, ldxh, K, acc);
+  else tile_bf16_pairs<MT, 1>(panel, xh, ldxh, K, acc);
+}
+
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias) for a dense format (T: uint16_t for bf16,
-// float for f32); x float32 (see prep_row), out in float32 (out32) or bfloat16 (out16).
+// float for f32); x float32 (see prep_row), out in float32 (out32) or bfloat16 (out16). For bf16, `xh` (when
+// not null) holds the same rows as bfloat16 pairs (row stride ldxh), and the pair tiles take them.
 template <typename T>
 void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
-                   const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end) {
+                   const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end,
+                   const uint16_t* xh, int64_t ldxh) {
   const int64_t stride = K * P * (int64_t)sizeof(T);
   for (int64_t p = p_begin; p < p_end; ++p) {
     const T* panel = (const T*)(packed + p * stride);
@@ -46,7 +58,12 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed
     for (int64_t m0 = 0; m0 < M; m0 += per) {
       const int64_t rows = std::min<int64_t>(per, M - m0);
       vf acc[MT_DENSE][V] = {};
-      panel_rows<T, MT_DENSE>(panel, x + m0 * ldx, ldx, K, rows, acc);
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (xh) pair_rows<MT_DENSE>(panel, xh + m0 * ldxh, ldxh, K, rows, acc);
+        else panel_rows<T, MT_DENSE>(panel, x + m0 * ldx, ldx, K, rows, acc);
+      } else {
+        panel_rows<T, MT_DENSE>(panel, x + m0 * ldx, ldx, K, rows, acc);
+      }
       for (int64_t m = 0; m < rows; ++m) {
         float lane[P];
         for (int v = 0; v < V; ++v) store(lane + v * W, acc[m][v]);
@@ -58,15 +75,19 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed
 
 // Output panels [p_begin, p_end) for any format, x rows prepared by prep_row `ldx` floats apart: the quantized
 // formats in integers (qdot.h), the dense ones in register tiles or, from blocked_min_rows(), the blocked GEMM.
+// `xh`: the rows as the model's bfloat16 (row stride ldxh), or null; a bf16 weight's tiles multiply those pairs
+// where use_bf16_dot() (AVX-512 BF16), which needs K == the rows' width (even, no padding to read past).
 void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t N, int64_t K,
-                  const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end) {
+                  const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end,
+                  const uint16_t* xh = nullptr, int64_t ldxh = 0) {
   const bool blocked = M >= blocked_min_rows();
+  if (!use_bf16_dot() || ldxh != K) xh = nullptr;
   if (F == Q8_0) linear_quant<Q8_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
   else if (F == Q4_0) linear_quant<Q4_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
   else if (F == BF16 && blocked) linear_blocked<BF16>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-  else if (F == BF16) linear_panels<uint16_t>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+  else if (F == BF16) linear_panels<uint16_t>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end, xh, ldxh);
   else if (blocked) linear_blocked<F32>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-  else linear_panels<float>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+  else linear_panels<float>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end, nullptr, 0);
 }
 
 // How many output panels one thread's chunk should take: at least ~`bytes` of weight reads (more rows, fewer).
@@ -113,8 +134,9 @@ void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, 
   // NOTE: a chunk of at least ~256 KB of weight reads (more with more rows) per thread: a smaller matrix runs on
   // the calling thread alone, because waking a second thread costs more than it saves
   const int64_t n_panels = (N + P - 1) / P;
+  const uint16_t* xh = bf16 ? (const uint16_t*)x_ptr : nullptr;  // [M, Kx] bfloat16: the pair tiles' input
   at::parallel_for(0, n_panels, panels_per_chunk(F, K, M, 256 << 10), [&](int64_t begin, int64_t end) {
-    linear_range(F, xf_ptr, M, K, w, N, K, bias, o32, o16, begin, end);
+    linear_range(F, xf_ptr, M, K, w, N, K, bias, o32, o16, begin, end, xh, Kx);
   });
 }
 
@@ -288,6 +310,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &tmk::silu_mul, "silu(gate) * up");
   m.def("decode_attention", &tmk::decode_attention, "one new token per sequence over a paged KV cache");
   m.def("kv_write", &tmk::kv_write, "new keys and values into their cache slots");
+  m.def("set_bf16_dot", [](int64_t mode) { return std::exchange(tmk::bf16_dot, (int)mode); },
+        "bf16 x bf16 pair tiles: -1 where the CPU has vdpbf16ps, 0 never, 1 always (tests); returns the old mode");
+  m.def("bf16_dot_native", &tmk::bf16_dot_native, "this build multiplies bf16 pairs with vdpbf16ps");
   m.def("set_blocked_rows", [](int64_t rows) { return std::exchange(tmk::blocked_rows, rows); },
         "rows from which every linear takes the cache-blocked GEMM (0: each format's default); returns the old one");
   m.def("read_sum", &tmk::read_sum, "stream a buffer once (the bandwidth probe)");

@@ -18,13 +18,21 @@
 // pair sums to at most 2 * 128 * 127 < 32767; its groups widen to 32 bits one by one. The -8 of Q4_0 is
 // subtracted once per block as 8 * (sum of the row's q over the block).
 //
-// The portable variant (no AVX2) runs the same integer sums in plain loops: the numbers are the same.
+// With AVX-512 VNNI (and VL), vpdpbusd multiplies the same byte pairs and adds groups of 4 straight into 32-bit
+// lanes: one instruction for vpmaddubsw + vpmaddwd + vpaddd, and the same exact sums (none of them saturates
+// above). The portable variant (no AVX2) runs the same integer sums in plain loops: the numbers are the same.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 
 #include "gemm.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TM_VNNI 1
+#else
+#define TM_VNNI 0
+#endif
 
 namespace tmk {
 
@@ -105,7 +113,8 @@ template <Format F, int MT>
 inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
   __m256 acc[MT][2];
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // (vpmaddwd's; VNNI needs none)
+  const __m256i low = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * quant_block_bytes(F);
     const uint8_t* q = blk + 2 * P;
@@ -122,13 +131,22 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
           int32_t four;
           std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
           const __m256i xb = _mm256_set1_epi32(four);
+#if TM_VNNI
+          p[m][0] = _mm256_dpbusd_epi32(p[m][0], w0, xb);  // 32-bit sums of 4 products at once
+          p[m][1] = _mm256_dpbusd_epi32(p[m][1], w1, xb);
+#else
           p[m][0] = _mm256_add_epi16(p[m][0], _mm256_maddubs_epi16(w0, xb));
           p[m][1] = _mm256_add_epi16(p[m][1], _mm256_maddubs_epi16(w1, xb));
+#endif
         }
       }
       for (int m = 0; m < MT; ++m) {
         const __m256i offset = _mm256_set1_epi32(8 * x[m].s[b]);
+#if TM_VNNI
+        for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_sub_epi32(p[m][h], offset);
+#else
         for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_sub_epi32(_mm256_madd_epi16(p[m][h], ones), offset);
+#endif
       }
     } else {
       for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
@@ -141,10 +159,15 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
           int32_t four;
           std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
           const __m256i xb = _mm256_set1_epi32(four);
+#if TM_VNNI
+          isum[m][0] = _mm256_dpbusd_epi32(isum[m][0], a0, _mm256_sign_epi8(xb, w0));
+          isum[m][1] = _mm256_dpbusd_epi32(isum[m][1], a1, _mm256_sign_epi8(xb, w1));
+#else
           const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
           const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
           isum[m][0] = _mm256_add_epi32(isum[m][0], _mm256_madd_epi16(p0, ones));
           isum[m][1] = _mm256_add_epi32(isum[m][1], _mm256_madd_epi16(p1, ones));
+#endif
         }
       }
     }

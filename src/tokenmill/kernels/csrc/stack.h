@@ -46,18 +46,18 @@ class DecodeStack {
     max_k_ = std::max({max_k_, qkv[3], o[3], gate_up[3], down[3]});
     const int64_t base = l * kStagesPerLayer;
     pool_.set_stage(base + 0, [this, l](int64_t b) { input_norm(l, b); });
-    pool_.set_stage(base + 1, [this, l](int64_t c) { panels(layers_[l].qkv, c, qkv_); });
+    pool_.set_stage(base + 1, [this, l](int64_t c) { panels(layers_[l].qkv, c, qkv_, normed_, D_); });
     pool_.set_stage(base + 2, [this, l](int64_t b) { rope_and_write(l, b); });
     pool_.set_stage(base + 3, [this, l](int64_t t) { attention(l, t); });
     pool_.set_stage(base + 4, [this, l](int64_t b) { prep(attn_ + b * H_ * Dh_ * e_, H_ * Dh_, layers_[l].o, b); });
-    pool_.set_stage(base + 5, [this, l](int64_t c) { panels(layers_[l].o, c, hidden_); });
+    pool_.set_stage(base + 5, [this, l](int64_t c) { panels(layers_[l].o, c, hidden_, attn_, H_ * Dh_); });
     pool_.set_stage(base + 6, [this, l](int64_t b) { this->post_norm(l, b); });
-    pool_.set_stage(base + 7, [this, l](int64_t c) { panels(layers_[l].gate_up, c, gate_up_); });
+    pool_.set_stage(base + 7, [this, l](int64_t c) { panels(layers_[l].gate_up, c, gate_up_, normed_, D_); });
     pool_.set_stage(base + 8, [this, l](int64_t b) { silu(l, b); });
-    pool_.set_stage(base + 9, [this, l](int64_t c) { panels(layers_[l].down, c, hidden_); });
+    pool_.set_stage(base + 9, [this, l](int64_t c) { panels(layers_[l].down, c, hidden_, act_, I_); });
     // after the last layer added so far: the final norm, then the LM head (the next layer overwrites both)
     pool_.set_stage(base + kStagesPerLayer, [this](int64_t b) { final_norm(b); });
-    pool_.set_stage(base + kStagesPerLayer + 1, [this](int64_t c) { panels(head_, c, logits_); });
+    pool_.set_stage(base + kStagesPerLayer + 1, [this](int64_t c) { panels(head_, c, logits_, out_, D_); });
   }
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
@@ -153,12 +153,14 @@ class DecodeStack {
     prep_row(src, bf16_, Kx, w[3], (Format)w[1], xq_.data() + b * max_k_);
   }
 
-  // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ floats apart)
-  void panels(const LinearSpec& w, int64_t c, char* out) {
+  // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ floats apart), or for a bf16 model from its
+  // input rows `src` (`width` wide, the model dtype) where the bf16 pair tiles apply
+  void panels(const LinearSpec& w, int64_t c, char* out, const char* src, int64_t width) {
     const int64_t n_panels = (w[2] + P - 1) / P, per = per_chunk(w);
     const int64_t begin = c * per, end = std::min(n_panels, begin + per);
     linear_range((Format)w[1], xq_.data(), B_, max_k_, (const uint8_t*)w[0], w[2], w[3],
-                 (const float*)w[4], bf16_ ? nullptr : (float*)out, bf16_ ? (uint16_t*)out : nullptr, begin, end);
+                 (const float*)w[4], bf16_ ? nullptr : (float*)out, bf16_ ? (uint16_t*)out : nullptr, begin, end,
+                 bf16_ ? (const uint16_t*)src : nullptr, width);
   }
 
   void input_norm(int64_t l, int64_t b) {
