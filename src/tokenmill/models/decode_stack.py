@@ -98,35 +98,47 @@ class DecodeStack:
                 and embed.weight.is_contiguous())  # fmt: skip
 
     def greedy(
-        self, first: list[int], starts: list[int], tables: list[list[int]], rounds: list[int]
+        self, feeds: list[list[int]], starts: list[int], tables: list[list[int]], rounds: list[int]
     ) -> list[list[int]]:
-        """Greedy decoding in one native call, as a draft model proposes: row b feeds token first[b] at position
-        starts[b], then each argmax, for rounds[b] >= 1 steps, and gets back its rounds[b] tokens. The caller has
-        allocated the slots of positions starts[b] .. starts[b] + rounds[b] - 1 in tables[b]."""
-        order = sorted(range(len(first)), key=lambda b: -rounds[b])  # the rows of round r are a prefix
+        """Greedy decoding in one native call, as a draft model proposes: row b feeds the tokens feeds[b] at
+        positions starts[b].. (its catch-up; the last one's argmax is its first draft), then each draft back, and
+        gets its rounds[b] >= 1 drafts. The caller has allocated the slots of every position fed, the drafts'
+        included, in tables[b]."""
+        order = sorted(range(len(feeds)), key=lambda b: -rounds[b])  # the rows of chain round r are a prefix
         n, r_max, bs = len(order), rounds[order[0]], self.kv.block_size
-        start = torch.tensor([starts[b] for b in order], dtype=torch.int64)  # [B]
-        last = start + torch.tensor([rounds[b] for b in order], dtype=torch.int64) - 1  # [B]
-        pos = torch.minimum(start[None, :] + torch.arange(r_max)[:, None], last[None, :])  # [R, B], in range
-        width = max(-(-(starts[b] + rounds[b]) // bs) for b in order)
+        fed = [feeds[b] for b in order]
+        lengths = torch.tensor([len(f) for f in fed], dtype=torch.int64)  # [B]
+        feed_seq = torch.repeat_interleave(torch.arange(n), lengths)  # [n0]: each feed row's row b
+        feed_last = lengths.cumsum(0) - 1  # [B]: b's last feed row
+        first = torch.tensor([starts[b] for b in order], dtype=torch.int64)  # [B]
+        feed_pos = first[feed_seq] + torch.arange(len(feed_seq)) - (feed_last - lengths + 1)[feed_seq]  # [n0]
+        # chain round r feeds draft r + 1 at first + len + r, up to the row's last draft fed (clamped: in range)
+        after = first + lengths  # [B]
+        last = torch.maximum(after + torch.tensor([rounds[b] for b in order]) - 2, after - 1)  # [B]
+        chain = torch.minimum(after[None, :] + torch.arange(r_max - 1)[:, None], last[None, :])  # [R - 1, B]
+        pos = torch.cat([feed_pos, chain.flatten()])  # [n0 + (R - 1) B]
+        width = max(-(-(starts[b] + len(feeds[b]) + rounds[b] - 1) // bs) for b in order)
         padded = [tables[b][:width] + [0] * (width - len(tables[b][:width])) for b in order]
         self.kv.zero_new_blocks(padded)
         block_tables = torch.tensor(padded, dtype=torch.int64)  # [B, M]
-        slots = (block_tables.gather(1, (pos // bs).T).T * bs + pos % bs).contiguous()  # [R, B]
-        lens = (pos + 1).contiguous()  # [R, B]
-        cos, sin = self.decoder.rotary(pos.flatten(), self.kv.dtype)  # [R * B, Dh] each
-        active = torch.tensor([sum(rounds[b] > r for b in order) for r in range(r_max)], dtype=torch.int64)  # [R]
-        tokens = torch.zeros(n, r_max + 1, dtype=torch.int64)  # [B, R + 1]
-        tokens[:, 0] = torch.tensor([first[b] for b in order])
-        out = torch.empty(n, self.decoder.norm.weight.shape[0], dtype=self.kv.dtype)  # [B, D] scratch
-        logits = torch.empty(n, self.vocab_size or 0, dtype=self.kv.dtype)  # [B, V] scratch
+        row_of = torch.cat([feed_seq, torch.arange(n).repeat(r_max - 1)])  # [n0 + (R - 1) B]
+        slots = block_tables[row_of, pos // bs] * bs + pos % bs
+        lens = pos + 1
+        cos, sin = self.decoder.rotary(pos, self.kv.dtype)  # [n0 + (R - 1) B, Dh] each
+        active = torch.tensor([sum(rounds[b] > r + 1 for b in order) for r in range(r_max)], dtype=torch.int64)
+        feed_tok = torch.tensor([t for f in fed for t in f], dtype=torch.int64)  # [n0]
+        tokens = torch.empty(n, r_max, dtype=torch.int64)  # [B, R]: the drafts
+        rows = max(len(feed_tok), n)
+        out = torch.empty(rows, self.decoder.norm.weight.shape[0], dtype=self.kv.dtype)  # [rows, D] scratch
+        logits = torch.empty(rows, self.vocab_size or 0, dtype=self.kv.dtype)  # [rows, V] scratch
         self.native.run_greedy(self.decoder.embed_tokens.weight.data_ptr(), tokens.data_ptr(), active.data_ptr(),
-                               r_max, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-                               width, lens.data_ptr(), n, bs, out.data_ptr(), logits.data_ptr())  # fmt: skip
-        rows = tokens[:, 1:].tolist()
+                               r_max, len(feed_tok), feed_tok.data_ptr(), feed_seq.data_ptr(), feed_last.data_ptr(),
+                               cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), width,
+                               lens.data_ptr(), n, bs, out.data_ptr(), logits.data_ptr())  # fmt: skip
+        drafts = tokens.tolist()
         result: list[list[int]] = [[] for _ in order]
         for i, b in enumerate(order):
-            result[b] = rows[i][: rounds[b]]
+            result[b] = drafts[i][: rounds[b]]
         return result
 
     @staticmethod

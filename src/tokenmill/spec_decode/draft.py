@@ -4,8 +4,9 @@ The draft keeps its own paged KV pool and KV manager (its layers and heads diffe
 own runner. Per request it remembers the tokens whose keys are in its cache (`fed`). Each round it:
 1. keeps the longest prefix of `fed` that the request still has (rejected drafts fall away; their slots are
    simply overwritten), and computes the rest of the request's tokens, sampling draft 1;
-2. feeds each draft back to get the next one, k - 1 more one-token steps, batched over the requests: in one
-   native call (`DecodeStack.greedy`) where the draft runs on the decode stack, else one runner step each.
+2. feeds each draft back to get the next one, k - 1 more one-token steps, batched over the requests.
+Where the draft runs on the decode stack, both are one native call (`DecodeStack.greedy`; a prompt's catch-up
+is a prefill on the runner first); elsewhere each is a runner step.
 Drafting greedily makes the proposal deterministic, so the runner's rule (keep a draft while it equals the
 target's own sample) stays lossless (spec_decode/__init__.py).
 """
@@ -51,34 +52,53 @@ class DraftProposer:
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
         # the draft's own context bounds what it can draft for
         want = {r.request_id: min(self.num_tokens, r.limit, self.max_num_tokens - len(r.token_ids)) for r in requests}
-        steps = [s for r in requests if want[r.request_id] > 0 for s in self._catch_up(r, want[r.request_id])]
-        if not steps:
-            return drafts
-        for rid, new in self.runner.execute(ModelInput(steps)).sampled.items():
-            drafts[rid].append(new[0][0])
-        more = [rid for rid, d in drafts.items() if d and want[rid] > 1]
         stack = self.runner.decode_stack
-        if more and stack is not None and stack.greedy_ready:  # the other rounds in one native call
-            starts = [len(self._states[rid].fed) for rid in more]
-            tables = [self.kv.block_table(rid) for rid in more]
-            rest = stack.greedy([drafts[rid][0] for rid in more], starts, tables, [want[rid] - 1 for rid in more])
-            for rid, tokens in zip(more, rest):
-                self._states[rid].fed += [drafts[rid][0], *tokens[:-1]]  # the last draft is not fed back
-                drafts[rid] += tokens
+        native = stack is not None and stack.greedy_ready
+        steps: list[SequenceInput] = []  # the runner's: prompts (and every catch-up without the native path)
+        feeds: dict[str, tuple[list[int], int]] = {}  # the native path's catch-ups: (tokens, first position)
+        for r in requests:
+            rid = r.request_id
+            caught = self._catch_up(r, want[rid]) if want[rid] > 0 else None
+            if caught is None:
+                continue
+            keep, new = caught
+            if native and len(new) <= SPLIT_MAX:
+                feeds[rid] = (new, keep)
+            elif len(new) > SPLIT_MAX:  # a prompt: one prefill
+                steps.append(self._input(rid, new, keep))
+            else:  # a few tokens go as one-token rows, so the round is a decode step
+                steps += [self._input(rid, [t], keep + j, sample=j == len(new) - 1) for j, t in enumerate(new)]
+        if steps:
+            for rid, out in self.runner.execute(ModelInput(steps)).sampled.items():
+                drafts[rid].append(out[0][0])
+        if native and stack is not None:  # every other round, and the catch-ups, in one native call
+            for rid in drafts:
+                if len(drafts[rid]) == 1 and want[rid] > 1:  # after a prefill: feed draft 1 back
+                    feeds[rid] = ([drafts[rid][0]], len(self._states[rid].fed))
+            if feeds:
+                rids = list(feeds)
+                rounds = [want[rid] - len(drafts[rid]) for rid in rids]
+                tables = [self.kv.block_table(rid) for rid in rids]
+                rest = stack.greedy([feeds[rid][0] for rid in rids], [feeds[rid][1] for rid in rids], tables, rounds)
+                for rid, tokens in zip(rids, rest):
+                    drafts[rid] += tokens
+            for rid, d in drafts.items():
+                if rid in self._states:
+                    self._states[rid].fed += d[:-1]  # the last draft is not fed back
             return drafts
-        steps = [self._feed(rid, drafts[rid][0]) for rid in more]
-        while steps:  # one batched draft forward per draft position
+        more = [self._feed(rid, d[0]) for rid, d in drafts.items() if d and want[rid] > 1]
+        while more:  # one batched draft forward per draft position
             next_steps = []
-            for rid, new in self.runner.execute(ModelInput(steps)).sampled.items():
-                drafts[rid].append(new[0][0])
+            for rid, out in self.runner.execute(ModelInput(more)).sampled.items():
+                drafts[rid].append(out[0][0])
                 if len(drafts[rid]) < want[rid]:
-                    next_steps.append(self._feed(rid, new[0][0]))
-            steps = next_steps
+                    next_steps.append(self._feed(rid, out[0][0]))
+            more = next_steps
         return drafts
 
-    def _catch_up(self, r: DraftRequest, want: int) -> list[SequenceInput]:
-        """The draft's inputs for the tokens it has not computed; the last one samples draft 1. A few tokens (the
-        kept drafts and the target's token after them) go as one-token rows, so the round is a decode step."""
+    def _catch_up(self, r: DraftRequest, want: int) -> tuple[int, list[int]] | None:
+        """(keep, new): the draft's cache keeps the first `keep` tokens of the request, and `new` are the ones it
+        has not computed; the last of them samples draft 1. None when the draft's pool is full."""
         state = self._states.setdefault(r.request_id, _State())
         keep = 0
         for a, b in zip(state.fed, r.token_ids):
@@ -89,12 +109,9 @@ class DraftProposer:
         if not self.kv.allocate_slots(r.request_id, r.token_ids, keep, len(r.token_ids) - keep,
                                       num_lookahead_tokens=want - 1):  # fmt: skip
             self.release(r.request_id)  # the draft's pool is full: no drafts for this one
-            return []
+            return None
         state.fed = list(r.token_ids)
-        new = r.token_ids[keep:]
-        if len(new) > SPLIT_MAX:  # a prompt: one prefill
-            return [self._input(r.request_id, new, keep)]
-        return [self._input(r.request_id, [t], keep + j, sample=j == len(new) - 1) for j, t in enumerate(new)]
+        return keep, r.token_ids[keep:]
 
     def _feed(self, request_id: str, token: int) -> SequenceInput:
         state = self._states[request_id]

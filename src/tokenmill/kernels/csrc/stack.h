@@ -93,25 +93,38 @@ class DecodeStack {
     pool_.run(L * kStagesPerLayer + (logits_ ? 2 : 1));
   }
 
-  // Greedy decoding for R rounds, as a draft model proposes: round r embeds tokens[b, r] for the rows b < active[r]
-  // (so rows are sorted by their round count, most first), runs the stack and the head, and writes each row's
-  // argmax (the first, as torch.argmax) to tokens[b, r + 1]. embed [V, D] the embedding table (model dtype);
-  // tokens [B, R + 1] int64; cos, sin [R, B, Dh]; slots, lens [R, B] int64; tables [B, max_blocks]; out [B, D]
-  // and logits [B, V] scratch (model dtype). Needs the head (set_head).
-  void run_greedy(uintptr_t embed, uintptr_t tokens, uintptr_t active, int64_t R, uintptr_t cos, uintptr_t sin,
-                  uintptr_t slots, uintptr_t tables, int64_t max_blocks, uintptr_t lens, int64_t B, int64_t block_size,
-                  uintptr_t out, uintptr_t logits) {
+  // Greedy decoding, as a draft model proposes: R drafts per row at most. First the catch-up: n0 one-token rows,
+  // feed_tok[i] for row feed_seq[i] (each row's tables row), and each row b's first draft is the argmax (the first,
+  // as torch.argmax) at its feed row feed_last[b]. Then R - 1 chain rounds: round r embeds tokens[b, r] for the
+  // rows b < active[r] (rows sorted by their draft count, most first) and writes the argmax to tokens[b, r + 1].
+  // embed [V, D] the embedding table (model dtype); tokens [B, R] int64; cos, sin [n0 + (R - 1) B, Dh] and
+  // slots, lens [n0 + (R - 1) B] int64: the feed rows', then round r's at n0 + r B; tables [B, max_blocks];
+  // out [max(n0, B), D] and logits [max(n0, B), V] scratch (model dtype). Needs the head (set_head).
+  void run_greedy(uintptr_t embed, uintptr_t tokens, uintptr_t active, int64_t R, int64_t n0, uintptr_t feed_tok,
+                  uintptr_t feed_seq, uintptr_t feed_last, uintptr_t cos, uintptr_t sin, uintptr_t slots,
+                  uintptr_t tables, int64_t max_blocks, uintptr_t lens, int64_t B, int64_t block_size, uintptr_t out,
+                  uintptr_t logits) {
     int64_t* tok = (int64_t*)tokens;
-    const int64_t* rows = (const int64_t*)active;
-    const int64_t V = head_[2], row_bytes = D_ * e_;
-    std::vector<char> x(B * row_bytes);
-    for (int64_t r = 0; r < R && rows[r] > 0; ++r) {
-      const int64_t n = rows[r];
-      for (int64_t b = 0; b < n; ++b)
-        std::memcpy(x.data() + b * row_bytes, (const char*)embed + tok[b * (R + 1) + r] * row_bytes, row_bytes);
-      run((uintptr_t)x.data(), cos + r * B * Dh_ * e_, sin + r * B * Dh_ * e_, slots + r * B * 8, tables, max_blocks,
-          lens + r * B * 8, n, block_size, out, logits);
-      for (int64_t b = 0; b < n; ++b) tok[b * (R + 1) + r + 1] = argmax_row(logits_ + b * V * e_, V);
+    const int64_t *rows = (const int64_t*)active, *seq = (const int64_t*)feed_seq;
+    const int64_t V = head_[2], row_bytes = D_ * e_, rope_bytes = Dh_ * e_;
+    std::vector<char> x(std::max(n0, B) * row_bytes);
+    std::vector<int64_t> feed_tables(n0 * max_blocks);  // each feed row's sequence's block table
+    auto embed_rows = [&](int64_t n, auto token_of) {
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(x.data() + i * row_bytes, (const char*)embed + token_of(i) * row_bytes, row_bytes);
+    };
+    embed_rows(n0, [&](int64_t i) { return ((const int64_t*)feed_tok)[i]; });
+    for (int64_t i = 0; i < n0; ++i)
+      std::memcpy(&feed_tables[i * max_blocks], (const int64_t*)tables + seq[i] * max_blocks, max_blocks * 8);
+    run((uintptr_t)x.data(), cos, sin, slots, (uintptr_t)feed_tables.data(), max_blocks, lens, n0, block_size, out,
+        logits);
+    for (int64_t b = 0; b < B; ++b) tok[b * R] = argmax_row(logits_ + ((const int64_t*)feed_last)[b] * V * e_, V);
+    for (int64_t r = 0; r + 1 < R && rows[r] > 0; ++r) {
+      const int64_t n = rows[r], at = n0 + r * B;
+      embed_rows(n, [&](int64_t b) { return tok[b * R + r]; });
+      run((uintptr_t)x.data(), cos + at * rope_bytes, sin + at * rope_bytes, slots + at * 8, tables, max_blocks,
+          lens + at * 8, n, block_size, out, logits);
+      for (int64_t b = 0; b < n; ++b) tok[b * R + r + 1] = argmax_row(logits_ + b * V * e_, V);
     }
   }
 
