@@ -47,6 +47,15 @@ inline void load_pair(const float* panel, int64_t j, int v, vf& even, vf& odd) {
 }
 inline vf load_weight(const float* panel, int64_t k, int v) { return load(panel + k * P + v * W); }
 
+// Ask for the weights 2 KB past k-pair j of a panel (the next panel's, at its end: panels lie back to back).
+// Tiles of a few rows compute while the weights stream; without this the two barely overlap (Zen 3, weights
+// from memory: bf16 1-row 1.15x, 5 rows 1.25x, 16 rows 1.07x; float32 5 rows 1.2x).
+template <typename T>
+inline void prefetch_ahead(const T* panel, int64_t j) {
+  constexpr int64_t pair_bytes = 2 * P * sizeof(T), ahead = 2048;
+  for (int64_t b = 0; b < pair_bytes; b += 64) __builtin_prefetch((const char*)panel + j * pair_bytes + ahead + b);
+}
+
 // acc[m][v] += sum_k x[m][k] * w[k][v*W..]: a bf16 (T = uint16_t) or float32 panel, MT rows of x (row stride
 // ldx). S sets of accumulators take the k pairs in turn (S > 1: more independent FMA chains for one row); a
 // float32 panel of odd K ends with one k alone.
@@ -55,6 +64,8 @@ inline void tile_dense(const T* panel, const float* x, int64_t ldx, int64_t K, v
   vf a[S][MT][V] = {};
   const int64_t pairs = K / 2;
   auto step = [&](int64_t j, vf (*set)[V]) {
+    // a float32 row streams fine on the hardware's prefetch alone (software prefetch: 0.9x)
+    if constexpr (MT > 1 || !std::is_same_v<T, float>) prefetch_ahead(panel, j);
     vf we[V], wo[V];
     for (int v = 0; v < V; ++v) load_pair(panel, j, v, we[v], wo[v]);
     for (int m = 0; m < MT; ++m) {
@@ -104,6 +115,7 @@ inline void tile_bf16_pairs(const uint16_t* panel, const uint16_t* xh, int64_t l
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < MT; ++m) a[s][m] = _mm512_setzero_ps();
   auto step = [&](int64_t j, __m512* set) {
+    prefetch_ahead(panel, j);
     const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(panel + j * 2 * P));
     for (int m = 0; m < MT; ++m) {
       int32_t pair;  // x[m][2j] in the low half, x[m][2j + 1] in the high one: the same order as the weights
@@ -126,6 +138,7 @@ inline void tile_bf16_pairs(const uint16_t* panel, const uint16_t* xh, int64_t l
   };
   vf a[S][MT][V] = {};
   auto step = [&](int64_t j, vf (*set)[V]) {
+    prefetch_ahead(panel, j);
     vf we[V], wo[V];
     for (int v = 0; v < V; ++v) load_pair(panel, j, v, we[v], wo[v]);
     for (int m = 0; m < MT; ++m) {
