@@ -49,7 +49,7 @@ def ops(request: pytest.FixtureRequest) -> kernels.Kernels:
 
 
 SHAPES = [(16, 32), (37, 70), (80, 96), (130, 257)]  # (N, K): partial panels, K not a multiple of 32
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 17]  # every register-tile split up to 8 rows (5 + 5 + 5 + 2 for 17)
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 17]  # every tile up to 8 rows, and the 12-row pair tile (AVX-512: 12, 9 + 8)
 
 
 # Each linear path on every row count: a dense format's register tiles or cache-blocked GEMM (blocked.h); bf16's
