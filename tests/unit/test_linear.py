@@ -53,8 +53,8 @@ def _fresh(k: int, n: int, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
 
 @pytest.mark.parametrize("fmt", ["bf16", "f32", "q8_0", "q4_0"])
 def test_kernel_linear_paths_agree(fmt: str) -> None:
-    """The kernel (up to KERNEL_MAX_ROWS rows), the unpacked GEMM above it, and the pure-torch fallback all
-    multiply by the same packed weight."""
+    """The kernel (up to KERNEL_MAX_ROWS rows), the unpacked GEMM above it (where oneDNN's wins), and the
+    pure-torch fallback all multiply by the same packed weight."""
     lin = _linear(100, 70, torch.bfloat16)
     ops = kernels.active()
     if ops is None:

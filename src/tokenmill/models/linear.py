@@ -10,10 +10,10 @@ The model is built with `Linear`: an `nn.Linear` whose one-row product on the CP
     one fp16 scale), so a GGUF's blocks and ours hold the same numbers. As in llama.cpp, the activations are
     quantized per row to Q8_0 blocks and multiplied in 8-bit integers.
   Every row count runs in the kernel (dense formats: register tiles for a few rows, a cache-blocked GEMM for
-  many; quantized ones: integer tiles), except that on a CPU where oneDNN has a native bf16 GEMM (AVX-512
-  BF16, AMX) a bf16 prefill of more than `KERNEL_MAX_ROWS` rows through a bf16 weight unpacks it and takes
-  oneDNN's. Without a compiled kernel (no compiler here) the
-  same module computes the same product in torch (`formats.reference_linear`).
+  many; quantized ones: integer tiles), except that where oneDNN's native bf16 GEMM beats the kernel (AMX; or
+  AVX-512 BF16 with a kernel variant built without vdpbf16ps) a bf16 prefill of more than `KERNEL_MAX_ROWS` rows
+  through a bf16 weight unpacks it and takes oneDNN's. Without a compiled kernel (no compiler here) the same
+  module computes the same product in torch (`formats.reference_linear`).
 - `PackedLinear` (`--pack-weights`, CPU, quantization none): the weight reordered into oneDNN's blocked layout.
 - A float16 model, a non-CPU device or `--no-cpu-kernels` keeps `Linear` (torch's own GEMV/GEMM).
 """
@@ -28,6 +28,7 @@ from torch import nn
 
 from tokenmill.config import QUANTIZATION_MODES
 from tokenmill.kernels import Kernels, formats
+from tokenmill.kernels.isa import cpu_flags
 
 # Rows above which a bf16 product goes to oneDNN where it has a native bf16 GEMM. Elsewhere the kernel's blocked
 # GEMM beats unpacking to float32 for torch's sgemm at every size (Zen 3 AVX2: 1.1-1.6x, docs/benchmarks.md).
@@ -47,6 +48,16 @@ class Linear(nn.Linear):
 def _native_bf16_gemm() -> bool:
     """oneDNN has a native bf16 GEMM here (AVX-512 BF16 / AMX): prefill in bf16 is then faster than fp32."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.cache
+def _onednn_prefill(ops: Kernels | None) -> bool:
+    """A many-row bf16 product is faster through oneDNN than through `ops`: oneDNN has a native bf16 GEMM, and
+    either AMX's tiles or kernels without vdpbf16ps. (Zen 4, AVX-512 BF16, no AMX: the kernel's pair tiles
+    beat unpacking for oneDNN 2.8x at 128 rows and 1.5x at 512.)"""
+    if not _native_bf16_gemm():
+        return False
+    return ops is None or not ops.module.bf16_dot_native() or "amx_bf16" in cpu_flags()
 
 
 class KernelLinear(nn.Module):
@@ -74,8 +85,9 @@ class KernelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        native = self.format == "bf16" and x2.dtype == torch.bfloat16 and rows > KERNEL_MAX_ROWS and _native_bf16_gemm()
-        if self.ops is not None and not native and x2.dtype in (torch.bfloat16, torch.float32):
+        bf16 = self.format == "bf16" and x2.dtype == torch.bfloat16
+        onednn = bf16 and rows > KERNEL_MAX_ROWS and _onednn_prefill(self.ops)
+        if self.ops is not None and not onednn and x2.dtype in (torch.bfloat16, torch.float32):
             # NOTE: the weight and bias were checked against the format when packed; this is the decode hot path
             x2 = x2.contiguous()
             y = torch.empty(rows, self.out_features, dtype=x2.dtype)
