@@ -115,7 +115,8 @@ inline void tile_bf16_pairs(const uint16_t* panel, const uint16_t* xh, int64_t l
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < MT; ++m) a[s][m] = _mm512_setzero_ps();
   auto step = [&](int64_t j, __m512* set) {
-    prefetch_ahead(panel, j);
+    // one row streams best on the hardware's prefetch alone (Zen 4, 2 threads: 1.08x), more rows need it ahead
+    if constexpr (MT > 1) prefetch_ahead(panel, j);
     const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(panel + j * 2 * P));
     for (int m = 0; m < MT; ++m) {
       int32_t pair;  // x[m][2j] in the low half, x[m][2j + 1] in the high one: the same order as the weights
