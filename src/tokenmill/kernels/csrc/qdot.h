@@ -20,7 +20,8 @@
 //
 // With AVX-512 VNNI (and VL), vpdpbusd multiplies the same byte pairs and adds groups of 4 straight into 32-bit
 // lanes: one instruction for vpmaddubsw + vpmaddwd + vpaddd, and the same exact sums (none of them saturates
-// above). The portable variant (no AVX2) runs the same integer sums in plain loops: the numbers are the same.
+// above). Its 32-bit sums cannot saturate at all, so Q8_0 there takes x + 128 as the unsigned side and w as it
+// is, and subtracts 128 * (sum of w) per channel and block, as Q4_0 subtracts its 8. The portable variant (no AVX2) runs the same integer sums in plain loops: the numbers are the same.
 #pragma once
 
 #include <algorithm>
@@ -159,6 +160,31 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
       }
     } else {
       for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+#if TM_VNNI
+      // x + 128 (q ^ 0x80, unsigned) times w (signed), less 128 * the block's sum of w per channel (itself one
+      // vpdpbusd by ones per group, shared by the tile's rows): the same exact sums, without a vpsignb per row
+      __m256i wsum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      const __m256i ones8 = _mm256_set1_epi8(1);
+#pragma GCC unroll 2
+      for (int g = 0; g < QK / 4; ++g) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i*)(q + g * 64));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(q + g * 64 + 32));
+        wsum[0] = _mm256_dpbusd_epi32(wsum[0], ones8, w0);
+        wsum[1] = _mm256_dpbusd_epi32(wsum[1], ones8, w1);
+        for (int m = 0; m < MT; ++m) {
+          uint32_t four;
+          std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
+          const __m256i xu = _mm256_set1_epi32((int32_t)(four ^ 0x80808080u));
+          isum[m][0] = _mm256_dpbusd_epi32(isum[m][0], xu, w0);
+          isum[m][1] = _mm256_dpbusd_epi32(isum[m][1], xu, w1);
+        }
+      }
+      const __m256i c0 = _mm256_slli_epi32(wsum[0], 7), c1 = _mm256_slli_epi32(wsum[1], 7);
+      for (int m = 0; m < MT; ++m) {
+        isum[m][0] = _mm256_sub_epi32(isum[m][0], c0);
+        isum[m][1] = _mm256_sub_epi32(isum[m][1], c1);
+      }
+#else
 #pragma GCC unroll 2
       for (int g = 0; g < QK / 4; ++g) {
         const __m256i w0 = _mm256_loadu_si256((const __m256i*)(q + g * 64));
@@ -168,17 +194,13 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
           int32_t four;
           std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
           const __m256i xb = _mm256_set1_epi32(four);
-#if TM_VNNI
-          isum[m][0] = _mm256_dpbusd_epi32(isum[m][0], a0, _mm256_sign_epi8(xb, w0));
-          isum[m][1] = _mm256_dpbusd_epi32(isum[m][1], a1, _mm256_sign_epi8(xb, w1));
-#else
           const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0));
           const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1));
           isum[m][0] = _mm256_add_epi32(isum[m][0], _mm256_madd_epi16(p0, ones));
           isum[m][1] = _mm256_add_epi32(isum[m][1], _mm256_madd_epi16(p1, ones));
-#endif
         }
       }
+#endif
     }
     const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
     const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)));
