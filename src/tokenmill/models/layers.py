@@ -128,7 +128,7 @@ def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for the batch's positions, computed once per forward and shared by every layer."""
+    """cos/sin for the batch's positions, once per forward and shared by every layer."""
 
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
@@ -140,20 +140,33 @@ class RotaryEmbedding(nn.Module):
         self.long_from = int(rope.params["original_max_position_embeddings"]) if rope.kind == "longrope" else None
         long = _longrope_inv_freq(rope, head_dim, "long_factor")[0] if self.long_from is not None else None
         self.register_buffer("long_inv_freq", long, persistent=False)  # [Dh/2] float32, or None
+        self._table = (torch.empty(0, head_dim), torch.empty(0, head_dim))  # CPU cos, sin [positions, Dh] float32
 
     def materialize(self, device: torch.device) -> None:
         """Recompute the buffers on `device` (the model was built on the meta device)."""
         self.inv_freq = rope_inv_freq(self.rope, self.head_dim)[0].to(device)
         if self.long_from is not None:
             self.long_inv_freq = _longrope_inv_freq(self.rope, self.head_dim, "long_factor")[0].to(device)
+        self._table = (torch.empty(0, self.head_dim), torch.empty(0, self.head_dim))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.device.type != "cpu":
+            cos, sin = self._compute(positions)
+            return cos.to(dtype), sin.to(dtype)
+        # on the CPU, rows of a table of every position so far: cos and sin of a handful of positions cost more
+        # in torch's per-op overhead than the decode step's kernels of a small model (the same numbers either way)
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if top > self._table[0].shape[0]:
+            self._table = self._compute(torch.arange(max(top, 2 * self._table[0].shape[0], 256)))
+        return self._table[0][positions].to(dtype), self._table[1][positions].to(dtype)
+
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> [T, Dh] float32 x2
         inv_freq = self.inv_freq[None, :]  # [1, Dh/2]
         if self.long_inv_freq is not None and self.long_from is not None:
             inv_freq = torch.where((positions >= self.long_from)[:, None], self.long_inv_freq, inv_freq)  # [T, Dh/2]
         freqs = positions.float()[:, None] * inv_freq  # [T, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        return emb.cos() * self.scale, emb.sin() * self.scale
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
