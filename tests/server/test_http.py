@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -269,10 +270,19 @@ def test_disconnect_aborts_and_frees_kv(http: httpx.Client) -> None:
 def test_non_streaming_disconnect_aborts_too(server: Server, http: httpx.Client) -> None:
     before = _stats(http)
     baseline = before["kv_blocks_used"]
-    body = _body(max_tokens=480, ignore_eos=True)
-    # NOTE: 480 tokens take ~0.5 s on a 2-core Zen 3; the server looks for a gone client every 0.1 s
-    with httpx.Client(base_url=server.url, timeout=0.1) as impatient, pytest.raises(httpx.ReadTimeout):
-        impatient.post("/v1/completions", json=body)  # gives up quickly and closes the connection
+    # 8 choices of 480 tokens: several hundred steps, so the request is still running when the client leaves
+    # (the server looks for a gone client every 0.1 s); the client leaves as soon as /stats shows it running,
+    # however fast this CPU is (a fixed client timeout raced a fast one)
+    payload = json.dumps(_body(max_tokens=480, ignore_eos=True, n=8)).encode()
+    url = httpx.URL(server.url)
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((url.host, url.port)) as client:
+        client.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        deadline = time.monotonic() + 10
+        while _stats(http)["running"] == 0:
+            assert time.monotonic() < deadline, "the request did not start within 10 s"
+            time.sleep(0.002)  # bounded polling
+    # the connection is closed: the server must abort the request and free its blocks
     deadline = time.monotonic() + 10
     while (stats := _stats(http))["running"] != 0 or stats["kv_blocks_used"] != baseline:
         assert time.monotonic() < deadline, f"request not aborted 10 s after the disconnect: {stats}"
