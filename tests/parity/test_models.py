@@ -260,14 +260,16 @@ def test_bf16_pair_tiles_in_the_stack_equal_the_module_path(make_checkpoint: Cal
         ops = kernels.variant(level)
         runner.kv.ops = ops  # type: ignore[attr-defined]
         runner.decode_stack = DecodeStack.build(llm.loaded.model, runner.kv)
-        previous = ops.module.set_bf16_dot(1)
-        try:
-            stacked = [o.outputs[0] for o in llm.generate(prompts, params)]
-        finally:
-            ops.module.set_bf16_dot(previous)
-        for a, b in zip(stacked, modules):
-            assert a.token_ids == b.token_ids, level
-            assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < 0.05, level
+        for amx in (0, 1) if ops.module.amx_native() else (0,):  # the pair tiles, and AMX's from one row
+            previous, amx_before = ops.module.set_bf16_dot(1), ops.module.set_amx(amx)
+            try:
+                stacked = [o.outputs[0] for o in llm.generate(prompts, params)]
+            finally:
+                ops.module.set_bf16_dot(previous)
+                ops.module.set_amx(amx_before)
+            for a, b in zip(stacked, modules):
+                assert a.token_ids == b.token_ids, (level, amx)
+                assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < 0.05, level
 
 
 def test_longrope_past_the_original_length_matches_transformers_with_a_cache(

@@ -55,26 +55,31 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 17]  # every tile up to 8 rows, and the 12-r
 # Each linear path on every row count: a dense format's register tiles or cache-blocked GEMM (blocked.h); bf16's
 # pair tiles (bf16 activations read in k pairs: vdpbf16ps on AVX-512 BF16, the same sums in FMAs elsewhere); the
 # quantized formats have one integer path (qdot.h) for every row count.
-PATHS = [("bf16", "tiles"), ("bf16", "pairs"), ("bf16", "blocked"), ("f32", "tiles"), ("f32", "blocked"),
-         ("q8_0", "int"), ("q4_0", "int")]  # fmt: skip
+# bf16's AMX tiles (amx.h) take the pairs from one row where the CPU has AMX; 33 and 40 rows fill two row blocks.
+PATHS = [("bf16", "tiles"), ("bf16", "pairs"), ("bf16", "amx"), ("bf16", "blocked"), ("f32", "tiles"),
+         ("f32", "blocked"), ("q8_0", "int"), ("q4_0", "int")]  # fmt: skip
 
 
 @contextmanager
 def _path(ops: kernels.Kernels, path: str) -> Iterator[None]:
+    if path == "amx" and not ops.module.amx_native():
+        pytest.skip("no AMX tiles here: the CPU lacks AMX-BF16, the variant is not avx512bf16, or Linux refused")
     blocked = ops.module.set_blocked_rows(1 if path == "blocked" else 1 << 40)
-    pairs = ops.module.set_bf16_dot(1 if path == "pairs" else 0)
+    pairs = ops.module.set_bf16_dot(1 if path in ("pairs", "amx") else 0)
+    amx = ops.module.set_amx(1 if path == "amx" else 0)
     try:
         yield
     finally:
         ops.module.set_blocked_rows(blocked)
         ops.module.set_bf16_dot(pairs)
+        ops.module.set_amx(amx)
 
 
 @pytest.mark.parametrize(("fmt", "path"), PATHS)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_linear_equals_the_reference(ops: kernels.Kernels, fmt: str, path: str, n: int, k: int) -> None:
     with _path(ops, path):
-        _check_linear(ops, fmt, n, k, ROWS)
+        _check_linear(ops, fmt, n, k, ROWS + [33, 40] if path == "amx" else ROWS)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -10,10 +10,11 @@ The model is built with `Linear`: an `nn.Linear` whose one-row product on the CP
     one fp16 scale), so a GGUF's blocks and ours hold the same numbers. As in llama.cpp, the activations are
     quantized per row to Q8_0 blocks and multiplied in 8-bit integers.
   Every row count runs in the kernel (dense formats: register tiles for a few rows, a cache-blocked GEMM for
-  many; quantized ones: integer tiles), except that where oneDNN's native bf16 GEMM beats the kernel (AMX; or
-  AVX-512 BF16 with a kernel variant built without vdpbf16ps) a bf16 prefill of more than `KERNEL_MAX_ROWS` rows
-  through a bf16 weight unpacks it and takes oneDNN's. Without a compiled kernel (no compiler here) the same
-  module computes the same product in torch (`formats.reference_linear`).
+  many; quantized ones: integer tiles; bf16 on AMX: AMX tiles), except that where oneDNN's native bf16 GEMM
+  beats the kernel (AVX-512 BF16 with a kernel variant built without vdpbf16ps, or AMX the kernel cannot use)
+  a bf16 prefill of more than `KERNEL_MAX_ROWS` rows through a bf16 weight unpacks it and takes oneDNN's.
+  Without a compiled kernel (no compiler here) the same module computes the same product in torch
+  (`formats.reference_linear`).
 - `PackedLinear` (`--pack-weights`, CPU, quantization none): the weight reordered into oneDNN's blocked layout.
 - A float16 model, a non-CPU device or `--no-cpu-kernels` keeps `Linear` (torch's own GEMV/GEMM).
 """
@@ -53,11 +54,14 @@ def _native_bf16_gemm() -> bool:
 @functools.cache
 def _onednn_prefill(ops: Kernels | None) -> bool:
     """A many-row bf16 product is faster through oneDNN than through `ops`: oneDNN has a native bf16 GEMM, and
-    either AMX's tiles or kernels without vdpbf16ps. (Zen 4, AVX-512 BF16, no AMX: the kernel's pair tiles
-    beat unpacking for oneDNN 2.8x at 128 rows and 1.5x at 512.)"""
+    the kernels neither vdpbf16ps nor, where the CPU has AMX, AMX tiles of their own. (Zen 4, AVX-512 BF16, no
+    AMX: the kernel's pair tiles beat unpacking for oneDNN 2.8x at 128 rows and 1.5x at 512; Xeon with AMX: the
+    kernel's AMX tiles beat it 6x at 128 rows and 2x at 512.)"""
     if not _native_bf16_gemm():
         return False
-    return ops is None or not ops.module.bf16_dot_native() or "amx_bf16" in cpu_flags()
+    if ops is None or not ops.module.bf16_dot_native():
+        return True
+    return "amx_bf16" in cpu_flags() and not ops.module.amx_native()
 
 
 class KernelLinear(nn.Module):
