@@ -40,6 +40,12 @@ inline int amx_mode = -1;
 inline bool use_amx() { return amx_mode != 0 && amx_native(); }
 // rows from which the AMX tiles take a bf16 weight's pair products (below: vdpbf16ps)
 inline int64_t amx_min_rows() { return amx_mode > 0 ? 1 : 4; }
+// The AMX tiles take M rows by a weight of format F (given the rows as bf16 pairs).
+inline bool amx_takes(Format F, int64_t M) { return F == BF16 && use_amx() && M >= amx_min_rows(); }
+// They take panels two at a time: a thread's chunk of `panels` rounded up to an even count where they run.
+inline int64_t amx_even(Format F, int64_t M, int64_t panels) {
+  return amx_takes(F, M) ? panels + (panels & 1) : panels;
+}
 
 #ifdef TM_AMX
 struct alignas(64) TileConfig {
@@ -110,7 +116,8 @@ inline void amx_block(const uint16_t* x, int64_t ldx, const uint16_t* const* w, 
   amx_tile<RB, PB>(x, ldx, w, full, c);
   if (tail)
     for (int b = 0; b < RB; ++b)
-      for (int q = 0; q < PB; ++q) amx_tail(x + b * 16 * ldx + 32 * full, ldx, w[q] + full * 16 * 2 * P, tail, rows[b], c[b][q]);
+      for (int q = 0; q < PB; ++q)
+        amx_tail(x + b * 16 * ldx + 32 * full, ldx, w[q] + full * 16 * 2 * P, tail, rows[b], c[b][q]);
 }
 
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias) for a bf16 weight, x the model's bf16 rows
@@ -139,7 +146,8 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void linear_amx(const uint16
       for (int b = 0; b < rb; ++b)
         for (int q = 0; q < pb; ++q) {
           const int64_t n0 = (p + q) * P, n_valid = std::min<int64_t>(P, N - n0);
-          for (int m = 0; m < rows[b]; ++m) store_outputs(c[b][q][m], m0 + 16 * b + m, n0, n_valid, N, bias, out32, out16);
+          for (int m = 0; m < rows[b]; ++m)
+            store_outputs(c[b][q][m], m0 + 16 * b + m, n0, n_valid, N, bias, out32, out16);
         }
     }
   }

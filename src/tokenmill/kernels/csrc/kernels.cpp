@@ -85,8 +85,7 @@ void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const uint8_
                   const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end,
                   const uint16_t* xh = nullptr, int64_t ldxh = 0) {
   if (!use_bf16_dot() || ldxh != K) xh = nullptr;
-  if (F == BF16 && xh && use_amx() && M >= amx_min_rows())
-    return linear_amx(xh, M, ldxh, w, N, K, bias, o32, o16, p_begin, p_end);
+  if (xh && amx_takes(F, M)) return linear_amx(xh, M, ldxh, w, N, K, bias, o32, o16, p_begin, p_end);
   // pairs beat the blocked GEMM at every M where vdpbf16ps does them (two products per lane and instruction
   // against one FMA: Zen 4, 64-512 rows 2.1x), so a bf16 weight with pairs never takes it
   const bool blocked = M >= blocked_min_rows() && !(F == BF16 && xh && bf16_dot_native());
@@ -99,10 +98,8 @@ void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const uint8_
 }
 
 // How many output panels one thread's chunk should take: at least ~`bytes` of weight reads (more rows, fewer).
-// AMX tiles take panels in pairs: an even count.
 inline int64_t panels_per_chunk(Format F, int64_t K, int64_t M, int64_t bytes) {
-  const int64_t per = std::max<int64_t>(1, bytes / (panel_bytes(F, K) * (1 + M / 8)));
-  return F == BF16 && use_amx() && M >= amx_min_rows() ? per + (per & 1) : per;
+  return amx_even(F, M, std::max<int64_t>(1, bytes / (panel_bytes(F, K) * (1 + M / 8))));
 }
 
 // One activation row (bfloat16 or float32, Kx wide) as the kernels read it, in `dst` (room for K floats): float32,

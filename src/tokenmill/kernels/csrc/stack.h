@@ -153,8 +153,7 @@ class DecodeStack {
   int64_t per_chunk(const LinearSpec& w) const {
     const int64_t n_panels = (w[2] + P - 1) / P;
     const int64_t balanced = std::max<int64_t>(1, n_panels / (4 * threads_));
-    const int64_t per = std::min(panels_per_chunk((Format)w[1], w[3], B_, 256 << 10), balanced);
-    return (Format)w[1] == BF16 && bf16_ && use_amx() && B_ >= amx_min_rows() ? per + (per & 1) : per;  // AMX: pairs
+    return amx_even((Format)w[1], B_, std::min(panels_per_chunk((Format)w[1], w[3], B_, 256 << 10), balanced));
   }
 
   int64_t chunks(const LinearSpec& w) const {
