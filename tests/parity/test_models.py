@@ -273,6 +273,37 @@ def test_bf16_pair_tiles_in_the_stack_equal_the_module_path(make_checkpoint: Cal
                 assert drift < 0.05, (level, amx)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_stack_on_amx_equals_the_module_path(make_checkpoint: Callable[..., Path], quantization: str) -> None:
+    """Q8_0 / Q4_0 linears in the stack read its quantized rows with the stack's own row stride; AMX's int8 tiles
+    (forced from one row) and the VNNI tiles give the module path's tokens and logprobs."""
+    from tokenmill import kernels
+
+    folder = make_checkpoint("qwen2", **SPREAD)
+    llm = LLM(str(folder), dtype="bfloat16", device="cpu", quantization=quantization)
+    _skip_without_stack(llm)
+    ops = kernels.active()
+    if ops is None or not ops.module.amx_native():
+        pytest.skip("no AMX tiles here: the CPU lacks AMX-BF16/INT8, the variant is not avx512bf16, or Linux refused")
+    runner = llm.engine.runner
+    ids = llm.tokenizer.encode(PROMPT)
+    prompts = [{"prompt_token_ids": ids[:n]} for n in (4, 9, len(ids))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    stack, runner.decode_stack = runner.decode_stack, None
+    amx_before = ops.module.set_amx(0)
+    try:
+        modules = [o.outputs[0] for o in llm.generate(prompts, params)]
+        runner.decode_stack = stack
+        for amx in (0, 1):
+            ops.module.set_amx(amx)
+            stacked = [o.outputs[0] for o in llm.generate(prompts, params)]
+            for a, b in zip(stacked, modules):
+                assert a.token_ids == b.token_ids, amx
+                assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < 0.05, amx
+    finally:
+        ops.module.set_amx(amx_before)
+
+
 def test_longrope_past_the_original_length_matches_transformers_with_a_cache(
     make_checkpoint: Callable[..., Path],
 ) -> None:

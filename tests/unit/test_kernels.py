@@ -55,15 +55,17 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 17]  # every tile up to 8 rows, and the 12-r
 # Each linear path on every row count: a dense format's register tiles or cache-blocked GEMM (blocked.h); bf16's
 # pair tiles (bf16 activations read in k pairs: vdpbf16ps on AVX-512 BF16, the same sums in FMAs elsewhere); the
 # quantized formats have one integer path (qdot.h) for every row count.
-# bf16's AMX tiles (amx.h) take the pairs from one row where the CPU has AMX; 33 and 40 rows fill two row blocks.
+# The AMX tiles (amx.h, amx_int8.h) take bf16 pairs and quantized blocks from one row where the CPU has AMX; 33
+# and 40 rows fill two row blocks.
 PATHS = [("bf16", "tiles"), ("bf16", "pairs"), ("bf16", "amx"), ("bf16", "blocked"), ("f32", "tiles"),
-         ("f32", "blocked"), ("q8_0", "int"), ("q4_0", "int")]  # fmt: skip
+         ("f32", "blocked"), ("q8_0", "int"), ("q4_0", "int"), ("q8_0", "amx"), ("q4_0", "amx")]  # fmt: skip
+NO_AMX = "no AMX tiles here: the CPU lacks AMX-BF16/INT8, the variant is not avx512bf16, or Linux refused"
 
 
 @contextmanager
 def _path(ops: kernels.Kernels, path: str) -> Iterator[None]:
     if path == "amx" and not ops.module.amx_native():
-        pytest.skip("no AMX tiles here: the CPU lacks AMX-BF16, the variant is not avx512bf16, or Linux refused")
+        pytest.skip(NO_AMX)
     blocked = ops.module.set_blocked_rows(1 if path == "blocked" else 1 << 40)
     pairs = ops.module.set_bf16_dot(1 if path in ("pairs", "amx") else 0)
     amx = ops.module.set_amx(1 if path == "amx" else 0)
@@ -106,6 +108,25 @@ def test_integer_sums_do_not_saturate(ops: kernels.Kernels, fmt: str) -> None:
     for rows in (x, -x):
         y = ops.linear(rows, packed.data, packed.format_id, 32, packed.padded_in, None)
         torch.testing.assert_close(y, reference_linear(rows, packed), rtol=1e-5, atol=1e-3)  # saturation: off by 100s
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_amx_gives_the_integer_tiles_bits(ops: kernels.Kernels, fmt: str) -> None:
+    """AMX's int8 tiles sum each block exactly, then scale it as the VNNI tiles do: the same bits, at every row
+    count, both row blocks and a lone last panel included."""
+    if not ops.module.amx_native():
+        pytest.skip(NO_AMX)
+    packed = pack(torch.randn(80, 200), fmt)  # 5 panels: two pairs and one alone; K padded to 224
+    x = torch.randn(40, 200)
+    before = ops.module.set_amx(0)
+    try:
+        integer = ops.linear(x, packed.data, packed.format_id, 80, packed.padded_in, None)
+        ops.module.set_amx(1)
+        for rows in (1, 7, 16, 17, 40):
+            amx = ops.linear(x[:rows], packed.data, packed.format_id, 80, packed.padded_in, None)
+            assert torch.equal(amx, integer[:rows]), rows
+    finally:
+        ops.module.set_amx(before)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])

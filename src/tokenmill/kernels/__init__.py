@@ -51,7 +51,7 @@ def status() -> dict[str, Any]:
         "kernels": choice.level if module is not None else "pure-torch",
         "why": choice.reason if module is not None else failure,
         "lanes": LANES[choice.level] if module is not None else None,
-        "amx_tiles": bool(module is not None and module.module.amx_native()),  # bf16 weights from 4 rows (amx.h)
+        "amx_tiles": bool(module is not None and module.module.amx_native()),  # from a few rows (amx.h)
         "cache": str(cache_root() / build_key(choice.level)),
     }
 

@@ -10,8 +10,8 @@ The model is built with `Linear`: an `nn.Linear` whose one-row product on the CP
     one fp16 scale), so a GGUF's blocks and ours hold the same numbers. As in llama.cpp, the activations are
     quantized per row to Q8_0 blocks and multiplied in 8-bit integers.
   Every row count runs in the kernel (dense formats: register tiles for a few rows, a cache-blocked GEMM for
-  many; quantized ones: integer tiles; bf16 on AMX: AMX tiles), except that where oneDNN's native bf16 GEMM
-  beats the kernel (AVX-512 BF16 with a kernel variant built without vdpbf16ps, or AMX the kernel cannot use)
+  many; quantized ones: integer tiles; on AMX, AMX tiles from a few rows), except that where oneDNN's native
+  bf16 GEMM beats the kernel (AVX-512 BF16 with a kernel variant built without vdpbf16ps, or AMX the kernel cannot use)
   a bf16 prefill of more than `KERNEL_MAX_ROWS` rows through a bf16 weight unpacks it and takes oneDNN's.
   Without a compiled kernel (no compiler here) the same module computes the same product in torch
   (`formats.reference_linear`).

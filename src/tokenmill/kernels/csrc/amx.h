@@ -20,13 +20,13 @@
 
 namespace tmk {
 
-// The CPU has AMX-TILE and AMX-BF16, and this process may use them.
+// The CPU has AMX-TILE, AMX-BF16 and AMX-INT8, and this process may use them.
 inline bool amx_native() {
 #ifdef TM_AMX
   static const bool ok = [] {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;  // AMX-BF16, AMX-TILE
+    if (!((d >> 22) & 1u) || !((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;  // AMX-BF16, -TILE, -INT8
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();
@@ -35,13 +35,15 @@ inline bool amx_native() {
   return false;
 #endif
 }
-// -1: AMX for a bf16 weight's pair products where amx_native() (the default); 0: never (tests, A/B)
+// -1: AMX for bf16, Q8_0 and Q4_0 weights where amx_native() (the default); 0: never; 1: from one row (tests)
 inline int amx_mode = -1;
 inline bool use_amx() { return amx_mode != 0 && amx_native(); }
-// rows from which the AMX tiles take a bf16 weight's pair products (below: vdpbf16ps)
-inline int64_t amx_min_rows() { return amx_mode > 0 ? 1 : 4; }
-// The AMX tiles take M rows by a weight of format F (given the rows as bf16 pairs).
-inline bool amx_takes(Format F, int64_t M) { return F == BF16 && use_amx() && M >= amx_min_rows(); }
+// Rows from which the AMX tiles take a weight's products; below, vdpbf16ps or vpdpbusd tiles do (Xeon, four
+// layer linears against those: bf16 from 4 rows; Q8_0 5 rows 1.03x, 8 rows 1.2x; Q4_0, which unpacks each block
+// for the tiles, 7 rows 1.0x, 8 rows 1.08x, 16 rows 1.6x).
+inline int64_t amx_min_rows(Format F) { return amx_mode > 0 ? 1 : (F == BF16 ? 4 : F == Q8_0 ? 5 : 8); }
+// The AMX tiles take M rows by a weight of format F (a bf16 weight's given the rows as bf16 pairs).
+inline bool amx_takes(Format F, int64_t M) { return F != F32 && use_amx() && M >= amx_min_rows(F); }
 // They take panels two at a time: a thread's chunk of `panels` rounded up to an even count where they run.
 inline int64_t amx_even(Format F, int64_t M, int64_t panels) {
   return amx_takes(F, M) ? panels + (panels & 1) : panels;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "amx_int8.h"
 #include "blocked.h"
 #include "fused.h"
 #include "gemm.h"
@@ -85,7 +86,11 @@ void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const uint8_
                   const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end,
                   const uint16_t* xh = nullptr, int64_t ldxh = 0) {
   if (!use_bf16_dot() || ldxh != K) xh = nullptr;
-  if (xh && amx_takes(F, M)) return linear_amx(xh, M, ldxh, w, N, K, bias, o32, o16, p_begin, p_end);
+  if (amx_takes(F, M)) {
+    if (F == Q8_0) return linear_amx_q<Q8_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+    if (F == Q4_0) return linear_amx_q<Q4_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
+    if (xh) return linear_amx(xh, M, ldxh, w, N, K, bias, o32, o16, p_begin, p_end);
+  }
   // pairs beat the blocked GEMM at every M where vdpbf16ps does them (two products per lane and instruction
   // against one FMA: Zen 4, 64-512 rows 2.1x), so a bf16 weight with pairs never takes it
   const bool blocked = M >= blocked_min_rows() && !(F == BF16 && xh && bf16_dot_native());
@@ -320,9 +325,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_bf16_dot", [](int64_t mode) { return std::exchange(tmk::bf16_dot, (int)mode); },
         "bf16 x bf16 pair tiles: -1 where the CPU has vdpbf16ps, 0 never, 1 always (tests); returns the old mode");
   m.def("bf16_dot_native", &tmk::bf16_dot_native, "this build multiplies bf16 pairs with vdpbf16ps");
-  m.def("amx_native", &tmk::amx_native, "this build and CPU multiply bf16 pairs in AMX tiles (and may: Linux)");
+  m.def("amx_native", &tmk::amx_native, "this build and CPU multiply bf16 pairs and int8 blocks in AMX tiles (and may: Linux)");
   m.def("set_amx", [](int64_t mode) { return std::exchange(tmk::amx_mode, (int)mode); },
-        "AMX tiles for bf16 pairs: -1 from amx_min_rows where the CPU has them, 0 never, 1 from one row (tests)");
+        "AMX tiles for bf16, Q8_0, Q4_0: -1 from amx_min_rows where the CPU has them, 0 never, 1 from one row (tests)");
   m.def("set_blocked_rows", [](int64_t rows) { return std::exchange(tmk::blocked_rows, rows); },
         "rows from which every linear takes the cache-blocked GEMM (0: each format's default); returns the old one");
   m.def("read_sum", &tmk::read_sum, "stream a buffer once (the bandwidth probe)");
