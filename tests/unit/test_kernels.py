@@ -288,8 +288,24 @@ def test_rope_in_place_on_fused_rows(ops: kernels.Kernels, dtype: torch.dtype, t
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
 def test_silu_mul(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
     gate_up = (torch.randn(6, 2 * 70) * 3).to(dtype)
+    gate_up[0, :5] = torch.tensor([-100.0, 100.0, 0.0, -88.0, 30.0])  # exp's clamp, 0, both signs' far ends
     gate, up = gate_up.split(70, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("v", [5, 16, 100, 4099])  # under one vector, whole vectors, a tail
+def test_argmax_equals_torch(ops: kernels.Kernels, v: int) -> None:
+    """The first of equal maxima, the first NaN, all -inf, and maxima in the vector part and in the tail."""
+    x = torch.randn(7, v)
+    x[1] = x[1].round()  # many ties
+    x[1, v // 2 :] = x[1].max()
+    x[2] = float("-inf")
+    x[3, v - 1] = 1e9  # the last element (the tail where v is not whole vectors)
+    x[4, v // 3] = float("nan")
+    x[4, v - 1] = float("nan")
+    x[5, 0] = x[5, -1] = 1e9  # the first of two, across the vector and the tail
+    for rows in (x, x[:1], x[2:4]):
+        assert torch.equal(ops.argmax(rows), rows.argmax(dim=-1))
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)

@@ -101,6 +101,15 @@ class Kernels:
         bitmask = bitmask.contiguous()
         self.module.apply_bitmask(logits.data_ptr(), bitmask.data_ptr(), *logits.shape, bitmask.shape[1])
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] float32 -> [B] int64: each row's argmax, as torch.argmax (first maximum; first NaN)."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu":
+            raise ValueError("logits must be a float32 CPU tensor [B, V]")
+        logits = logits.contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self.module.argmax_rows(logits.data_ptr(), *logits.shape, out.data_ptr())
+        return out
+
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v [T, Hkv, Dh] (rows may be strided: slices of a fused qkv) -> a layer's cache [2, S, Hkv, Dh] at
         `slots` [T] (int64)."""

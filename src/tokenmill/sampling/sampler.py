@@ -187,7 +187,7 @@ def _only(row: torch.Tensor, ids: list[int]) -> bool:
 class Sampler:
     def __init__(self, seed: int = 0, ops: Kernels | None = None) -> None:
         self.default_generator = torch.Generator().manual_seed(seed)  # rows without a seed of their own
-        self.ops = ops  # the CPU kernels, for the grammar bitmask (apply_bitmask otherwise)
+        self.ops = ops  # the CPU kernels, for the grammar bitmask and the greedy argmax (torch's otherwise)
 
     def _masked(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
@@ -195,6 +195,11 @@ class Sampler:
             self.ops.apply_bitmask(out, bitmask)
             return out
         return apply_bitmask(logits, bitmask)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+        if self.ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+            return self.ops.argmax(logits)
+        return logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:  # logits [B, V] float32
         raw = logits
@@ -208,7 +213,7 @@ class Sampler:
         if batch.logit_bias is not None:
             logits = _biased(logits, batch.logit_bias)
         logits = apply_penalties(logits, batch)
-        tokens = logits.argmax(dim=-1)  # [B], final for greedy rows
+        tokens = self._argmax(logits)  # [B], final for greedy rows
         if batch.sampled:
             sampled_rows = batch.temperature > 0
             temperature = torch.where(sampled_rows, batch.temperature, 1.0)[:, None]

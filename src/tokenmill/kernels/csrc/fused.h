@@ -77,11 +77,19 @@ inline void rope_rows(Act x, Act cos, Act sin, int64_t T, int64_t heads, int64_t
 }
 
 // out [rows, I] = silu(gate) * up, from gate_up [rows, 2I] (gate first): silu rounded, then the product.
+// silu(g) = g / (1 + e^-g), W lanes at a time with exp_neg on -|g| (g < 0: g e^g / (1 + e^g)); std::exp per
+// element cost a 16-row decode step on the Xeon ~9% of its time.
 inline void silu_mul_rows(Act gate_up, Act out, int64_t rows, int64_t I) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = gate_up.get(r * 2 * I + i), u = gate_up.get(r * 2 * I + I + i);
-      out.set(r * I + i, out.round(g / (1.0f + std::exp(-g))) * u);
+    const int64_t gate = r * 2 * I, up = gate + I;
+    for (int64_t i = 0; i < I; i += W) {
+      const int64_t n = std::min<int64_t>(W, I - i);
+      vf g = {};
+      for (int64_t j = 0; j < n; ++j) g[j] = gate_up.get(gate + i + j);
+      const vf negative = g < splat(0.f) ? splat(1.f) : splat(0.f);
+      const vf e = exp_neg(negative > splat(0.f) ? g : -g);  // e^-|g|
+      const vf silu = (negative > splat(0.f) ? g * e : g) / (splat(1.f) + e);
+      for (int64_t j = 0; j < n; ++j) out.set(r * I + i + j, out.round(silu[j]) * gate_up.get(up + i + j));
     }
   }
 }
@@ -177,6 +185,40 @@ inline void decode_attention_task(const T* q, const T* cache, int64_t slots, con
     if constexpr (sizeof(T) == 2) *(uint16_t*)o = float_to_bf16(acc[j]);
     else *(float*)o = acc[j];
   }
+}
+
+// The index of the largest of x[0..n) (float32), as torch.argmax: the first of equal maxima; the first NaN where
+// there is one. Lane by lane, then across lanes; torch's reduction took ~6% of a 16-row decode step (Xeon).
+inline int64_t argmax_row(const float* x, int64_t n) {
+  if (n < W) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (x[i] != x[i]) return i;
+      else if (x[i] > x[best]) best = i;
+    return best;
+  }
+  vf top = load(x), nan = top != top ? splat(1.f) : splat(0.f);
+  vi at, lane;
+  for (int i = 0; i < W; ++i) at[i] = lane[i] = i;
+  int64_t i = W;
+  for (; i + W <= n; i += W) {
+    const vf v = load(x + i);
+    const vi higher = v > top;
+    top = higher ? v : top;
+    at = higher ? lane + (int32_t)i : at;
+    nan = v != v ? splat(1.f) : nan;
+  }
+  for (int j = 0; j < W; ++j)
+    if (nan[j] != 0.f)
+      for (int64_t k = 0; k < n; ++k)
+        if (x[k] != x[k]) return k;
+  int64_t best = at[0];
+  for (int j = 1; j < W; ++j)
+    if (top[j] > x[best] || (top[j] == x[best] && at[j] < best)) best = at[j];
+  for (; i < n; ++i)
+    if (x[i] != x[i]) return i;
+    else if (x[i] > x[best]) best = i;
+  return best;
 }
 
 // k, v [T, Hkv * Dh] (rows of strides k_stride, v_stride) -> cache [2, slots, Hkv * Dh] at slots[t]

@@ -289,6 +289,13 @@ double read_sum(uintptr_t ptr, int64_t bytes) {
   return total;
 }
 
+// out[b] = argmax of logits [B, V] float32's row b (int64), rows split across threads
+void argmax_rows(uintptr_t logits, int64_t B, int64_t V, uintptr_t out) {
+  at::parallel_for(0, B, std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, V)), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) ((int64_t*)out)[b] = argmax_row((const float*)logits + b * V, V);
+  });
+}
+
 // Structured output: logits [B, V] float32 whose bit in mask [B, W] (int32 words, bit t of word w = token
 // 32 w + t) is clear become -inf, in place; tokens past 32 W too. A word of all ones (a free row) is skipped.
 void apply_bitmask(uintptr_t logits, uintptr_t mask, int64_t B, int64_t V, int64_t W) {
@@ -331,6 +338,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_blocked_rows", [](int64_t rows) { return std::exchange(tmk::blocked_rows, rows); },
         "rows from which every linear takes the cache-blocked GEMM (0: each format's default); returns the old one");
   m.def("read_sum", &tmk::read_sum, "stream a buffer once (the bandwidth probe)");
+  m.def("argmax_rows", &tmk::argmax_rows, "each row's argmax (the first maximum, or the first NaN), as torch");
   m.def("apply_bitmask", &tmk::apply_bitmask, "logits whose grammar bit is clear -> -inf, in place");
   py::class_<tmk::DecodeStack>(m, "DecodeStack", py::module_local())  // one per variant in a process
       .def(py::init<bool, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, uintptr_t, int64_t, int>())
