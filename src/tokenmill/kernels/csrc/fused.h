@@ -124,19 +124,55 @@ inline float dot_row(const float* a, const T* row, int64_t Dh) {
   return r;
 }
 
-// acc[0..Dh) += p * row[0..Dh)
+// acc[0..NV W) += sum over i < n of p[i] * rows[i * stride ..]: the NV accumulators stay in registers across the
+// rows (position by position, as one axpy per row would add them)
+template <int NV>
+inline void axpy_rows(float* acc, const float* p, const float* rows, int64_t stride, int64_t n) {
+  vf a[NV];
+  for (int v = 0; v < NV; ++v) a[v] = load(acc + v * W);
+  for (int64_t i = 0; i < n; ++i) {
+    const vf pv = splat(p[i]);
+    for (int v = 0; v < NV; ++v) a[v] += pv * load(rows + i * stride + v * W);
+  }
+  for (int v = 0; v < NV; ++v) store(acc + v * W, a[v]);
+}
+
+// acc[0..Dh) += sum over i < n of p[i] * rows[i * stride + 0..Dh)
+inline void axpy_run(float* acc, const float* p, const float* rows, int64_t stride, int64_t n, int64_t Dh) {
+  int64_t d = 0;
+  for (; d + 4 * W <= Dh; d += 4 * W) axpy_rows<4>(acc + d, p, rows + d, stride, n);
+  for (; d + W <= Dh; d += W) axpy_rows<1>(acc + d, p, rows + d, stride, n);
+  for (; d < Dh; ++d)
+    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * rows[i * stride + d];
+}
+
+// n cache rows of Dh values (src, `stride` elements apart) as float32: a float cache in place; bf16 widened into
+// buf [n, Dh] once, for all G query heads. Sets `stride` to the returned rows' stride.
 template <typename T>
-inline void axpy_row(float* acc, float p, const T* row, int64_t Dh) {
-  const vf pv = splat(p);
-  int64_t i = 0;
-  for (; i + W <= Dh; i += W) store(acc + i, load(acc + i) + pv * load_row(row + i));
-  for (; i < Dh; ++i) acc[i] += p * load_one(row + i);
+inline const float* float_rows(const T* src, int64_t n, int64_t& stride, int64_t Dh, float* buf) {
+  if constexpr (sizeof(T) == 4) {
+    return (const float*)src;
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t d = 0;
+      for (; d + W <= Dh; d += W) store(buf + i * Dh + d, load_row(src + i * stride + d));
+      for (; d < Dh; ++d) buf[i * Dh + d] = load_one(src + i * stride + d);
+    }
+    stride = Dh;
+    return buf;
+  }
+}
+
+// floats of scratch decode_attention_task needs for G query heads of Dh over n_ctx positions (blocks of block_size)
+inline int64_t attention_scratch(int64_t G, int64_t Dh, int64_t n_ctx, int64_t block_size) {
+  return G * (2 * Dh + n_ctx) + std::min(block_size, n_ctx) * Dh;
 }
 
 // Attention of one new token per sequence over its paged context, for one (sequence b, KV head g). cache:
 // [2, slots, Hkv, Dh] for this layer (keys then values); q/out: [B, H, Dh]; table: the sequence's block ids;
-// len: its context length. The G = H / Hkv query heads of a KV head share each key and value read. float32
-// scores, softmax and sums; `scratch` holds G * (Dh + len) + G * Dh floats.
+// len: its context length. The G = H / Hkv query heads of a KV head share each key and value read: a run of
+// positions within a block is widened to float32 once, then each head passes over it. float32 scores, softmax
+// and sums; `scratch` holds attention_scratch(G, Dh, len, block_size) floats.
 template <typename T>
 inline void decode_attention_task(const T* q, const T* cache, int64_t slots, const int64_t* table, int64_t len,
                                   int64_t window, int64_t b, int64_t g, int64_t H, int64_t Hkv, int64_t Dh,
@@ -147,13 +183,16 @@ inline void decode_attention_task(const T* q, const T* cache, int64_t slots, con
   float* qv = scratch;                // [G, Dh]
   float* scores = qv + G * Dh;        // [G, n_ctx]
   float* acc = scores + G * n_ctx;    // [G, Dh]
+  float* run = acc + G * Dh;          // [<= block_size, Dh]: a run's keys or values as float32
   for (int64_t j = 0; j < G * Dh; ++j) qv[j] = load_one(q + (b * H + g * G) * Dh + j) * scale;
   // run by run within a block: the slot of position t is table[t / block_size] * block_size + t % block_size
   for (int64_t t = begin; t < len;) {
     const int64_t off = t % block_size, n = std::min(block_size - off, len - t);
-    const T* kb = cache + (table[t / block_size] * block_size + off) * kv_stride + g * Dh;
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < G; ++j) scores[j * n_ctx + t - begin + i] = dot_row(qv + j * Dh, kb + i * kv_stride, Dh);
+    int64_t stride = kv_stride;
+    const float* kb = float_rows(cache + (table[t / block_size] * block_size + off) * kv_stride + g * Dh, n, stride,
+                                 Dh, run);
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t i = 0; i < n; ++i) scores[j * n_ctx + t - begin + i] = dot_row(qv + j * Dh, kb + i * stride, Dh);
     t += n;
   }
   for (int64_t j = 0; j < G; ++j) {
@@ -175,9 +214,10 @@ inline void decode_attention_task(const T* q, const T* cache, int64_t slots, con
   std::fill(acc, acc + G * Dh, 0.f);
   for (int64_t t = begin; t < len;) {
     const int64_t off = t % block_size, n = std::min(block_size - off, len - t);
-    const T* vb = cache + (slots + table[t / block_size] * block_size + off) * kv_stride + g * Dh;
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < G; ++j) axpy_row(acc + j * Dh, scores[j * n_ctx + t - begin + i], vb + i * kv_stride, Dh);
+    int64_t stride = kv_stride;
+    const float* vb = float_rows(cache + (slots + table[t / block_size] * block_size + off) * kv_stride + g * Dh, n,
+                                 stride, Dh, run);
+    for (int64_t j = 0; j < G; ++j) axpy_run(acc + j * Dh, scores + j * n_ctx + t - begin, vb, stride, n, Dh);
     t += n;
   }
   for (int64_t j = 0; j < G * Dh; ++j) {

@@ -235,7 +235,7 @@ void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const in
   const int64_t G = H / Hkv;
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, longest * G * Dh));  // see linear
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(G * (2 * Dh + longest));
+    std::vector<float> scratch(attention_scratch(G, Dh, longest, block_size));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, g = task % Hkv;
       decode_attention_task<T>((const T*)q, (const T*)cache, slots, tab + b * max_blocks, len[b], window, b, g, H,

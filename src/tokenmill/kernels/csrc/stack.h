@@ -208,7 +208,7 @@ class DecodeStack {
   void attention(int64_t l, int64_t task) {
     const int64_t b = task / Hkv_, g = task % Hkv_, G = H_ / Hkv_;
     thread_local std::vector<float> scratch;
-    scratch.resize(G * (2 * Dh_ + longest_));
+    scratch.resize(attention_scratch(G, Dh_, longest_, block_size_));
     const float scale = (float)std::pow((double)Dh_, -0.5);
     if (bf16_) decode_attention_task<uint16_t>((const uint16_t*)q_, (const uint16_t*)layers_[l].cache, slots_,
                                                tables_ + b * max_blocks_, lens_[b], 0, b, g, H_, Hkv_, Dh_,
