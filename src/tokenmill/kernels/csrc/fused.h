@@ -124,6 +124,22 @@ inline float dot_row(const float* a, const T* row, int64_t Dh) {
   return r;
 }
 
+// out[i] = dot(a[0..Dh), rows[i * stride ..]) for i < n (float32 rows): four rows at a time share a's loads and
+// one shuffle tree for their sums
+inline void dot_rows(const float* a, const float* rows, int64_t stride, int64_t n, int64_t Dh, float* out) {
+  int64_t i = 0;
+  if (Dh % W == 0)
+    for (; i + 4 <= n; i += 4) {
+      vf s[4] = {};
+      for (int64_t d = 0; d < Dh; d += W) {
+        const vf av = load(a + d);
+        for (int r = 0; r < 4; ++r) s[r] += av * load(rows + (i + r) * stride + d);
+      }
+      hsum4(s[0], s[1], s[2], s[3], out + i);
+    }
+  for (; i < n; ++i) out[i] = dot_row(a, rows + i * stride, Dh);
+}
+
 // acc[0..NV W) += sum over i < n of p[i] * rows[i * stride ..]: the NV accumulators stay in registers across the
 // rows (position by position, as one axpy per row would add them)
 template <int NV>
@@ -191,8 +207,7 @@ inline void decode_attention_task(const T* q, const T* cache, int64_t slots, con
     int64_t stride = kv_stride;
     const float* kb = float_rows(cache + (table[t / block_size] * block_size + off) * kv_stride + g * Dh, n, stride,
                                  Dh, run);
-    for (int64_t j = 0; j < G; ++j)
-      for (int64_t i = 0; i < n; ++i) scores[j * n_ctx + t - begin + i] = dot_row(qv + j * Dh, kb + i * stride, Dh);
+    for (int64_t j = 0; j < G; ++j) dot_rows(qv + j * Dh, kb, stride, n, Dh, scores + j * n_ctx + t - begin);
     t += n;
   }
   for (int64_t j = 0; j < G; ++j) {

@@ -112,6 +112,24 @@ inline float hsum(vf v) {
 #endif
 }
 
+// {hsum(a), hsum(b), hsum(c), hsum(d)} -> out[0..4): one shuffle tree for the four (decode attention's scores)
+inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+#if (TM_W == 16 && defined(__AVX512DQ__)) || (TM_W == 8 && defined(__AVX2__))
+  auto half = [](vf v) {
+#if TM_W == 16
+    return _mm256_add_ps(_mm512_castps512_ps256((__m512)v), _mm512_extractf32x8_ps((__m512)v, 1));
+#else
+    return (__m256)v;
+#endif
+  };
+  // per 128-bit lane: [a0+a1, a2+a3, b0+b1, b2+b3] and c's, d's; then [sum a, sum b, sum c, sum d]
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(half(a), half(b)), _mm256_hadd_ps(half(c), half(d)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+#else
+  out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
+#endif
+}
+
 // IEEE half -> float, for the per-block scales of Q8_0 / Q4_0 (read once per block, scalar is fine).
 inline float half_to_float(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
