@@ -6,8 +6,8 @@
 - quantization:  each weight mode that exists (today: none)
 - switches:      each engine switch on/off on an offline workload (batching, chunked prefill, prefix caching, kv store)
 - spec_decode:   batch-1 decode with speculation (prompt lookup, or the draft model --speculative-model names),
-                 k = 0 (off), 2, 4, 6 drafts, on an input-grounded workload: a passage of --grounded-text, then
-                 its opening again, to be continued
+                 k = 0 (off), 2, 4, 6 drafts, on passages of --grounded-text: by default each followed by its
+                 opening again (input-grounded), or with --no-repeat the passage alone (plain continuation)
 - structured_output: a decode step with and without a JSON-schema grammar at each --batch-sizes, and grammar
                  compile time (bench/structured.py)
 """
@@ -208,7 +208,8 @@ def _grounded_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int
     if len(ids) < 2 * n:
         raise ValueError(f"--grounded-text has {len(ids)} tokens; --prompt-tokens {n} needs at least {2 * n}")
     starts = random.Random(args.seed).sample(range(len(ids) - n), args.num_prompts)
-    return [ids[s : s + n] + ids[s : s + n // 4] for s in starts]
+    repeat = 0 if args.no_repeat else n // 4
+    return [ids[s : s + n] + ids[s : s + repeat] for s in starts]
 
 
 RUNNERS = {
@@ -290,6 +291,11 @@ def add_sweep_parser(sub: Any, engine_args: Any) -> None:
     p.add_argument("--quality-text", default=None, help="quantization: text for top-1 agreement and perplexity")
     p.add_argument("--grounded-text", default=None, help="spec_decode: the text prompts quote from")
     p.add_argument("--spec-k", default="0,2,4,6", help="spec_decode: drafts per step (0: off)")
+    p.add_argument(
+        "--no-repeat",
+        action="store_true",
+        help="spec_decode: prompts are the passages alone (plain continuation), not passage + opening",
+    )
     p.add_argument("--batch-sizes", default="1,16", help="structured_output: concurrent requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench-results")

@@ -11,6 +11,7 @@ It applies to the Llama-shaped stack of `layers.py` (Llama, Mistral, Qwen2, Qwen
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -107,32 +108,34 @@ class DecodeStack:
         order = sorted(range(len(feeds)), key=lambda b: -rounds[b])  # the rows of chain round r are a prefix
         n, r_max, bs = len(order), rounds[order[0]], self.kv.block_size
         fed = [feeds[b] for b in order]
-        lengths = torch.tensor([len(f) for f in fed], dtype=torch.int64)  # [B]
-        feed_seq = torch.repeat_interleave(torch.arange(n), lengths)  # [n0]: each feed row's row b
-        feed_last = lengths.cumsum(0) - 1  # [B]: b's last feed row
-        first = torch.tensor([starts[b] for b in order], dtype=torch.int64)  # [B]
-        feed_pos = first[feed_seq] + torch.arange(len(feed_seq)) - (feed_last - lengths + 1)[feed_seq]  # [n0]
+        # NOTE: index lists in plain Python: a draft step is a few rows, where each torch op costs more than its
+        # arithmetic (Xeon, demo draft: ~20 small ops were a fifth of a spec step)
+        feed_seq = [i for i, f in enumerate(fed) for _ in f]  # [n0]: each feed row's row b
+        feed_last = [e - 1 for e in itertools.accumulate(len(f) for f in fed)]  # [B]: b's last feed row
+        first = [starts[b] for b in order]  # [B]
+        feed_pos = [first[i] + j for i, f in enumerate(fed) for j in range(len(f))]  # [n0]
         # chain round r feeds draft r + 1 at first + len + r, up to the row's last draft fed (clamped: in range)
-        after = first + lengths  # [B]
-        last = torch.maximum(after + torch.tensor([rounds[b] for b in order]) - 2, after - 1)  # [B]
-        chain = torch.minimum(after[None, :] + torch.arange(r_max - 1)[:, None], last[None, :])  # [R - 1, B]
-        pos = torch.cat([feed_pos, chain.flatten()])  # [n0 + (R - 1) B]
+        after = [first[i] + len(fed[i]) for i in range(n)]  # [B]
+        last = [max(after[i] + rounds[b] - 2, after[i] - 1) for i, b in enumerate(order)]  # [B]
+        chain = [min(after[i] + r, last[i]) for r in range(r_max - 1) for i in range(n)]  # [(R - 1) B]
+        pos = feed_pos + chain  # [n0 + (R - 1) B]
         width = max(-(-(starts[b] + len(feeds[b]) + rounds[b] - 1) // bs) for b in order)
         padded = [tables[b][:width] + [0] * (width - len(tables[b][:width])) for b in order]
         self.kv.zero_new_blocks(padded)
         block_tables = torch.tensor(padded, dtype=torch.int64)  # [B, M]
-        row_of = torch.cat([feed_seq, torch.arange(n).repeat(r_max - 1)])  # [n0 + (R - 1) B]
-        slots = block_tables[row_of, pos // bs] * bs + pos % bs
-        lens = pos + 1
-        cos, sin = self.decoder.rotary(pos, self.kv.dtype)  # [n0 + (R - 1) B, Dh] each
+        row_of = feed_seq + [i for _ in range(r_max - 1) for i in range(n)]  # [n0 + (R - 1) B]
+        slots = torch.tensor([padded[b][p // bs] * bs + p % bs for b, p in zip(row_of, pos)], dtype=torch.int64)
+        lens = torch.tensor([p + 1 for p in pos], dtype=torch.int64)
+        cos, sin = self.decoder.rotary(torch.tensor(pos, dtype=torch.int64), self.kv.dtype)  # [n0 + (R-1) B, Dh]
         active = torch.tensor([sum(rounds[b] > r + 1 for b in order) for r in range(r_max)], dtype=torch.int64)
         feed_tok = torch.tensor([t for f in fed for t in f], dtype=torch.int64)  # [n0]
+        seq_t, last_t = torch.tensor(feed_seq, dtype=torch.int64), torch.tensor(feed_last, dtype=torch.int64)
         tokens = torch.empty(n, r_max, dtype=torch.int64)  # [B, R]: the drafts
         rows = max(len(feed_tok), n)
         out = torch.empty(rows, self.decoder.norm.weight.shape[0], dtype=self.kv.dtype)  # [rows, D] scratch
         logits = torch.empty(rows, self.vocab_size or 0, dtype=self.kv.dtype)  # [rows, V] scratch
         self.native.run_greedy(self.decoder.embed_tokens.weight.data_ptr(), tokens.data_ptr(), active.data_ptr(),
-                               r_max, len(feed_tok), feed_tok.data_ptr(), feed_seq.data_ptr(), feed_last.data_ptr(),
+                               r_max, len(feed_tok), feed_tok.data_ptr(), seq_t.data_ptr(), last_t.data_ptr(),
                                cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), width,
                                lens.data_ptr(), n, bs, out.data_ptr(), logits.data_ptr())  # fmt: skip
         drafts = tokens.tolist()
