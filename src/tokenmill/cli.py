@@ -62,7 +62,7 @@ _HELP = {
     "num_speculative_tokens": "drafts verified per step",
     "ngram_prompt_lookup_min": "shortest suffix prompt lookup matches",
     "ngram_prompt_lookup_max": "longest suffix prompt lookup matches",
-    "speculative_disable_by_batch_size": "no drafts while more sequences than this run",
+    "speculative_disable_by_batch_size": "no drafts while more sequences than this run or wait",
     "speculative_model_quantization": "the draft model's weight-only quantization: none, int8 or int4",
 }
 _NOT_FLAGS = ("model", "seed")  # MODEL is positional; `generate --seed` is the request's seed

@@ -97,6 +97,17 @@ def test_auto_off_above_a_batch_size(folder: Path) -> None:
     assert alone.engine.stats.spec_draft_tokens > 0
 
 
+def test_waiting_sequences_count_towards_auto_off(folder: Path) -> None:
+    """Two run at a time (max_num_seqs) while two wait: four in all, over the limit of 3, so the first two get no
+    drafts; the last two run with nobody waiting and get them. Greedy output is the same either way."""
+    _, want = _run(folder, PROMPTS[:4], GREEDY)
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=2, **{**SPEC, "speculative_disable_by_batch_size": 3})
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [w[0].token_ids for w in want]
+    drafted = [o.metrics.num_draft_tokens for o in outs if o.metrics is not None]
+    assert drafted[:2] == [0, 0] and all(d > 0 for d in drafted[2:]) and len(drafted) == 4, drafted
+
+
 def test_bad_settings_are_one_clear_error(folder: Path, tmp_path: Path) -> None:
     from tokenmill.errors import ModelLoadError
 

@@ -384,11 +384,14 @@ class EngineCore:
             req.finish_reason = "stop"
 
     def _propose(self) -> None:
-        """Drafts for every running sequence that decodes next step (none above `spec_off_above` running)."""
+        """Drafts for every running sequence that decodes next step (none above `spec_off_above` sequences, the
+        waiting ones included: while a burst is still being admitted, its first sequences' verify rows would slow
+        the others' prefill; Xeon, 16 streams with n-gram drafts: TTFT p50 +0.3 s)."""
         if self.proposer is None:
             return
         running = self.scheduler.running
-        off = self.spec_off_above is not None and len(running) > self.spec_off_above
+        busy = len(running) + len(self.scheduler.waiting)
+        off = self.spec_off_above is not None and busy > self.spec_off_above
         asks = []
         for req in running:
             if req.spec_skip > 0:
