@@ -13,10 +13,6 @@
 
 #include <type_traits>
 
-#if defined(__AVX512BF16__) && TM_W == 16
-#include <cpuid.h>
-#endif
-
 #include "simd.h"
 
 namespace tmk {
@@ -51,13 +47,13 @@ inline void load_pair(const float* panel, int64_t j, int v, vf& even, vf& odd) {
 }
 inline vf load_weight(const float* panel, int64_t k, int v) { return load(panel + k * P + v * W); }
 
-// Ask for the weights 2 KB past k-pair j of a panel (the next panel's, at its end: panels lie back to back).
-// Tiles of a few rows compute while the weights stream; without this the two barely overlap (Zen 3, weights
-// from memory: bf16 1-row 1.15x, 5 rows 1.25x, 16 rows 1.07x; float32 5 rows 1.2x).
+// Ask for the weights a prefetch distance past k-pair j of a panel (the next panel's, at its end: panels lie back to
+// back; simd.h). Tiles of a few rows compute while the weights stream; without this the two barely overlap (Zen
+// 3, weights from memory: bf16 1-row 1.15x, 5 rows 1.25x, 16 rows 1.07x; float32 5 rows 1.2x).
 template <typename T>
 inline void prefetch_ahead(const T* panel, int64_t j) {
-  constexpr int64_t pair_bytes = 2 * P * sizeof(T), ahead = 2048;
-  for (int64_t b = 0; b < pair_bytes; b += 64) __builtin_prefetch((const char*)panel + j * pair_bytes + ahead + b);
+  constexpr int64_t pair_bytes = 2 * P * sizeof(T);
+  for (int64_t b = 0; b < pair_bytes; b += 64) prefetch_weights((const char*)panel + j * pair_bytes + b);
 }
 
 // acc[m][v] += sum_k x[m][k] * w[k][v*W..]: a bf16 (T = uint16_t) or float32 panel, MT rows of x (row stride
@@ -114,10 +110,7 @@ inline bool use_bf16_dot() { return bf16_dot < 0 ? bf16_dot_native() : bf16_dot 
 // Software prefetch in the one-row pair tile: one row streams best on the hardware's prefetch alone on a Zen 4
 // (2 threads: 1.08x), while a Xeon's is faster with it (Sapphire Rapids-class, 24 layers' bf16 linears from
 // memory at one row: 21.7 -> 24.0 GB/s). Decided once, by the CPU's vendor.
-inline const bool prefetch_one_row = [] {
-  unsigned a, b, c, d;
-  return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  // Intel
-}();
+inline const bool prefetch_one_row = intel_cpu;
 #endif
 
 template <int MT, int S>

@@ -125,8 +125,8 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
   const __m256i low = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * quant_block_bytes(F);
-    // the weights 2 KB ahead, as gemm.h's prefetch_ahead (Zen 3, from memory: 1 row 1.22x, 5 rows 1.03-1.12x)
-    for (int64_t off = 0; off < quant_block_bytes(F); off += 64) __builtin_prefetch(blk + 2048 + off);
+    // the weights ahead, as gemm.h's prefetch_ahead (Zen 3, from memory: 1 row 1.22x, 5 rows 1.03-1.12x)
+    for (int64_t off = 0; off < quant_block_bytes(F); off += 64) prefetch_weights(blk + off);
     const uint8_t* q = blk + 2 * P;
     __m256i isum[MT][2];
     if constexpr (F == Q4_0) {

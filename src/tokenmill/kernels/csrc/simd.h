@@ -13,6 +13,9 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 #ifndef TM_W
 #define TM_W 8
@@ -158,6 +161,28 @@ inline uint16_t float_to_bf16(float f) {
   if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);
   bits += 0x7fff + ((bits >> 16) & 1);
   return (uint16_t)(bits >> 16);
+}
+
+// This CPU is Intel's (cpuid's vendor string): the weight prefetch below, and gemm.h's one-row prefetch, differ by
+// vendor because the two vendors' cores were measured to differ.
+inline const bool intel_cpu = [] {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a, b, c, d;
+  return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;
+#else
+  return false;
+#endif
+}();
+
+// Ask for the weight line a prefetch distance past `at`, as the tiles stream their panels. On Intel into L2 only,
+// 3 KB ahead: a prefetch into L1 holds one of its few fill buffers until the line arrives, and those are what the
+// tile's own loads wait on (Xeon with AMX, ~1 GB of weights from memory, 2 threads: bf16 1 row 26.9 -> 28.3
+// GB/s, 2 rows 22.9 -> 28.4; Q8_0 1 row 24.1 -> 26.6, 4 rows 18.8 -> 22.5; Q4_0 1 row 20.4 -> 24.4; 2 KB or 4 KB
+// ahead, or prefetcht2/nta, did less). Elsewhere into L1, 2 KB ahead, as measured on a Zen 3. The AMX tiles
+// (amx.h) do not prefetch: at 16 rows it cost them 27.2 -> 25.8 GB/s.
+inline void prefetch_weights(const void* at) {
+  if (intel_cpu) __builtin_prefetch((const char*)at + 3072, 0, 2);
+  else __builtin_prefetch((const char*)at + 2048, 0, 3);
 }
 
 }  // namespace tmk
