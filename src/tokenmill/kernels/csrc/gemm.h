@@ -106,19 +106,15 @@ inline bool bf16_dot_native() {
 inline int bf16_dot = -1;
 inline bool use_bf16_dot() { return bf16_dot < 0 ? bf16_dot_native() : bf16_dot > 0; }
 
-#if defined(__AVX512BF16__) && TM_W == 16
-// Software prefetch in the one-row pair tile: one row streams best on the hardware's prefetch alone on a Zen 4
-// (2 threads: 1.08x), while a Xeon's is faster with it (Sapphire Rapids-class, 24 layers' bf16 linears from
-// memory at one row: 21.7 -> 24.0 GB/s). Decided once, by the CPU's vendor.
-inline const bool prefetch_one_row = intel_cpu;
-#endif
-
 template <int MT, int S>
 inline void tile_bf16_pairs(const uint16_t* panel, const uint16_t* xh, int64_t ldxh, int64_t K, vf (*acc)[V]) {
   const int64_t pairs = K / 2;
 #if defined(__AVX512BF16__) && TM_W == 16
   static_assert(V == 1, "one 16-channel vector per panel row");
-  const bool prefetch = MT > 1 || prefetch_one_row;
+  // Software prefetch in the one-row tile too on Intel CPUs only: one row streams best on the hardware's prefetch
+  // alone on a Zen 4 (2 threads: 1.08x), while a Xeon's is faster with it (24 layers' bf16 linears from memory at
+  // one row: 21.7 -> 24.0 GB/s).
+  const bool prefetch = MT > 1 || intel_cpu;
   __m512 a[S][MT];
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < MT; ++m) a[s][m] = _mm512_setzero_ps();

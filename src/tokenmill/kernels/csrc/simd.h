@@ -163,8 +163,8 @@ inline uint16_t float_to_bf16(float f) {
   return (uint16_t)(bits >> 16);
 }
 
-// This CPU is Intel's (cpuid's vendor string): the weight prefetch below, and gemm.h's one-row prefetch, differ by
-// vendor because the two vendors' cores were measured to differ.
+// This CPU is Intel's (cpuid's vendor string): the weight prefetch below, and whether gemm.h's one-row pair tile
+// prefetches at all, differ by vendor because the two vendors' cores were measured to differ.
 inline const bool intel_cpu = [] {
 #if defined(__x86_64__) || defined(__i386__)
   unsigned a, b, c, d;
