@@ -49,7 +49,7 @@ def ops(request: pytest.FixtureRequest) -> kernels.Kernels:
 
 
 SHAPES = [(16, 32), (37, 70), (80, 96), (130, 257)]  # (N, K): partial panels, K not a multiple of 32
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 17]  # every tile up to 8 rows, and the 12-row pair tile (AVX-512: 12, 9 + 8)
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17]  # every tile up to 8 rows, the 12-row pair tile, two of 8 (17: 9 + 8)
 
 
 # Each linear path on every row count: a dense format's register tiles or cache-blocked GEMM (blocked.h); bf16's
@@ -127,6 +127,22 @@ def test_amx_gives_the_integer_tiles_bits(ops: kernels.Kernels, fmt: str) -> Non
             assert torch.equal(amx, integer[:rows]), rows
     finally:
         ops.module.set_amx(before)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_the_simd_variants_give_the_integer_tiles_bits(fmt: str) -> None:
+    """Every SIMD variant sums a block's products exactly and scales the sum the same way, whatever its tiles
+    (AVX2's two ymm halves per panel, AVX-512 VNNI's one zmm, 1 to 40 rows): the same bits."""
+    simd = [level for level in _levels() if level != "scalar"]
+    if len(simd) < 2:
+        pytest.skip(f"one SIMD variant runs here ({simd}): nothing to compare it with")
+    packed = pack(torch.randn(80, 200), fmt)
+    x = torch.randn(40, 200)
+    for rows in (1, 3, 4, 8, 9, 16, 40):
+        outs = [kernels.variant(level).linear(x[:rows], packed.data, packed.format_id, 80, packed.padded_in, None)
+                for level in simd]  # fmt: skip
+        for level, out in zip(simd[1:], outs[1:], strict=True):
+            assert torch.equal(out, outs[0]), (level, rows)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])

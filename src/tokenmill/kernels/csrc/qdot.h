@@ -47,15 +47,18 @@ constexpr int MT_Q = 8;
 constexpr int MT_Q = 3;
 #endif
 
-// A quantized activation row, in place of K floats: float d[nb], int32 s[nb] (sum of q per block), int8 q[K].
+// A quantized activation row, in place of K floats: float d[nb], int32 s[nb] (sum of q per block), int8 q[K],
+// and with VNNI uint8 u[K] = q + 128 (Q8_0's unsigned side; qdot512.h).
 struct QRow {
   const float* d;
   const int32_t* s;
   const int8_t* q;
+  const uint8_t* u;
 };
 
 inline QRow qrow(const float* row, int64_t nb) {
-  return {row, (const int32_t*)(row + nb), (const int8_t*)(row + 2 * nb)};
+  const int8_t* q = (const int8_t*)(row + 2 * nb);
+  return {row, (const int32_t*)(row + nb), q, (const uint8_t*)q + nb * QK};
 }
 
 
@@ -103,6 +106,10 @@ inline void quantize_row(const float* x, int64_t K, float* dst) {
     dst[b] = d;
     s[b] = sum;
   }
+#if TM_VNNI
+  uint8_t* u = (uint8_t*)q + K;
+  for (int64_t k = 0; k < K; ++k) u[k] = (uint8_t)q[k] ^ 0x80;
+#endif
 }
 
 // The raw weight value of channel c at k = kk of a quantized block (Q4_0: 0..15), for unpacking and the portable
@@ -246,6 +253,12 @@ inline void qtile_rows(const uint8_t* panel, const QRow* x, int64_t nb, float (*
   qtile<F, MT>(panel, x, nb, sums);
 }
 
+}  // namespace tmk
+
+#include "qdot512.h"
+
+namespace tmk {
+
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), x rows in the QRow layout `ldx` floats
 // apart: for each block of QMC rows, every panel passes over them in tiles of MT_Q rows. A row's blocks are summed
 // in the same order whatever M is, so its output does not depend on the batch.
@@ -258,9 +271,21 @@ void linear_quant(const float* x, int64_t M, int64_t ldx, const uint8_t* packed,
   for (int64_t m0 = 0; m0 < M; m0 += QMC) {
     const int64_t mc = std::min(QMC, M - m0);
     for (int64_t r = 0; r < mc; ++r) rx[r] = qrow(x + (m0 + r) * ldx, nb);
+#if TM_Q512
+    // the block's rows in the fewest tiles, of even sizes (12 rows as 6 + 6, not 8 + 4)
+    const int64_t tiles = (mc + MT_Q512 - 1) / MT_Q512, per = (mc + tiles - 1) / tiles;
+#endif
     for (int64_t p = p_begin; p < p_end; ++p) {
+#if TM_Q512
+      for (int64_t m = 0; m < mc; m += per) {
+        const int64_t rows = std::min<int64_t>(per, mc - m);
+        if (rows >= 4) qtile512_rows<F, MT_Q512>(packed + p * stride, rx + m, nb, sums + m, rows);
+        else qtile_rows<F, 3>(packed + p * stride, rx + m, nb, sums + m, rows);  // (Zen 4, 1 row: 1.07x)
+      }
+#else
       for (int64_t m = 0; m < mc; m += MT_Q)
         qtile_rows<F, MT_Q>(packed + p * stride, rx + m, nb, sums + m, std::min<int64_t>(MT_Q, mc - m));
+#endif
       const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
       for (int64_t r = 0; r < mc; ++r) store_outputs(sums[r], m0 + r, n0, n_valid, N, bias, out32, out16);
     }
