@@ -35,16 +35,43 @@ struct Act {  // a row-major activation buffer of either dtype
     std::memcpy(&r, &bits, 4);
     return r;
   }
+  // the same, W lanes from i at a time
+  inline vf getv(int64_t i) const { return bf16 ? load_bf16((const uint16_t*)ptr + i) : load((const float*)ptr + i); }
+  inline vf roundv(vf f) const { return bf16 ? bf16_rounded(f) : f; }
+  inline void setv(int64_t i, vf f) const {
+    if (!bf16) return store((float*)ptr + i, f);
+    vf r = bf16_rounded(f);
+    vu bits;
+    std::memcpy(&bits, &r, sizeof(bits));
+    const vu16 top = __builtin_convertvector(bits >> 16, vu16);
+    std::memcpy((uint16_t*)ptr + i, &top, sizeof(top));
+  }
 };
 
 // residual (optional, [rows, D]) += x; out = rmsnorm(residual or x) * weight. HF's order: the sum rounded to the
 // dtype, the normalized value rounded, then multiplied by the weight and rounded.
 inline void rmsnorm_rows(Act x, Act residual, bool has_residual, Act weight, float eps, Act out, int64_t rows,
                          int64_t D) {
-  std::vector<float> h(D);
+  typedef double vd __attribute__((vector_size(W * 8)));
+  thread_local std::vector<float> h;
+  h.resize(D);
+  const int64_t Dv = D - D % W;
   for (int64_t r = 0; r < rows; ++r) {
+    // the squares summed in double, W lanes at a time: the same float rs as one double sum but in the rarest ties
+    vd sv = {};
+    for (int64_t i = 0; i < Dv; i += W) {
+      vf v = x.getv(r * D + i);
+      if (has_residual) {
+        v = residual.roundv(v + residual.getv(r * D + i));
+        residual.setv(r * D + i, v);
+      }
+      store(h.data() + i, v);
+      const vd w = __builtin_convertvector(v, vd);
+      sv += w * w;
+    }
     double ss = 0.0;
-    for (int64_t i = 0; i < D; ++i) {
+    for (int i = 0; i < W; ++i) ss += sv[i];
+    for (int64_t i = Dv; i < D; ++i) {
       float v = x.get(r * D + i);
       if (has_residual) {
         v = residual.round(v + residual.get(r * D + i));
@@ -54,7 +81,8 @@ inline void rmsnorm_rows(Act x, Act residual, bool has_residual, Act weight, flo
       ss += (double)v * v;
     }
     const float rs = 1.0f / std::sqrt((float)(ss / D) + eps);
-    for (int64_t i = 0; i < D; ++i) out.set(r * D + i, out.round(weight.get(i) * out.round(h[i] * rs)));
+    for (int64_t i = 0; i < Dv; i += W) out.setv(r * D + i, weight.getv(i) * out.roundv(load(h.data() + i) * splat(rs)));
+    for (int64_t i = Dv; i < D; ++i) out.set(r * D + i, out.round(weight.get(i) * out.round(h[i] * rs)));
   }
 }
 
@@ -85,11 +113,13 @@ inline void silu_mul_rows(Act gate_up, Act out, int64_t rows, int64_t I) {
     for (int64_t i = 0; i < I; i += W) {
       const int64_t n = std::min<int64_t>(W, I - i);
       vf g = {};
-      for (int64_t j = 0; j < n; ++j) g[j] = gate_up.get(gate + i + j);
+      if (n == W) g = gate_up.getv(gate + i);
+      else for (int64_t j = 0; j < n; ++j) g[j] = gate_up.get(gate + i + j);
       const vf negative = g < splat(0.f) ? splat(1.f) : splat(0.f);
       const vf e = exp_neg(negative > splat(0.f) ? g : -g);  // e^-|g|
       const vf silu = (negative > splat(0.f) ? g * e : g) / (splat(1.f) + e);
-      for (int64_t j = 0; j < n; ++j) out.set(r * I + i + j, out.round(silu[j]) * gate_up.get(up + i + j));
+      if (n == W) out.setv(r * I + i, out.roundv(silu) * gate_up.getv(up + i));
+      else for (int64_t j = 0; j < n; ++j) out.set(r * I + i + j, out.round(silu[j]) * gate_up.get(up + i + j));
     }
   }
 }

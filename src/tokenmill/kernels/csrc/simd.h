@@ -163,6 +163,19 @@ inline uint16_t float_to_bf16(float f) {
   return (uint16_t)(bits >> 16);
 }
 
+// W floats rounded to bfloat16 as float_to_bf16 rounds (nearest even; a NaN stays a NaN), kept as floats.
+inline vf bf16_rounded(vf f) {
+  vu bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const vu nan = (bits & 0x7fffffffu) > 0x7f800000u;  // all ones where a NaN
+  const vu even = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const vu quiet = (bits | 0x400000u) & 0xffff0000u;
+  const vu r = (nan & quiet) | (~nan & even);
+  vf out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+}
+
 // This CPU is Intel's (cpuid's vendor string): the weight prefetch below, and whether gemm.h's one-row pair tile
 // prefetches at all, differ by vendor because the two vendors' cores were measured to differ.
 inline const bool intel_cpu = [] {
