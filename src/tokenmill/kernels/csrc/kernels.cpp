@@ -102,6 +102,12 @@ void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const uint8_
   else linear_panels<float>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end, nullptr, 0);
 }
 
+// A bf16 weight's product over bf16 rows Kx wide takes the pair tiles and never reads the rows as float32:
+// vdpbf16ps here, the rows not padded (linear_range).
+inline bool pairs_apply(Format F, bool bf16, int64_t Kx, int64_t K) {
+  return F == BF16 && bf16 && Kx == K && use_bf16_dot() && bf16_dot_native();
+}
+
 // How many output panels one thread's chunk should take: at least ~`bytes` of weight reads (more rows, fewer).
 inline int64_t panels_per_chunk(Format F, int64_t K, int64_t M, int64_t bytes) {
   return amx_even(F, M, std::max<int64_t>(1, bytes / (panel_bytes(F, K) * (1 + M / 8))));
@@ -134,11 +140,13 @@ void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, 
   const auto F = static_cast<Format>(format);
   const int64_t e = bf16 ? 2 : 4;
   thread_local std::vector<float> xf;  // activations as the kernels read them, reused from call to call
-  xf.resize(M * K);
+  const bool pairs = pairs_apply(F, bf16, Kx, K);
+  xf.resize(pairs ? 0 : M * K);
   float* xf_ptr = xf.data();  // (a thread_local named in the lambda is the worker's own)
-  at::parallel_for(0, M, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) prep_row((const char*)x_ptr + i * Kx * e, bf16, Kx, K, F, xf_ptr + i * K);
-  });
+  if (!pairs)
+    at::parallel_for(0, M, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) prep_row((const char*)x_ptr + i * Kx * e, bf16, Kx, K, F, xf_ptr + i * K);
+    });
   const float* bias = (const float*)bias_ptr;
   float* o32 = bf16 ? nullptr : (float*)out_ptr;
   uint16_t* o16 = bf16 ? (uint16_t*)out_ptr : nullptr;

@@ -161,9 +161,10 @@ class DecodeStack {
     return (n_panels + per - 1) / per;
   }
 
-  // row b of `src` (width Kx, the model dtype) -> xq_ row b, ready for linear `w`
+  // row b of `src` (width Kx, the model dtype) -> xq_ row b, ready for linear `w` (unless the bf16 pair tiles read
+  // src itself)
   void prep(const char* src, int64_t Kx, const LinearSpec& w, int64_t b) {
-    prep_row(src, bf16_, Kx, w[3], (Format)w[1], xq_.data() + b * max_k_);
+    if (!pairs_apply((Format)w[1], bf16_, Kx, w[3])) prep_row(src, bf16_, Kx, w[3], (Format)w[1], xq_.data() + b * max_k_);
   }
 
   // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ floats apart), or for a bf16 model from its
