@@ -169,6 +169,24 @@ def test_compare_and_report(model: Path, tmp_path: Path) -> None:
     assert report.name == "report.md" and (tmp_path / "rep" / "headlines.png").is_file()
 
 
+def test_compare_runs_peers_without_tokenmills_openmp_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tokenmill sets OMP_WAIT_POLICY=PASSIVE for itself; a peer (llama.cpp's OpenMP threads, transformers) runs as
+    its users run it: with their own setting, or none, even though its worker imports tokenmill."""
+    import tokenmill
+    from tokenmill.bench.compare import worker_env
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(tokenmill, "USER_OMP_WAIT_POLICY", None)
+    assert worker_env("tokenmill")["OMP_WAIT_POLICY"] == "PASSIVE"
+    peer = worker_env("llama.cpp")
+    assert "OMP_WAIT_POLICY" not in peer
+    probe = "import os, tokenmill; print(os.environ.get('OMP_WAIT_POLICY'))"
+    seen = subprocess.run([sys.executable, "-c", probe], env=peer, capture_output=True, text=True, check=True)
+    assert seen.stdout.strip() == "None"  # the worker's own import of tokenmill left it unset
+    monkeypatch.setattr(tokenmill, "USER_OMP_WAIT_POLICY", "ACTIVE")
+    assert worker_env("transformers")["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 def test_compare_backend_specs() -> None:
     from tokenmill.bench.compare import parse_backends
 

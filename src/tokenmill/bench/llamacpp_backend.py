@@ -3,6 +3,10 @@
 `run_llamacpp` loads a GGUF (see `gguf_export.py`) and generates greedily for each prompt, one at a time, timing
 the load, the first token (TTFT) and the whole generation. Each prompt starts from an empty KV cache: llama-cpp-python
 would otherwise reuse a cached common prefix between prompts, which the other backends do not get to do.
+
+The loop is llama.cpp's own C API (`llama_decode`, then a greedy `llama_sampler_sample`), as its `simple` example
+runs it, not `Llama.generate`, which builds a sampler chain in Python for every token: what is timed is llama.cpp.
+`compare` runs this in a worker without tokenmill's OMP_WAIT_POLICY (compare.worker_env).
 """
 
 from __future__ import annotations
@@ -72,20 +76,35 @@ def run_llamacpp(
         for p in prompts
     ]
 
+    import llama_cpp as lc
+
+    ctx, n_batch = llm._ctx.ctx, min(512, n_ctx)  # the raw llama_context (llama-cpp-python's own handle)
+    greedy = lc.llama_sampler_init_greedy()
+
+    def decode(ids: list[int]) -> None:
+        for i in range(0, len(ids), n_batch):
+            chunk = ids[i : i + n_batch]
+            tokens = (lc.llama_token * len(chunk))(*chunk)  # alive until llama_decode has read it
+            status = lc.llama_decode(ctx, lc.llama_batch_get_one(tokens, len(chunk)))
+            if status != 0:
+                raise RuntimeError(f"llama_decode returned {status}")
+
     def generate(ids: list[int], n: int) -> tuple[list[int], float | None]:
-        llm.reset()  # n_tokens = 0: no prefix reuse, the prompt is evaluated from position 0
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)  # no prefix reuse: from position 0
         out: list[int] = []
         first: float | None = None
         if n <= 0:
             return out, first
-        for tok in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+        decode(ids)
+        while len(out) < n:
+            tok = lc.llama_sampler_sample(greedy, ctx, -1)
             if first is None:
                 first = time.perf_counter()
             if tok == eos and not ignore_eos:
                 break
             out.append(tok)
-            if len(out) >= n:
-                break
+            if len(out) < n:
+                decode([tok])
         return out, first
 
     warmup_s = 0.0
@@ -110,6 +129,7 @@ def run_llamacpp(
         })  # fmt: skip
     total_tokens = sum(r["completion_tokens"] for r in runs)
     total_time = sum(r["generate_time_s"] for r in runs)
+    lc.llama_sampler_free(greedy)
     if hasattr(llm, "close"):
         llm.close()
     return {
