@@ -68,16 +68,6 @@ inline void tile_f32(const float* w, const float* x, int64_t ldx, int64_t kc, fl
     for (int v = 0; v < V; ++v) store(c + m * P + v * W, acc[m][v]);
 }
 
-// `rows` (< MT) rows: the tile of exactly that many
-template <int MT>
-inline void tile_f32_rows(const float* w, const float* x, int64_t ldx, int64_t kc, float* c, bool first,
-                          int64_t rows) {
-  if constexpr (MT > 1) {
-    if (rows < MT) return tile_f32_rows<MT - 1>(w, x, ldx, kc, c, first, rows);
-  }
-  tile_f32<MT>(w, x, ldx, kc, c, first);
-}
-
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), as linear_panels (gemm.h) computes them.
 template <Format F>
 void linear_blocked(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
@@ -94,8 +84,9 @@ void linear_blocked(const float* x, int64_t M, int64_t ldx, const uint8_t* packe
         const float* w = panel_block_f32<F>(packed + (p_begin + p) * stride, k0, kc, wbuf);
         float* c = cbuf.data() + p * MC * P;
         for (int64_t m = 0; m < mc; m += MT_F32)
-          tile_f32_rows<MT_F32>(w, x + (m0 + m) * ldx + k0, ldx, kc, c + m * P, k0 == 0,
-                                std::min<int64_t>(MT_F32, mc - m));
+          with_rows<MT_F32>(std::min<int64_t>(MT_F32, mc - m), [&](auto rows) {
+            tile_f32<decltype(rows)::value>(w, x + (m0 + m) * ldx + k0, ldx, kc, c + m * P, k0 == 0);
+          });
       }
     }
     for (int64_t p = 0; p < n_panels; ++p) {

@@ -81,7 +81,8 @@ inline void rmsnorm_rows(Act x, Act residual, bool has_residual, Act weight, flo
       ss += (double)v * v;
     }
     const float rs = 1.0f / std::sqrt((float)(ss / D) + eps);
-    for (int64_t i = 0; i < Dv; i += W) out.setv(r * D + i, weight.getv(i) * out.roundv(load(h.data() + i) * splat(rs)));
+    for (int64_t i = 0; i < Dv; i += W)
+      out.setv(r * D + i, weight.getv(i) * out.roundv(load(h.data() + i) * splat(rs)));
     for (int64_t i = Dv; i < D; ++i) out.set(r * D + i, out.round(weight.get(i) * out.round(h[i] * rs)));
   }
 }

@@ -27,24 +27,22 @@ constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 5 : 8);
 // 8: 9-12 rows 1.1x, 16 rows and 5 the same)
 constexpr int MT_PAIRS = W == 16 ? 12 : MT_DENSE;
 
+// `rows` <= MT rows of x times a dense panel, in the tile of exactly that many (one row: 4 accumulator sets)
 template <typename T, int MT>
 void panel_rows(const T* panel, const float* x, int64_t ldx, int64_t K, int64_t rows, vf (*acc)[V]) {
-  // rows <= MT: dispatch the remainder of M to the tile of exactly that many
-  if constexpr (MT > 1) {
-    if (rows < MT) return panel_rows<T, MT - 1>(panel, x, ldx, K, rows, acc);
-  }
-  if constexpr (MT == 1) tile_dense<1, 4>(panel, x, ldx, K, acc);
-  else tile_dense<MT, 1>(panel, x, ldx, K, acc);
+  with_rows<MT>(rows, [&](auto r) {
+    constexpr int R = decltype(r)::value;
+    tile_dense<R, R == 1 ? 4 : 1>(panel, x, ldx, K, acc);
+  });
 }
 
 // the same for bf16 activation pairs (gemm.h: tile_bf16_pairs)
 template <int MT>
 void pair_rows(const uint16_t* panel, const uint16_t* xh, int64_t ldxh, int64_t K, int64_t rows, vf (*acc)[V]) {
-  if constexpr (MT > 1) {
-    if (rows < MT) return pair_rows<MT - 1>(panel, xh, ldxh, K, rows, acc);
-  }
-  if constexpr (MT == 1) tile_bf16_pairs<1, 4>(panel, xh, ldxh, K, acc);
-  else tile_bf16_pairs<MT, 1>(panel, xh, ldxh, K, acc);
+  with_rows<MT>(rows, [&](auto r) {
+    constexpr int R = decltype(r)::value;
+    tile_bf16_pairs<R, R == 1 ? 4 : 1>(panel, xh, ldxh, K, acc);
+  });
 }
 
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias) for a dense format (T: uint16_t for bf16,
@@ -130,7 +128,7 @@ inline void prep_row(const void* src, bool bf16, int64_t Kx, int64_t K, Format F
     std::memcpy(f, src, Kx * 4);
   }
   std::fill(f + Kx, f + K, 0.f);
-  if (quant) quantize_row(f, K, dst);
+  if (quant) quantize_row(f, K, dst, F == Q8_0);
 }
 
 // out[M, N] = x[M, Kx] @ w^T (+ bias): x and out bfloat16 (`bf16` true) or float32, bias float32 or none;

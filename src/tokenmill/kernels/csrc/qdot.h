@@ -48,7 +48,7 @@ constexpr int MT_Q = 3;
 #endif
 
 // A quantized activation row, in place of K floats: float d[nb], int32 s[nb] (sum of q per block), int8 q[K],
-// and with VNNI uint8 u[K] = q + 128 (Q8_0's unsigned side; qdot512.h).
+// and with VNNI, for Q8_0 weights, uint8 u[K] = q + 128 (the unsigned side of vpdpbusd).
 struct QRow {
   const float* d;
   const int32_t* s;
@@ -63,8 +63,9 @@ inline QRow qrow(const float* row, int64_t nb) {
 
 
 // x[0..K) float32 -> the QRow layout at `dst` (which has room for K floats): per block of 32, d = max|x| / 127 and
-// q = x / d rounded to nearest, ties to even (as ggml's AVX2 quantize_row_q8_0), the scale kept in float32.
-inline void quantize_row(const float* x, int64_t K, float* dst) {
+// q = x / d rounded to nearest, ties to even (as ggml's AVX2 quantize_row_q8_0), the scale kept in float32; with
+// `for_q8_0` and VNNI also u = q + 128.
+inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = false) {
   const int64_t nb = K / QK;
   int32_t* s = (int32_t*)(dst + nb);
   int8_t* q = (int8_t*)(dst + 2 * nb);
@@ -108,7 +109,9 @@ inline void quantize_row(const float* x, int64_t K, float* dst) {
   }
 #if TM_VNNI
   uint8_t* u = (uint8_t*)q + K;
-  for (int64_t k = 0; k < K; ++k) u[k] = (uint8_t)q[k] ^ 0x80;
+  for (int64_t k = 0; for_q8_0 && k < K; ++k) u[k] = (uint8_t)q[k] ^ 0x80;
+#else
+  (void)for_q8_0;
 #endif
 }
 
@@ -168,7 +171,7 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
     } else {
       for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
 #if TM_VNNI
-      // x + 128 (q ^ 0x80, unsigned) times w (signed), less 128 * the block's sum of w per channel (itself one
+      // x + 128 (QRow::u, unsigned) times w (signed), less 128 * the block's sum of w per channel (itself one
       // vpdpbusd by ones per group, shared by the tile's rows): the same exact sums, without a vpsignb per row
       __m256i wsum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
       const __m256i ones8 = _mm256_set1_epi8(1);
@@ -179,9 +182,9 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
         wsum[0] = _mm256_dpbusd_epi32(wsum[0], ones8, w0);
         wsum[1] = _mm256_dpbusd_epi32(wsum[1], ones8, w1);
         for (int m = 0; m < MT; ++m) {
-          uint32_t four;
-          std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
-          const __m256i xu = _mm256_set1_epi32((int32_t)(four ^ 0x80808080u));
+          int32_t four;
+          std::memcpy(&four, x[m].u + b * QK + 4 * g, 4);
+          const __m256i xu = _mm256_set1_epi32(four);
           isum[m][0] = _mm256_dpbusd_epi32(isum[m][0], xu, w0);
           isum[m][1] = _mm256_dpbusd_epi32(isum[m][1], xu, w1);
         }
@@ -245,12 +248,10 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
 }
 #endif
 
+// `rows` <= MT rows in the tile of exactly that many
 template <Format F, int MT>
 inline void qtile_rows(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t rows) {
-  if constexpr (MT > 1) {
-    if (rows < MT) return qtile_rows<F, MT - 1>(panel, x, nb, sums, rows);
-  }
-  qtile<F, MT>(panel, x, nb, sums);
+  with_rows<MT>(rows, [&](auto r) { qtile<F, decltype(r)::value>(panel, x, nb, sums); });
 }
 
 }  // namespace tmk
@@ -278,9 +279,10 @@ void linear_quant(const float* x, int64_t M, int64_t ldx, const uint8_t* packed,
     for (int64_t p = p_begin; p < p_end; ++p) {
 #if TM_Q512
       for (int64_t m = 0; m < mc; m += per) {
+        const uint8_t* panel = packed + p * stride;
         const int64_t rows = std::min<int64_t>(per, mc - m);
-        if (rows >= 4) qtile512_rows<F, MT_Q512>(packed + p * stride, rx + m, nb, sums + m, rows);
-        else qtile_rows<F, 3>(packed + p * stride, rx + m, nb, sums + m, rows);  // (Zen 4, 1 row: 1.07x)
+        if (rows < 4) qtile_rows<F, 3>(panel, rx + m, nb, sums + m, rows);  // (Zen 4, 1 row: 1.07x)
+        else with_rows<MT_Q512, 4>(rows, [&](auto r) { qtile512<F, decltype(r)::value>(panel, rx + m, nb, sums + m); });
       }
 #else
       for (int64_t m = 0; m < mc; m += MT_Q)

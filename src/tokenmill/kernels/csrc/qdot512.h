@@ -70,14 +70,5 @@ inline void qtile512(const uint8_t* panel, const QRow* x, int64_t nb, float (*su
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(sums[m], acc[m]);
 }
 
-// 4 <= rows <= MT
-template <Format F, int MT>
-inline void qtile512_rows(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t rows) {
-  if constexpr (MT > 4) {
-    if (rows < MT) return qtile512_rows<F, MT - 1>(panel, x, nb, sums, rows);
-  }
-  qtile512<F, MT>(panel, x, nb, sums);
-}
-
 }  // namespace tmk
 #endif

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -161,6 +162,16 @@ inline uint16_t float_to_bf16(float f) {
   if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);
   bits += 0x7fff + ((bits >> 16) & 1);
   return (uint16_t)(bits >> 16);
+}
+
+// fn(std::integral_constant<int, rows>{}) for LO <= rows <= MT: a register tile's row count must be a template
+// argument, so the remainder of M is dispatched to the tile of exactly that many rows.
+template <int MT, int LO = 1, typename Fn>
+inline void with_rows(int64_t rows, Fn&& fn) {
+  if constexpr (MT > LO) {
+    if (rows < MT) return with_rows<MT - 1, LO>(rows, fn);
+  }
+  fn(std::integral_constant<int, MT>{});
 }
 
 // W floats rounded to bfloat16 as float_to_bf16 rounds (nearest even; a NaN stays a NaN), kept as floats.

@@ -164,7 +164,8 @@ class DecodeStack {
   // row b of `src` (width Kx, the model dtype) -> xq_ row b, ready for linear `w` (unless the bf16 pair tiles read
   // src itself)
   void prep(const char* src, int64_t Kx, const LinearSpec& w, int64_t b) {
-    if (!pairs_apply((Format)w[1], bf16_, Kx, w[3])) prep_row(src, bf16_, Kx, w[3], (Format)w[1], xq_.data() + b * max_k_);
+    const Format F = (Format)w[1];
+    if (!pairs_apply(F, bf16_, Kx, w[3])) prep_row(src, bf16_, Kx, w[3], F, xq_.data() + b * max_k_);
   }
 
   // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ floats apart), or for a bf16 model from its
