@@ -14,6 +14,7 @@
 
 #include "amx.h"
 #include "amx_int8.h"
+#include "attention.h"
 #include "blocked.h"
 #include "fused.h"
 #include "gemm.h"

@@ -1,0 +1,315 @@
+// Decode attention: one new token per sequence over its paged KV cache, for one (sequence, KV head) at a time.
+//
+// The G = H / Hkv query heads of a KV head share every key and value read. Scores, softmax and the weighted sum
+// of values are float32. Two paths:
+// - the portable one (every ISA, float32 or bf16 caches): a run of positions within a block is widened to
+//   float32 once, then each head passes over it (a dot product per position, a vector sum per head);
+// - with AVX-512 BF16, for a bf16 cache (Dh a multiple of 32): 16 positions' keys are loaded as 16 rows of bf16
+//   pairs and transposed in registers, so that one vdpbf16ps multiplies a pair of q's values (broadcast) with
+//   that pair of the 16 keys and adds to the 16 positions' scores: no horizontal sums, no widening of keys, and
+//   32 products per instruction. The keys' products are exact in float32 (bf16 x bf16), only their sums round
+//   (in pairs). Values stay float32 FMAs (the probabilities are not rounded to bf16), all heads' sums held in
+//   registers while the position's values are widened once.
+// Zen 4, Qwen2.5-0.5B's shapes (14 heads over 2 KV heads of 64), bf16 cache from memory, 24 layers, 2 threads, the
+// AVX-512 BF16 path against the portable one: 1 sequence at 2048 positions 5.2-5.6 -> 3.1-3.4 ms, at 512 1.12 ->
+// 0.62-0.81 ms; 16 at 256 9.5 -> 6.2-6.7 ms. A 16-row int4 decode step at 128-176 positions: 37-43 -> 34-36 ms.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+#include "simd.h"
+
+namespace tmk {
+
+// W lanes of a row of T (bfloat16 as uint16_t, or float) as floats
+template <typename T>
+inline vf load_row(const T* p) {
+  if constexpr (sizeof(T) == 2) return load_bf16((const uint16_t*)p);
+  else return load((const float*)p);
+}
+
+template <typename T>
+inline float load_one(const T* p) {
+  if constexpr (sizeof(T) == 2) {
+    uint32_t bits = (uint32_t)*(const uint16_t*)p << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  } else {
+    return *(const float*)p;
+  }
+}
+
+// dot(a[0..Dh), row[0..Dh)) with a in float32 and the row in T
+template <typename T>
+inline float dot_row(const float* a, const T* row, int64_t Dh) {
+  vf s = {};
+  int64_t i = 0;
+  for (; i + W <= Dh; i += W) s += load(a + i) * load_row(row + i);
+  float r = hsum(s);
+  for (; i < Dh; ++i) r += a[i] * load_one(row + i);
+  return r;
+}
+
+// out[i] = dot(a[0..Dh), rows[i * stride ..]) for i < n (float32 rows): four rows at a time share a's loads and
+// one shuffle tree for their sums
+inline void dot_rows(const float* a, const float* rows, int64_t stride, int64_t n, int64_t Dh, float* out) {
+  int64_t i = 0;
+  if (Dh % W == 0)
+    for (; i + 4 <= n; i += 4) {
+      vf s[4] = {};
+      for (int64_t d = 0; d < Dh; d += W) {
+        const vf av = load(a + d);
+        for (int r = 0; r < 4; ++r) s[r] += av * load(rows + (i + r) * stride + d);
+      }
+      hsum4(s[0], s[1], s[2], s[3], out + i);
+    }
+  for (; i < n; ++i) out[i] = dot_row(a, rows + i * stride, Dh);
+}
+
+// acc[0..NV W) += sum over i < n of p[i] * rows[i * stride ..]: the NV accumulators stay in registers across the
+// rows (position by position, as one axpy per row would add them)
+template <int NV>
+inline void axpy_rows(float* acc, const float* p, const float* rows, int64_t stride, int64_t n) {
+  vf a[NV];
+  for (int v = 0; v < NV; ++v) a[v] = load(acc + v * W);
+  for (int64_t i = 0; i < n; ++i) {
+    const vf pv = splat(p[i]);
+    for (int v = 0; v < NV; ++v) a[v] += pv * load(rows + i * stride + v * W);
+  }
+  for (int v = 0; v < NV; ++v) store(acc + v * W, a[v]);
+}
+
+// acc[0..Dh) += sum over i < n of p[i] * rows[i * stride + 0..Dh)
+inline void axpy_run(float* acc, const float* p, const float* rows, int64_t stride, int64_t n, int64_t Dh) {
+  int64_t d = 0;
+  for (; d + 4 * W <= Dh; d += 4 * W) axpy_rows<4>(acc + d, p, rows + d, stride, n);
+  for (; d + W <= Dh; d += W) axpy_rows<1>(acc + d, p, rows + d, stride, n);
+  for (; d < Dh; ++d)
+    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * rows[i * stride + d];
+}
+
+// n cache rows of Dh values (src, `stride` elements apart) as float32: a float cache in place; bf16 widened into
+// buf [n, Dh] once, for all G query heads. Sets `stride` to the returned rows' stride.
+template <typename T>
+inline const float* float_rows(const T* src, int64_t n, int64_t& stride, int64_t Dh, float* buf) {
+  if constexpr (sizeof(T) == 4) {
+    return (const float*)src;
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t d = 0;
+      for (; d + W <= Dh; d += W) store(buf + i * Dh + d, load_row(src + i * stride + d));
+      for (; d < Dh; ++d) buf[i * Dh + d] = load_one(src + i * stride + d);
+    }
+    stride = Dh;
+    return buf;
+  }
+}
+
+// floats of scratch decode_attention_task needs for G query heads of Dh over n_ctx positions (blocks of block_size)
+inline int64_t attention_scratch(int64_t G, int64_t Dh, int64_t n_ctx, int64_t block_size) {
+  return G * (2 * Dh + n_ctx) + std::max(std::min(block_size, n_ctx) * Dh, 2 * n_ctx + 1);
+}
+
+// scores [G, n] -> softmax along each row, in place
+inline void softmax_rows(float* scores, int64_t G, int64_t n) {
+  for (int64_t j = 0; j < G; ++j) {
+    float* sc = scores + j * n;
+    int64_t t = 0;
+    vf top = splat(-INFINITY);
+    for (; t + W <= n; t += W) {
+      const vf v = load(sc + t);
+      top = v > top ? v : top;
+    }
+    float mx = -INFINITY;
+    for (int i = 0; i < W; ++i) mx = std::max(mx, top[i]);
+    for (; t < n; ++t) mx = std::max(mx, sc[t]);
+    vf sums = {};
+    for (t = 0; t + W <= n; t += W) {
+      const vf e = exp_neg(load(sc + t) - splat(mx));
+      store(sc + t, e);
+      sums += e;
+    }
+    float sum = hsum(sums);
+    for (; t < n; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
+    const vf inv = splat(1.0f / sum);
+    for (t = 0; t + W <= n; t += W) store(sc + t, load(sc + t) * inv);
+    for (; t < n; ++t) sc[t] *= inv[0];
+  }
+}
+
+#if defined(__AVX512BF16__) && TM_W == 16
+#define TM_ATTN_BF16 1
+
+// r[i][j] <- r[j][i] for 16 rows of 16 32-bit lanes: pairs of rows interleaved, then pairs of pairs, then 128-bit
+// lanes gathered (unpack, unpack, shuffle, shuffle)
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c]: lane L holds column 4L + c of rows i..i+3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);  // column c
+    t[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// scores[j][0..m) = scale * q_j . key_i for GC heads (q rows Dh apart, bf16) and m <= 16 keys (bf16 rows)
+template <int GC>
+inline void key_scores(const uint16_t* q, const uint16_t* const* keys, int m, int64_t Dh, float scale, float* scores,
+                       int64_t ld) {
+  __m512 acc[GC];
+  for (int j = 0; j < GC; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < Dh; c += 32) {  // 32 values = 16 bf16 pairs: one zmm per key
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = i < m ? _mm512_loadu_si512((const void*)(keys[i] + c)) : _mm512_setzero_si512();
+    transpose16(r);  // r[p]: pair p of the 16 keys
+    for (int p = 0; p < 16; ++p)
+      for (int j = 0; j < GC; ++j) {
+        uint32_t pair;
+        std::memcpy(&pair, q + j * Dh + c + 2 * p, 4);
+        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)r[p], (__m512bh)_mm512_set1_epi32((int)pair));
+      }
+  }
+  const __mmask16 valid = (__mmask16)((1u << m) - 1);
+  for (int j = 0; j < GC; ++j) _mm512_mask_storeu_ps(scores + j * ld, valid, _mm512_mul_ps(acc[j], _mm512_set1_ps(scale)));
+}
+
+// acc[j][0..NV 16) += sum over i < n of p[j][i] * value_i[0..NV 16) for GC heads, the values bf16 rows: each
+// value widened once for every head, the sums in registers
+template <int GC, int NV>
+inline void value_sums(const uint16_t* const* values, int64_t n, const float* p, int64_t ld, float* acc,
+                       int64_t Dh) {
+  __m512 a[GC][NV];
+  for (int j = 0; j < GC; ++j)
+    for (int v = 0; v < NV; ++v) a[j][v] = _mm512_loadu_ps(acc + j * Dh + 16 * v);
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 x[NV];
+    for (int v = 0; v < NV; ++v)
+      x[v] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(values[i] + 16 * v))), 16));
+    for (int j = 0; j < GC; ++j) {
+      const __m512 w = _mm512_set1_ps(p[j * ld + i]);
+      for (int v = 0; v < NV; ++v) a[j][v] = _mm512_fmadd_ps(w, x[v], a[j][v]);
+    }
+  }
+  for (int j = 0; j < GC; ++j)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + j * Dh + 16 * v, a[j][v]);
+}
+
+// The AVX-512 BF16 path of decode_attention_task (Dh % 32 == 0): keys at cache + row[t], values `vshift` elements
+// further, for the n_ctx positions; scratch: [G, n_ctx] scores, then [G, Dh] sums
+inline void attention_bf16(const uint16_t* qh, const uint16_t* cache, const int64_t* row, int64_t vshift,
+                           int64_t n_ctx, int64_t G, int64_t Dh, float scale, uint16_t* out, float* scratch) {
+  float* scores = scratch;          // [G, n_ctx]
+  float* acc = scores + G * n_ctx;  // [G, Dh]
+  // the rows 2 tiles ahead are asked for while this one computes: a context's blocks lie anywhere in the cache,
+  // where the hardware prefetcher does not follow them (Zen 4, 24 layers at 2048 positions: 3.8-4.4 -> 3.3 ms)
+  constexpr int64_t AHEAD = 32;
+  const auto prefetch = [&](int64_t t, int64_t shift, int64_t n = 16) {
+    for (int64_t i = t; i < std::min(t + n, n_ctx); ++i)
+      for (int64_t b = 0; b < Dh * 2; b += 64) __builtin_prefetch((const char*)(cache + row[i] + shift) + b);
+  };
+  const uint16_t* rows[16];
+  prefetch(0, 0, AHEAD);
+  for (int64_t t = 0; t < n_ctx; t += 16) {
+    const int m = (int)std::min<int64_t>(16, n_ctx - t);
+    for (int i = 0; i < m; ++i) rows[i] = cache + row[t + i];
+    prefetch(t + AHEAD, 0);
+    for (int64_t j = 0; j < G; j += 8)  // heads 8 at a time (8 sums + 16 keys in registers)
+      with_rows<8>(std::min<int64_t>(8, G - j), [&](auto gc) {
+        key_scores<decltype(gc)::value>(qh + j * Dh, rows, m, Dh, scale, scores + j * n_ctx + t, n_ctx);
+      });
+  }
+  prefetch(0, vshift, AHEAD);
+  softmax_rows(scores, G, n_ctx);
+  std::fill(acc, acc + G * Dh, 0.f);
+  for (int64_t t = 0; t < n_ctx; t += 16) {
+    const int64_t m = std::min<int64_t>(16, n_ctx - t);
+    prefetch(t + AHEAD, vshift);
+    for (int64_t j = 0; j < G; j += 7)  // heads 7 at a time: 7 x 4 sums in registers
+      with_rows<7>(std::min<int64_t>(7, G - j), [&](auto gc) {
+        constexpr int GC = decltype(gc)::value;
+        const float* p = scores + j * n_ctx + t;
+        for (int64_t d = 0; d < Dh;) {
+          for (int64_t i = 0; i < m; ++i) rows[i] = cache + row[t + i] + vshift + d;
+          if (d + 64 <= Dh) value_sums<GC, 4>(rows, m, p, n_ctx, acc + j * Dh + d, Dh), d += 64;
+          else value_sums<GC, 1>(rows, m, p, n_ctx, acc + j * Dh + d, Dh), d += 16;
+        }
+      });
+  }
+  for (int64_t j = 0; j < G * Dh; ++j) out[j] = float_to_bf16(acc[j]);
+}
+#endif
+
+// Attention of one new token per sequence over its paged context, for one (sequence b, KV head g). cache:
+// [2, slots, Hkv, Dh] for this layer (keys then values); q/out: [B, H, Dh]; table: the sequence's block ids;
+// len: its context length. `scratch` holds attention_scratch(G, Dh, len, block_size) floats.
+template <typename T>
+inline void decode_attention_task(const T* q, const T* cache, int64_t slots, const int64_t* table, int64_t len,
+                                  int64_t window, int64_t b, int64_t g, int64_t H, int64_t Hkv, int64_t Dh,
+                                  int64_t block_size, float scale, T* out, float* scratch) {
+  const int64_t G = H / Hkv, kv_stride = Hkv * Dh;
+  // positions [begin, len): the whole context, or with a window (> 0) its last `window` positions
+  const int64_t begin = window > 0 ? std::max<int64_t>(0, len - window) : 0, n_ctx = len - begin;
+#if TM_ATTN_BF16
+  if constexpr (sizeof(T) == 2) {
+    if (Dh % 32 == 0) {
+      // the slot of position t is table[t / block_size] * block_size + t % block_size
+      int64_t* row = (int64_t*)(scratch + ((G * (n_ctx + Dh) + 1) & ~int64_t{1}));  // [n_ctx]: keys' offsets
+      for (int64_t t = begin, i = 0, block = begin / block_size, off = begin % block_size; t < len; ++t, ++i) {
+        row[i] = (table[block] * block_size + off) * kv_stride + g * Dh;
+        if (++off == block_size) off = 0, ++block;
+      }
+      attention_bf16((const uint16_t*)q + (b * H + g * G) * Dh, (const uint16_t*)cache, row, slots * kv_stride, n_ctx,
+                     G, Dh, scale, (uint16_t*)out + (b * H + g * G) * Dh, scratch);
+      return;
+    }
+  }
+#endif
+  float* qv = scratch;                // [G, Dh]
+  float* scores = qv + G * Dh;        // [G, n_ctx]
+  float* acc = scores + G * n_ctx;    // [G, Dh]
+  float* run = acc + G * Dh;          // [<= block_size, Dh]: a run's keys or values as float32
+  for (int64_t j = 0; j < G * Dh; ++j) qv[j] = load_one(q + (b * H + g * G) * Dh + j) * scale;
+  // run by run within a block: the slot of position t is table[t / block_size] * block_size + t % block_size
+  for (int64_t t = begin; t < len;) {
+    const int64_t off = t % block_size, n = std::min(block_size - off, len - t);
+    int64_t stride = kv_stride;
+    const float* kb = float_rows(cache + (table[t / block_size] * block_size + off) * kv_stride + g * Dh, n, stride,
+                                 Dh, run);
+    for (int64_t j = 0; j < G; ++j) dot_rows(qv + j * Dh, kb, stride, n, Dh, scores + j * n_ctx + t - begin);
+    t += n;
+  }
+  softmax_rows(scores, G, n_ctx);
+  std::fill(acc, acc + G * Dh, 0.f);
+  for (int64_t t = begin; t < len;) {
+    const int64_t off = t % block_size, n = std::min(block_size - off, len - t);
+    int64_t stride = kv_stride;
+    const float* vb = float_rows(cache + (slots + table[t / block_size] * block_size + off) * kv_stride + g * Dh, n,
+                                 stride, Dh, run);
+    for (int64_t j = 0; j < G; ++j) axpy_run(acc + j * Dh, scores + j * n_ctx + t - begin, vb, stride, n, Dh);
+    t += n;
+  }
+  for (int64_t j = 0; j < G * Dh; ++j) {
+    T* o = out + (b * H + g * G) * Dh + j;
+    if constexpr (sizeof(T) == 2) *(uint16_t*)o = float_to_bf16(acc[j]);
+    else *(float*)o = acc[j];
+  }
+}
+
+}  // namespace tmk
