@@ -326,7 +326,9 @@ def test_argmax_equals_torch(ops: kernels.Kernels, v: int) -> None:
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
 # 64 and 96: AVX-512 BF16's path (96: a 64- and a 32-wide part); 18 over 2: more heads than its registers hold
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 32), (8, 2, 64), (6, 1, 40), (18, 2, 64), (4, 2, 96)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(4, 4, 32), (8, 2, 64), (6, 1, 40), (18, 2, 64), (4, 2, 96)]
+)
 @pytest.mark.parametrize("window", [None, 6, 13])  # 6: starts mid-block; 13: one sequence exactly its length
 def test_decode_attention_over_paged_blocks(
     ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int, window: int | None

@@ -90,3 +90,28 @@ def test_prepare_linears_swaps_every_linear_and_reports_it() -> None:
 def test_bad_quantization_requests_fail_clearly() -> None:
     with pytest.raises(ValueError, match="allowed: none, int8, int4"):
         prepare_linears(nn.Sequential(nn.Linear(64, 64)), "fp8", torch.device("cpu"))
+
+
+def test_placed_weights_give_the_same_outputs_from_one_region_in_module_order() -> None:
+    """place_weights copies every kernel linear's packed bytes into one huge-page region (Linux), in module
+    order, a weight two modules share once; the outputs do not change by a bit."""
+    import mmap
+
+    from tokenmill.kernels.placement import ALIGN, place_weights
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 96, bias=False), nn.Linear(96, 32))
+    prepare_linears(model, "int8", torch.device("cpu"))
+    model[2] = model[0]  # one weight, two modules
+    inputs = [torch.randn(3, m.in_features) for m in model]
+    before = [m(x) for m, x in zip(model, inputs, strict=True)]
+    moved = place_weights(model)
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        assert moved == 0
+        pytest.skip("this platform has no huge-page advice for anonymous mappings: the weights stay where they are")
+    first = -(-model[0].data.numel() // ALIGN) * ALIGN
+    assert moved == first + -(-model[1].data.numel() // ALIGN) * ALIGN  # the shared weight once
+    assert model[1].data.data_ptr() == model[0].data.data_ptr() + first  # in module order, back to back
+    assert model[2].data.data_ptr() == model[0].data.data_ptr()
+    after = [m(x) for m, x in zip(model, inputs, strict=True)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))

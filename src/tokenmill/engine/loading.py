@@ -14,6 +14,7 @@ from tokenmill.config import DTYPES, EngineConfig, ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.kernels import Kernels
 from tokenmill.kernels import active as active_kernels
+from tokenmill.kernels.placement import place_weights
 from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
@@ -156,6 +157,8 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
     if shard is not None:
         split_head(model, shard)  # before packing: its rows become a kernel linear like any other
     kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights, cfg.cpu_kernels)
+    if device.type == "cpu":
+        place_weights(model)  # one huge-page region, in the order a step reads them (kernels/placement.py)
     if shard is not None:
         wrap_row_parallel(model)
     ops = None

@@ -1,0 +1,64 @@
+"""Where the packed weights live: one region of memory, advised for transparent huge pages, in the order a forward
+pass reads them.
+
+A decode step streams every weight from memory once. Each 4 KB page the kernels cross costs a TLB entry, and the
+hardware prefetchers stop at page edges; tensors that torch allocated one by one, while loading and packing,
+lie on pages scattered over physical memory. Copied into one private anonymous mapping with
+`madvise(MADV_HUGEPAGE)` (Linux; where the kernel grants 2 MB pages), the same kernels stream them faster:
+on a Zen 4, 24 layers of Qwen2.5-0.5B's linears at one row, interleaved in one process against the tensors as
+loaded: bf16 27.8 -> 36.8 GB/s (1.36x), Q4_0 26.0 -> 29.1 (1.11x).
+
+Elsewhere (no Linux mapping flags, or a mapping refused) the weights stay where they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import torch
+from torch import nn
+
+log = logging.getLogger("tokenmill.kernels")
+
+HUGE_PAGE = 2 << 20
+ALIGN = 64  # each weight starts on a cache line
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
+    """A uint8 [nbytes] tensor over a private anonymous mapping advised for huge pages, starting on a 2 MB
+    boundary; None where the platform has no such mapping."""
+    private, anonymous = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if private is None or anonymous is None or advice is None or nbytes <= 0:
+        return None
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private | anonymous)
+        region.madvise(advice)
+    except (OSError, ValueError) as e:
+        log.info("weights stay where they were loaded: no huge-page mapping (%s)", e)
+        return None
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` alive as long as any view of it lives
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start : start + nbytes]
+
+
+def place_weights(model: nn.Module) -> int:
+    """Move every kernel linear's packed weight (its `data` buffer) into one huge-page region, in module order;
+    returns the bytes moved (0 where nothing moved)."""
+    from tokenmill.models.linear import KernelLinear
+
+    linears = [m for m in model.modules() if isinstance(m, KernelLinear) and m.data.device.type == "cpu"]
+    weights = list({m.data.data_ptr(): m.data for m in linears}.values())  # a weight two modules share, once
+    sizes = [-(-w.numel() // ALIGN) * ALIGN for w in weights]
+    region = huge_page_buffer(sum(sizes))
+    if region is None:
+        return 0
+    placed: dict[int, torch.Tensor] = {}
+    offset = 0
+    for weight, size in zip(weights, sizes, strict=True):
+        placed[weight.data_ptr()] = region[offset : offset + weight.numel()].copy_(weight)
+        offset += size
+    for module in linears:
+        module.data = placed[module.data.data_ptr()]  # the buffer now views the region; the loaded one is freed
+    return offset
