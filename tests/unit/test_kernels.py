@@ -91,6 +91,14 @@ def test_blocked_gemm_across_its_row_and_k_blocks(ops: kernels.Kernels, fmt: str
     _check_linear(ops, fmt, 70, 600, [200])
 
 
+@pytest.mark.parametrize(("fmt", "path"), [("bf16", "pairs"), ("bf16", "tiles"), ("f32", "tiles")])
+def test_register_tiles_across_their_row_blocks(ops: kernels.Kernels, fmt: str, path: str) -> None:
+    # the register tiles take rows in blocks of ~384 KB of x (kernels.cpp: linear_panels): at K = 4098, 40 rows are
+    # more than one block (bf16 pairs: 36 rows, float32 rows: 16-22)
+    with _path(ops, path):
+        _check_linear(ops, fmt, 37, 4098, [40])
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_integer_sums_do_not_saturate(ops: kernels.Kernels, fmt: str) -> None:
     """The largest products the formats can hold: every weight and activation at the end of its range, with
