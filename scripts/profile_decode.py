@@ -8,11 +8,17 @@ Queues `--batch` requests, runs their prefill and a few warm decode steps, then 
 (decode only) and prints the op table and the unprofiled wall time per step. tokenmill's own kernels are not
 torch ops, so while profiling each linear, norm, attention and MLP call is labelled (`record_function`) with
 its module; the labels cost nothing outside the profiled steps.
+
+Where a decode step runs as one call through the whole stack (models/decode_stack.py, the default with the CPU
+kernels), the modules are not called at all: the stack times its own stages instead (`DecodeStack.profile`),
+the table shows where the stack's time goes by stage (summed over the layers), and the trace shows each stage
+of each layer inside the `decode_stack` slice.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +79,59 @@ def print_groups(prof: Any, steps: int, linears: set[str]) -> None:
           f"({(total - in_linears) / total:.1%} of the profiled step)")  # fmt: skip
 
 
+LINEAR_STAGES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+class LabelledStack:
+    """The runner's decode stack, its calls labelled `decode_stack` for the profiler."""
+
+    def __init__(self, stack: Any) -> None:
+        self.stack = stack
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stack, name)
+
+    def __call__(self, *args: Any) -> Any:
+        with record_function("decode_stack"):
+            return self.stack(*args)
+
+
+def print_stages(runs: list[list[tuple[str, int | None, float, float]]], wall: float) -> None:
+    """Milliseconds per step in each kind of the stack's stages (summed over the layers), against the step's wall
+    time (`wall`, seconds)."""
+    kinds: dict[str, float] = {}
+    for run in runs:
+        for kind, _, start, end in run:
+            kinds[kind] = kinds.get(kind, 0.0) + (end - start) * 1000 / len(runs)
+    stack = sum(kinds.values())
+    print(f"{'stage (all layers)':<28} {'ms/step':>8} {'share':>6}")
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"{kind:<28} {ms:8.2f} {ms / stack:6.1%}")
+    linears = sum(kinds.get(k, 0.0) for k in LINEAR_STAGES)
+    outside = wall * 1000 - stack
+    print(f"decode stack {stack:.2f} ms/step: weight multiplications {linears:.2f} ({linears / stack:.1%}), the rest "
+          f"{stack - linears:.2f} ({(stack - linears) / stack:.1%}); outside the stack (embedding, sampler, "
+          f"scheduler, Python) {outside:.2f} ms/step")  # fmt: skip
+
+
+def add_stages_to_trace(path: str, runs: list[list[tuple[str, int | None, float, float]]]) -> bool:
+    """Nest each profiled run's stages under its `decode_stack` slice in the Chrome trace at `path` (aligned at
+    the slice's start); False where the slices and the runs do not pair up."""
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    calls = sorted((e for e in events if e.get("name") == "decode_stack" and e.get("ph") == "X"), key=lambda e: e["ts"])
+    if len(calls) != len(runs):
+        return False
+    for call, run in zip(calls, runs, strict=True):
+        for kind, layer, start, end in run:
+            at = {"pid": call["pid"], "tid": call["tid"], "ts": call["ts"] + start * 1e6, "dur": (end - start) * 1e6}
+            events.append({"name": kind, "ph": "X", "cat": "decode_stack", **at, "args": {"layer": layer}})
+    with open(path, "w") as f:
+        json.dump(trace, f)
+    return True
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="default: the built-in demo model")
@@ -94,21 +153,36 @@ def main() -> None:
         engine.add_request(EngineRequest(f"r{i}", prompt, params, engine.validate(prompt, params)))
     for _ in range(4):  # prefill (one step at these sizes) and warm decodes
         engine.step()
+    stack = engine.runner.decode_stack  # None: the steps run on the modules
+    if stack is not None:
+        stack.profile(True)  # its own stage clock: ~250 clock reads a step
     start = time.perf_counter()
     for _ in range(a.steps):
         engine.step()
     wall = (time.perf_counter() - start) / a.steps
+    unprofiled_runs = stack.stage_runs() if stack is not None else []
     undo = label_modules(llm.loaded.model)
+    if stack is not None:
+        stack.profile(True)
+        engine.runner.decode_stack = LabelledStack(stack)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(a.steps):
             with record_function("engine.step"):
                 engine.step()
     undo()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    print_groups(prof, a.steps, linear_labels(llm.loaded.model))
+    if stack is None:
+        print_groups(prof, a.steps, linear_labels(llm.loaded.model))
+    else:
+        engine.runner.decode_stack = stack
+        print_stages(unprofiled_runs, wall)
     if a.trace:
         prof.export_chrome_trace(a.trace)
+        if stack is not None and not add_stages_to_trace(a.trace, stack.stage_runs()):
+            print("(the trace has no decode stack stages: its decode_stack slices and the stack's runs differ)")
         print(f"trace: {a.trace}")
+    if stack is not None:
+        stack.profile(False)
     print(f"batch {a.batch}: unprofiled wall time per decode step {wall * 1000:.1f} ms over {a.steps} steps")
 
 

@@ -220,3 +220,29 @@ def test_compare_runs_every_backend_on_one_gguf(model: Path, tmp_path: Path) -> 
     assert not list(run.glob("model-*.gguf"))  # nothing converted
     with pytest.raises(ValueError, match="drop :q4_0"):
         parse_backends("llama.cpp:q4_0", "auto", gguf_model=True)
+
+
+def test_profile_decode_puts_the_stack_stages_in_its_table_and_trace(model: Path, tmp_path: Path) -> None:
+    """scripts/profile_decode.py on a model whose decode steps run through the decode stack: the stage table, and a
+    Chrome trace whose `decode_stack` slices each hold every stage of every layer, inside the slice."""
+    from tokenmill import kernels
+
+    if kernels.active() is None:
+        pytest.skip("no compiled CPU kernels here: the decode steps run on the modules, with no stack to profile")
+    trace = tmp_path / "trace.json"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_decode.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(model), "--steps", "3", "--prompt-tokens", "8", "--dtype", "float32",
+         "--trace", str(trace)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "lm_head" in proc.stdout and "weight multiplications" in proc.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    slices = sorted((e for e in events if e.get("name") == "decode_stack"), key=lambda e: e["ts"])
+    stages = [e for e in events if e.get("cat") == "decode_stack"]
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    assert len(slices) == 3 and len(stages) == 3 * (10 * layers + 2)
+    for s in slices:
+        inside = [e for e in stages if s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1]
+        assert len(inside) == 10 * layers + 2

@@ -7,6 +7,7 @@ logprobs equal HF's; bfloat16 agrees within a looser bound. The max diffs land i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,39 @@ def test_decode_stack_on_every_kernel_variant(case: tuple[str, Path, Any, LLM], 
     for a, b in zip(stacked, modules):
         assert a.token_ids == b.token_ids
         assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < 1e-5
+
+
+def test_the_stack_times_its_stages_when_asked(make_checkpoint: Callable[..., Path]) -> None:
+    """DecodeStack.profile (scripts/profile_decode.py): each decode step's run lists every stage of every layer in
+    order, then the final norm and the head, back to back within the step's time; the tokens do not change, and
+    off it keeps nothing."""
+    import time
+
+    llm = LLM(str(make_checkpoint("llama")), dtype="float32", device="cpu")
+    _skip_without_stack(llm)
+    stack = llm.engine.runner.decode_stack
+    prompt = [{"prompt_token_ids": llm.tokenizer.encode(PROMPT)}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate(prompt, params)[0].outputs[0].token_ids
+    stack.profile(True)
+    start = time.perf_counter()
+    profiled = llm.generate(prompt, params)[0].outputs[0].token_ids
+    elapsed = time.perf_counter() - start
+    runs = stack.stage_runs()
+    assert profiled == plain
+    assert len(runs) == 5  # the first token comes from the prefill
+    layer_kinds = ["input_norm", "qkv_proj", "rope_kv_write", "attention", "o_input", "o_proj", "post_norm",
+                   "gate_up_proj", "silu_mul", "down_proj"]  # fmt: skip
+    layers = llm.loaded.config.num_layers
+    for run in runs:
+        assert [k for k, *_ in run] == layer_kinds * layers + ["final_norm", "lm_head"]
+        assert [lay for _, lay, *_ in run] == [i // 10 for i in range(10 * layers)] + [None, None]
+        assert run[0][2] == 0.0 and all(a[3] == b[2] for a, b in itertools.pairwise(run))
+        assert all(end >= start for *_, start, end in run)
+    assert sum(run[-1][3] for run in runs) < elapsed
+    stack.profile(False)
+    llm.generate(prompt, params)
+    assert stack.stage_runs() == []
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

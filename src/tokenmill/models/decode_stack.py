@@ -144,6 +144,19 @@ class DecodeStack:
             result[b] = drafts[i][: rounds[b]]
         return result
 
+    def profile(self, on: bool) -> None:
+        """Time every stage of every run from now on (`on`), or stop; either way forget the runs so far. Off, it
+        costs nothing."""
+        self.native.set_profile(on)
+
+    def stage_runs(self) -> list[list[tuple[str, int | None, float, float]]]:
+        """The profiled runs' stages, each as (what it does, its layer or None, start, end): seconds from the run's
+        start, as the calling thread saw them (a stage ends when its last chunk is done, on whichever thread)."""
+        kinds, per_layer = self.native.stage_kinds(), len(self.native.stage_kinds()) - 2
+        body = self.native.num_layers() * per_layer
+        return [[(kinds[self.native.stage_kind(i)], i // per_layer if i < body else None, marks[i], marks[i + 1])
+                 for i in range(len(marks) - 1)] for marks in self.native.marks()]  # fmt: skip
+
     @staticmethod
     def applies(meta: Any) -> bool:
         """Every sequence of the step decodes one token over the paged cache."""

@@ -67,9 +67,12 @@ class Pool {
 
   // Run stages [0, count) of `stages` in order, each stage's chunks on whichever threads claim them; returns when
   // all are done and no helper holds a reference to `stages`. One program at a time: other callers wait.
-  void run(Stage* stages, int64_t count) {
+  // `marks` (count + 1 doubles, or null): the CLOCK_MONOTONIC seconds at the start and as each stage ended, as the
+  // caller saw them (the stack's profile).
+  void run(Stage* stages, int64_t count, double* marks = nullptr) {
     std::lock_guard<std::mutex> owner(owner_mutex_);
     const double wall0 = now(CLOCK_MONOTONIC), cpu0 = now(CLOCK_THREAD_CPUTIME_ID);
+    if (marks) marks[0] = wall0;
     const int helpers = wall0 < quiet_after_ ? 0 : (int)threads_.size();
     active_.store(helpers, std::memory_order_seq_cst);
     program_.store(stages, std::memory_order_seq_cst), count_.store(count, std::memory_order_seq_cst);
@@ -88,6 +91,7 @@ class Pool {
         if (spins < 4096) TM_PAUSE();  // a helper is finishing its chunk
         else std::this_thread::yield();  // ... and may be off its core: let it run
       }
+      if (marks) marks[s + 1] = now(CLOCK_MONOTONIC);
     }
     cursor_.store(kIdle, std::memory_order_seq_cst);
     while (inside_.load(std::memory_order_seq_cst) > 0) TM_PAUSE();  // a helper between its cursor read and claim
@@ -171,7 +175,7 @@ class Program {
   Program(int helpers, int64_t max_stages) : pool_(Pool::shared(helpers)), stages_(new Stage[max_stages]) {}
   void set_stage(int64_t i, std::function<void(int64_t)> fn) { stages_[i].fn = std::move(fn); }
   void set_chunks(int64_t i, int64_t chunks) { stages_[i].n.store(chunks, std::memory_order_relaxed); }
-  void run(int64_t count) { pool_.run(stages_.get(), count); }
+  void run(int64_t count, double* marks = nullptr) { pool_.run(stages_.get(), count, marks); }
 
  private:
   Pool& pool_;

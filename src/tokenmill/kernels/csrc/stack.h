@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "pool.h"
@@ -33,6 +34,10 @@ struct LayerSpec {
 class DecodeStack {
  public:
   static constexpr int kStagesPerLayer = 10;
+  // what each stage does: a layer's ten, then the two after the last layer (the profile's names)
+  static constexpr const char* kStageKinds[kStagesPerLayer + 2] = {
+      "input_norm", "qkv_proj", "rope_kv_write", "attention", "o_input", "o_proj", "post_norm", "gate_up_proj",
+      "silu_mul", "down_proj", "final_norm", "lm_head"};
 
   DecodeStack(bool bf16, int64_t D, int64_t H, int64_t Hkv, int64_t Dh, int64_t I, double eps, int64_t slots,
               uintptr_t final_norm, int64_t num_layers, int threads)
@@ -90,8 +95,24 @@ class DecodeStack {
     }
     pool_.set_chunks(L * kStagesPerLayer, B);
     pool_.set_chunks(L * kStagesPerLayer + 1, logits_ ? chunks(head_) : 0);
-    pool_.run(L * kStagesPerLayer + (logits_ ? 2 : 1));
+    const int64_t count = L * kStagesPerLayer + (logits_ ? 2 : 1);
+    if (!profiling_) return pool_.run(count);
+    std::vector<double> marks(count + 1);
+    pool_.run(count, marks.data());
+    for (int64_t i = count; i >= 0; --i) marks[i] -= marks[0];
+    marks_.push_back(std::move(marks));
   }
+
+  // Profile (off by default, and free when off): every run's stage boundaries while on. marks()[r][i + 1] -
+  // marks()[r][i] is how long run r's stage i took, as the calling thread saw it (seconds; its kind:
+  // stage_kind(i)). Turning it on or off forgets the runs so far.
+  void set_profile(bool on) { profiling_ = on, marks_.clear(); }
+  const std::vector<std::vector<double>>& marks() const { return marks_; }
+  int64_t stage_kind(int64_t i) const {
+    const int64_t body = num_layers() * kStagesPerLayer;
+    return i < body ? i % kStagesPerLayer : kStagesPerLayer + (i - body);
+  }
+  static std::vector<std::string> stage_kinds() { return {std::begin(kStageKinds), std::end(kStageKinds)}; }
 
   // Greedy decoding, as a draft model proposes: R drafts per row at most. First the catch-up: n0 one-token rows,
   // feed_tok[i] for row feed_seq[i] (each row's tables row), and each row b's first draft is the argmax (the first,
@@ -271,6 +292,8 @@ class DecodeStack {
   const int64_t *slot_ = nullptr, *tables_ = nullptr, *lens_ = nullptr;
   char *out_ = nullptr, *logits_ = nullptr;
   LinearSpec head_{};
+  bool profiling_ = false;
+  std::vector<std::vector<double>> marks_;  // the profile: each run's stage boundaries (seconds from its start)
 };
 
 }  // namespace tmk
