@@ -152,10 +152,12 @@ class DecodeStack:
     def stage_runs(self) -> list[list[tuple[str, int | None, float, float]]]:
         """The profiled runs' stages, each as (what it does, its layer or None, start, end): seconds from the run's
         start, as the calling thread saw them (a stage ends when its last chunk is done, on whichever thread)."""
-        kinds, per_layer = self.native.stage_kinds(), len(self.native.stage_kinds()) - 2
-        body = self.native.num_layers() * per_layer
-        return [[(kinds[self.native.stage_kind(i)], i // per_layer if i < body else None, marks[i], marks[i + 1])
-                 for i in range(len(marks) - 1)] for marks in self.native.marks()]  # fmt: skip
+        runs = []
+        for marks in self.native.marks():
+            stages = [self.native.stage_of(i) for i in range(len(marks) - 1)]
+            runs.append([(kind, None if layer < 0 else layer, marks[i], marks[i + 1])
+                         for i, (kind, layer) in enumerate(stages)])  # fmt: skip
+        return runs
 
     @staticmethod
     def applies(meta: Any) -> bool:

@@ -363,8 +363,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run_greedy", &tmk::DecodeStack::run_greedy, "greedy decoding rounds through the stack and head", nogil())
       .def("set_profile", &tmk::DecodeStack::set_profile, "time every stage of every run from now on (or stop)")
       .def("marks", &tmk::DecodeStack::marks, "each profiled run's stage boundaries, seconds from its start")
-      .def("stage_kind", &tmk::DecodeStack::stage_kind, "what stage i does: an index into stage_kinds()")
-      .def_static("stage_kinds", &tmk::DecodeStack::stage_kinds, "the names of what the stages do");
+      .def("stage_of", &tmk::DecodeStack::stage_of, "stage i's kind and layer (-1: after the last layer)");
   m.attr("lanes") = tmk::W;
   m.attr("panel") = tmk::P;
 }

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pool.h"
@@ -104,15 +105,16 @@ class DecodeStack {
   }
 
   // Profile (off by default, and free when off): every run's stage boundaries while on. marks()[r][i + 1] -
-  // marks()[r][i] is how long run r's stage i took, as the calling thread saw it (seconds; its kind:
-  // stage_kind(i)). Turning it on or off forgets the runs so far.
+  // marks()[r][i] is how long run r's stage i took, as the calling thread saw it (seconds; what it does:
+  // stage_of(i)). Turning it on or off forgets the runs so far.
   void set_profile(bool on) { profiling_ = on, marks_.clear(); }
   const std::vector<std::vector<double>>& marks() const { return marks_; }
-  int64_t stage_kind(int64_t i) const {
+  // stage i's kind and layer (-1: after the last layer)
+  std::pair<std::string, int64_t> stage_of(int64_t i) const {
     const int64_t body = num_layers() * kStagesPerLayer;
-    return i < body ? i % kStagesPerLayer : kStagesPerLayer + (i - body);
+    if (i < body) return {kStageKinds[i % kStagesPerLayer], i / kStagesPerLayer};
+    return {kStageKinds[kStagesPerLayer + (i - body)], -1};
   }
-  static std::vector<std::string> stage_kinds() { return {std::begin(kStageKinds), std::end(kStageKinds)}; }
 
   // Greedy decoding, as a draft model proposes: R drafts per row at most. First the catch-up: n0 one-token rows,
   // feed_tok[i] for row feed_seq[i] (each row's tables row), and each row b's first draft is the argmax (the first,
