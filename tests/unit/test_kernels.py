@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.conftest import kernel_levels
 from tokenmill import kernels
-from tokenmill.kernels.build import EMULATED
 from tokenmill.kernels.formats import (
     FORMATS,
     pack,
@@ -31,22 +31,6 @@ from tokenmill.kernels.formats import (
     unpack,
 )
 from tokenmill.kernels.isa import supported_levels
-
-
-def _levels() -> list[str]:
-    levels = supported_levels()
-    if "avx2" in levels and "avx512" not in levels:
-        levels.append(EMULATED)  # the AVX-512 variant's 16-lane logic, on this AVX2 CPU
-    return levels
-
-
-@pytest.fixture(scope="module", params=_levels())
-def ops(request: pytest.FixtureRequest) -> kernels.Kernels:
-    try:
-        return kernels.variant(request.param)
-    except kernels.KernelBuildError as e:  # pragma: no cover - a machine without a compiler
-        pytest.skip(f"the {request.param} kernels cannot be built here: {e}")
-
 
 SHAPES = [(16, 32), (37, 70), (80, 96), (130, 257)]  # (N, K): partial panels, K not a multiple of 32
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17]  # every tile up to 8 rows, the 12-row pair tile, two of 8 (17: 9 + 8)
@@ -141,7 +125,7 @@ def test_amx_gives_the_integer_tiles_bits(ops: kernels.Kernels, fmt: str) -> Non
 def test_the_simd_variants_give_the_integer_tiles_bits(fmt: str) -> None:
     """Every SIMD variant sums a block's products exactly and scales the sum the same way, whatever its tiles
     (AVX2's two ymm halves per panel, AVX-512 VNNI's one zmm, 1 to 40 rows): the same bits."""
-    simd = [level for level in _levels() if level != "scalar"]
+    simd = [level for level in kernel_levels() if level != "scalar"]
     if len(simd) < 2:
         pytest.skip(f"one SIMD variant runs here ({simd}): nothing to compare it with")
     packed = pack(torch.randn(80, 200), fmt)
@@ -330,31 +314,6 @@ def test_argmax_equals_torch(ops: kernels.Kernels, v: int) -> None:
     x[5, 0] = x[5, -1] = 1e9  # the first of two, across the vector and the tail
     for rows in (x, x[:1], x[2:4]):
         assert torch.equal(ops.argmax(rows), rows.argmax(dim=-1))
-
-
-@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
-# 64 and 96: AVX-512 BF16's path (96: a 64- and a 32-wide part); 18 over 2: more heads than its registers hold
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 4, 32), (8, 2, 64), (6, 1, 40), (18, 2, 64), (4, 2, 96)]
-)
-@pytest.mark.parametrize("window", [None, 6, 13])  # 6: starts mid-block; 13: one sequence exactly its length
-def test_decode_attention_over_paged_blocks(
-    ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int, window: int | None
-) -> None:
-    block_size, num_blocks = 4, 40
-    cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim).to(dtype)
-    lens = torch.tensor([1, 13, 37], dtype=torch.int64)  # one token, partial blocks, several blocks
-    generator = torch.Generator().manual_seed(0)
-    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:10] for _ in lens])  # [B, 10]
-    q = torch.randn(len(lens), heads, head_dim).to(dtype)
-    out = ops.decode_attention(q, cache, tables, lens, block_size, window)
-    for b, n in enumerate(lens.tolist()):
-        pos = torch.arange(max(0, n - window) if window else 0, n)  # the positions the new token sees
-        slots = tables[b, pos // block_size] * block_size + pos % block_size
-        keys = cache[0, slots].transpose(0, 1).float().repeat_interleave(heads // kv_heads, 0)  # [H, n, Dh]
-        values = cache[1, slots].transpose(0, 1).float().repeat_interleave(heads // kv_heads, 0)
-        ref = torch.nn.functional.scaled_dot_product_attention(q[b, :, None].float(), keys, values)[:, 0]
-        torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)

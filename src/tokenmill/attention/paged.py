@@ -35,6 +35,8 @@ class PagedMetadata(BatchLayout):
     window_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> decode_bias, also -inf before it
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths (the fused kernel's mask)
     context_slots: list[torch.Tensor | None] = field(default_factory=list)  # per sequence: [ctx] slots to read
+    prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks] the prefills' block ids (fused kernel)
+    prefill_seqs: torch.Tensor | None = None  # [P, 3] int64: first row, new tokens, context length (fused kernel)
 
 
 class PagedKVCache:
@@ -99,7 +101,20 @@ class PagedKVCache:
             meta.context_slots.append(ctx if s.start else None)  # a fresh prefill reads no cache
             pieces.append(ctx[s.start :])
         meta.slot_mapping = torch.cat(pieces)  # [T]
+        if self.ops is not None and len(sequences) > num_decodes:
+            meta.prefill_block_tables, meta.prefill_seqs = self._prefill_tables(sequences[num_decodes:], meta)
         return meta
+
+    def _prefill_tables(
+        self, prefills: Sequence[SequenceInput], meta: PagedMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused prefill attention's block tables [P, M] (padded with 0) and [P, 3] (first row, new tokens,
+        context length) for the prefill sequences, which follow the decodes."""
+        width = max(len(s.block_table) for s in prefills)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in prefills], dtype=torch.int64)
+        starts = meta.query_start_loc[meta.num_decodes :]
+        seqs = [[starts[i], starts[i + 1] - starts[i], s.seq_len] for i, s in enumerate(prefills)]
+        return tables, torch.tensor(seqs, dtype=torch.int64)
 
     def zero_new_blocks(self, tables: list[list[int]]) -> None:
         """A block is in some table before its first write, so zeroing every id up to the highest seen means the
@@ -146,6 +161,12 @@ class PagedKVCache:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode_batch(layer, q[:nd], meta)
+        fused = meta.prefill_seqs is not None and q.dtype == self.dtype and q.stride(1) == q.shape[-1]
+        if fused and q.shape[-1] % 16 == 0:  # every prefill in one call (prefill_attention.h)
+            assert self.ops is not None and meta.prefill_block_tables is not None and meta.prefill_seqs is not None
+            self.ops.prefill_attention(q, self.cache[layer], meta.prefill_block_tables, meta.prefill_seqs,
+                                       self.block_size, window_of(self.windows, layer), out)  # fmt: skip
+            return out
         for b in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
             slots = meta.context_slots[b]

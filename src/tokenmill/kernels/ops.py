@@ -110,6 +110,30 @@ class Kernels:
         self.module.argmax_rows(logits.data_ptr(), *logits.shape, out.data_ptr())
         return out
 
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        tables: torch.Tensor,
+        seqs: torch.Tensor,
+        block_size: int,
+        window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Prompts' new tokens (prefills and chunks) over a layer's paged cache [2, slots, Hkv, Dh], which already
+        holds their keys and values: q [T, H, Dh] (token rows may be strided, heads Dh apart); tables [S, M]
+        (int64) block ids; seqs [S, 3] (int64): each sequence's first row in q, new tokens, context length (new
+        ones included). Writes those rows of out [T, H, Dh] (contiguous); with a window, each token sees only the
+        last `window` positions. Dh must be a multiple of 16."""
+        h, dh = q.shape[1:]
+        if q.stride(2) != 1 or q.stride(1) != dh or not out.is_contiguous() or dh % 16 or q.dtype != cache.dtype:
+            raise ValueError("prefill_attention needs heads Dh apart, Dh % 16 == 0, a contiguous out, one dtype")
+        self.module.prefill_attention(
+            q.data_ptr(), q.stride(0), cache.data_ptr(), q.dtype == torch.bfloat16, cache.shape[1], tables.data_ptr(),
+            tables.shape[1], block_size, seqs.data_ptr(), seqs.shape[0], h, cache.shape[2], dh, dh**-0.5, window or 0,
+            out.data_ptr(),
+        )  # fmt: skip
+
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v [T, Hkv, Dh] (rows may be strided: slices of a fused qkv) -> a layer's cache [2, S, Hkv, Dh] at
         `slots` [T] (int64)."""

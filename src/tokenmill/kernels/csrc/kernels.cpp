@@ -18,6 +18,7 @@
 #include "blocked.h"
 #include "fused.h"
 #include "gemm.h"
+#include "prefill_attention.h"
 #include "qdot.h"
 
 namespace tmk {
@@ -268,6 +269,21 @@ void decode_attention(uintptr_t q, uintptr_t cache, bool bf16, int64_t slots, ui
   else decode_attention_impl<float>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out);
 }
 
+// every prefill sequence's new tokens over its paged context (prefill_attention.h); seqs [S, 3] int64: first row
+// in q, new tokens, context length
+void prefill_attention(uintptr_t q, int64_t q_stride, uintptr_t cache, bool bf16, int64_t slots, uintptr_t tables,
+                       int64_t max_blocks, int64_t block_size, uintptr_t seqs, int64_t S, int64_t H, int64_t Hkv,
+                       int64_t Dh, double scale, int64_t window, uintptr_t out) {
+  auto run = [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    const PrefillJob<T> job{(const T*)q, q_stride, (const T*)cache, slots, (const int64_t*)tables, max_blocks,
+                            block_size, (const int64_t*)seqs, H, Hkv, Dh, (float)scale, window, (T*)out};
+    prefill_attention_run(job, S);
+  };
+  if (bf16) run((uint16_t*)nullptr);
+  else run((float*)nullptr);
+}
+
 void kv_write(uintptr_t k, int64_t k_stride, uintptr_t v, int64_t v_stride, bool bf16, uintptr_t cache, int64_t slots,
               uintptr_t slot, int64_t n, int64_t width) {
   const int64_t* s = (const int64_t*)slot;
@@ -342,6 +358,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &tmk::rope, "rotate-half RoPE in place");
   m.def("silu_mul", &tmk::silu_mul, "silu(gate) * up");
   m.def("decode_attention", &tmk::decode_attention, "one new token per sequence over a paged KV cache");
+  m.def("prefill_attention", &tmk::prefill_attention, "prompts' new tokens over a paged KV cache (flash style)");
   m.def("kv_write", &tmk::kv_write, "new keys and values into their cache slots");
   m.def("set_bf16_dot", [](int64_t mode) { return std::exchange(tmk::bf16_dot, (int)mode); },
         "bf16 x bf16 pair tiles: -1 where the CPU has vdpbf16ps, 0 never, 1 always (tests); returns the old mode");

@@ -1,0 +1,331 @@
+// Prefill attention: the new tokens of every prompt (or prompt chunk) in a step over the paged KV cache, in one
+// call, after their keys and values were written there.
+//
+// Flash style (FlashAttention's online softmax): a task is one (sequence, KV head, block of QB new tokens); its
+// rows are the block's tokens times the G query heads that share the KV head, so every key and value read serves
+// QB x G rows. The context passes in blocks of KB positions: each block's scores are softmaxed against a running
+// maximum and sum per row, and the weighted values added to the row's running output, so no [rows, context]
+// matrix exists. Everything is float32 past the products; the output rounds to the model's dtype once.
+// - scores: a block's keys are packed as the linears' weight panels (gemm.h: 16 positions side by side at each k,
+//   bf16 in k pairs), so the same register tiles multiply them by the rows' queries: vdpbf16ps on AVX-512 BF16,
+//   FMAs elsewhere; bf16 x bf16 products are exact in float32 either way.
+// - values: a bf16 model's probabilities are rounded to bf16, as torch's SDPA and transformers' eager attention
+//   round them, and multiplied by the values in pairs (vdpbf16ps on AVX-512 BF16; elsewhere FMAs over the values
+//   widened once per block: the same products, exact in float32); a float32 model's stay float32.
+// torch's SDPA, called once per sequence, took 15-18% of a bf16 prefill on a Zen 4 (docs/benchmarks.md).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include "attention.h"
+#include "gemm.h"
+
+namespace tmk {
+
+constexpr int64_t KB = 64;          // context positions per block: KB / P panels
+constexpr int64_t PREFILL_ROWS = 96;  // rows (tokens x G heads) a task aims for
+
+// register tile rows for the scores (what the linears use for the same panels) and for the weighted values
+template <typename T>
+constexpr int score_rows() {
+  if constexpr (sizeof(T) == 2) return W == 16 ? 12 : (W == 8 ? 5 : 2);
+  else return W == 4 ? 2 : (W == 8 ? 5 : 8);
+}
+constexpr int PV_NV = 4;                   // vectors of Dh per value tile
+constexpr int PV_ROWS = W == 16 ? 6 : 2;   // rows x PV_NV sums + PV_NV values + 1 broadcast fit the registers
+
+struct PrefillTask {
+  int64_t seq, g, i0, i1;  // sequence, KV head, new tokens [i0, i1)
+  int64_t cost;            // rows x positions: the longest tasks go first
+};
+
+template <typename T>
+struct PrefillJob {
+  const T* q;                  // [tokens, H, Dh], tokens q_stride elements apart, heads Dh apart
+  int64_t q_stride;
+  const T* cache;              // this layer's [2, slots, Hkv, Dh]
+  int64_t slots;
+  const int64_t* tables;       // [S, max_blocks] block ids
+  int64_t max_blocks, block_size;
+  const int64_t* seqs;         // [S, 3]: first row in q, new tokens, context length (new ones included)
+  int64_t H, Hkv, Dh;
+  float scale;
+  int64_t window;              // > 0: each token sees only the last `window` positions (itself included)
+  T* out;                      // [tokens, H, Dh] contiguous
+};
+
+// The keys of n <= KB positions (row pointers) as ceil(n / P) panels in `panels`, zero past n: bf16 [Dh/2][P][2]
+// (a pair of k is one 32-bit word), float32 [Dh][P]. With AVX-512, 16 keys of 16 bf16 pairs are transposed in
+// registers (decode attention's transpose16), one panel row per pair.
+template <typename T>
+inline void pack_keys(const T* const* rows, int64_t n, int64_t Dh, T* panels) {
+  const int64_t np = (n + P - 1) / P;
+  for (int64_t p = 0; p < np; ++p) {
+    const int64_t m = std::min<int64_t>(P, n - p * P);
+    const T* const* key = rows + p * P;
+    if constexpr (sizeof(T) == 2) {
+      uint32_t* dst = (uint32_t*)(panels + p * P * Dh);  // [Dh/2][P] words
+#if TM_ATTN_BF16
+      if (Dh % 32 == 0) {
+        for (int64_t c = 0; c < Dh; c += 32) {
+          __m512i r[16];
+          for (int i = 0; i < 16; ++i) r[i] = i < m ? _mm512_loadu_si512((const void*)(key[i] + c)) : _mm512_setzero_si512();
+          transpose16(r);  // r[j]: pair j of the 16 keys
+          for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(dst + (c / 2 + j) * P), r[j]);
+        }
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < Dh / 2; ++j)
+        for (int64_t i = 0; i < P; ++i) {
+          uint32_t word = 0;
+          if (i < m) std::memcpy(&word, key[i] + 2 * j, 4);
+          dst[j * P + i] = word;
+        }
+    } else {
+      T* dst = panels + p * P * Dh;
+      for (int64_t d = 0; d < Dh; ++d)
+        for (int64_t i = 0; i < P; ++i) dst[d * P + i] = i < m ? key[i][d] : T(0);
+    }
+  }
+}
+
+// s[m][0..P) = scale * (row m of q) . (the panel's P keys), for MT rows of q (Dh apart)
+template <typename T, int MT>
+inline void score_tile(const T* panel, const T* q, int64_t Dh, float scale, float* s, int64_t lds) {
+  vf acc[MT][V] = {};
+  if constexpr (sizeof(T) == 2) tile_bf16_pairs<MT, 1>((const uint16_t*)panel, (const uint16_t*)q, Dh, Dh, acc);
+  else tile_dense<MT, 1, float>((const float*)panel, (const float*)q, Dh, Dh, acc);
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < V; ++v) store(s + m * lds + v * W, acc[m][v] * splat(scale));
+}
+
+// o[m][d0 .. d0 + NV W) += sum over j < n of p[m][j] * values[j][d0 ..], for MT rows (o rows Dh apart)
+template <int MT, int NV>
+inline void value_tile(const float* p, int64_t ldp, int64_t n, const float* values, int64_t Dh, int64_t d0, float* o) {
+  vf a[MT][NV];
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < NV; ++v) a[m][v] = load(o + m * Dh + d0 + v * W);
+  for (int64_t j = 0; j < n; ++j) {
+    vf x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load(values + j * Dh + d0 + v * W);
+    for (int m = 0; m < MT; ++m) {
+      const vf w = splat(p[m * ldp + j]);
+      for (int v = 0; v < NV; ++v) a[m][v] += w * x[v];
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < NV; ++v) store(o + m * Dh + d0 + v * W, a[m][v]);
+}
+
+// One row's scores s[lo, hi) (the positions it sees in this block of n) -> probabilities against its running
+// maximum mx and sum l, in place, 0 outside [lo, hi); returns the factor its earlier sums must be scaled by.
+inline float online_softmax_row(float* s, int64_t n, int64_t lo, int64_t hi, float& mx, float& l) {
+  if (hi <= lo) {
+    std::fill(s, s + n, 0.f);
+    return 1.f;
+  }
+  vf tops = splat(-INFINITY);
+  int64_t j = lo;
+  for (; j + W <= hi; j += W) {
+    const vf v = load(s + j);
+    tops = v > tops ? v : tops;
+  }
+  float top = -INFINITY;
+  for (int i = 0; i < W; ++i) top = std::max(top, tops[i]);
+  for (; j < hi; ++j) top = std::max(top, s[j]);
+  const float m_new = std::max(mx, top), corr = mx == -INFINITY ? 0.f : std::exp(mx - m_new);
+  std::fill(s, s + lo, 0.f);
+  std::fill(s + hi, s + n, 0.f);
+  vf sums = {};
+  for (j = lo; j + W <= hi; j += W) {
+    const vf e = exp_neg(load(s + j) - splat(m_new));
+    store(s + j, e);
+    sums += e;
+  }
+  float sum = hsum(sums);
+  for (; j < hi; ++j) sum += (s[j] = std::exp(s[j] - m_new));
+  l = l * corr + sum, mx = m_new;
+  return corr;
+}
+
+#if TM_ATTN_BF16
+// The values of n <= KB positions as Dh / P panels of bf16 pairs, [KB/2][P][2] each (positions 2i and 2i + 1 of
+// a channel in one word), zero past n: the weighted sums become pair tiles over the probabilities rounded to bf16,
+// as torch's SDPA and transformers' eager attention round them.
+inline void pack_values(const uint16_t* const* rows, int64_t n, int64_t Dh, uint16_t* panels) {
+  for (int64_t c = 0; c < Dh; c += P) {
+    __m512i* dst = (__m512i*)(panels + c * KB);  // this panel's [KB/2] rows of P words
+    for (int64_t i = 0; 2 * i < n; ++i) {
+      const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(rows[2 * i] + c)));
+      const __m512i b = 2 * i + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(rows[2 * i + 1] + c)))
+                                      : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + i, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+  }
+}
+constexpr bool kValuePairs = true;
+#else
+constexpr bool kValuePairs = false;
+#endif
+
+// Per-thread buffers of a task with up to `rows` rows.
+template <typename T>
+struct PrefillScratch {
+  std::vector<T> q, keys, values16;               // [rows, Dh]; [KB, Dh] packed; [KB, Dh] packed in pairs
+  std::vector<uint16_t> p16;                      // [rows, KB] probabilities in bf16 (value pairs)
+  std::vector<float> values, s, o, mx, l;         // [KB, Dh]; [rows, KB]; [rows, Dh]; [rows]; [rows]
+  std::vector<const T*> krow, vrow;               // [KB]
+  PrefillScratch(int64_t rows, int64_t Dh)
+      : q(rows * Dh), keys(KB * Dh), values16(KB * Dh), p16(rows * KB), values(KB * Dh), s(rows * KB), o(rows * Dh),
+        mx(rows), l(rows), krow(KB), vrow(KB) {}
+};
+
+// The rows [first row's position + r / G] of a task, and the positions each sees.
+struct TaskRows {
+  int64_t first, G, window;
+  int64_t pos(int64_t r) const { return first + r / G; }
+};
+
+// s[r][0..n) = scaled scores of every row against the block's packed keys at t0 (panels no row of a tile sees
+// are skipped: their entries are not read)
+template <typename T>
+void block_scores(const PrefillScratch<T>& sc, float* s, int64_t R, int64_t n, int64_t t0, const TaskRows& tr,
+                  int64_t Dh, float scale) {
+  constexpr int MT = score_rows<T>();
+  for (int64_t r0 = 0; r0 < R; r0 += MT) {
+    const int64_t rows = std::min<int64_t>(MT, R - r0), last = tr.pos(r0 + rows - 1), earliest = tr.pos(r0);
+    for (int64_t p = 0; p * P < n && t0 + p * P <= last; ++p) {
+      if (tr.window > 0 && t0 + p * P + P - 1 < earliest - tr.window + 1) continue;  // before every row's window
+      with_rows<MT>(rows, [&](auto r) {
+        score_tile<T, decltype(r)::value>(sc.keys.data() + p * P * Dh, sc.q.data() + r0 * Dh, Dh, scale,
+                                          s + r0 * KB + p * P, KB);
+      });
+    }
+  }
+}
+
+// o[r] += p[r] . values for every row: float32 FMAs over the widened values, or (bf16, AVX-512 BF16) pair tiles
+// over the bf16 probabilities and the values in pairs
+template <typename T>
+void block_values(PrefillScratch<T>& sc, int64_t R, int64_t n, int64_t Dh) {
+  if constexpr (sizeof(T) == 2 && kValuePairs) {
+#if TM_ATTN_BF16
+    const int64_t n2 = n + (n & 1);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < n2; j += 16) {  // rounded to nearest even as float_to_bf16 (no NaN here)
+        const __mmask16 valid = (__mmask16)(n - j >= 16 ? 0xffff : (1u << (n - j)) - 1);
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, sc.s.data() + r * KB + j));
+        _mm256_storeu_si256((__m256i*)(sc.p16.data() + r * KB + j), (__m256i)h);
+      }
+    constexpr int MT = score_rows<T>();
+    for (int64_t c = 0; c < Dh; c += P)
+      for (int64_t r0 = 0; r0 < R; r0 += MT)
+        with_rows<MT>(std::min<int64_t>(MT, R - r0), [&](auto rows) {
+          constexpr int M = decltype(rows)::value;
+          vf acc[M][V] = {};
+          tile_bf16_pairs<M, 1>((const uint16_t*)sc.values16.data() + c * KB, sc.p16.data() + r0 * KB, KB, n2, acc);
+          for (int m = 0; m < M; ++m)
+            for (int v = 0; v < V; ++v) {
+              float* o = sc.o.data() + (r0 + m) * Dh + c + v * W;
+              store(o, load(o) + acc[m][v]);
+            }
+        });
+    return;
+#endif
+  }
+  if constexpr (sizeof(T) == 2)  // the same bf16 probabilities as the pair tiles: only the sums' order differs
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < n; j += W) {
+        float* p = sc.s.data() + r * KB + j;
+        const int64_t m = std::min<int64_t>(W, n - j);
+        vf v = {};
+        std::memcpy(&v, p, m * 4);
+        v = bf16_rounded(v);
+        std::memcpy(p, &v, m * 4);
+      }
+  for (int64_t r0 = 0; r0 < R; r0 += PV_ROWS)
+    with_rows<PV_ROWS>(std::min<int64_t>(PV_ROWS, R - r0), [&](auto rows) {
+      constexpr int M = decltype(rows)::value;
+      const float* p = sc.s.data() + r0 * KB;
+      float* o = sc.o.data() + r0 * Dh;
+      int64_t d = 0;
+      for (; d + PV_NV * W <= Dh; d += PV_NV * W) value_tile<M, PV_NV>(p, KB, n, sc.values.data(), Dh, d, o);
+      for (; d < Dh; d += W) value_tile<M, 1>(p, KB, n, sc.values.data(), Dh, d, o);
+    });
+}
+
+// One task: its rows' queries copied side by side, then the context block by block, then the rows normalized out.
+template <typename T>
+void prefill_task(const PrefillJob<T>& job, const PrefillTask& task, PrefillScratch<T>& sc) {
+  const int64_t G = job.H / job.Hkv, Dh = job.Dh, R = (task.i1 - task.i0) * G, kv_stride = job.Hkv * Dh;
+  const int64_t* seq = job.seqs + task.seq * 3;
+  const int64_t* table = job.tables + task.seq * job.max_blocks;
+  const int64_t row0 = seq[0];  // q row of new token 0, at position seq[2] - seq[1]
+  const TaskRows tr{seq[2] - seq[1] + task.i0, G, job.window};
+  const int64_t kend = tr.pos(R - 1) + 1, kbeg = job.window > 0 ? std::max<int64_t>(0, tr.pos(0) - job.window + 1) : 0;
+  for (int64_t i = task.i0; i < task.i1; ++i)
+    std::copy_n(job.q + (row0 + i) * job.q_stride + task.g * G * Dh, G * Dh, sc.q.data() + (i - task.i0) * G * Dh);
+  std::fill_n(sc.o.data(), R * Dh, 0.f);
+  std::fill_n(sc.mx.data(), R, -INFINITY);
+  std::fill_n(sc.l.data(), R, 0.f);
+  for (int64_t t0 = kbeg; t0 < kend; t0 += KB) {
+    const int64_t n = std::min(KB, kend - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = t0 + i, slot = table[t / job.block_size] * job.block_size + t % job.block_size;
+      sc.krow[i] = job.cache + slot * kv_stride + task.g * Dh;
+      sc.vrow[i] = sc.krow[i] + job.slots * kv_stride;
+    }
+    pack_keys(sc.krow.data(), n, Dh, sc.keys.data());
+#if TM_ATTN_BF16
+    if constexpr (sizeof(T) == 2) pack_values((const uint16_t* const*)sc.vrow.data(), n, Dh, sc.values16.data());
+    else
+#endif
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = 0; d < Dh; d += W) store(sc.values.data() + i * Dh + d, load_row(sc.vrow[i] + d));
+    block_scores(sc, sc.s.data(), R, n, t0, tr, Dh, job.scale);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t at = tr.pos(r), hi = std::min(n, at - t0 + 1);
+      const int64_t lo = job.window > 0 ? std::clamp<int64_t>(at - job.window + 1 - t0, 0, n) : 0;
+      const float corr = online_softmax_row(sc.s.data() + r * KB, n, lo, hi, sc.mx[r], sc.l[r]);
+      if (corr != 1.f)
+        for (int64_t d = 0; d < Dh; ++d) sc.o[r * Dh + d] *= corr;
+    }
+    block_values(sc, R, n, Dh);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    T* dst = job.out + ((row0 + task.i0 + r / G) * job.H + task.g * G + r % G) * Dh;
+    const float inv = 1.f / sc.l[r];
+    for (int64_t d = 0; d < Dh; ++d) {
+      const float y = sc.o[r * Dh + d] * inv;
+      if constexpr (sizeof(T) == 2) *(uint16_t*)(dst + d) = float_to_bf16(y);
+      else dst[d] = y;
+    }
+  }
+}
+
+// Every task of the job over the threads: the longest first, each thread taking the next from a shared counter.
+template <typename T>
+void prefill_attention_run(const PrefillJob<T>& job, int64_t num_seqs) {
+  const int64_t G = job.H / job.Hkv, qb = std::max<int64_t>(1, PREFILL_ROWS / G);
+  std::vector<PrefillTask> tasks;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t n_new = job.seqs[b * 3 + 1], first = job.seqs[b * 3 + 2] - n_new;
+    for (int64_t i0 = 0; i0 < n_new; i0 += qb) {
+      const int64_t i1 = std::min(n_new, i0 + qb), span = job.window > 0 ? std::min(job.window, first + i1) : first + i1;
+      for (int64_t g = 0; g < job.Hkv; ++g) tasks.push_back({b, g, i0, i1, (i1 - i0) * span});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const PrefillTask& a, const PrefillTask& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (int64_t)tasks.size());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    PrefillScratch<T> sc(qb * G, job.Dh);
+    for (int64_t i = next.fetch_add(1); i < (int64_t)tasks.size(); i = next.fetch_add(1)) prefill_task(job, tasks[i], sc);
+  });
+}
+
+}  // namespace tmk

@@ -1,0 +1,87 @@
+"""The attention kernels (decode: one new token per sequence; prefill: many) against torch's SDPA in float32, on
+every kernel variant this CPU runs, over paged caches whose blocks lie in random order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill import kernels
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+
+
+def reference(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, ctx: int, block_size: int,
+              window: int | None) -> torch.Tensor:  # fmt: skip
+    """q [n, H, Dh]: the last n of a sequence's ctx positions, over its cache blocks (table) -> [n, H, Dh] float32."""
+    n, heads = q.shape[0], q.shape[1]
+    pos = torch.arange(ctx)
+    slots = table[pos // block_size] * block_size + pos % block_size
+    group = heads // cache.shape[2]
+    keys = cache[0, slots].transpose(0, 1).float().repeat_interleave(group, 0)  # [H, ctx, Dh]
+    values = cache[1, slots].transpose(0, 1).float().repeat_interleave(group, 0)
+    q_pos = torch.arange(ctx - n, ctx)[:, None]
+    mask = pos[None] <= q_pos
+    if window:
+        mask &= pos[None] > q_pos - window
+    return F.scaled_dot_product_attention(q.float().transpose(0, 1), keys, values, attn_mask=mask).transpose(0, 1)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+# 64 and 96: AVX-512 BF16's path (96: a 64- and a 32-wide part); 18 over 2: more heads than its registers hold
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(4, 4, 32), (8, 2, 64), (6, 1, 40), (18, 2, 64), (4, 2, 96)]
+)
+@pytest.mark.parametrize("window", [None, 6, 13])  # 6: starts mid-block; 13: one sequence exactly its length
+def test_decode_attention_over_paged_blocks(
+    ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int, window: int | None
+) -> None:
+    block_size, num_blocks = 4, 40
+    cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim).to(dtype)
+    lens = torch.tensor([1, 13, 37], dtype=torch.int64)  # one token, partial blocks, several blocks
+    generator = torch.Generator().manual_seed(0)
+    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:10] for _ in lens])  # [B, 10]
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    out = ops.decode_attention(q, cache, tables, lens, block_size, window)
+    for b, n in enumerate(lens.tolist()):
+        ref = reference(q[b : b + 1], cache, tables[b], n, block_size, window)[0]
+        torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+# 64: vdpbf16ps for scores and values; 80: 5 vectors of 16 (a tail past 4); 1 KV head of 6: rows = tokens x 6;
+# (2, 2, 32): one head per KV head, so a task takes 96 tokens
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(2, 2, 32), (14, 2, 64), (6, 1, 80), (8, 2, 128)])
+@pytest.mark.parametrize("window", [None, 5, 70])  # 5: inside one key block; 70: longer than a block of 64
+def test_prefill_attention_over_paged_blocks(
+    ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int, window: int | None
+) -> None:
+    """Fresh prompts and chunks after a cached context, in one call: one token; a few; 130 fresh ones (several task
+    blocks of tokens and several key blocks of 64); 37 new after 63 cached; 3 after 67. q's token rows are slices of
+    wider rows (a fused qkv), and the rows before the first prefill (a step's decodes) are left alone."""
+    block_size, num_blocks = 4, 120
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    specs = [(1, 1), (7, 7), (130, 130), (37, 100), (3, 70)]  # (new tokens, context length)
+    decodes = 2
+    rows, seqs = decodes, []
+    for n, ctx in specs:
+        seqs.append((rows, n, ctx))
+        rows += n
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:40] for _ in specs])  # [S, 40]
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)  # token rows (heads + 2 kv) * Dh apart
+    out = torch.full((rows, heads, head_dim), 7.0, dtype=dtype)
+    ops.prefill_attention(q, cache, tables, torch.tensor(seqs, dtype=torch.int64), block_size, window, out)
+    assert torch.all(out[:decodes] == 7.0)
+    for (start, n, ctx), table in zip(seqs, tables, strict=True):
+        ref = reference(q[start : start + n], cache, table, ctx, block_size, window)
+        torch.testing.assert_close(out[start : start + n].float(), ref, atol=tol, rtol=tol)
+
+
+def test_prefill_attention_refuses_what_it_cannot_take(ops: kernels.Kernels) -> None:
+    cache = torch.zeros(2, 8, 1, 24)
+    q, seqs, tables = torch.zeros(2, 1, 24), torch.tensor([[0, 2, 2]]), torch.zeros(1, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="Dh % 16"):
+        ops.prefill_attention(q, cache, tables, seqs, 4, None, torch.empty_like(q))
