@@ -33,7 +33,7 @@ from tokenmill.kernels.formats import (
 from tokenmill.kernels.isa import supported_levels
 
 SHAPES = [(16, 32), (37, 70), (80, 96), (130, 257)]  # (N, K): partial panels, K not a multiple of 32
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17]  # every tile up to 8 rows, the 12-row pair tile, two of 8 (17: 9 + 8)
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17]  # every tile up to 8 rows, 12, the 16-row pair tile, 17 as 9 + 8
 
 
 # Each linear path on every row count: a dense format's register tiles or cache-blocked GEMM (blocked.h); bf16's

@@ -26,8 +26,11 @@ namespace tmk {
 // rows of one dense tile at this vector width (what fits in the register file)
 constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 5 : 8);
 // rows of one bf16 pair tile: with 16 lanes a row needs one accumulator and no widened weights (Zen 4, against
-// 8: 9-12 rows 1.1x, 16 rows and 5 the same)
-constexpr int MT_PAIRS = W == 16 ? 12 : MT_DENSE;
+// 8: 9-12 rows 1.1x). 16, not 12: a 16-row decode step in one tile reads each weight once, 16 vdpbf16ps per 64
+// bytes, which two cores can feed from memory; as two tiles of 8 the first waited on memory while the second ran
+// from cache (Zen 4, engine decode steps alternated in one process: 50.5 -> 46.3 and 52.4 -> 47.7 ms; prefill the
+// same within noise)
+constexpr int MT_PAIRS = W == 16 ? 16 : MT_DENSE;
 
 // `rows` <= MT rows of x times a dense panel, in the tile of exactly that many (one row: 4 accumulator sets)
 template <typename T, int MT>
