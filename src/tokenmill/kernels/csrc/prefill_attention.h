@@ -9,9 +9,9 @@
 // - scores: a block's keys are packed as the linears' weight panels (gemm.h: 16 positions side by side at each k,
 //   bf16 in k pairs), so the same register tiles multiply them by the rows' queries: vdpbf16ps on AVX-512 BF16,
 //   FMAs elsewhere; bf16 x bf16 products are exact in float32 either way.
-// - values: a bf16 model's probabilities are rounded to bf16, as torch's SDPA and transformers' eager attention
-//   round them, and multiplied by the values in pairs (vdpbf16ps on AVX-512 BF16; elsewhere FMAs over the values
-//   widened once per block: the same products, exact in float32); a float32 model's stay float32.
+// - values: widened to float32 once per block, times the float32 probabilities (not rounded to bf16: torch's
+//   SDPA keeps them in float32 too; rounded, a bf16 model's outputs were 1.4x further from the exact ones, and a
+//   random-weight model's greedy tokens left transformers' at the first token).
 // torch's SDPA, called once per sequence, took 15-18% of a bf16 prefill on a Zen 4 (docs/benchmarks.md).
 #pragma once
 
@@ -152,36 +152,15 @@ inline float online_softmax_row(float* s, int64_t n, int64_t lo, int64_t hi, flo
   return corr;
 }
 
-#if TM_ATTN_BF16
-// The values of n <= KB positions as Dh / P panels of bf16 pairs, [KB/2][P][2] each (positions 2i and 2i + 1 of
-// a channel in one word), zero past n: the weighted sums become pair tiles over the probabilities rounded to bf16,
-// as torch's SDPA and transformers' eager attention round them.
-inline void pack_values(const uint16_t* const* rows, int64_t n, int64_t Dh, uint16_t* panels) {
-  for (int64_t c = 0; c < Dh; c += P) {
-    __m512i* dst = (__m512i*)(panels + c * KB);  // this panel's [KB/2] rows of P words
-    for (int64_t i = 0; 2 * i < n; ++i) {
-      const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(rows[2 * i] + c)));
-      const __m512i b = 2 * i + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(rows[2 * i + 1] + c)))
-                                      : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + i, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-    }
-  }
-}
-constexpr bool kValuePairs = true;
-#else
-constexpr bool kValuePairs = false;
-#endif
-
 // Per-thread buffers of a task with up to `rows` rows.
 template <typename T>
 struct PrefillScratch {
-  std::vector<T> q, keys, values16;               // [rows, Dh]; [KB, Dh] packed; [KB, Dh] packed in pairs
-  std::vector<uint16_t> p16;                      // [rows, KB] probabilities in bf16 (value pairs)
-  std::vector<float> values, s, o, mx, l;         // [KB, Dh]; [rows, KB]; [rows, Dh]; [rows]; [rows]
-  std::vector<const T*> krow, vrow;               // [KB]
+  std::vector<T> q, keys;                  // [rows, Dh]; [KB, Dh] packed
+  std::vector<float> values, s, o, mx, l;  // [KB, Dh]; [rows, KB]; [rows, Dh]; [rows]; [rows]
+  std::vector<const T*> krow, vrow;        // [KB]
   PrefillScratch(int64_t rows, int64_t Dh)
-      : q(rows * Dh), keys(KB * Dh), values16(KB * Dh), p16(rows * KB), values(KB * Dh), s(rows * KB), o(rows * Dh),
-        mx(rows), l(rows), krow(KB), vrow(KB) {}
+      : q(rows * Dh), keys(KB * Dh), values(KB * Dh), s(rows * KB), o(rows * Dh), mx(rows), l(rows), krow(KB),
+        vrow(KB) {}
 };
 
 // The rows [first row's position + r / G] of a task, and the positions each sees.
@@ -208,45 +187,9 @@ void block_scores(const PrefillScratch<T>& sc, float* s, int64_t R, int64_t n, i
   }
 }
 
-// o[r] += p[r] . values for every row: float32 FMAs over the widened values, or (bf16, AVX-512 BF16) pair tiles
-// over the bf16 probabilities and the values in pairs
+// o[r] += p[r] . values for every row: float32 FMAs over the values widened once per block
 template <typename T>
 void block_values(PrefillScratch<T>& sc, int64_t R, int64_t n, int64_t Dh) {
-  if constexpr (sizeof(T) == 2 && kValuePairs) {
-#if TM_ATTN_BF16
-    const int64_t n2 = n + (n & 1);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t j = 0; j < n2; j += 16) {  // rounded to nearest even as float_to_bf16 (no NaN here)
-        const __mmask16 valid = (__mmask16)(n - j >= 16 ? 0xffff : (1u << (n - j)) - 1);
-        const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, sc.s.data() + r * KB + j));
-        _mm256_storeu_si256((__m256i*)(sc.p16.data() + r * KB + j), (__m256i)h);
-      }
-    constexpr int MT = score_rows<T>();
-    for (int64_t c = 0; c < Dh; c += P)
-      for (int64_t r0 = 0; r0 < R; r0 += MT)
-        with_rows<MT>(std::min<int64_t>(MT, R - r0), [&](auto rows) {
-          constexpr int M = decltype(rows)::value;
-          vf acc[M][V] = {};
-          tile_bf16_pairs<M, 1>((const uint16_t*)sc.values16.data() + c * KB, sc.p16.data() + r0 * KB, KB, n2, acc);
-          for (int m = 0; m < M; ++m)
-            for (int v = 0; v < V; ++v) {
-              float* o = sc.o.data() + (r0 + m) * Dh + c + v * W;
-              store(o, load(o) + acc[m][v]);
-            }
-        });
-    return;
-#endif
-  }
-  if constexpr (sizeof(T) == 2)  // the same bf16 probabilities as the pair tiles: only the sums' order differs
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t j = 0; j < n; j += W) {
-        float* p = sc.s.data() + r * KB + j;
-        const int64_t m = std::min<int64_t>(W, n - j);
-        vf v = {};
-        std::memcpy(&v, p, m * 4);
-        v = bf16_rounded(v);
-        std::memcpy(p, &v, m * 4);
-      }
   for (int64_t r0 = 0; r0 < R; r0 += PV_ROWS)
     with_rows<PV_ROWS>(std::min<int64_t>(PV_ROWS, R - r0), [&](auto rows) {
       constexpr int M = decltype(rows)::value;
@@ -280,10 +223,6 @@ void prefill_task(const PrefillJob<T>& job, const PrefillTask& task, PrefillScra
       sc.vrow[i] = sc.krow[i] + job.slots * kv_stride;
     }
     pack_keys(sc.krow.data(), n, Dh, sc.keys.data());
-#if TM_ATTN_BF16
-    if constexpr (sizeof(T) == 2) pack_values((const uint16_t* const*)sc.vrow.data(), n, Dh, sc.values16.data());
-    else
-#endif
     for (int64_t i = 0; i < n; ++i)
       for (int64_t d = 0; d < Dh; d += W) store(sc.values.data() + i * Dh + d, load_row(sc.vrow[i] + d));
     block_scores(sc, sc.s.data(), R, n, t0, tr, Dh, job.scale);
