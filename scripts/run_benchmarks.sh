@@ -69,7 +69,7 @@ $TM bench sweep "$MODEL" --dtype bfloat16 --experiment quantization --prompt-tok
 
 # 4. own CPU kernels (docs/benchmarks.md, issue 14): every format against llama.cpp, single stream and online
 $TM bench compare "$MODEL" --backends tokenmill,tokenmill:int8,tokenmill:int4,llama.cpp,llama.cpp:q8_0,llama.cpp:q4_0 \
-  --dtype bfloat16 --num-prompts 2 --prompt-tokens 512 --max-tokens 128 --threads 2 --output-dir "$OUT"
+  --dtype bfloat16 --num-prompts 2 --prompt-tokens 512 --max-tokens 128 --threads 2 --rounds 3 --output-dir "$OUT"
 G=$(ls -td "$OUT"/compare_* | head -1)
 for pair in none:bf16 int8:q8_0 int4:q4_0; do
   q=${pair%%:*}; g=${pair##*:}

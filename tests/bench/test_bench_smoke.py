@@ -169,6 +169,21 @@ def test_compare_and_report(model: Path, tmp_path: Path) -> None:
     assert report.name == "report.md" and (tmp_path / "rep" / "headlines.png").is_file()
 
 
+def test_compare_in_rounds_takes_the_median_of_each_backends_rounds(model: Path, tmp_path: Path) -> None:
+    """--rounds 3 runs every backend three times in turn; pp and tg are the medians of the rounds, and the report
+    lists each round's tg with its ratio to the first backend's in that round."""
+    args = ["--num-prompts", "1", "--prompt-tokens", "8", "--max-tokens", "6", "--rounds", "3"]
+    run = bench("compare", str(model), "--backends", "tokenmill,tokenmill:int8", *args, "--output-dir", str(tmp_path))
+    rows = {r["backend"]: r for r in json.loads((run / "summary/summary.json").read_text())}
+    raw = json.loads((run / "raw/trials.json").read_text())
+    for backend, row in rows.items():
+        assert row["status"] == "ok" and len(row["tg_by_round"]) == 3 and min(row["tg_by_round"]) > 0
+        assert row["tg_tokens_per_sec"] == sorted(row["tg_by_round"])[1]
+        assert sorted(r["round"] for r in raw if r["backend"] == backend) == [0, 1, 2]
+    report = (run / "report.md").read_text()
+    assert "tg tok/s by round (3 rounds" in report and report.count("x)") == 3  # int8's ratio in each round
+
+
 def test_compare_runs_peers_without_tokenmills_openmp_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """tokenmill sets OMP_WAIT_POLICY=PASSIVE for itself; a peer (llama.cpp's OpenMP threads, transformers) runs as
     its users run it: with their own setting, or none, even though its worker imports tokenmill."""

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -122,6 +123,33 @@ def _run_worker(
     return result
 
 
+def _rates(runs: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Each run's prefill and decode tokens/s: prompt tokens over TTFT; tokens after the first over the rest."""
+    pp = [r["prompt_tokens"] / (r["ttft_ms"] / 1000) for r in runs if r.get("prompt_tokens") and r["ttft_ms"] > 0]
+    tg = [
+        (r["completion_tokens"] - 1) / (r["generate_time_s"] - r["ttft_ms"] / 1000)
+        for r in runs
+        if r["completion_tokens"] > 1 and r["generate_time_s"] > r["ttft_ms"] / 1000
+    ]
+    return pp, tg
+
+
+def _summarize_rounds(backend: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One backend over every round: the first round's row, with pp and tg the median of the rounds' means
+    (and each round's tg) when there were several."""
+    failed = next((r for r in results if r.get("status") != "ok"), None)
+    row = _summarize_backend(backend, failed or results[0])
+    if failed is None and len(results) > 1:
+        rounds = [_rates(r["runs"]) for r in results]
+        row["tg_by_round"] = [summarize(tg)["mean"] if tg else None for _, tg in rounds]
+        for key, i in (("pp_tokens_per_sec", 0), ("tg_tokens_per_sec", 1)):
+            means = [summarize(rates[i])["mean"] for rates in rounds if rates[i]]
+            row[key] = statistics.median(means) if means else None
+        if result_bytes := results[0].get("weight_bytes"):
+            row["tg_gb_per_sec"] = result_bytes * row["tg_tokens_per_sec"] / 1e9 if row["tg_tokens_per_sec"] else None
+    return row
+
+
 def _summarize_backend(backend: str, result: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {"backend": backend, "status": result.get("status")}
     if result.get("status") != "ok":
@@ -130,12 +158,7 @@ def _summarize_backend(backend: str, result: dict[str, Any]) -> dict[str, Any]:
     runs = result["runs"]
     gen_time = sum(r["generate_time_s"] for r in runs)
     tokens = sum(r["completion_tokens"] for r in runs)
-    pp = [r["prompt_tokens"] / (r["ttft_ms"] / 1000) for r in runs if r.get("prompt_tokens") and r["ttft_ms"] > 0]
-    tg = [
-        (r["completion_tokens"] - 1) / (r["generate_time_s"] - r["ttft_ms"] / 1000)
-        for r in runs
-        if r["completion_tokens"] > 1 and r["generate_time_s"] > r["ttft_ms"] / 1000
-    ]
+    pp, tg = _rates(runs)
     row.update(
         pp_tokens_per_sec=summarize(pp)["mean"] if pp else None,
         tg_tokens_per_sec=summarize(tg)["mean"] if tg else None,
@@ -163,6 +186,8 @@ def run_compare(args: argparse.Namespace) -> Path:
     gguf_model = model.lower().endswith(".gguf")
     if gguf_model and args.gguf:
         raise ValueError("--gguf names llama.cpp's file for an HF folder; the model is a .gguf already: drop --gguf")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, not {args.rounds}")
     parsed = parse_backends(args.backends, args.dtype, gguf_model)
     backends = [label(n, v) for n, v in parsed]
     tok = Tokenizer(model)
@@ -178,6 +203,7 @@ def run_compare(args: argparse.Namespace) -> Path:
         "max_tokens": args.max_tokens,
         "seed": args.seed,
         "gguf": args.gguf,
+        "rounds": args.rounds,
     }
     run = Run.create(args.output_dir, "compare", config)
     spec: dict[str, Any] = {
@@ -187,27 +213,35 @@ def run_compare(args: argparse.Namespace) -> Path:
         "threads": args.threads,
         "n_ctx": args.prompt_tokens + args.max_tokens + 8,
     }
-    rows, raw = [], []
-    for name, variant in parsed:
-        backend = label(name, variant)
-        if name == "llama.cpp":
-            try:
-                if gguf_model or args.gguf:
-                    spec["gguf"] = model if gguf_model else args.gguf
-                else:
-                    spec["gguf"] = str(_export(model, run.path / f"model-{variant}.gguf", str(variant)))
-            except Exception as e:
-                rows.append({"backend": backend, "status": "error", "error": f"GGUF export failed: {e}"})
-                continue
-        spec["engine"] = {"quantization": variant} if name == "tokenmill" and variant else {}
-        with progress(f"bench compare: {backend}"):
-            result = _run_worker(name, model, spec, run.path / "raw", args.timeout, tag=backend.replace(" ", "-"))
-        raw += [{"backend": backend, "prompt": i, **r} for i, r in enumerate(result.get("runs", []))]
-        rows.append(_summarize_backend(backend, result))
-        print(f"{backend}: {rows[-1].get('status')} {rows[-1].get('tokens_per_second', '')}", file=sys.stderr)
+    raw: list[dict[str, Any]] = []
+    results: dict[str, list[dict[str, Any]]] = {label(n, v): [] for n, v in parsed}
+    ggufs: dict[str, str] = {}
+    for rnd in range(args.rounds):  # every backend once per round, in turn: the host's drift hits them alike
+        for name, variant in parsed:
+            backend = label(name, variant)
+            if name == "llama.cpp" and backend not in ggufs:
+                try:
+                    if gguf_model or args.gguf:
+                        ggufs[backend] = model if gguf_model else args.gguf
+                    else:
+                        ggufs[backend] = str(_export(model, run.path / f"model-{variant}.gguf", str(variant)))
+                except Exception as e:
+                    results[backend].append({"status": "error", "error": f"GGUF export failed: {e}"})
+                    continue
+            if any(r.get("status") != "ok" for r in results[backend]):
+                continue  # failed in an earlier round
+            spec["gguf"] = ggufs.get(backend)
+            spec["engine"] = {"quantization": variant} if name == "tokenmill" and variant else {}
+            tag = backend.replace(" ", "-") + (f"-round{rnd + 1}" if args.rounds > 1 else "")
+            with progress(f"bench compare: {backend}" + (f" (round {rnd + 1})" if args.rounds > 1 else "")):
+                result = _run_worker(name, model, spec, run.path / "raw", args.timeout, tag=tag)
+            raw += [{"backend": backend, "round": rnd, "prompt": i, **r} for i, r in enumerate(result.get("runs", []))]
+            results[backend].append(result)
+            print(f"{backend}: {result.get('status')}", file=sys.stderr)
+    rows = [_summarize_rounds(backend, rs) for backend, rs in results.items()]
     reference = next((r for r in raw if r["backend"] == backends[0] and r["prompt"] == 0), None)
     for row in rows:
-        mine = next((r for r in raw if r["backend"] == row["backend"] and r["prompt"] == 0), None)
+        mine = next((r for r in raw if r["backend"] == row["backend"] and r["prompt"] == 0 and r["round"] == 0), None)
         if reference and mine:
             same = sum(a == b for a, b in zip(reference["token_ids"], mine["token_ids"]))
             row["greedy_agreement_with_first"] = same / max(len(reference["token_ids"]), 1)
@@ -248,6 +282,14 @@ def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) ->
             f"{f(r.get('tg_gb_per_sec'), '.1f')} | {f(r.get('peak_memory_mib'), '.0f')} | "
             f"{f(r.get('greedy_agreement_with_first'), '.2f')} |"
         )
+    if config.get("rounds", 1) > 1:  # each round's tg, and its ratio to the first backend's in the same round
+        first = rows[0].get("tg_by_round") or []
+        lines += ["", f"tg tok/s by round ({config['rounds']} rounds; pp and tg above are the medians of the rounds):"]
+        for r in rows:
+            tgs = r.get("tg_by_round") or []
+            cells = [f"{t:.2f}" + (f" ({f0 / t:.2f}x)" if f0 and t and r is not rows[0] else "") for t, f0 in
+                     zip(tgs, first + [None] * len(tgs))]  # fmt: skip
+            lines.append(f"- {r['backend']}: " + (", ".join(cells) if cells else "-"))
     errors = [f"- {r['backend']}: {r.get('error')}" for r in rows if r["status"] != "ok"]
     probe = config.get("read_bandwidth_gb_per_sec")
     footer = [f"Memory read bandwidth (probe): {probe:.1f} GB/s. tg GB/s = weight bytes x tg tok/s."] if probe else []
@@ -288,4 +330,7 @@ def add_compare_parser(sub: Any) -> None:
     p.add_argument("--gguf", default=None, help="use this GGUF for llama.cpp instead of converting")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per backend")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run every backend this many times, in turn; pp and tg: the medians"
+    )
     p.add_argument("--output-dir", default="bench-results")
