@@ -284,7 +284,11 @@ def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) ->
         )
     if config.get("rounds", 1) > 1:  # each round's tg, and its ratio to the first backend's in the same round
         first = rows[0].get("tg_by_round") or []
-        lines += ["", f"tg tok/s by round ({config['rounds']} rounds; pp and tg above are the medians of the rounds):"]
+        lines += [
+            "",
+            f"tg tok/s by round ({config['rounds']} rounds; pp and tg above are the medians of the rounds; "
+            f"in brackets: {config['backends'][0]}'s tg in the same round over this one's):",
+        ]
         for r in rows:
             tgs = r.get("tg_by_round") or []
             cells = [f"{t:.2f}" + (f" ({f0 / t:.2f}x)" if f0 and t and r is not rows[0] else "") for t, f0 in
