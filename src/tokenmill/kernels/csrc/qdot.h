@@ -125,6 +125,12 @@ inline int32_t block_value(const uint8_t* q, int c, int kk) {
   return c < 8 ? byte & 15 : byte >> 4;
 }
 
+#if defined(__AVX512F__)
+inline const bool prefetch_quant_rows = !amd_avx512;
+#else
+inline const bool prefetch_quant_rows = true;
+#endif
+
 #if defined(__AVX2__) && defined(__F16C__)
 // MT rows x the panel's 16 channels -> sums[m][0..16) = sum over the blocks of isum * (d_w * d_x)
 template <Format F, int MT>
@@ -135,8 +141,12 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
   const __m256i low = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * quant_block_bytes(F);
-    // the weights ahead, as gemm.h's prefetch_ahead (Zen 3, from memory: 1 row 1.22x, 5 rows 1.03-1.12x)
-    for (int64_t off = 0; off < quant_block_bytes(F); off += 64) prefetch_weights(blk + off);
+    // the weights ahead, as gemm.h's prefetch_ahead (Zen 3, from memory: 1 row 1.22x, 5 rows 1.03-1.12x). Not on a
+    // Zen 4, whose AVX-512 build takes only 1-3 rows here: those stream best on the hardware's prefetch alone, as
+    // gemm.h's one-row pair tile does (int8 decode steps of Qwen2.5-0.5B, builds alternated in one process: 1 row
+    // 18.3 -> 16.7 and 17.8 -> 16.2 ms, 2 and 3 rows 0.93x; int4 1 row the same within noise, 2 rows 0.9x)
+    if (prefetch_quant_rows)
+      for (int64_t off = 0; off < quant_block_bytes(F); off += 64) prefetch_weights(blk + off);
     const uint8_t* q = blk + 2 * P;
     __m256i isum[MT][2];
     if constexpr (F == Q4_0) {
