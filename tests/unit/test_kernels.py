@@ -1,7 +1,7 @@
 """tokenmill's CPU kernels against the pure-torch reference, on every variant this CPU runs.
 
-Each variant (scalar everywhere; avx2 and avx512 where the CPU has them; and, on an AVX2 machine, the 16-lane
-AVX-512 code built with AVX2 flags) multiplies every format with odd shapes (N not a whole panel, K not a whole
+Each variant (scalar everywhere; avx2, avxvnni and avx512 where the CPU has them; and, on an AVX2 machine, the
+16-lane AVX-512 code built with AVX2 flags) multiplies every format with odd shapes (N not a whole panel, K not a whole
 block), one row to many, float32 and bfloat16 activations, with and without a bias. The formats' quantizers
 are checked byte for byte against the gguf package's (ggml's reference rounding).
 """
@@ -250,12 +250,28 @@ def test_a_forced_isa_must_exist_and_fit(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("TOKENMILL_ISA", "scalar")
     assert choose().level == "scalar" and "forced" in choose().reason
     monkeypatch.setenv("TOKENMILL_ISA", "sse9")
-    with pytest.raises(ValueError, match="TOKENMILL_ISA='sse9' is not a kernel variant; allowed: scalar, avx2, avx512"):
+    allowed = "allowed: scalar, avx2, avxvnni, avx512, avx512bf16"
+    with pytest.raises(ValueError, match=f"TOKENMILL_ISA='sse9' is not a kernel variant; {allowed}"):
         choose()
     if "avx512" not in supported_levels():
         monkeypatch.setenv("TOKENMILL_ISA", "avx512")
         with pytest.raises(ValueError, match="needs CPU features this CPU lacks"):
             choose()
+
+
+def test_the_avxvnni_variant_builds_where_the_cpu_lacks_it() -> None:
+    """The AVX-VNNI variant (Intel's client cores from Alder Lake on) compiles and loads on every x86 machine, so
+    its VEX vpdpbusd is built by every CI run; where the CPU has AVX-VNNI (Sapphire Rapids, Zen 5), the `ops`
+    fixture runs its kernels against the reference like every other variant's."""
+    import platform
+
+    from tokenmill.kernels.build import load
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("AVX-VNNI is an x86 extension")
+    if "avxvnni" in supported_levels():
+        pytest.skip("this CPU has AVX-VNNI: the ops fixture tests the variant's kernels themselves")
+    assert load("avxvnni").lanes == 8
 
 
 # -- the fused decode ops, against the torch code they replace ---------------------------------------------------

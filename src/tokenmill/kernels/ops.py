@@ -21,7 +21,7 @@ def panel_bytes(format_id: int, k: int) -> int:
 
 
 class Kernels:
-    """One compiled variant (`level`: scalar, avx2, avx512)."""
+    """One compiled variant (`level`: one of isa.LEVELS)."""
 
     def __init__(self, module: ModuleType, level: str) -> None:
         self.module, self.level, self.lanes = module, level, int(module.lanes)

@@ -18,10 +18,11 @@
 // pair sums to at most 2 * 128 * 127 < 32767; its groups widen to 32 bits one by one. The -8 of Q4_0 is
 // subtracted once per block as 8 * (sum of the row's q over the block).
 //
-// With AVX-512 VNNI (and VL), vpdpbusd multiplies the same byte pairs and adds groups of 4 straight into 32-bit
-// lanes: one instruction for vpmaddubsw + vpmaddwd + vpaddd, and the same exact sums (none of them saturates
-// above). Its 32-bit sums cannot saturate at all, so Q8_0 there takes x + 128 as the unsigned side and w as it
-// is, and subtracts 128 * (sum of w) per channel and block, as Q4_0 subtracts its 8. The portable variant (no AVX2) runs the same integer sums in plain loops: the numbers are the same.
+// With VNNI (AVX-512 VNNI with VL, or AVX-VNNI), vpdpbusd multiplies the same byte pairs and adds groups of 4
+// straight into 32-bit lanes: one instruction for vpmaddubsw + vpmaddwd + vpaddd, and the same exact sums (none
+// of them saturates above). Its 32-bit sums cannot saturate at all, so Q8_0 there takes x + 128 as the unsigned
+// side and w as it is, and subtracts 128 * (sum of w) per channel and block, as Q4_0 subtracts its 8. The
+// portable variant (no AVX2) runs the same integer sums in plain loops: the numbers are the same.
 #pragma once
 
 #include <algorithm>
@@ -29,8 +30,14 @@
 
 #include "gemm.h"
 
+// vpdpbusd on ymm registers: AVX-512 VNNI's (EVEX, with VL), or AVX-VNNI's (VEX: Intel's client cores from Alder
+// Lake on, which have no AVX-512); the same operation either way
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define TM_VNNI 1
+#define tm_dpbusd256 _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define TM_VNNI 1
+#define tm_dpbusd256 _mm256_dpbusd_avx_epi32
 #else
 #define TM_VNNI 0
 #endif
@@ -162,8 +169,8 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
           std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
           const __m256i xb = _mm256_set1_epi32(four);
 #if TM_VNNI
-          p[m][0] = _mm256_dpbusd_epi32(p[m][0], w0, xb);  // 32-bit sums of 4 products at once
-          p[m][1] = _mm256_dpbusd_epi32(p[m][1], w1, xb);
+          p[m][0] = tm_dpbusd256(p[m][0], w0, xb);  // 32-bit sums of 4 products at once
+          p[m][1] = tm_dpbusd256(p[m][1], w1, xb);
 #else
           p[m][0] = _mm256_add_epi16(p[m][0], _mm256_maddubs_epi16(w0, xb));
           p[m][1] = _mm256_add_epi16(p[m][1], _mm256_maddubs_epi16(w1, xb));
@@ -189,14 +196,14 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
       for (int g = 0; g < QK / 4; ++g) {
         const __m256i w0 = _mm256_loadu_si256((const __m256i*)(q + g * 64));
         const __m256i w1 = _mm256_loadu_si256((const __m256i*)(q + g * 64 + 32));
-        wsum[0] = _mm256_dpbusd_epi32(wsum[0], ones8, w0);
-        wsum[1] = _mm256_dpbusd_epi32(wsum[1], ones8, w1);
+        wsum[0] = tm_dpbusd256(wsum[0], ones8, w0);
+        wsum[1] = tm_dpbusd256(wsum[1], ones8, w1);
         for (int m = 0; m < MT; ++m) {
           int32_t four;
           std::memcpy(&four, x[m].u + b * QK + 4 * g, 4);
           const __m256i xu = _mm256_set1_epi32(four);
-          isum[m][0] = _mm256_dpbusd_epi32(isum[m][0], xu, w0);
-          isum[m][1] = _mm256_dpbusd_epi32(isum[m][1], xu, w1);
+          isum[m][0] = tm_dpbusd256(isum[m][0], xu, w0);
+          isum[m][1] = tm_dpbusd256(isum[m][1], xu, w1);
         }
       }
       const __m256i c0 = _mm256_slli_epi32(wsum[0], 7), c1 = _mm256_slli_epi32(wsum[1], 7);
