@@ -175,7 +175,9 @@ class DecodeStack:
         tables, lens, slots = meta.decode_block_tables, meta.decode_lens, meta.slot_mapping
         out = torch.empty_like(x)
         logits = None if self.vocab_size is None else torch.empty(x.shape[0], self.vocab_size, dtype=x.dtype)
+        # a bf16 model's logits come back widened to float32 as well, by the head's own chunks
+        wide = logits if logits is None or logits.dtype == torch.float32 else torch.empty(logits.shape)  # [B, V]
         self.native.run(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                         tables.shape[1], lens.data_ptr(), x.shape[0], self.kv.block_size, out.data_ptr(),
-                        0 if logits is None else logits.data_ptr())  # fmt: skip
-        return out, None if logits is None else logits.float()
+                        0 if logits is None else logits.data_ptr(), 0 if wide is None else wide.data_ptr())  # fmt: skip
+        return out, wide

@@ -63,7 +63,10 @@ class DecodeStack {
     pool_.set_stage(base + 9, [this, l](int64_t c) { panels(layers_[l].down, c, hidden_, act_, I_); });
     // after the last layer added so far: the final norm, then the LM head (the next layer overwrites both)
     pool_.set_stage(base + kStagesPerLayer, [this](int64_t b) { final_norm(b); });
-    pool_.set_stage(base + kStagesPerLayer + 1, [this](int64_t c) { panels(head_, c, logits_, out_, D_); });
+    pool_.set_stage(base + kStagesPerLayer + 1, [this](int64_t c) {
+      panels(head_, c, logits_, out_, D_);
+      if (logits32_) widen_logits(c);
+    });
   }
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
@@ -76,14 +79,17 @@ class DecodeStack {
 
   // x [B, D] the embedded tokens; cos, sin [B, Dh]; slot [B] each new token's cache slot; tables [B, max_blocks]
   // and lens [B] the paged context (int64) -> out [B, D], the final norm's output, and logits [B, V] (the head's
-  // output, in the model dtype) when `logits` is not 0.
+  // output, in the model dtype) when `logits` is not 0; for a bf16 model, those logits also as float32 in
+  // logits32 [B, V] when it is not 0 (the sampler's input, widened chunk by chunk while in cache: a torch
+  // conversion afterwards woke its OpenMP threads for ~0.1 ms a step).
   void run(uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t slot, uintptr_t tables, int64_t max_blocks,
-           uintptr_t lens, int64_t B, int64_t block_size, uintptr_t out, uintptr_t logits) {
+           uintptr_t lens, int64_t B, int64_t block_size, uintptr_t out, uintptr_t logits, uintptr_t logits32 = 0) {
     grow(B);
     std::memcpy(residual_, (const void*)x, B * D_ * e_);
     B_ = B, cos_ = (const char*)cos, sin_ = (const char*)sin, slot_ = (const int64_t*)slot;
     tables_ = (const int64_t*)tables, max_blocks_ = max_blocks, lens_ = (const int64_t*)lens;
     block_size_ = block_size, out_ = (char*)out, logits_ = (char*)logits;
+    logits32_ = bf16_ && logits ? (float*)logits32 : nullptr;
     longest_ = 0;
     for (int64_t b = 0; b < B; ++b) longest_ = std::max(longest_, lens_[b]);
     const int64_t L = num_layers();
@@ -166,6 +172,22 @@ class DecodeStack {
       if (f > top) top = f, best = v;
     }
     return best;
+  }
+
+  // the head's chunk c of bf16 logits (its output panels' columns, every row) -> logits32_
+  void widen_logits(int64_t c) {
+    const int64_t V = head_[2], per = per_chunk(head_) * P;
+    const int64_t n0 = c * per, n1 = std::min(V, n0 + per);
+    for (int64_t b = 0; b < B_; ++b) {
+      const uint16_t* src = (const uint16_t*)logits_ + b * V;
+      float* dst = logits32_ + b * V;
+      int64_t n = n0;
+      for (; n + W <= n1; n += W) store(dst + n, load_bf16(src + n));
+      for (; n < n1; ++n) {
+        const uint32_t bits = (uint32_t)src[n] << 16;
+        std::memcpy(dst + n, &bits, 4);
+      }
+    }
   }
 
   Act act(char* base, int64_t row, int64_t width) const { return Act{base + row * width * e_, bf16_}; }
@@ -293,6 +315,7 @@ class DecodeStack {
   const char *cos_ = nullptr, *sin_ = nullptr;
   const int64_t *slot_ = nullptr, *tables_ = nullptr, *lens_ = nullptr;
   char *out_ = nullptr, *logits_ = nullptr;
+  float* logits32_ = nullptr;
   LinearSpec head_{};
   bool profiling_ = false;
   std::vector<std::vector<double>> marks_;  // the profile: each run's stage boundaries (seconds from its start)
