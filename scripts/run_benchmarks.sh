@@ -18,8 +18,10 @@
 #      -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF", and tokenmill under
 #      TOKENMILL_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
 #  - `transformers serve` needs: .venv/bin/pip install accelerate
+# ONLY=kernels runs section 4 alone (issue 14's sitting: every format against llama.cpp, one stream and 16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ONLY=${ONLY:-all}
 TM=.venv/bin/tokenmill
 MODEL=${MODEL:-/tmp/tokenmill-qwen2.5-0.5b}
 OUT=${OUT:-bench-results}
@@ -29,6 +31,7 @@ LLAMA_BIN=${LLAMA_BIN:-/tmp/llbuild/bin}
   --out "$MODEL" --dtype bfloat16 --seed 0
 wait_up() { for _ in $(seq 1 300); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; return 1; }
 
+if [ "$ONLY" = all ]; then
 # 1. single stream: pp512 / tg128 of every backend and weight format, side by side in one run
 $TM bench compare "$MODEL" --backends tokenmill,tokenmill:int8,tokenmill:int4,transformers,llama.cpp,llama.cpp:q8_0 \
   --dtype bfloat16 --num-prompts 2 --prompt-tokens 512 --max-tokens 128 --threads 2 --output-dir "$OUT"
@@ -72,7 +75,13 @@ $TM bench sweep "$MODEL" --dtype bfloat16 --experiment quantization --prompt-tok
 "$LLAMA_BIN/llama-bench" -m "$(ls -t "$OUT"/compare_*/model-bf16.gguf | head -1)" \
   -m "$(ls -t "$OUT"/compare_*/model-q8_0.gguf | head -1)" -t 2 -p 512 -n 128 -r 2
 
-# 4. own CPU kernels (docs/benchmarks.md, issue 14): every format against llama.cpp, single stream and online
+fi
+
+# 4. own CPU kernels (docs/benchmarks.md, issue 14): every format against llama.cpp, single stream and online.
+# A server left on either port would answer for a peer (a warm prompt cache voided one sitting): refuse.
+for port in 8100 8102; do
+  if curl -s "http://127.0.0.1:$port/health" >/dev/null; then echo "a server is already up on port $port"; exit 1; fi
+done
 $TM bench compare "$MODEL" --backends tokenmill,tokenmill:int8,tokenmill:int4,llama.cpp,llama.cpp:q8_0,llama.cpp:q4_0 \
   --dtype bfloat16 --num-prompts 2 --prompt-tokens 512 --max-tokens 128 --threads 2 --rounds 3 --output-dir "$OUT"
 G=$(ls -td "$OUT"/compare_* | head -1)
