@@ -357,6 +357,30 @@ def test_without_a_compiler_the_pure_torch_path_runs_and_says_so_once(tmp_path: 
     assert "Traceback" not in done.stderr
 
 
+def test_a_variant_that_does_not_build_gives_way_to_the_next_lower_one(tmp_path: Path) -> None:
+    """A compiler that refuses the best variant's flags (too old for them) leaves the next lower variant running,
+    not the pure-torch path, and one stderr line says so."""
+    from tokenmill.kernels.isa import COMPILE_FLAGS
+
+    levels = supported_levels()
+    if len(levels) < 2:
+        pytest.skip("this CPU runs the portable variant only: there is no lower one to fall back to")
+    best, lower = levels[-1], levels[-2]
+    flag = sorted(set(COMPILE_FLAGS[best]) - set(COMPILE_FLAGS[lower]))[0]  # what only the best variant asks for
+    cxx = tmp_path / "old-c++"
+    cxx.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "{flag}" ] && exit 1; done\nexec c++ "$@"\n')
+    cxx.chmod(0o755)
+    env = {**os.environ, "CXX": str(cxx), "TOKENMILL_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TOKENMILL_ISA", None)
+    done = subprocess.run([sys.executable, "-m", "tokenmill", "env"], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(None, 1) for line in done.stdout.splitlines() if line.strip())
+    assert lines["kernels"] == lower and f"the {best} kernels could not be built" in lines["why"]
+    notes = [line for line in done.stderr.splitlines() if "could not be built" in line]
+    assert len(notes) == 1 and f"running the {lower} kernels" in notes[0], done.stderr
+
+
 def test_env_names_the_path_and_the_thread_policy() -> None:
     """`tokenmill env` says which kernels run and why; tokenmill asks OpenMP not to spin unless told otherwise."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
