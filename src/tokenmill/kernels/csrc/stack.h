@@ -176,17 +176,15 @@ class DecodeStack {
 
   // the head's chunk c of bf16 logits (its output panels' columns, every row) -> logits32_
   void widen_logits(int64_t c) {
-    const int64_t V = head_[2], per = per_chunk(head_) * P;
-    const int64_t n0 = c * per, n1 = std::min(V, n0 + per);
+    const int64_t V = head_[2];
+    const auto [begin, end] = chunk_panels(head_, c);
+    const int64_t n1 = std::min(V, end * P);
     for (int64_t b = 0; b < B_; ++b) {
       const uint16_t* src = (const uint16_t*)logits_ + b * V;
       float* dst = logits32_ + b * V;
-      int64_t n = n0;
+      int64_t n = begin * P;
       for (; n + W <= n1; n += W) store(dst + n, load_bf16(src + n));
-      for (; n < n1; ++n) {
-        const uint32_t bits = (uint32_t)src[n] << 16;
-        std::memcpy(dst + n, &bits, 4);
-      }
+      for (; n < n1; ++n) dst[n] = load_one(src + n);
     }
   }
 
@@ -208,6 +206,12 @@ class DecodeStack {
     return (n_panels + per - 1) / per;
   }
 
+  // the output panels [begin, end) of chunk c of linear `w`
+  std::pair<int64_t, int64_t> chunk_panels(const LinearSpec& w, int64_t c) const {
+    const int64_t n_panels = (w[2] + P - 1) / P, per = per_chunk(w);
+    return {c * per, std::min(n_panels, c * per + per)};
+  }
+
   // row b of `src` (width Kx, the model dtype) -> xq_ row b, ready for linear `w` (unless the bf16 pair tiles read
   // src itself)
   void prep(const char* src, int64_t Kx, const LinearSpec& w, int64_t b) {
@@ -218,8 +222,7 @@ class DecodeStack {
   // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ floats apart), or for a bf16 model from its
   // input rows `src` (`width` wide, the model dtype) where the bf16 pair tiles apply
   void panels(const LinearSpec& w, int64_t c, char* out, const char* src, int64_t width) {
-    const int64_t n_panels = (w[2] + P - 1) / P, per = per_chunk(w);
-    const int64_t begin = c * per, end = std::min(n_panels, begin + per);
+    const auto [begin, end] = chunk_panels(w, c);
     linear_range((Format)w[1], xq_.data(), B_, max_k_, (const uint8_t*)w[0], w[2], w[3],
                  (const float*)w[4], bf16_ ? nullptr : (float*)out, bf16_ ? (uint16_t*)out : nullptr, begin, end,
                  bf16_ ? (const uint16_t*)src : nullptr, width);
