@@ -11,8 +11,11 @@
 // Each block's int32 sums are then scaled by d_w * d_x and added to the row's float sums.
 //
 // Zen 4, Qwen2.5-0.5B decode steps, runs alternated against the AVX2-width tiles: Q8_0 at 8 rows 27.7 -> 23.0 ms,
-// at 16 rows 51.3 -> 41.0; Q4_0 22.2 -> 19.1 and 40.3 -> 36.2. Tiles of 8 rows (12 gave the same at 16 rows); from
-// 1 to 3 rows qdot.h's tiles stay (one row is bound by memory, and its sums wait on vpdpbusd's latency here).
+// at 16 rows 51.3 -> 41.0; Q4_0 22.2 -> 19.1 and 40.3 -> 36.2. Tiles of 8 rows (12 gave the same at 16 rows). From
+// 1 to 3 rows a Zen 4 keeps qdot.h's tiles (one row is bound by memory, and its sums wait on vpdpbusd's latency
+// there); an Intel core, whose zmm units are full width, takes these (Xeon with AMX, the linears of Qwen2.5-0.5B
+// with its LM head, 2 threads, builds alternated in one process: Q8_0 1 row 1.03x, 2-3 rows 1.07-1.08x; Q4_0
+// 1-3 rows 1.01-1.03x).
 //
 // Included by qdot.h, where it defines TM_Q512.
 #pragma once
@@ -22,7 +25,7 @@
 
 namespace tmk {
 
-constexpr int MT_Q512 = 8;  // rows per tile (from 4; linear_quant)
+constexpr int MT_Q512 = 8;  // rows per tile (from 1 on Intel, from 4 on AMD; linear_quant)
 
 template <Format F, int MT>
 inline void qtile512(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
