@@ -38,10 +38,11 @@ inline bool amx_native() {
 // -1: AMX for bf16, Q8_0 and Q4_0 weights where amx_native() (the default); 0: never; 1: from one row (tests)
 inline int amx_mode = -1;
 inline bool use_amx() { return amx_mode != 0 && amx_native(); }
-// Rows from which the AMX tiles take a weight's products; below, vdpbf16ps or vpdpbusd tiles do (Xeon, four
-// layer linears against those: bf16 from 4 rows; Q8_0 5 rows 1.03x, 8 rows 1.2x; Q4_0, which unpacks each block
-// for the tiles, 7 rows 1.0x, 8 rows 1.08x, 16 rows 1.6x).
-inline int64_t amx_min_rows(Format F) { return amx_mode > 0 ? 1 : (F == BF16 ? 4 : F == Q8_0 ? 5 : 8); }
+// Rows from which the AMX tiles take a weight's products; below, vdpbf16ps or vpdpbusd tiles do. Xeon, every
+// linear of Qwen2.5-0.5B and its head from memory, 2 threads, set_amx toggled in one process: bf16 4 rows 1.18x;
+// Q8_0 5-8 rows 0.98-1.0x, 10 rows 1.12x; Q4_0, which unpacks each block for the tiles, 8 rows 0.86x (one full
+// zmm tile of 8 rows, qdot512.h, reads each weight once), 9 rows 1.04x, 16 rows 1.21x.
+inline int64_t amx_min_rows(Format F) { return amx_mode > 0 ? 1 : (F == BF16 ? 4 : F == Q8_0 ? 5 : 9); }
 // The AMX tiles take M rows by a weight of format F (a bf16 weight's given the rows as bf16 pairs).
 inline bool amx_takes(Format F, int64_t M) { return F != F32 && use_amx() && M >= amx_min_rows(F); }
 // They take panels two at a time: a thread's chunk of `panels` rounded up to an even count where they run.

@@ -163,7 +163,12 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
 #pragma GCC unroll 2
       for (int g = 0; g < QK / 4; ++g) {
         const __m256i bytes = _mm256_loadu_si256((const __m256i*)(q + g * 32));
+#if TM_VNNI
+        // the high nibbles in place, 16 times their weight (no 16-bit sums to overflow here): shifted out below
+        const __m256i w0 = _mm256_and_si256(bytes, low), w1 = _mm256_andnot_si256(low, bytes);
+#else
         const __m256i w0 = _mm256_and_si256(bytes, low), w1 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+#endif
         for (int m = 0; m < MT; ++m) {
           int32_t four;
           std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
@@ -180,7 +185,8 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
       for (int m = 0; m < MT; ++m) {
         const __m256i offset = _mm256_set1_epi32(8 * x[m].s[b]);
 #if TM_VNNI
-        for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_sub_epi32(p[m][h], offset);
+        isum[m][0] = _mm256_sub_epi32(p[m][0], offset);
+        isum[m][1] = _mm256_sub_epi32(_mm256_srai_epi32(p[m][1], 4), offset);  // exact: 16 * sum, |sum| < 2^16
 #else
         for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_sub_epi32(_mm256_madd_epi16(p[m][h], ones), offset);
 #endif
