@@ -100,9 +100,9 @@ class ModelRunner:
         meta = self.kv.prepare(seqs, num_decodes)
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        all_logits = None  # [T, V] float32, when the decode stack computed every row's
+        all_logits = all_argmax = None  # [T, V] float32 and [T] int64, when the decode stack computed every row's
         if self.decode_stack is not None and self.decode_stack.applies(meta):
-            hidden, all_logits = self.decode_stack(ids_t, pos_t, meta)  # [B, D], [B, V]
+            hidden, all_logits, all_argmax = self.decode_stack(ids_t, pos_t, meta)  # [B, D], [B, V], [B]
         else:
             hidden = self.model(ids_t, pos_t, self.kv, meta)  # [T, D]
 
@@ -117,18 +117,25 @@ class ModelRunner:
             targets = torch.tensor(plp.target_token_ids, device=self.device)
             out.prompt_logprobs[s.request_id] = topk_logprobs(logprobs, targets, [plp.num_top] * plp.count)
         if sampling:
+            argmax = None  # [R] int64: the logits' argmax, where the decode stack took it
             if all_logits is None:
                 logits = self.model.compute_logits(hidden[sample_rows])  # [R, V] float32
             elif sample_rows == list(range(len(all_logits))):  # every row samples, in order: no gather
-                logits = all_logits
+                logits, argmax = all_logits, all_argmax
             else:
                 logits = all_logits[sample_rows]
+                argmax = None if all_argmax is None else all_argmax[sample_rows]
             if self.sample:
-                self._sample(sampling, logits, out, batch)
+                self._sample(sampling, logits, out, batch, argmax)
         return out
 
     def _sample(
-        self, sampling: list[SequenceInput], logits: torch.Tensor, out: RunnerOutput, batch: ModelInput
+        self,
+        sampling: list[SequenceInput],
+        logits: torch.Tensor,
+        out: RunnerOutput,
+        batch: ModelInput,
+        argmax: torch.Tensor | None = None,
     ) -> None:
         """Sample every row (a sequence's last known token, then one row per draft), then keep each sequence's
         drafts while they equal the target's own samples (spec_decode/ says why that is lossless)."""
@@ -149,7 +156,7 @@ class ModelRunner:
             ones = torch.full((1, batch.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
             bitmask = torch.cat([ones, batch.grammar_bitmask])[torch.tensor(mask_rows) + 1]  # [R, W]
         params_batch = SamplingBatch.build(params, prompts, outputs, generators, suppressed, self.device, bitmask)
-        result = self.sampler(logits, params_batch)
+        result = self.sampler(logits, params_batch, argmax)
         row = 0
         for s in sampling:
             drafts = s.sampling.draft_token_ids if s.sampling is not None else ()

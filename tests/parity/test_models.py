@@ -272,41 +272,6 @@ def test_the_stack_times_its_stages_when_asked(make_checkpoint: Callable[..., Pa
     assert stack.stage_runs() == []
 
 
-def test_the_stack_widens_a_bf16_models_logits_exactly(make_checkpoint: Callable[..., Path]) -> None:
-    """A bf16 model's decode stack hands the sampler float32 logits, widened by the LM head's own chunks: each
-    step's are exactly its bf16 logits as torch widens them (every row, every chunk and the vocabulary's tail)."""
-    import ctypes
-
-    folder = make_checkpoint("qwen2", **SPREAD)
-    llm = LLM(str(folder), dtype="bfloat16", device="cpu")
-    _skip_without_stack(llm)
-    stack = llm.engine.runner.decode_stack
-    assert stack is not None and stack.vocab_size
-    native, checked = stack.native, []
-
-    class Spy:  # the stack's native half, checking each run's two logits buffers
-        def __getattr__(self, name: str) -> Any:
-            return getattr(native, name)
-
-        def run(self, *args: Any) -> None:
-            native.run(*args)
-            rows, v = args[7], stack.vocab_size
-
-            def as_tensor(ptr: int, ctype: Any, dtype: torch.dtype) -> torch.Tensor:  # [rows * V] at ptr
-                return torch.frombuffer((ctype * (rows * v)).from_address(ptr), dtype=dtype)
-
-            bf16 = as_tensor(args[10], ctypes.c_uint16, torch.bfloat16)
-            wide = as_tensor(args[11], ctypes.c_float, torch.float32)
-            checked.append(rows)
-            assert torch.equal(bf16.float(), wide)
-
-    stack.native = Spy()
-    ids = llm.tokenizer.encode(PROMPT)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": ids[:n]} for n in (3, 7, len(ids))], params)
-    assert checked and max(checked) == 3  # decode steps of three rows ran through the stack
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_bf16_pair_tiles_in_the_stack_equal_the_module_path(make_checkpoint: Callable[..., Path], arch: str) -> None:
     """A bf16 model's linears multiply the model's bf16 rows in k pairs (vdpbf16ps on AVX-512 BF16, kernels/csrc/

@@ -166,9 +166,10 @@ class DecodeStack:
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """input_ids, positions [B] -> ([B, D] what the decoder's forward returns for them, [B, V] float32 what
-        `compute_logits` makes of that, or None when the LM head is not a kernel linear)."""
+        `compute_logits` makes of that, and [B] int64 each row's argmax of those logits, as torch.argmax; both
+        None when the LM head is not a kernel linear)."""
         assert meta.decode_block_tables is not None and meta.decode_lens is not None
         x = self.decoder.embed_tokens(input_ids)  # [B, D]
         cos, sin = self.decoder.rotary(positions, x.dtype)  # [B, Dh] each
@@ -177,7 +178,9 @@ class DecodeStack:
         logits = None if self.vocab_size is None else torch.empty(x.shape[0], self.vocab_size, dtype=x.dtype)
         # a bf16 model's logits come back widened to float32 as well, by the head's own chunks
         wide = logits if logits is None or logits.dtype == torch.float32 else torch.empty(logits.shape)  # [B, V]
+        top = None if logits is None else torch.empty(x.shape[0], dtype=torch.int64)  # [B]
         self.native.run(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                         tables.shape[1], lens.data_ptr(), x.shape[0], self.kv.block_size, out.data_ptr(),
-                        0 if logits is None else logits.data_ptr(), 0 if wide is None else wide.data_ptr())  # fmt: skip
-        return out, wide
+                        0 if logits is None else logits.data_ptr(), 0 if wide is None else wide.data_ptr(),
+                        0 if top is None else top.data_ptr())  # fmt: skip
+        return out, wide, top

@@ -1,0 +1,113 @@
+"""The decode stack's LM head hands the sampler more than logits: a bf16 model's logits widened to float32, and
+every row's argmax, both made by the head's own chunks while their columns are in cache (kernels/csrc/stack.h)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.parity.test_models import PROMPT, SPREAD, _skip_without_stack
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.formats import FORMATS, pack
+
+# 390: the head's last panel holds 6 columns (16 a panel), so its chunks end on a vocabulary tail
+VOCAB = 390
+
+
+class Runs:
+    """Wraps a stack's native half: each decode step's rows, logits (model dtype), float32 logits and argmax."""
+
+    def __init__(self, llm: LLM) -> None:
+        _skip_without_stack(llm)
+        self.stack = llm.engine.runner.decode_stack
+        assert self.stack is not None and self.stack.vocab_size == VOCAB
+        self.native = self.stack.native
+        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.stack.native = self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.native, name)
+
+    def run(self, *args: Any) -> None:
+        self.native.run(*args)
+        rows, v, bf16 = args[7], VOCAB, self.stack.kv.dtype == torch.bfloat16
+
+        def at(ptr: int, ctype: Any, dtype: torch.dtype, n: int) -> torch.Tensor:  # a copy of n values at ptr
+            return torch.frombuffer((ctype * n).from_address(ptr), dtype=dtype).clone()
+
+        logits = at(args[10], ctypes.c_uint16 if bf16 else ctypes.c_float, torch.bfloat16 if bf16 else torch.float32,
+                    rows * v).view(rows, v)  # fmt: skip
+        wide = at(args[11], ctypes.c_float, torch.float32, rows * v).view(rows, v) if bf16 else logits
+        self.steps.append((logits, wide, at(args[12], ctypes.c_int64, torch.int64, rows)))
+
+
+def _llm(make_checkpoint: Callable[..., Path], dtype: str) -> LLM:
+    return LLM(str(make_checkpoint("qwen2", **SPREAD, vocab_size=VOCAB)), dtype=dtype, device="cpu")
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    ids = llm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": ids[:n]} for n in (3, 7, 12)], params)]
+
+
+def _set_head(llm: LLM, edit: Callable[[torch.Tensor], None]) -> None:
+    """Rewrite the packed LM head in place (the stack holds its address): edit([V, K] float32) then pack again."""
+    head, ops = llm.loaded.model.lm_head, llm.loaded.ops
+    assert ops is not None
+    w = ops.unpack(head.data, head.format_id, head.out_features, head.padded_in)[:, : head.in_features]
+    edit(w)
+    head.data.copy_(pack(w, next(f for f, i in FORMATS.items() if i == head.format_id)).data)
+
+
+def test_the_stack_widens_a_bf16_models_logits_exactly(make_checkpoint: Callable[..., Path]) -> None:
+    """A bf16 model's decode stack hands the sampler float32 logits, widened by the LM head's own chunks: each
+    step's are exactly its bf16 logits as torch widens them (every row, every chunk and the vocabulary's tail)."""
+    llm = _llm(make_checkpoint, "bfloat16")
+    runs = Runs(llm)
+    _generate(llm)
+    assert runs.steps and max(len(top) for *_, top in runs.steps) == 3  # decode steps of three rows ran
+    for logits, wide, _ in runs.steps:
+        assert torch.equal(logits.float(), wide)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_stacks_argmax_is_torchs_and_the_sampler_takes_it(make_checkpoint: Callable[..., Path], dtype: str) -> None:
+    """Each head chunk takes its columns' argmax, and the chunks' winners are compared after: every step's is
+    torch.argmax of the sampler's float32 logits, and greedy decoding emits it."""
+    llm = _llm(make_checkpoint, dtype)
+    runs = Runs(llm)
+    outputs = _generate(llm)
+    assert runs.steps
+    for _, wide, top in runs.steps:
+        assert torch.equal(top, wide.argmax(dim=-1))
+    emitted = [tokens[1:] for tokens in outputs]  # each step's token, from the second (the first is the prefill's)
+    for step, (_, _, top) in enumerate(runs.steps):
+        assert top.tolist() == [tokens[step] for tokens in emitted]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_stacks_argmax_keeps_torchs_ties_and_nans(make_checkpoint: Callable[..., Path], dtype: str) -> None:
+    """Equal maxima in every chunk: the first column wins, as in torch. A NaN column: the first NaN wins, even in a
+    later chunk than the largest value and ahead of a NaN in a later one."""
+    llm = _llm(make_checkpoint, dtype)
+    _set_head(llm, lambda w: w.copy_(w[5].expand_as(w)))  # every logit of a row equal
+    runs = Runs(llm)
+    assert all(set(tokens) == {0} for tokens in _generate(llm))
+    assert all(torch.equal(top, torch.zeros_like(top)) for *_, top in runs.steps)
+
+    def nans(w: torch.Tensor) -> None:
+        torch.manual_seed(0)
+        w.copy_(torch.randn_like(w))
+        w[[VOCAB // 2, VOCAB - 3]] = float("nan")
+
+    _set_head(llm, nans)
+    runs.steps.clear()
+    assert all(set(tokens[1:]) == {VOCAB // 2} for tokens in _generate(llm))
+    for _, wide, top in runs.steps:
+        assert torch.equal(top, wide.argmax(dim=-1)) and set(top.tolist()) == {VOCAB // 2}
