@@ -33,17 +33,24 @@ class Runs:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.native, name)
 
-    def run(self, *args: Any) -> None:
+    def run(self, *args: Any) -> None:  # (x, cos, sin, then as run_ids)
         self.native.run(*args)
-        rows, v, bf16 = args[7], VOCAB, self.stack.kv.dtype == torch.bfloat16
+        self.record(args[3:])
+
+    def run_ids(self, *args: Any) -> None:  # (embed, ids, positions, cos and sin tables, then as run)
+        self.native.run_ids(*args)
+        self.record(args[5:])
+
+    def record(self, args: tuple[Any, ...]) -> None:  # (slot, tables, max_blocks, lens, B, ..., argmax)
+        rows, v, bf16 = args[4], VOCAB, self.stack.kv.dtype == torch.bfloat16
 
         def at(ptr: int, ctype: Any, dtype: torch.dtype, n: int) -> torch.Tensor:  # a copy of n values at ptr
             return torch.frombuffer((ctype * n).from_address(ptr), dtype=dtype).clone()
 
-        logits = at(args[10], ctypes.c_uint16 if bf16 else ctypes.c_float, torch.bfloat16 if bf16 else torch.float32,
+        logits = at(args[7], ctypes.c_uint16 if bf16 else ctypes.c_float, torch.bfloat16 if bf16 else torch.float32,
                     rows * v).view(rows, v)  # fmt: skip
-        wide = at(args[11], ctypes.c_float, torch.float32, rows * v).view(rows, v) if bf16 else logits
-        self.steps.append((logits, wide, at(args[12], ctypes.c_int64, torch.int64, rows)))
+        wide = at(args[8], ctypes.c_float, torch.float32, rows * v).view(rows, v) if bf16 else logits
+        self.steps.append((logits, wide, at(args[9], ctypes.c_int64, torch.int64, rows)))
 
 
 def _llm(make_checkpoint: Callable[..., Path], dtype: str) -> LLM:
@@ -111,3 +118,23 @@ def test_the_stacks_argmax_keeps_torchs_ties_and_nans(make_checkpoint: Callable[
     assert all(set(tokens[1:]) == {VOCAB // 2} for tokens in _generate(llm))
     for _, wide, top in runs.steps:
         assert torch.equal(top, wide.argmax(dim=-1)) and set(top.tolist()) == {VOCAB // 2}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_stack_embeds_and_rotates_as_torch_does(
+    make_checkpoint: Callable[..., Path], dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over a plain embedding the stack gathers the token rows and the rotary tables' rows itself (run_ids); the
+    logits are the same bits as from torch's gathers and conversions (run), step by step."""
+    from tokenmill.models.decode_stack import DecodeStack
+
+    llm = _llm(make_checkpoint, dtype)
+    runs = Runs(llm)
+    assert runs.stack.plain_embedding
+    own = _generate(llm)
+    own_steps, runs.steps = runs.steps, []
+    monkeypatch.setattr(DecodeStack, "plain_embedding", property(lambda self: False))
+    assert _generate(llm) == own
+    assert len(runs.steps) == len(own_steps)
+    for (logits, _, top), (torch_logits, _, torch_top) in zip(own_steps, runs.steps, strict=True):
+        assert torch.equal(logits, torch_logits) and torch.equal(top, torch_top)

@@ -92,11 +92,15 @@ class DecodeStack:
         return DecodeStack(native, decoder, kv, None if head is None else head[2])
 
     @property
+    def plain_embedding(self) -> bool:
+        """The embedding is a plain table in the cache's dtype, which the stack can read rows of itself."""
+        embed = self.decoder.embed_tokens
+        return type(embed) is nn.Embedding and embed.weight.dtype == self.kv.dtype and embed.weight.is_contiguous()
+
+    @property
     def greedy_ready(self) -> bool:
         """`greedy` can run: the head is in the stack and the embedding is a plain table in the cache's dtype."""
-        embed = self.decoder.embed_tokens
-        return (self.vocab_size is not None and type(embed) is nn.Embedding and embed.weight.dtype == self.kv.dtype
-                and embed.weight.is_contiguous())  # fmt: skip
+        return self.vocab_size is not None and self.plain_embedding
 
     def greedy(
         self, feeds: list[list[int]], starts: list[int], tables: list[list[int]], rounds: list[int]
@@ -171,16 +175,23 @@ class DecodeStack:
         `compute_logits` makes of that, and [B] int64 each row's argmax of those logits, as torch.argmax; both
         None when the LM head is not a kernel linear)."""
         assert meta.decode_block_tables is not None and meta.decode_lens is not None
-        x = self.decoder.embed_tokens(input_ids)  # [B, D]
-        cos, sin = self.decoder.rotary(positions, x.dtype)  # [B, Dh] each
         tables, lens, slots = meta.decode_block_tables, meta.decode_lens, meta.slot_mapping
-        out = torch.empty_like(x)
-        logits = None if self.vocab_size is None else torch.empty(x.shape[0], self.vocab_size, dtype=x.dtype)
+        rows, dtype = len(input_ids), self.kv.dtype
+        out = torch.empty(rows, self.decoder.norm.weight.shape[0], dtype=dtype)  # [B, D]
+        logits = None if self.vocab_size is None else torch.empty(rows, self.vocab_size, dtype=dtype)  # [B, V]
         # a bf16 model's logits come back widened to float32 as well, by the head's own chunks
         wide = logits if logits is None or logits.dtype == torch.float32 else torch.empty(logits.shape)  # [B, V]
-        top = None if logits is None else torch.empty(x.shape[0], dtype=torch.int64)  # [B]
-        self.native.run(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                        tables.shape[1], lens.data_ptr(), x.shape[0], self.kv.block_size, out.data_ptr(),
-                        0 if logits is None else logits.data_ptr(), 0 if wide is None else wide.data_ptr(),
-                        0 if top is None else top.data_ptr())  # fmt: skip
+        top = None if logits is None else torch.empty(rows, dtype=torch.int64)  # [B]
+        rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows, self.kv.block_size, out.data_ptr(),
+                 0 if logits is None else logits.data_ptr(), 0 if wide is None else wide.data_ptr(),
+                 0 if top is None else top.data_ptr())  # fmt: skip
+        if self.plain_embedding:  # the stack gathers the rows of the embedding and rotary tables itself
+            cos_table, sin_table = self.decoder.rotary.tables(max(meta.seq_lens))  # [positions, Dh] float32
+            self.native.run_ids(self.decoder.embed_tokens.weight.data_ptr(), input_ids.data_ptr(),
+                                positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), slots.data_ptr(),
+                                *rest)  # fmt: skip
+            return out, wide, top
+        x = self.decoder.embed_tokens(input_ids)  # [B, D]
+        cos, sin = self.decoder.rotary(positions, dtype)  # [B, Dh] each
+        self.native.run(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), *rest)
         return out, wide, top

@@ -155,10 +155,14 @@ class RotaryEmbedding(nn.Module):
             return cos.to(dtype), sin.to(dtype)
         # on the CPU, rows of a table of every position so far: cos and sin of a handful of positions cost more
         # in torch's per-op overhead than the decode step's kernels of a small model (the same numbers either way)
-        top = int(positions.max()) + 1 if positions.numel() else 0
+        cos, sin = self.tables(int(positions.max()) + 1 if positions.numel() else 0)
+        return cos[positions].to(dtype), sin[positions].to(dtype)
+
+    def tables(self, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU tables of cos and sin, [>= top positions, Dh] float32 each, grown to hold positions < top."""
         if top > self._table[0].shape[0]:
             self._table = self._compute(torch.arange(max(top, 2 * self._table[0].shape[0], 256)))
-        return self._table[0][positions].to(dtype), self._table[1][positions].to(dtype)
+        return self._table
 
     def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> [T, Dh] float32 x2
         inv_freq = self.inv_freq[None, :]  # [1, Dh/2]

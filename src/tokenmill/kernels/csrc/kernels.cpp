@@ -381,7 +381,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_head", &tmk::DecodeStack::set_head)
       .def("run", &tmk::DecodeStack::run, "a decode step through every layer and the final norm", py::arg("x"),
            py::arg("cos"), py::arg("sin"), py::arg("slot"), py::arg("tables"), py::arg("max_blocks"), py::arg("lens"),
-           py::arg("B"), py::arg("block_size"), py::arg("out"), py::arg("logits"), py::arg("logits32") = 0, py::arg("argmax") = 0, nogil())
+           py::arg("B"), py::arg("block_size"), py::arg("out"), py::arg("logits"), py::arg("logits32") = 0,
+           py::arg("argmax") = 0, nogil())
+      .def("run_ids", &tmk::DecodeStack::run_ids, "run() from token ids and positions (embedding, rotary tables)",
+           nogil())
       .def("run_greedy", &tmk::DecodeStack::run_greedy, "greedy decoding rounds through the stack and head", nogil())
       .def("set_profile", &tmk::DecodeStack::set_profile, "time every stage of every run from now on (or stop)")
       .def("marks", &tmk::DecodeStack::marks, "each profiled run's stage boundaries, seconds from its start")

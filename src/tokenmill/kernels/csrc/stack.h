@@ -122,6 +122,30 @@ class DecodeStack {
     if (argmax_) pick_winners();
   }
 
+  // As run(), from token ids and positions [B] (int64): x is rows of embed [V, D] (model dtype), cos and sin rows
+  // of the rotary tables [positions, Dh] (float32), rounded to the model dtype as torch rounds them (nearest
+  // even). Those torch ops (an embedding, two gathers, two conversions) were ~0.2 ms of a one-row step (Xeon): on
+  // their first call after a step's weights have streamed through the caches, each op's code is cold.
+  void run_ids(uintptr_t embed, uintptr_t ids, uintptr_t positions, uintptr_t cos_table, uintptr_t sin_table,
+               uintptr_t slot, uintptr_t tables, int64_t max_blocks, uintptr_t lens, int64_t B, int64_t block_size,
+               uintptr_t out, uintptr_t logits, uintptr_t logits32, uintptr_t argmax) {
+    const int64_t row_bytes = D_ * e_, rope = B * Dh_;
+    inputs_.resize(B * row_bytes + 2 * rope * e_);
+    char *x = inputs_.data(), *cos = x + B * row_bytes, *sin = cos + rope * e_;
+    for (int64_t b = 0; b < B; ++b) {
+      std::memcpy(x + b * row_bytes, (const char*)embed + ((const int64_t*)ids)[b] * row_bytes, row_bytes);
+      const int64_t at = ((const int64_t*)positions)[b] * Dh_;
+      for (int64_t i = 0; i < Dh_; ++i)
+        for (auto [dst, table] : {std::pair{cos, cos_table}, std::pair{sin, sin_table}}) {
+          const float f = ((const float*)table)[at + i];
+          if (bf16_) ((uint16_t*)dst)[b * Dh_ + i] = float_to_bf16(f);
+          else ((float*)dst)[b * Dh_ + i] = f;
+        }
+    }
+    run((uintptr_t)x, (uintptr_t)cos, (uintptr_t)sin, slot, tables, max_blocks, lens, B, block_size, out, logits,
+        logits32, argmax);
+  }
+
   // Profile (off by default, and free when off): every run's stage boundaries while on. marks()[r][i + 1] -
   // marks()[r][i] is how long run r's stage i took, as the calling thread saw it (seconds; what it does:
   // stage_of(i)). Turning it on or off forgets the runs so far.
@@ -360,6 +384,7 @@ class DecodeStack {
   int64_t* argmax_ = nullptr;
   int64_t head_chunks_ = 0;
   std::vector<int64_t> winners_;  // [B, head_chunks_]: each chunk's argmax per row
+  std::vector<char> inputs_;  // run_ids: x [B, D], cos and sin [B, Dh] (model dtype)
   LinearSpec head_{};
   bool profiling_ = false;
   std::vector<std::vector<double>> marks_;  // the profile: each run's stage boundaries (seconds from its start)
