@@ -98,8 +98,8 @@ class ModelRunner:
         sample_rows = [flat_rows[s.request_id, j] for s in sampling for j in range(_num_drafts(s) + 1)]
 
         meta = self.kv.prepare(seqs, num_decodes)
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        tokens = torch.tensor(input_ids + positions, dtype=torch.int64, device=self.device)  # one op, not two
+        ids_t, pos_t = tokens[: len(input_ids)], tokens[len(input_ids) :]  # [T] each
         all_logits = all_argmax = None  # [T, V] float32 and [T] int64, when the decode stack computed every row's
         if self.decode_stack is not None and self.decode_stack.applies(meta):
             hidden, all_logits, all_argmax = self.decode_stack(ids_t, pos_t, meta)  # [B, D], [B, V], [B]

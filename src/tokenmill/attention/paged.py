@@ -85,22 +85,25 @@ class PagedKVCache:
         self.zero_new_blocks(tables)
         # decodes: the new token's slot by arithmetic; the context is read as whole blocks in one gather
         slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables[:num_decodes], meta.seq_lens)]
-        pieces = [torch.tensor(slots, dtype=torch.int64, device=self.device)]
         meta.context_slots = [None] * num_decodes
-        if num_decodes:
-            meta.decode_block_tables, meta.decode_bias, meta.decode_lens = self._decode_tables(
-                tables[:num_decodes], meta.seq_lens
-            )
-            if meta.decode_bias is not None:  # the SDPA path: a windowed layer also masks what precedes its window
+        if num_decodes and self.ops is not None:  # the fused kernels: slots, lens and tables in one tensor
+            slot_t, meta.decode_lens, meta.decode_block_tables = self._decode_inputs(tables[:num_decodes], slots, meta)
+        else:
+            slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
+            if num_decodes:  # SDPA: a padding bias, and for a windowed layer a mask of what precedes its window
+                meta.decode_block_tables, meta.decode_bias, meta.decode_lens = self._decode_tables(
+                    tables[:num_decodes], meta.seq_lens
+                )
                 for w in {w for w in self.windows if w is not None}:
                     k_pos = torch.arange(meta.decode_bias.shape[-1], device=self.device)
                     early = k_pos < meta.decode_lens[:, None] - w  # [B, S]
                     meta.window_bias[w] = meta.decode_bias.masked_fill(early[:, None, None, :], float("-inf"))
+        pieces = [slot_t]
         for s in sequences[num_decodes:]:
             ctx = self._slots_of(s.block_table, 0, s.seq_len)
             meta.context_slots.append(ctx if s.start else None)  # a fresh prefill reads no cache
             pieces.append(ctx[s.start :])
-        meta.slot_mapping = torch.cat(pieces)  # [T]
+        meta.slot_mapping = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [T]
         if self.ops is not None and len(sequences) > num_decodes:
             meta.prefill_block_tables, meta.prefill_seqs = self._prefill_tables(sequences[num_decodes:], meta)
         return meta
@@ -124,17 +127,27 @@ class PagedKVCache:
             self.cache[:, :, self._zeroed_below * self.block_size : top * self.block_size].zero_()
             self._zeroed_below = top
 
+    def _decode_inputs(
+        self, tables: list[list[int]], slots: list[int], meta: PagedMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused kernels' decode inputs as views of one int64 tensor (each torch op costs more than its work
+        here): the new tokens' slots [B], the context lengths [B], block tables [B, M] padded with block 0."""
+        lens = meta.seq_lens[: len(tables)]
+        width = max(-(-n // self.block_size) for n in lens)
+        flat = slots + lens + [b for t in tables for b in t[:width] + [0] * (width - len(t[:width]))]
+        values = torch.tensor(flat, dtype=torch.int64, device=self.device)  # [B + B + B * M]
+        b = len(tables)
+        return values[:b], values[b : 2 * b], values[2 * b :].view(b, width)
+
     def _decode_tables(
         self, tables: list[list[int]], seq_lens: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Block tables [B, M] padded with block 0, the padding bias for SDPA (not for the fused kernel), lens."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block tables [B, M] padded with block 0, the padding bias for SDPA, lens."""
         bs = self.block_size
         width = max(-(-n // bs) for n in seq_lens[: len(tables)])
         padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
         block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)  # [B, M]
         lens = torch.tensor(seq_lens[: len(tables)], dtype=torch.int64, device=self.device)  # [B]
-        if self.ops is not None:
-            return block_tables, None, lens
         pad = torch.arange(width * bs, device=self.device) >= lens[:, None]  # [B, S]
         bias = torch.zeros(pad.shape, dtype=self.dtype, device=self.device).masked_fill_(pad, float("-inf"))
         return block_tables, bias[:, None, None, :], lens
