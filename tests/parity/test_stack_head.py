@@ -37,9 +37,9 @@ class Runs:
         self.native.run(*args)
         self.record(args[3:])
 
-    def run_ids(self, *args: Any) -> None:  # (embed, ids, positions, cos and sin tables, then as run)
+    def run_ids(self, *args: Any) -> None:  # (embed, its rows, ids, positions, cos and sin tables, then as run)
         self.native.run_ids(*args)
-        self.record(args[5:])
+        self.record(args[6:])
 
     def record(self, args: tuple[Any, ...]) -> None:  # (slot, tables, max_blocks, lens, B, ..., argmax)
         rows, v, bf16 = args[4], VOCAB, self.stack.kv.dtype == torch.bfloat16
@@ -138,3 +138,18 @@ def test_the_stack_embeds_and_rotates_as_torch_does(
     assert len(runs.steps) == len(own_steps)
     for (logits, _, top), (torch_logits, _, torch_top) in zip(own_steps, runs.steps, strict=True):
         assert torch.equal(logits, torch_logits) and torch.equal(top, torch_top)
+
+
+def test_the_stack_refuses_a_token_id_outside_the_embedding(make_checkpoint: Callable[..., Path]) -> None:
+    """run_ids reads embedding rows by id: one past the table raises IndexError, as torch's embedding would,
+    before anything runs, and the engine decodes on afterwards."""
+    llm = _llm(make_checkpoint, "float32")
+    _skip_without_stack(llm)
+    stack = llm.engine.runner.decode_stack
+    assert stack is not None
+    embed = stack.decoder.embed_tokens.weight
+    for bad in (VOCAB, -1):
+        ids = torch.tensor([3, bad], dtype=torch.int64)
+        with pytest.raises(IndexError, match=f"token id {bad} is not in the embedding's {VOCAB} rows"):
+            stack.native.run_ids(embed.data_ptr(), VOCAB, ids.data_ptr(), *[0] * 7, 2, 16, 0, 0, 0, 0)
+    assert all(len(tokens) == 6 for tokens in _generate(llm))

@@ -187,7 +187,8 @@ class DecodeStack:
                  0 if top is None else top.data_ptr())  # fmt: skip
         if self.plain_embedding:  # the stack gathers the rows of the embedding and rotary tables itself
             cos_table, sin_table = self.decoder.rotary.tables(max(meta.seq_lens))  # [positions, Dh] float32
-            self.native.run_ids(self.decoder.embed_tokens.weight.data_ptr(), input_ids.data_ptr(),
+            embed = self.decoder.embed_tokens.weight  # [vocab, D]
+            self.native.run_ids(embed.data_ptr(), embed.shape[0], input_ids.data_ptr(),
                                 positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), slots.data_ptr(),
                                 *rest)  # fmt: skip
             return out, wide, top

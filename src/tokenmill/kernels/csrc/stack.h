@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -126,10 +127,15 @@ class DecodeStack {
   // of the rotary tables [positions, Dh] (float32), rounded to the model dtype as torch rounds them (nearest
   // even). Those torch ops (an embedding, two gathers, two conversions) were ~0.2 ms of a one-row step (Xeon): on
   // their first call after a step's weights have streamed through the caches, each op's code is cold.
-  void run_ids(uintptr_t embed, uintptr_t ids, uintptr_t positions, uintptr_t cos_table, uintptr_t sin_table,
-               uintptr_t slot, uintptr_t tables, int64_t max_blocks, uintptr_t lens, int64_t B, int64_t block_size,
-               uintptr_t out, uintptr_t logits, uintptr_t logits32, uintptr_t argmax) {
+  // A token id outside [0, vocab) raises IndexError, as torch's embedding does, before anything runs.
+  void run_ids(uintptr_t embed, int64_t vocab, uintptr_t ids, uintptr_t positions, uintptr_t cos_table,
+               uintptr_t sin_table, uintptr_t slot, uintptr_t tables, int64_t max_blocks, uintptr_t lens, int64_t B,
+               int64_t block_size, uintptr_t out, uintptr_t logits, uintptr_t logits32, uintptr_t argmax) {
     const int64_t row_bytes = D_ * e_, rope = B * Dh_;
+    for (int64_t b = 0; b < B; ++b)
+      if (const int64_t id = ((const int64_t*)ids)[b]; id < 0 || id >= vocab)
+        throw std::out_of_range("token id " + std::to_string(id) + " is not in the embedding's " +
+                                std::to_string(vocab) + " rows");
     inputs_.resize(B * row_bytes + 2 * rope * e_);
     char *x = inputs_.data(), *cos = x + B * row_bytes, *sin = cos + rope * e_;
     for (int64_t b = 0; b < B; ++b) {
