@@ -72,33 +72,17 @@ class SamplingBatch:
              for p in self.params], dtype=torch.float32,
         ).T.to(self.device)  # fmt: skip
 
-    @property
-    def temperature(self) -> torch.Tensor:  # [B] float32, 0 for greedy rows
-        return self._floats[0]
-
     @cached_property
     def top_k(self) -> torch.Tensor:  # [B] int64, 0 when off
         return torch.tensor([max(p.top_k, 0) for p in self.params], dtype=torch.int64, device=self.device)
 
-    @property
-    def top_p(self) -> torch.Tensor:  # [B] float32
-        return self._floats[1]
-
-    @property
-    def min_p(self) -> torch.Tensor:  # [B] float32
-        return self._floats[2]
-
-    @property
-    def repetition_penalty(self) -> torch.Tensor:  # [B] float32
-        return self._floats[3]
-
-    @property
-    def presence_penalty(self) -> torch.Tensor:  # [B] float32
-        return self._floats[4]
-
-    @property
-    def frequency_penalty(self) -> torch.Tensor:  # [B] float32
-        return self._floats[5]
+    # [B] float32 each, rows of _floats (temperature: 0 for greedy rows)
+    temperature = property(lambda self: self._floats[0])
+    top_p = property(lambda self: self._floats[1])
+    min_p = property(lambda self: self._floats[2])
+    repetition_penalty = property(lambda self: self._floats[3])
+    presence_penalty = property(lambda self: self._floats[4])
+    frequency_penalty = property(lambda self: self._floats[5])
 
 
 @dataclass
