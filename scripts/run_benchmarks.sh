@@ -17,6 +17,8 @@
 #      -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX512_VNNI=OFF
 #      -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF", and tokenmill under
 #      TOKENMILL_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
+#    The AVX-VNNI code (Intel client cores; docs/benchmarks.md, fourth Xeon sitting): the same with -DGGML_AVX_VNNI=ON,
+#      and tokenmill under TOKENMILL_ISA=avxvnni ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2_VNNI.
 #  - `transformers serve` needs: .venv/bin/pip install accelerate
 # ONLY=kernels runs section 4 alone (issue 14's sitting: every format against llama.cpp, one stream and 16).
 set -euo pipefail
