@@ -133,22 +133,25 @@ class PagedKVCache:
         """The fused kernels' decode inputs as views of one int64 tensor (each torch op costs more than its work
         here): the new tokens' slots [B], the context lengths [B], block tables [B, M] padded with block 0."""
         lens = meta.seq_lens[: len(tables)]
-        width = max(-(-n // self.block_size) for n in lens)
-        flat = slots + lens + [b for t in tables for b in t[:width] + [0] * (width - len(t[:width]))]
-        values = torch.tensor(flat, dtype=torch.int64, device=self.device)  # [B + B + B * M]
+        width, padded = self._padded(tables, lens)
+        values = torch.tensor(slots + lens + padded, dtype=torch.int64, device=self.device)  # [B + B + B * M]
         b = len(tables)
         return values[:b], values[b : 2 * b], values[2 * b :].view(b, width)
+
+    def _padded(self, tables: list[list[int]], seq_lens: list[int]) -> tuple[int, list[int]]:
+        """The decodes' block tables cut or padded with block 0 to the longest context's blocks: (width M, the
+        [B * M] ids row by row)."""
+        width = max(-(-n // self.block_size) for n in seq_lens[: len(tables)])
+        return width, [b for t in tables for b in t[:width] + [0] * (width - len(t[:width]))]
 
     def _decode_tables(
         self, tables: list[list[int]], seq_lens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block tables [B, M] padded with block 0, the padding bias for SDPA, lens."""
-        bs = self.block_size
-        width = max(-(-n // bs) for n in seq_lens[: len(tables)])
-        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
-        block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)  # [B, M]
+        width, padded = self._padded(tables, seq_lens)
+        block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device).view(len(tables), width)  # [B, M]
         lens = torch.tensor(seq_lens[: len(tables)], dtype=torch.int64, device=self.device)  # [B]
-        pad = torch.arange(width * bs, device=self.device) >= lens[:, None]  # [B, S]
+        pad = torch.arange(width * self.block_size, device=self.device) >= lens[:, None]  # [B, S]
         bias = torch.zeros(pad.shape, dtype=self.dtype, device=self.device).masked_fill_(pad, float("-inf"))
         return block_tables, bias[:, None, None, :], lens
 

@@ -92,64 +92,38 @@ class DecodeStack {
            uintptr_t argmax = 0) {
     grow(B);
     std::memcpy(residual_, (const void*)x, B * D_ * e_);
-    B_ = B, cos_ = (const char*)cos, sin_ = (const char*)sin, slot_ = (const int64_t*)slot;
-    tables_ = (const int64_t*)tables, max_blocks_ = max_blocks, lens_ = (const int64_t*)lens;
-    block_size_ = block_size, out_ = (char*)out, logits_ = (char*)logits;
-    logits32_ = bf16_ && logits ? (float*)logits32 : nullptr;
-    argmax_ = logits && (!bf16_ || logits32_) ? (int64_t*)argmax : nullptr;
-    head_chunks_ = logits ? chunks(head_) : 0;
-    if (argmax_) winners_.resize(B * head_chunks_);
-    longest_ = 0;
-    for (int64_t b = 0; b < B; ++b) longest_ = std::max(longest_, lens_[b]);
-    const int64_t L = num_layers();
-    for (int64_t l = 0; l < L; ++l) {
-      const LayerSpec& s = layers_[l];
-      const int64_t base = l * kStagesPerLayer;
-      const int64_t counts[kStagesPerLayer] = {B, chunks(s.qkv), B, B * Hkv_, B, chunks(s.o), B, chunks(s.gate_up),
-                                              B, chunks(s.down)};
-      for (int i = 0; i < kStagesPerLayer; ++i) pool_.set_chunks(base + i, counts[i]);
-    }
-    pool_.set_chunks(L * kStagesPerLayer, B);
-    pool_.set_chunks(L * kStagesPerLayer + 1, head_chunks_);
-    const int64_t count = L * kStagesPerLayer + (logits_ ? 2 : 1);
-    if (!profiling_) {
-      pool_.run(count);
-    } else {
-      std::vector<double> marks(count + 1);
-      pool_.run(count, marks.data());
-      for (int64_t i = count; i >= 0; --i) marks[i] -= marks[0];
-      marks_.push_back(std::move(marks));
-    }
-    if (argmax_) pick_winners();
+    step(cos, sin, slot, tables, max_blocks, lens, B, block_size, out, logits, logits32, argmax);
   }
 
-  // As run(), from token ids and positions [B] (int64): x is rows of embed [V, D] (model dtype), cos and sin rows
-  // of the rotary tables [positions, Dh] (float32), rounded to the model dtype as torch rounds them (nearest
-  // even). Those torch ops (an embedding, two gathers, two conversions) were ~0.2 ms of a one-row step (Xeon): on
-  // their first call after a step's weights have streamed through the caches, each op's code is cold.
-  // A token id outside [0, vocab) raises IndexError, as torch's embedding does, before anything runs.
+  // As run(), from token ids and positions [B] (int64): the rows of embed [V, D] (model dtype) go straight into
+  // the residual stream, and cos and sin are rows of the rotary tables [positions, Dh] (float32), rounded to the
+  // model dtype as torch rounds them (nearest even). Those torch ops (an embedding, two gathers, two conversions)
+  // were ~0.2 ms of a one-row step (Xeon): on their first call after a step's weights have streamed through the
+  // caches, each op's code is cold. A token id outside [0, vocab) raises IndexError, as torch's embedding does,
+  // before anything runs.
   void run_ids(uintptr_t embed, int64_t vocab, uintptr_t ids, uintptr_t positions, uintptr_t cos_table,
                uintptr_t sin_table, uintptr_t slot, uintptr_t tables, int64_t max_blocks, uintptr_t lens, int64_t B,
                int64_t block_size, uintptr_t out, uintptr_t logits, uintptr_t logits32, uintptr_t argmax) {
-    const int64_t row_bytes = D_ * e_, rope = B * Dh_;
+    const int64_t* id = (const int64_t*)ids;
     for (int64_t b = 0; b < B; ++b)
-      if (const int64_t id = ((const int64_t*)ids)[b]; id < 0 || id >= vocab)
-        throw std::out_of_range("token id " + std::to_string(id) + " is not in the embedding's " +
+      if (id[b] < 0 || id[b] >= vocab)
+        throw std::out_of_range("token id " + std::to_string(id[b]) + " is not in the embedding's " +
                                 std::to_string(vocab) + " rows");
-    inputs_.resize(B * row_bytes + 2 * rope * e_);
-    char *x = inputs_.data(), *cos = x + B * row_bytes, *sin = cos + rope * e_;
+    grow(B);
+    const int64_t row_bytes = D_ * e_;
+    rope_.resize(2 * B * Dh_ * e_);
+    char *cos = rope_.data(), *sin = cos + B * Dh_ * e_;
     for (int64_t b = 0; b < B; ++b) {
-      std::memcpy(x + b * row_bytes, (const char*)embed + ((const int64_t*)ids)[b] * row_bytes, row_bytes);
+      std::memcpy(residual_ + b * row_bytes, (const char*)embed + id[b] * row_bytes, row_bytes);
       const int64_t at = ((const int64_t*)positions)[b] * Dh_;
-      for (int64_t i = 0; i < Dh_; ++i)
-        for (auto [dst, table] : {std::pair{cos, cos_table}, std::pair{sin, sin_table}}) {
-          const float f = ((const float*)table)[at + i];
-          if (bf16_) ((uint16_t*)dst)[b * Dh_ + i] = float_to_bf16(f);
-          else ((float*)dst)[b * Dh_ + i] = f;
-        }
+      const Act c{cos + b * Dh_ * e_, bf16_}, s{sin + b * Dh_ * e_, bf16_};
+      for (int64_t i = 0; i < Dh_; ++i) {
+        c.set(i, ((const float*)cos_table)[at + i]);
+        s.set(i, ((const float*)sin_table)[at + i]);
+      }
     }
-    run((uintptr_t)x, (uintptr_t)cos, (uintptr_t)sin, slot, tables, max_blocks, lens, B, block_size, out, logits,
-        logits32, argmax);
+    step((uintptr_t)cos, (uintptr_t)sin, slot, tables, max_blocks, lens, B, block_size, out, logits, logits32,
+         argmax);
   }
 
   // Profile (off by default, and free when off): every run's stage boundaries while on. marks()[r][i + 1] -
@@ -200,6 +174,40 @@ class DecodeStack {
   }
 
  private:
+  // run() and run_ids() after the residual stream holds the embedded tokens
+  void step(uintptr_t cos, uintptr_t sin, uintptr_t slot, uintptr_t tables, int64_t max_blocks, uintptr_t lens,
+            int64_t B, int64_t block_size, uintptr_t out, uintptr_t logits, uintptr_t logits32, uintptr_t argmax) {
+    B_ = B, cos_ = (const char*)cos, sin_ = (const char*)sin, slot_ = (const int64_t*)slot;
+    tables_ = (const int64_t*)tables, max_blocks_ = max_blocks, lens_ = (const int64_t*)lens;
+    block_size_ = block_size, out_ = (char*)out, logits_ = (char*)logits;
+    logits32_ = bf16_ && logits ? (float*)logits32 : nullptr;
+    argmax_ = logits && (!bf16_ || logits32_) ? (int64_t*)argmax : nullptr;
+    head_chunks_ = logits ? chunks(head_) : 0;
+    if (argmax_) winners_.resize(B * head_chunks_);
+    longest_ = 0;
+    for (int64_t b = 0; b < B; ++b) longest_ = std::max(longest_, lens_[b]);
+    const int64_t L = num_layers();
+    for (int64_t l = 0; l < L; ++l) {
+      const LayerSpec& s = layers_[l];
+      const int64_t base = l * kStagesPerLayer;
+      const int64_t counts[kStagesPerLayer] = {B, chunks(s.qkv), B, B * Hkv_, B, chunks(s.o), B, chunks(s.gate_up),
+                                              B, chunks(s.down)};
+      for (int i = 0; i < kStagesPerLayer; ++i) pool_.set_chunks(base + i, counts[i]);
+    }
+    pool_.set_chunks(L * kStagesPerLayer, B);
+    pool_.set_chunks(L * kStagesPerLayer + 1, head_chunks_);
+    const int64_t count = L * kStagesPerLayer + (logits_ ? 2 : 1);
+    if (!profiling_) {
+      pool_.run(count);
+    } else {
+      std::vector<double> marks(count + 1);
+      pool_.run(count, marks.data());
+      for (int64_t i = count; i >= 0; --i) marks[i] -= marks[0];
+      marks_.push_back(std::move(marks));
+    }
+    if (argmax_) pick_winners();
+  }
+
   int64_t argmax_row(const char* row, int64_t V) const {
     int64_t best = 0;
     float top = -INFINITY;
@@ -390,7 +398,7 @@ class DecodeStack {
   int64_t* argmax_ = nullptr;
   int64_t head_chunks_ = 0;
   std::vector<int64_t> winners_;  // [B, head_chunks_]: each chunk's argmax per row
-  std::vector<char> inputs_;  // run_ids: x [B, D], cos and sin [B, Dh] (model dtype)
+  std::vector<char> rope_;  // run_ids: cos and sin [B, Dh] (model dtype)
   LinearSpec head_{};
   bool profiling_ = false;
   std::vector<std::vector<double>> marks_;  // the profile: each run's stage boundaries (seconds from its start)
