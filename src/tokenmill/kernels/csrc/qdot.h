@@ -41,6 +41,8 @@
 #else
 #define TM_VNNI 0
 #endif
+// the avxvnni variant (VNNI on 8 lanes): Q4_0 from 4 rows in the wide tiles (qtile_q4_wide)
+#define TM_Q4_WIDE (TM_VNNI && TM_W == 8)
 
 namespace tmk {
 
@@ -53,19 +55,27 @@ constexpr int MT_Q = 8;
 #else
 constexpr int MT_Q = 3;
 #endif
+// Q4_0 rows per wide tile (qtile_q4_wide: the avxvnni build, from 4 rows). Xeon, the linears of Qwen2.5-0.5B with
+// its head, 2 threads, against tiles of 3: 8 rows 1.13x, 16 rows 1.23x, 64 rows 1.12x (4 and 5 rows a tile: 16 rows
+// 1.14x). The AVX2 build keeps tiles of 3: its 16-bit sums need a register more per row (16 rows 0.9x, 64 0.7x).
+constexpr int MT_Q4 = 6;
 
 // A quantized activation row, in place of K floats: float d[nb], int32 s[nb] (sum of q per block), int8 q[K],
-// and with VNNI, for Q8_0 weights, uint8 u[K] = q + 128 (the unsigned side of vpdpbusd).
+// with VNNI, for Q8_0 weights, uint8 u[K] = q + 128 (the unsigned side of vpdpbusd), then int32 o[nb][2] =
+// {-8 s, -128 s}: Q4_0's offsets, where its tiles start a block's integer sums (o[b][1] for the high nibbles kept
+// in place, 16 times their weight).
 struct QRow {
   const float* d;
   const int32_t* s;
   const int8_t* q;
   const uint8_t* u;
+  const int32_t* o;
 };
 
 inline QRow qrow(const float* row, int64_t nb) {
   const int8_t* q = (const int8_t*)(row + 2 * nb);
-  return {row, (const int32_t*)(row + nb), q, (const uint8_t*)q + nb * QK};
+  const uint8_t* u = (const uint8_t*)q + nb * QK;
+  return {row, (const int32_t*)(row + nb), q, u, (const int32_t*)(u + nb * QK)};
 }
 
 
@@ -76,6 +86,7 @@ inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = 
   const int64_t nb = K / QK;
   int32_t* s = (int32_t*)(dst + nb);
   int8_t* q = (int8_t*)(dst + 2 * nb);
+  int32_t* o = (int32_t*)((uint8_t*)q + 2 * K);
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * QK;
 #if defined(__AVX2__)
@@ -113,6 +124,7 @@ inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = 
 #endif
     dst[b] = d;
     s[b] = sum;
+    o[2 * b] = -8 * sum, o[2 * b + 1] = -128 * sum;
   }
 #if TM_VNNI
   uint8_t* u = (uint8_t*)q + K;
@@ -139,13 +151,65 @@ inline const bool prefetch_quant_rows = true;
 #endif
 
 #if defined(__AVX2__) && defined(__F16C__)
+// Q4_0: MT rows' exact integer sums over the block at q (its 8 groups of 32 bytes) -> isum[m][0] channels 0-7,
+// isum[m][1] 8-15, the row's -8 * (sum of its q) included (QRow::o)
+template <int MT>
+inline void q4_block_sums(const uint8_t* q, const QRow* x, int64_t b, __m256i (*isum)[2]) {
+  const __m256i low = _mm256_set1_epi8(15);
+  __m256i p[MT][2];
+  for (int m = 0; m < MT; ++m) {
+#if TM_VNNI  // the sums start at the offsets; the high half's at 16 times its own
+    p[m][0] = _mm256_set1_epi32(x[m].o[2 * b]), p[m][1] = _mm256_set1_epi32(x[m].o[2 * b + 1]);
+#else  // 16-bit sums: the offset comes after they widen
+    p[m][0] = p[m][1] = _mm256_setzero_si256();
+#endif
+  }
+  // NOTE: the AVX2 build, unrolled whole, computes every product first and spills them to the stack; the avxvnni
+  // one spills its accumulators on every pass of a loop unrolled by 2 from 4 rows on (Xeon, kernel_ab.py at 8-64
+  // rows: 1.07-1.12x unrolled whole)
+#if TM_Q4_WIDE
+#pragma GCC unroll 8
+#else
+#pragma GCC unroll 2
+#endif
+  for (int g = 0; g < QK / 4; ++g) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i*)(q + g * 32));
+#if TM_VNNI
+    // the high nibbles in place, 16 times their weight (no 16-bit sums to overflow here): shifted out below
+    const __m256i w0 = _mm256_and_si256(bytes, low), w1 = _mm256_andnot_si256(low, bytes);
+#else
+    const __m256i w0 = _mm256_and_si256(bytes, low), w1 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+#endif
+    for (int m = 0; m < MT; ++m) {
+      int32_t four;
+      std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
+      const __m256i xb = _mm256_set1_epi32(four);
+#if TM_VNNI
+      p[m][0] = tm_dpbusd256(p[m][0], w0, xb);  // 32-bit sums of 4 products at once
+      p[m][1] = tm_dpbusd256(p[m][1], w1, xb);
+#else
+      p[m][0] = _mm256_add_epi16(p[m][0], _mm256_maddubs_epi16(w0, xb));
+      p[m][1] = _mm256_add_epi16(p[m][1], _mm256_maddubs_epi16(w1, xb));
+#endif
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+#if TM_VNNI
+    isum[m][0] = p[m][0];
+    isum[m][1] = _mm256_srai_epi32(p[m][1], 4);  // exact: 16 * (sum - 8 s), |sum - 8 s| < 2^16
+#else
+    const __m256i ones = _mm256_set1_epi16(1), offset = _mm256_set1_epi32(x[m].o[2 * b]);
+    for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_add_epi32(_mm256_madd_epi16(p[m][h], ones), offset);
+#endif
+  }
+}
+
 // MT rows x the panel's 16 channels -> sums[m][0..16) = sum over the blocks of isum * (d_w * d_x)
 template <Format F, int MT>
 inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
   __m256 acc[MT][2];
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // (vpmaddwd's; VNNI needs none)
-  const __m256i low = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * quant_block_bytes(F);
     // the weights ahead, as gemm.h's prefetch_ahead (Zen 3, from memory: 1 row 1.22x, 5 rows 1.03-1.12x). Not on a
@@ -157,40 +221,7 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
     const uint8_t* q = blk + 2 * P;
     __m256i isum[MT][2];
     if constexpr (F == Q4_0) {
-      __m256i p[MT][2];
-      for (int m = 0; m < MT; ++m) p[m][0] = p[m][1] = _mm256_setzero_si256();
-      // NOTE: unrolled whole, GCC computes every product first and spills them all to the stack
-#pragma GCC unroll 2
-      for (int g = 0; g < QK / 4; ++g) {
-        const __m256i bytes = _mm256_loadu_si256((const __m256i*)(q + g * 32));
-#if TM_VNNI
-        // the high nibbles in place, 16 times their weight (no 16-bit sums to overflow here): shifted out below
-        const __m256i w0 = _mm256_and_si256(bytes, low), w1 = _mm256_andnot_si256(low, bytes);
-#else
-        const __m256i w0 = _mm256_and_si256(bytes, low), w1 = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-#endif
-        for (int m = 0; m < MT; ++m) {
-          int32_t four;
-          std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
-          const __m256i xb = _mm256_set1_epi32(four);
-#if TM_VNNI
-          p[m][0] = tm_dpbusd256(p[m][0], w0, xb);  // 32-bit sums of 4 products at once
-          p[m][1] = tm_dpbusd256(p[m][1], w1, xb);
-#else
-          p[m][0] = _mm256_add_epi16(p[m][0], _mm256_maddubs_epi16(w0, xb));
-          p[m][1] = _mm256_add_epi16(p[m][1], _mm256_maddubs_epi16(w1, xb));
-#endif
-        }
-      }
-      for (int m = 0; m < MT; ++m) {
-        const __m256i offset = _mm256_set1_epi32(8 * x[m].s[b]);
-#if TM_VNNI
-        isum[m][0] = _mm256_sub_epi32(p[m][0], offset);
-        isum[m][1] = _mm256_sub_epi32(_mm256_srai_epi32(p[m][1], 4), offset);  // exact: 16 * sum, |sum| < 2^16
-#else
-        for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_sub_epi32(_mm256_madd_epi16(p[m][h], ones), offset);
-#endif
-      }
+      q4_block_sums<MT>(q, x, b, isum);
     } else {
       for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
 #if TM_VNNI
@@ -248,6 +279,29 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
     _mm256_storeu_ps(sums[m] + 8, acc[m][1]);
   }
 }
+
+// Q4_0, MT > 3 rows: as qtile, but each row's float sums wait in `sums` (L1) from block to block, so that the 16
+// registers hold more rows' integer sums and each group's unpacked weights serve them all. The same sums in the
+// same order: the same bits.
+template <int MT>
+inline void qtile_q4_wide(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
+  for (int m = 0; m < MT; ++m) std::fill(sums[m], sums[m] + P, 0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * quant_block_bytes(Q4_0);
+    for (int64_t off = 0; off < quant_block_bytes(Q4_0); off += 64) prefetch_weights(blk + off);
+    __m256i isum[MT][2];
+    q4_block_sums<MT>(blk + 2 * P, x, b, isum);
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)));
+    for (int m = 0; m < MT; ++m) {
+      const __m256 dx = _mm256_set1_ps(x[m].d[b]);
+      _mm256_storeu_ps(sums[m], _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][0]), _mm256_mul_ps(d0, dx),
+                                                _mm256_loadu_ps(sums[m])));
+      _mm256_storeu_ps(sums[m] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][1]), _mm256_mul_ps(d1, dx),
+                                                    _mm256_loadu_ps(sums[m] + 8)));
+    }
+  }
+}
 #else
 template <Format F, int MT>
 inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
@@ -283,6 +337,25 @@ inline void qtile_rows(const uint8_t* panel, const QRow* x, int64_t nb, float (*
 
 namespace tmk {
 
+// A panel times mc rows in register tiles (the builds below AVX-512)
+template <Format F>
+inline void qpanel(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t mc) {
+#if TM_Q4_WIDE
+  if (F == Q4_0 && mc > MT_Q) {
+    // the rows in the fewest tiles of at most MT_Q4 (16 rows as 6 + 6 + 4)
+    const int64_t tiles = (mc + MT_Q4 - 1) / MT_Q4, per = (mc + tiles - 1) / tiles;
+    for (int64_t m = 0; m < mc; m += per)
+      with_rows<MT_Q4>(std::min<int64_t>(per, mc - m), [&](auto r) {
+        constexpr int R = decltype(r)::value;
+        if constexpr (R <= MT_Q) qtile<F, R>(panel, x + m, nb, sums + m);
+        else qtile_q4_wide<R>(panel, x + m, nb, sums + m);
+      });
+    return;
+  }
+#endif
+  for (int64_t m = 0; m < mc; m += MT_Q) qtile_rows<F, MT_Q>(panel, x + m, nb, sums + m, std::min<int64_t>(MT_Q, mc - m));
+}
+
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), x rows in the QRow layout `ldx` floats
 // apart: for each block of QMC rows, every panel passes over them in tiles of MT_Q rows. A row's blocks are summed
 // in the same order whatever M is, so its output does not depend on the batch.
@@ -309,8 +382,7 @@ void linear_quant(const float* x, int64_t M, int64_t ldx, const uint8_t* packed,
         else with_rows<MT_Q512>(rows, [&](auto r) { qtile512<F, decltype(r)::value>(panel, rx + m, nb, sums + m); });
       }
 #else
-      for (int64_t m = 0; m < mc; m += MT_Q)
-        qtile_rows<F, MT_Q>(packed + p * stride, rx + m, nb, sums + m, std::min<int64_t>(MT_Q, mc - m));
+      qpanel<F>(packed + p * stride, rx, nb, sums, mc);
 #endif
       const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
       for (int64_t r = 0; r < mc; ++r) store_outputs(sums[r], m0 + r, n0, n_valid, N, bias, out32, out16);
