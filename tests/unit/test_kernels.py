@@ -86,15 +86,16 @@ def test_register_tiles_across_their_row_blocks(ops: kernels.Kernels, fmt: str, 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_integer_sums_do_not_saturate(ops: kernels.Kernels, fmt: str) -> None:
     """The largest products the formats can hold: every weight and activation at the end of its range, with
-    signs that add up. vpmaddubsw saturates 16-bit sums; the layout keeps them below it (qdot.h)."""
+    signs that add up. vpmaddubsw saturates 16-bit sums; the layout keeps them below it (qdot.h). 8 rows: the
+    tiles of 1-3 rows and the wide ones (qwide.h) alike."""
     k = 256
     if fmt == "q4_0":
         w = torch.full((32, k), 7.0)  # the block's largest magnitude maps to q 0 (-8 d), 7 to q 15 (7 * d)
         w[:, ::32] = -8.0
-        x = torch.ones(3, k)  # q 127
+        x = torch.ones(8, k)  # q 127
     else:
         w = torch.randint(0, 2, (32, k)).float() * 2 - 1  # q +-127
-        x = w[:3].clone()  # row i times channel i: every product +127 * 127
+        x = w[:8].clone()  # row i times channel i: every product +127 * 127
     w[16:] *= -1  # the second half of the channels the other way
     packed = pack(w, fmt)
     for rows in (x, -x):

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "gemm.h"
 
@@ -41,8 +42,8 @@
 #else
 #define TM_VNNI 0
 #endif
-// the avxvnni variant (VNNI on 8 lanes): Q4_0 from 4 rows in the wide tiles (qtile_q4_wide)
-#define TM_Q4_WIDE (TM_VNNI && TM_W == 8)
+// the avxvnni variant (VNNI on 8 lanes): from 4 rows, the wide tiles (qwide.h)
+#define TM_WIDE (TM_VNNI && TM_W == 8)
 
 namespace tmk {
 
@@ -55,10 +56,6 @@ constexpr int MT_Q = 8;
 #else
 constexpr int MT_Q = 3;
 #endif
-// Q4_0 rows per wide tile (qtile_q4_wide: the avxvnni build, from 4 rows). Xeon, the linears of Qwen2.5-0.5B with
-// its head, 2 threads, against tiles of 3: 8 rows 1.13x, 16 rows 1.23x, 64 rows 1.12x (4 and 5 rows a tile: 16 rows
-// 1.14x). The AVX2 build keeps tiles of 3: its 16-bit sums need a register more per row (16 rows 0.9x, 64 0.7x).
-constexpr int MT_Q4 = 6;
 
 // A quantized activation row, in place of K floats: float d[nb], int32 s[nb] (sum of q per block), int8 q[K],
 // with VNNI, for Q8_0 weights, uint8 u[K] = q + 128 (the unsigned side of vpdpbusd), then int32 o[nb][2] =
@@ -167,7 +164,7 @@ inline void q4_block_sums(const uint8_t* q, const QRow* x, int64_t b, __m256i (*
   // NOTE: the AVX2 build, unrolled whole, computes every product first and spills them to the stack; the avxvnni
   // one spills its accumulators on every pass of a loop unrolled by 2 from 4 rows on (Xeon, kernel_ab.py at 8-64
   // rows: 1.07-1.12x unrolled whole)
-#if TM_Q4_WIDE
+#if TM_WIDE
 #pragma GCC unroll 8
 #else
 #pragma GCC unroll 2
@@ -279,29 +276,6 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
     _mm256_storeu_ps(sums[m] + 8, acc[m][1]);
   }
 }
-
-// Q4_0, MT > 3 rows: as qtile, but each row's float sums wait in `sums` (L1) from block to block, so that the 16
-// registers hold more rows' integer sums and each group's unpacked weights serve them all. The same sums in the
-// same order: the same bits.
-template <int MT>
-inline void qtile_q4_wide(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
-  for (int m = 0; m < MT; ++m) std::fill(sums[m], sums[m] + P, 0.f);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = panel + b * quant_block_bytes(Q4_0);
-    for (int64_t off = 0; off < quant_block_bytes(Q4_0); off += 64) prefetch_weights(blk + off);
-    __m256i isum[MT][2];
-    q4_block_sums<MT>(blk + 2 * P, x, b, isum);
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
-    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)));
-    for (int m = 0; m < MT; ++m) {
-      const __m256 dx = _mm256_set1_ps(x[m].d[b]);
-      _mm256_storeu_ps(sums[m], _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][0]), _mm256_mul_ps(d0, dx),
-                                                _mm256_loadu_ps(sums[m])));
-      _mm256_storeu_ps(sums[m] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][1]), _mm256_mul_ps(d1, dx),
-                                                    _mm256_loadu_ps(sums[m] + 8)));
-    }
-  }
-}
 #else
 template <Format F, int MT>
 inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
@@ -334,21 +308,24 @@ inline void qtile_rows(const uint8_t* panel, const QRow* x, int64_t nb, float (*
 }  // namespace tmk
 
 #include "qdot512.h"
+#include "qwide.h"
 
 namespace tmk {
 
 // A panel times mc rows in register tiles (the builds below AVX-512)
 template <Format F>
 inline void qpanel(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t mc) {
-#if TM_Q4_WIDE
-  if (F == Q4_0 && mc > MT_Q) {
-    // the rows in the fewest tiles of at most MT_Q4 (16 rows as 6 + 6 + 4)
-    const int64_t tiles = (mc + MT_Q4 - 1) / MT_Q4, per = (mc + tiles - 1) / tiles;
+#if TM_WIDE
+  if (mc > MT_Q) {
+    // the rows in the fewest tiles of at most MT_WIDE (16 rows as 6 + 6 + 4)
+    const int64_t tiles = (mc + MT_WIDE - 1) / MT_WIDE, per = (mc + tiles - 1) / tiles;
+    thread_local std::vector<int32_t> corr;
+    if (F == Q8_0) corr.resize(nb * P), q8_corrections(panel, nb, corr.data());
     for (int64_t m = 0; m < mc; m += per)
-      with_rows<MT_Q4>(std::min<int64_t>(per, mc - m), [&](auto r) {
+      with_rows<MT_WIDE>(std::min<int64_t>(per, mc - m), [&](auto r) {
         constexpr int R = decltype(r)::value;
         if constexpr (R <= MT_Q) qtile<F, R>(panel, x + m, nb, sums + m);
-        else qtile_q4_wide<R>(panel, x + m, nb, sums + m);
+        else qtile_wide<F, R>(panel, corr.data(), x + m, nb, sums + m);
       });
     return;
   }
