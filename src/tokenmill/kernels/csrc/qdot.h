@@ -163,7 +163,7 @@ inline void q4_block_sums(const uint8_t* q, const QRow* x, int64_t b, __m256i (*
   }
   // NOTE: the AVX2 build, unrolled whole, computes every product first and spills them to the stack; the avxvnni
   // one spills its accumulators on every pass of a loop unrolled by 2 from 4 rows on (Xeon, kernel_ab.py at 8-64
-  // rows: 1.07-1.12x unrolled whole)
+  // rows: 1.09-1.15x unrolled whole)
 #if TM_WIDE
 #pragma GCC unroll 8
 #else
