@@ -201,6 +201,21 @@ inline void q4_block_sums(const uint8_t* q, const QRow* x, int64_t b, __m256i (*
   }
 }
 
+#if TM_VNNI
+// Q8_0: MT rows' sums += (x + 128) at group g of block b (QRow::u) times the group's weights (w0 channels 0-7, w1
+// 8-15)
+template <int MT>
+inline void q8_group(const QRow* x, int64_t b, int g, __m256i w0, __m256i w1, __m256i (*isum)[2]) {
+  for (int m = 0; m < MT; ++m) {
+    int32_t four;
+    std::memcpy(&four, x[m].u + b * QK + 4 * g, 4);
+    const __m256i xu = _mm256_set1_epi32(four);
+    isum[m][0] = tm_dpbusd256(isum[m][0], xu, w0);
+    isum[m][1] = tm_dpbusd256(isum[m][1], xu, w1);
+  }
+}
+#endif
+
 // MT rows x the panel's 16 channels -> sums[m][0..16) = sum over the blocks of isum * (d_w * d_x)
 template <Format F, int MT>
 inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
@@ -232,13 +247,7 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
         const __m256i w1 = _mm256_loadu_si256((const __m256i*)(q + g * 64 + 32));
         wsum[0] = tm_dpbusd256(wsum[0], ones8, w0);
         wsum[1] = tm_dpbusd256(wsum[1], ones8, w1);
-        for (int m = 0; m < MT; ++m) {
-          int32_t four;
-          std::memcpy(&four, x[m].u + b * QK + 4 * g, 4);
-          const __m256i xu = _mm256_set1_epi32(four);
-          isum[m][0] = tm_dpbusd256(isum[m][0], xu, w0);
-          isum[m][1] = tm_dpbusd256(isum[m][1], xu, w1);
-        }
+        q8_group<MT>(x, b, g, w0, w1, isum);
       }
       const __m256i c0 = _mm256_slli_epi32(wsum[0], 7), c1 = _mm256_slli_epi32(wsum[1], 7);
       for (int m = 0; m < MT; ++m) {

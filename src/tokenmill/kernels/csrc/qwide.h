@@ -60,17 +60,9 @@ inline void q8_block_sums(const uint8_t* q, const int32_t* corr, const QRow* x, 
   const __m256i c0 = _mm256_loadu_si256((const __m256i*)corr), c1 = _mm256_loadu_si256((const __m256i*)(corr + 8));
   for (int m = 0; m < MT; ++m) isum[m][0] = c0, isum[m][1] = c1;
 #pragma GCC unroll 8
-  for (int g = 0; g < QK / 4; ++g) {
-    const __m256i w0 = _mm256_loadu_si256((const __m256i*)(q + g * 64));
-    const __m256i w1 = _mm256_loadu_si256((const __m256i*)(q + g * 64 + 32));
-    for (int m = 0; m < MT; ++m) {
-      int32_t four;
-      std::memcpy(&four, x[m].u + b * QK + 4 * g, 4);
-      const __m256i xu = _mm256_set1_epi32(four);
-      isum[m][0] = tm_dpbusd256(isum[m][0], xu, w0);
-      isum[m][1] = tm_dpbusd256(isum[m][1], xu, w1);
-    }
-  }
+  for (int g = 0; g < QK / 4; ++g)
+    q8_group<MT>(x, b, g, _mm256_loadu_si256((const __m256i*)(q + g * 64)),
+                 _mm256_loadu_si256((const __m256i*)(q + g * 64 + 32)), isum);
 }
 
 // MT rows x the panel's 16 channels -> sums[m][0..16), as qtile; corr: Q8_0's q8_corrections
