@@ -105,7 +105,7 @@ __attribute__((target("amx-tile,amx-int8"))) void linear_amx_q(const float* x, i
     if (rows[0] != configured[0] || rows[1] != configured[1])
       amx_configure_q(rows[0], rows[1]), configured[0] = rows[0], configured[1] = rows[1];
     const float* xr = x + m0 * ldx;
-    const int8_t* xq = (const int8_t*)(xr + 2 * nb);
+    const int8_t* xq = qrow(xr, nb).q;
     for (int64_t p = p_begin; p < p_end; p += 2) {
       const uint8_t* w[2] = {packed + p * stride, packed + (p + 1) * stride};
       const int pb = p + 1 < p_end ? 2 : 1, rb = rows[1] ? 2 : 1;

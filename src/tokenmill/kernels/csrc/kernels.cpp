@@ -177,7 +177,7 @@ void quantize_rows(uintptr_t x_ptr, int64_t M, int64_t K, uintptr_t d_ptr, uintp
   for (int64_t m = 0; m < M; ++m) {
     quantize_row((const float*)x_ptr + m * K, K, row.data());
     std::memcpy((float*)d_ptr + m * nb, row.data(), nb * 4);
-    std::memcpy((int8_t*)q_ptr + m * K, row.data() + 2 * nb, K);
+    std::memcpy((int8_t*)q_ptr + m * K, qrow(row.data(), nb).q, K);
   }
 }
 

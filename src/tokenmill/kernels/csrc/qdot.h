@@ -57,33 +57,30 @@ constexpr int MT_Q = 8;
 constexpr int MT_Q = 3;
 #endif
 
-// A quantized activation row, in place of K floats: float d[nb], int32 s[nb] (sum of q per block), int8 q[K],
-// with VNNI, for Q8_0 weights, uint8 u[K] = q + 128 (the unsigned side of vpdpbusd), then int32 o[nb][2] =
-// {-8 s, -128 s}: Q4_0's offsets, where its tiles start a block's integer sums (o[b][1] for the high nibbles kept
-// in place, 16 times their weight).
+// A quantized activation row, in place of K floats: float d[nb], int32 o[nb][2] = {-8 s, -128 s} where s is the
+// block's sum of q (Q4_0's offsets: its tiles start a block's integer sums there, o[b][1] for the high nibbles kept
+// in place, 16 times their weight), int8 q[K], and with VNNI, for Q8_0 weights, uint8 u[K] = q + 128 (the unsigned
+// side of vpdpbusd). qrow() is the one place that knows the layout.
 struct QRow {
   const float* d;
-  const int32_t* s;
+  const int32_t* o;
   const int8_t* q;
   const uint8_t* u;
-  const int32_t* o;
 };
 
 inline QRow qrow(const float* row, int64_t nb) {
-  const int8_t* q = (const int8_t*)(row + 2 * nb);
-  const uint8_t* u = (const uint8_t*)q + nb * QK;
-  return {row, (const int32_t*)(row + nb), q, u, (const int32_t*)(u + nb * QK)};
+  const int8_t* q = (const int8_t*)(row + 3 * nb);
+  return {row, (const int32_t*)(row + nb), q, (const uint8_t*)q + nb * QK};
 }
-
 
 // x[0..K) float32 -> the QRow layout at `dst` (which has room for K floats): per block of 32, d = max|x| / 127 and
 // q = x / d rounded to nearest, ties to even (as ggml's AVX2 quantize_row_q8_0), the scale kept in float32; with
 // `for_q8_0` and VNNI also u = q + 128.
 inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = false) {
   const int64_t nb = K / QK;
-  int32_t* s = (int32_t*)(dst + nb);
-  int8_t* q = (int8_t*)(dst + 2 * nb);
-  int32_t* o = (int32_t*)((uint8_t*)q + 2 * K);
+  const QRow row = qrow(dst, nb);
+  int32_t* o = (int32_t*)row.o;
+  int8_t* q = (int8_t*)row.q;
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * QK;
 #if defined(__AVX2__)
@@ -120,11 +117,10 @@ inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = 
     }
 #endif
     dst[b] = d;
-    s[b] = sum;
     o[2 * b] = -8 * sum, o[2 * b + 1] = -128 * sum;
   }
 #if TM_VNNI
-  uint8_t* u = (uint8_t*)q + K;
+  uint8_t* u = (uint8_t*)row.u;
   for (int64_t k = 0; for_q8_0 && k < K; ++k) u[k] = (uint8_t)q[k] ^ 0x80;
 #else
   (void)for_q8_0;
@@ -300,7 +296,7 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
         for (int c = 0; c < P; ++c) isum[c] += block_value<F>(blk + 2 * P, c, kk) * xq;
       }
       for (int c = 0; c < P; ++c) {
-        if constexpr (F == Q4_0) isum[c] -= 8 * x[m].s[b];
+        if constexpr (F == Q4_0) isum[c] += x[m].o[2 * b];
         sums[m][c] += (float)isum[c] * (dw[c] * x[m].d[b]);
       }
     }

@@ -69,7 +69,8 @@ inline void qtile512(const uint8_t* panel, const QRow* x, int64_t nb, float (*su
     const __m512i correction = F == Q8_0 ? _mm512_slli_epi32(wsum, 7) : _mm512_setzero_si512();
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
     for (int m = 0; m < MT; ++m) {
-      const __m512i total = _mm512_sub_epi32(isum[m], F == Q8_0 ? correction : _mm512_set1_epi32(8 * x[m].s[b]));
+      const __m512i total = F == Q8_0 ? _mm512_sub_epi32(isum[m], correction)
+                                      : _mm512_add_epi32(isum[m], _mm512_set1_epi32(x[m].o[2 * b]));
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x[m].d[b]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[m]);
     }
