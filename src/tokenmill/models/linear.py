@@ -14,7 +14,8 @@ The model is built with `Linear`: an `nn.Linear` whose one-row product on the CP
   bf16 GEMM beats the kernel (AVX-512 BF16 with a kernel variant built without vdpbf16ps, or AMX the kernel cannot use)
   a bf16 prefill of more than `KERNEL_MAX_ROWS` rows through a bf16 weight unpacks it and takes oneDNN's.
   Without a compiled kernel (no compiler here) the same module computes the same product in torch
-  (`formats.reference_linear`).
+  (`formats.reference_linear`). On a GPU the quantized formats multiply weight-only: the weight dequantized to
+  the activations' dtype for each product, the activations as they are (W8A16 / W4A16).
 - `PackedLinear` (`--pack-weights`, CPU, quantization none): the weight reordered into oneDNN's blocked layout.
 - A float16 model, a non-CPU device or `--no-cpu-kernels` keeps `Linear` (torch's own GEMV/GEMM).
 """
@@ -104,8 +105,11 @@ class KernelLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N], the weight unpacked for this call
-        if self.format in ("q8_0", "q4_0"):  # no compiled kernel here: the kernel's product, in torch
-            return formats.reference_linear(x, self.packed(), self.bias).to(x.dtype)
+        if self.format in ("q8_0", "q4_0"):
+            if x.device.type != "cpu":  # a GPU's weight-only product: the weight dequantized, x as it is (W8A16)
+                bias = None if self.bias is None else self.bias.to(x.dtype)
+                return F.linear(x, formats.unpack(self.packed()).to(x.dtype), bias)
+            return formats.reference_linear(x, self.packed(), self.bias).to(x.dtype)  # the kernel's product, in torch
         if self.ops is not None:
             w = self.ops.unpack(self.data, self.format_id, self.out_features, self.padded_in)[:, : self.in_features]
         else:
