@@ -1,20 +1,28 @@
-"""The machine's memory read bandwidth, for judging a decode's GB/s: at batch 1 every step reads every weight once,
-so tg tok/s x weight bytes can reach at most what the memory delivers.
+"""The memory read bandwidth of the device the weights live on, for judging a decode's GB/s: at batch 1 every step
+reads every weight once, so tg tok/s x weight bytes can reach at most what that memory delivers.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
-def read_bandwidth_gb_s(megabytes: int = 1024, repeats: int = 5) -> float:
-    """The best of `repeats` reads of a buffer far larger than the caches, on torch's threads: tokenmill's own
+def read_bandwidth_gb_s(megabytes: int = 1024, repeats: int = 5, device: str = "cpu") -> float:
+    """Host memory (`device` cpu) or a GPU's memory (cuda, cuda:N: `_gpu_read_gb_s`).
+
+    On the CPU: the best of `repeats` reads of a buffer far larger than the caches, on torch's threads: tokenmill's own
     streaming kernel where it is built, else torch's sum over the buffer. The buffer lives in memory of the kind the
     packed weights do (one huge-page region where the platform has one: kernels/placement.py), so that a decode
     is judged against what that memory delivers (Zen 4: 31-34 GB/s against 30-32 from torch.ones, runs alternated).
     """
     import torch
 
+    if device != "cpu":
+        return _gpu_read_gb_s(torch.device(device), repeats)
     from tokenmill import kernels
     from tokenmill.kernels.placement import huge_page_buffer
 
@@ -29,3 +37,22 @@ def read_bandwidth_gb_s(megabytes: int = 1024, repeats: int = 5) -> float:
         read()
         best = min(best, time.perf_counter() - start)
     return buf.numel() * 4 / best / 1e9
+
+
+def _gpu_read_gb_s(device: torch.device, repeats: int) -> float:
+    """The best of `repeats` sums over 4 GiB of the GPU's memory (far past its L2), timed with CUDA events: a
+    read-only stream, as a decode step's weights are."""
+    import torch
+
+    buf = torch.ones(2**30, dtype=torch.float32, device=device)  # 4 GiB
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass warms the kernel up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        buf.sum()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del buf
+    torch.cuda.empty_cache()
+    return 4 * 2**30 / best / 1e9

@@ -10,12 +10,15 @@ import argparse
 import random
 import resource
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.bandwidth import read_bandwidth_gb_s
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
 from tokenmill.progress import progress
+
+if TYPE_CHECKING:
+    from tokenmill import LLM
 
 
 def weight_bytes(llm: Any) -> int:
@@ -80,7 +83,7 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
     rows = measure(llm, args.prompt_tokens, args.gen_tokens, args.repeat, args.warmup, args.seed)
     measured = [r for r in rows if not r["warmup"]]
     wbytes = weight_bytes(llm)
-    probe = read_bandwidth_gb_s()  # after the trials: it must not warm anything for them
+    probe = read_bandwidth_gb_s(device=str(llm.loaded.device))  # after the trials: it must not warm anything for them
     pp = summarize([r["pp_tokens_per_sec"] for r in measured])
     tg = summarize([r["tg_tokens_per_sec"] for r in measured])
     summary = {
@@ -90,7 +93,7 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         "weight_bytes": wbytes,
         "achieved_gb_per_sec": wbytes * tg["mean"] / 1e9,
         "read_bandwidth_gb_per_sec": probe,
-        "kernels": _kernel_path(),
+        "kernels": _kernel_path(llm),
         "peak_rss_mb": peak_rss_mb(),
     }
     run.save_raw(rows)
@@ -118,9 +121,12 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
     )
 
 
-def _kernel_path() -> str:
+def _kernel_path(llm: LLM) -> str:
+    """The CPU kernel variant the model runs on, or why none."""
     from tokenmill import kernels
 
+    if llm.loaded.device.type != "cpu":
+        return f"none (the model runs on {llm.loaded.device})"
     return str(kernels.status()["kernels"])
 
 
