@@ -72,6 +72,23 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Pat
     return make
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device", default="cpu", help="where the parity and engine tests run: cpu (default), cuda, cuda:N"
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import torch
+
+    from tests import target
+
+    device = config.getoption("--device")
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        raise pytest.UsageError(f"--device {device}: this PyTorch sees no such device; allowed: cpu, or cuda on a GPU")
+    target.DEVICE = device
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Print the parity table (family x config -> max |logit diff|) when parity tests ran."""
     try:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests import target
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.core import EngineCore
 from tokenmill.types import EngineRequest
@@ -30,7 +31,7 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=4 + i % 13, ignore_eos=True) 
 
 
 def _llm(folder: Path, **kwargs: Any) -> LLM:
-    return LLM(str(folder), dtype="float32", device="cpu", **kwargs)
+    return LLM(str(folder), dtype="float32", device=target.DEVICE, **kwargs)
 
 
 def _run(llm: LLM, prompts: list[list[int]] = PROMPTS, params: list[SamplingParams] = PARAMS) -> list[list[int]]:
@@ -167,6 +168,8 @@ def test_touch_kv_cache_makes_the_pool_resident_at_start(folder: Path) -> None:
     import psutil
 
     from tokenmill.attention import PagedKVCache
+
+    target.cpu_only("the residency of a KV pool in host memory")
 
     def rss_growth(**kwargs: Any) -> tuple[int, int]:
         before = psutil.Process().memory_info().rss

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import target
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = ["Hello world!", "To be, or not to be", "The quick brown fox jumps over", "café 日本語"]
@@ -19,7 +20,7 @@ def folder(make_checkpoint: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(folder: Path) -> LLM:
-    return LLM(str(folder), dtype="float32", device="cpu")
+    return LLM(str(folder), dtype="float32", device=target.DEVICE)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -40,7 +41,7 @@ def test_batch_equals_each_prompt_alone(llm: LLM) -> None:
 
 
 def test_recompute_baseline_equals_kv_cache(folder: Path, llm: LLM) -> None:
-    no_cache = LLM(str(folder), dtype="float32", device="cpu", kv_cache="none")
+    no_cache = LLM(str(folder), dtype="float32", device=target.DEVICE, kv_cache="none")
     assert [o.outputs[0].token_ids for o in no_cache.generate(PROMPTS, GREEDY)] == [
         o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)
     ]
@@ -132,13 +133,13 @@ def test_generation_config_supplies_defaults_and_eos(folder: Path, tmp_path: Pat
     import shutil
 
     copy = Path(shutil.copytree(folder, tmp_path / "ckpt"))
-    base = LLM(str(copy), dtype="float32", device="cpu")
+    base = LLM(str(copy), dtype="float32", device=target.DEVICE)
     free = base.generate("Hello", GREEDY)[0].outputs[0].token_ids
     extra_eos = free[2]
     gen = json.loads((copy / "generation_config.json").read_text())
     gen.update(eos_token_id=[gen["eos_token_id"], extra_eos], temperature=0.7, top_p=0.9, top_k=20)
     (copy / "generation_config.json").write_text(json.dumps(gen))
-    llm = LLM(str(copy), dtype="float32", device="cpu")
+    llm = LLM(str(copy), dtype="float32", device=target.DEVICE)
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.7, 0.9, 20)
     c = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]

@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests import target
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import causal
 from tokenmill.spec_decode import NgramProposer
@@ -38,7 +39,7 @@ def folder(make_checkpoint: Callable[..., Path]) -> Path:
 
 
 def _run(folder: Path, prompts: list[list[int]], params: SamplingParams, **engine: Any) -> tuple[LLM, list[Any]]:
-    llm = LLM(str(folder), dtype="float32", **engine)
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE, **engine)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     kv = llm.engine.kv
     kv.check_integrity()
@@ -79,7 +80,7 @@ def test_greedy_output_is_token_for_token_the_same(folder: Path, engine: dict[st
 
 
 def test_stop_strings_n_and_prefix_hits_land_where_they_would(folder: Path) -> None:
-    base = LLM(str(folder), dtype="float32")
+    base = LLM(str(folder), dtype="float32", device=target.DEVICE)
     text = base.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY)[0].outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]  # a stop string in the middle of the output
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], n=2)
@@ -101,7 +102,13 @@ def test_waiting_sequences_count_towards_auto_off(folder: Path) -> None:
     """Two run at a time (max_num_seqs) while two wait: four in all, over the limit of 3, so the first two get no
     drafts; the last two run with nobody waiting and get them. Greedy output is the same either way."""
     _, want = _run(folder, PROMPTS[:4], GREEDY)
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=2, **{**SPEC, "speculative_disable_by_batch_size": 3})
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        device=target.DEVICE,
+        max_num_seqs=2,
+        **{**SPEC, "speculative_disable_by_batch_size": 3},
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [w[0].token_ids for w in want]
     drafted = [o.metrics.num_draft_tokens for o in outs if o.metrics is not None]
@@ -112,7 +119,7 @@ def test_bad_settings_are_one_clear_error(folder: Path, tmp_path: Path) -> None:
     from tokenmill.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="does not exist"):
-        LLM(str(folder), dtype="float32", speculative_model=str(tmp_path / "draft.gguf"))
+        LLM(str(folder), dtype="float32", device=target.DEVICE, speculative_model=str(tmp_path / "draft.gguf"))
     with pytest.raises(ValueError, match="needs a KV cache"):
         LLM("x", speculative_model="ngram", kv_cache="none")
     with pytest.raises(ValueError, match="ngram_prompt_lookup_min=3 exceeds"):
@@ -131,7 +138,9 @@ def _pair_distribution(llm: LLM, prompt: list[int]) -> dict[tuple[int, int], flo
 
     def top(ids: list[int]) -> tuple[list[int], torch.Tensor]:
         with torch.inference_mode():
-            logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), *causal(len(ids))))[-1]
+            logits = model.compute_logits(
+                model(target.ids_tensor(ids), target.positions(0, len(ids)), *causal(len(ids)))
+            )[-1]
         values, tokens = logits.topk(TOP_K)
         return tokens.tolist(), values.softmax(-1)
 
@@ -145,7 +154,7 @@ def _pair_distribution(llm: LLM, prompt: list[int]) -> dict[tuple[int, int], flo
 
 
 def _chi_square(folder: Path, prompt: list[int], **engine: Any) -> float:
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=64, **engine)
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE, max_num_seqs=64, **engine)
     dist = _pair_distribution(llm, prompt)
     params = [SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, seed=i, ignore_eos=True) for i in range(DRAWS)]
     outs = llm.generate([{"prompt_token_ids": prompt}] * DRAWS, params)
@@ -179,7 +188,7 @@ def test_sampling_keeps_the_target_distribution_and_a_broken_rule_fails(
 )
 def test_the_pool_comes_back_whole(folder: Path, seed: int, aborts: list[int], temperature: float) -> None:
     r = random.Random(seed)
-    llm = LLM(str(folder), dtype="float32", num_kv_blocks=24, block_size=4, **SPEC)
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE, num_kv_blocks=24, block_size=4, **SPEC)
     engine = llm.engine
     for i in range(8):
         prompt = [r.randrange(3, 384) for _ in range(r.randrange(2, 6))] * r.randrange(1, 4)
@@ -235,14 +244,14 @@ def test_a_draft_with_another_tokenizer_is_refused(folder: Path, tmp_path: Path)
                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=320),
                              build_tokenizer(tmp_path / "tok", vocab_size=300), tmp_path / "other")  # fmt: skip
     with pytest.raises(ValueError, match="another tokenizer"):
-        LLM(str(folder), dtype="float32", speculative_model=str(other))
+        LLM(str(folder), dtype="float32", device=target.DEVICE, speculative_model=str(other))
 
 
 def test_the_demo_model_ships_its_draft() -> None:
     """`--speculative-model demo-draft` needs no download, keeps drafts, and changes no greedy token."""
     params = SamplingParams(temperature=0, max_tokens=40)
-    want = LLM().generate(["ROMEO:", "JULIET:\nO Romeo"], params)
-    llm = LLM(speculative_model="demo-draft", num_speculative_tokens=3)
+    want = LLM(device=target.DEVICE).generate(["ROMEO:", "JULIET:\nO Romeo"], params)
+    llm = LLM(device=target.DEVICE, speculative_model="demo-draft", num_speculative_tokens=3)
     got = llm.generate(["ROMEO:", "JULIET:\nO Romeo"], params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.stats.spec_accepted_tokens > 0

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests import target
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import ContiguousKVCache, causal
 from tokenmill.types import SequenceInput
@@ -79,21 +80,22 @@ def case(request: pytest.FixtureRequest, make_checkpoint: Callable[..., Path]) -
 
     arch, overrides = CONFIGS[request.param]
     folder = make_checkpoint(arch, **SPREAD, **overrides)
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    llm = LLM(str(folder), dtype="float32", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(target.DEVICE).eval()
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE)
     return request.param, folder, hf, llm
 
 
-def _full_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V]
+def _full_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V] float32, on the CPU
     model = llm.loaded.model
     with torch.inference_mode():
         windows = llm.loaded.config.layer_windows()
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), *causal(len(ids), windows)))
+        hidden = model(target.ids_tensor(ids), target.positions(0, len(ids)), *causal(len(ids), windows))
+        return model.compute_logits(hidden).float().cpu()
 
 
-def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:  # [T, V]
+def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:  # [T, V] float32, on the CPU
     with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
+        return hf(target.ids_tensor([ids])).logits[0].float().cpu()
 
 
 def test_prompt_logits_match_transformers(case: tuple[str, Path, Any, LLM]) -> None:
@@ -109,12 +111,12 @@ def test_incremental_decode_equals_full_recompute(case: tuple[str, Path, Any, LL
     model, cfg = llm.loaded.model, llm.loaded.config
     ids = llm.tokenizer.encode(PROMPT)
     steps = 12
-    store = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"),
-                              cfg.layer_windows())  # fmt: skip
+    device, windows = torch.device(target.DEVICE), cfg.layer_windows()
+    store = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, device, windows)
 
     def run(start: int, token_ids: list[int]) -> torch.Tensor:  # one forward of "r" over token_ids at start..
         meta = store.prepare([SequenceInput("r", token_ids, start, [], len(ids) + steps, None)], 0)
-        return model(torch.tensor(token_ids), torch.arange(start, start + len(token_ids)), store, meta)
+        return model(target.ids_tensor(token_ids), target.positions(start, start + len(token_ids)), store, meta)
 
     seq = list(ids)
     cached = []
@@ -124,7 +126,7 @@ def test_incremental_decode_equals_full_recompute(case: tuple[str, Path, Any, LL
         for lo, hi in ((0, split), (split, len(ids))):
             h = run(lo, seq[lo:hi])
         for _ in range(steps):
-            logits = model.compute_logits(h[-1:])[0]
+            logits = model.compute_logits(h[-1:])[0].cpu()
             cached.append(logits)
             seq.append(int(logits.argmax()))
             h = run(len(seq) - 1, seq[-1:])
@@ -138,7 +140,7 @@ def test_greedy_tokens_match_transformers_generate(case: tuple[str, Path, Any, L
     _, _, hf, llm = case
     ids = llm.tokenizer.encode(PROMPT)
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        ref = hf.generate(target.ids_tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ours = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
     assert ours == ref[0, len(ids) :].tolist()
@@ -161,8 +163,8 @@ def test_bfloat16_close_to_transformers(case: tuple[str, Path, Any, LLM]) -> Non
     from transformers import AutoModelForCausalLM
 
     name, folder, hf32, _ = case
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
-    llm = LLM(str(folder), dtype="bfloat16", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).to(target.DEVICE).eval()
+    llm = LLM(str(folder), dtype="bfloat16", device=target.DEVICE)
     ids = llm.tokenizer.encode(PROMPT)
     diff = (_full_logits(llm, ids) - _hf_logits(hf, ids)).abs().max().item()
     _record(name, "bf16 logits", diff)
@@ -177,6 +179,7 @@ def test_bfloat16_close_to_transformers(case: tuple[str, Path, Any, LLM]) -> Non
 def _skip_without_stack(llm: LLM) -> None:
     from tokenmill.models.layers import DecoderModel
 
+    target.cpu_only()
     if llm.loaded.ops is None:
         pytest.skip("no compiled CPU kernels here: the decode stack needs them")
     if type(llm.loaded.model.decoder()) is not DecoderModel:
@@ -190,6 +193,7 @@ def _skip_without_stack(llm: LLM) -> None:
 def test_decode_stack_equals_the_module_path(case: tuple[str, Path, Any, LLM], dtype: str, tol: float) -> None:
     """A decode-only step runs the whole stack in one kernel call (models/decode_stack.py); a batch of
     sequences at different lengths gets the same tokens and logprobs as the per-module path."""
+    target.cpu_only()
     _, folder, _, _ = case
     llm = LLM(str(folder), dtype=dtype, device="cpu")
     runner = llm.engine.runner
@@ -215,6 +219,7 @@ def test_decode_stack_equals_the_module_path(case: tuple[str, Path, Any, LLM], d
 def test_decode_stack_on_every_kernel_variant(case: tuple[str, Path, Any, LLM], level: str) -> None:
     """The stack built from another variant (the portable one; AVX-512's 16-lane code on AVX2) over the same
     packed weights and cache gives the module path's tokens and logprobs."""
+    target.cpu_only()
     from tokenmill import kernels
     from tokenmill.kernels.isa import supported_levels
     from tokenmill.models.decode_stack import DecodeStack
@@ -243,6 +248,7 @@ def test_the_stack_times_its_stages_when_asked(make_checkpoint: Callable[..., Pa
     """DecodeStack.profile (scripts/profile_decode.py): each decode step's run lists every stage of every layer in
     order, then the final norm and the head, back to back within the step's time; the tokens do not change, and
     off it keeps nothing."""
+    target.cpu_only()
     import time
 
     llm = LLM(str(make_checkpoint("llama")), dtype="float32", device="cpu")
@@ -277,6 +283,7 @@ def test_bf16_pair_tiles_in_the_stack_equal_the_module_path(make_checkpoint: Cal
     """A bf16 model's linears multiply the model's bf16 rows in k pairs (vdpbf16ps on AVX-512 BF16, kernels/csrc/
     gemm.h); forced on here, every variant this CPU has feeds each linear of the stack its own input rows (qkv
     bias: Qwen2; q/k norms: Qwen3), with the module path's tokens and, up to bf16 rounding, logprobs."""
+    target.cpu_only()
     from tokenmill import kernels
     from tokenmill.kernels.isa import supported_levels
     from tokenmill.models.decode_stack import DecodeStack
@@ -311,6 +318,7 @@ def test_bf16_pair_tiles_in_the_stack_equal_the_module_path(make_checkpoint: Cal
 def test_quantized_stack_on_amx_equals_the_module_path(make_checkpoint: Callable[..., Path], quantization: str) -> None:
     """Q8_0 / Q4_0 linears in the stack read its quantized rows with the stack's own row stride; AMX's int8 tiles
     (forced from one row) and the VNNI tiles give the module path's tokens and logprobs."""
+    target.cpu_only()
     from tokenmill import kernels
 
     folder = make_checkpoint("qwen2", **SPREAD)
@@ -347,18 +355,19 @@ def test_longrope_past_the_original_length_matches_transformers_with_a_cache(
     from transformers import AutoModelForCausalLM, DynamicCache
 
     folder = make_checkpoint("phi3", **SPREAD, rope_scaling=LONGROPE, original_max_position_embeddings=32)
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    llm = LLM(str(folder), dtype="float32", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(target.DEVICE).eval()
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE)
     ids = llm.tokenizer.encode(PROMPT)
     assert len(ids) < 32 < len(ids) + 16
     seq, ref = list(ids), []
     with torch.no_grad():
         cache = DynamicCache(config=hf.config)
-        logits = hf(torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = hf(target.ids_tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
         for _ in range(16):
             ref.append(int(logits.argmax()))
             seq.append(ref[-1])
-            step = hf(torch.tensor([[ref[-1]]]), past_key_values=cache, position_ids=torch.tensor([[len(seq) - 1]]))
+            step = hf(target.ids_tensor([[ref[-1]]]), past_key_values=cache,
+                      position_ids=target.ids_tensor([[len(seq) - 1]]))  # fmt: skip
             logits = step.logits[0, -1]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == ref
@@ -378,10 +387,11 @@ def test_the_text_tower_of_a_gemma3_multimodal_checkpoint(tokenizer_dir: Path, t
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=383)
     hf = Gemma3ForConditionalGeneration(config).eval()
     hf.save_pretrained(str(tmp_path))
+    hf.to(target.DEVICE)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(tmp_path))
-    llm = LLM(str(tmp_path), dtype="float32")
+    llm = LLM(str(tmp_path), dtype="float32", device=target.DEVICE)
     assert llm.loaded.config.architecture == "Gemma3ForConditionalGeneration"
     ids = llm.tokenizer.encode(PROMPT)
     with torch.no_grad():
-        want = hf(input_ids=torch.tensor([ids])).logits[0].float()
+        want = hf(input_ids=target.ids_tensor([ids])).logits[0].float().cpu()
     assert (_full_logits(llm, ids) - want).abs().max().item() < FP32_TOL

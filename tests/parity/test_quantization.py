@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import target
 from tokenmill.attention import causal
 from tokenmill.config import EngineConfig
 from tokenmill.engine.loading import LoadedModel, load
@@ -23,12 +24,12 @@ VAL_TEXT = (Path(__file__).resolve().parent.parent / "data" / "demo_val.txt").re
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[LoadedModel, Score]:
-    loaded = load(EngineConfig(dtype="bfloat16"))
+    loaded = load(EngineConfig(dtype="bfloat16", device=target.DEVICE))
     return loaded, score(loaded, VAL_TEXT)
 
 
 def test_int8_agrees_with_bf16(reference: tuple[LoadedModel, Score]) -> None:
-    loaded = load(EngineConfig(dtype="bfloat16", quantization="int8"))
+    loaded = load(EngineConfig(dtype="bfloat16", device=target.DEVICE, quantization="int8"))
     assert loaded.kernels == {"q8_0": len([m for m in loaded.model.modules() if getattr(m, "format", "") == "q8_0"])}
     q = compare(reference[1], score(loaded, VAL_TEXT))
     assert q["positions"] > 5000
@@ -37,7 +38,7 @@ def test_int8_agrees_with_bf16(reference: tuple[LoadedModel, Score]) -> None:
 
 
 def test_int4_stays_close_to_bf16(reference: tuple[LoadedModel, Score]) -> None:
-    loaded = load(EngineConfig(dtype="bfloat16", quantization="int4"))
+    loaded = load(EngineConfig(dtype="bfloat16", device=target.DEVICE, quantization="int4"))
     assert set(loaded.kernels) == {"q4_0"}
     q = compare(reference[1], score(loaded, VAL_TEXT))
     # 4 bits cost more than 8: a looser bar, still far from a broken model (unigram perplexity is ~544)
@@ -46,6 +47,7 @@ def test_int4_stays_close_to_bf16(reference: tuple[LoadedModel, Score]) -> None:
 
 
 def test_packed_weights_keep_the_predictions(reference: tuple[LoadedModel, Score]) -> None:
+    target.cpu_only()
     if (reason := packing_unsupported(torch.bfloat16)) is not None:
         pytest.skip(f"oneDNN cannot pack bfloat16 on this CPU: {reason}")
     packed = load(EngineConfig(dtype="bfloat16", pack_weights=True))
@@ -64,11 +66,11 @@ def test_compile_keeps_logits_and_greedy_tokens(make_checkpoint: Callable[..., P
     from tokenmill import LLM, SamplingParams
 
     folder = make_checkpoint("qwen2", initializer_range=0.1)
-    eager = LLM(str(folder), dtype="float32", device="cpu")
-    compiled = LLM(str(folder), dtype="float32", device="cpu", compile=True)
+    eager = LLM(str(folder), dtype="float32", device=target.DEVICE)
+    compiled = LLM(str(folder), dtype="float32", device=target.DEVICE, compile=True)
     ids = list(range(5, 45))
     with torch.inference_mode():
-        hidden = [llm.loaded.model(torch.tensor(ids), torch.arange(len(ids)), *causal(len(ids)))
+        hidden = [llm.loaded.model(target.ids_tensor(ids), target.positions(0, len(ids)), *causal(len(ids)))
                   for llm in (eager, compiled)]  # fmt: skip
         logits = [llm.loaded.model.compute_logits(h) for llm, h in zip((eager, compiled), hidden)]
     assert (logits[0] - logits[1]).abs().max().item() < 1e-4
@@ -85,7 +87,7 @@ def test_quantized_batch_equals_each_alone(make_checkpoint: Callable[..., Path],
     from tokenmill import LLM, SamplingParams
 
     folder = make_checkpoint("llama", initializer_range=0.1)
-    llm = LLM(str(folder), dtype="bfloat16", device="cpu", quantization=quantization)
+    llm = LLM(str(folder), dtype="bfloat16", device=target.DEVICE, quantization=quantization)
     prompts = [{"prompt_token_ids": list(range(7 + i, 7 + 5 * i + 3))} for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]

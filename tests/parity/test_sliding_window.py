@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests import target
 from tokenmill import LLM, SamplingParams
 
 WINDOW = 8
@@ -40,18 +41,18 @@ def windowed(request: pytest.FixtureRequest, make_checkpoint: Callable[..., Path
 
     arch, overrides = CHECKPOINTS[request.param]
     folder = make_checkpoint(arch, initializer_range=0.1, **overrides)
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(target.DEVICE).eval()
     want = []
     with torch.no_grad():
         for ids in PROMPTS:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=PARAMS.max_tokens,
+            out = hf.generate(target.ids_tensor([ids]), max_new_tokens=PARAMS.max_tokens,
                               min_new_tokens=PARAMS.max_tokens, do_sample=False)  # fmt: skip
             want.append(out[0, len(ids) :].tolist())
     return folder, want
 
 
 def _run(folder: Path, **engine: Any) -> list[list[int]]:
-    llm = LLM(str(folder), dtype="float32", **engine)
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE, **engine)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
     assert llm.engine.kv is None or llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks  # nothing leaked
     return [o.outputs[0].token_ids for o in outs]
@@ -77,7 +78,7 @@ def test_windowed_greedy_equals_transformers(windowed: tuple[Path, list[list[int
 
 def test_a_prefix_cache_hit_past_the_window(windowed: tuple[Path, list[list[int]]]) -> None:
     folder, want = windowed
-    llm = LLM(str(folder), dtype="float32", block_size=4)
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE, block_size=4)
     first = llm.generate([{"prompt_token_ids": PROMPTS[3]}], PARAMS)[0]
     again = llm.generate([{"prompt_token_ids": PROMPTS[3]}], PARAMS)[0]
     assert first.outputs[0].token_ids == again.outputs[0].token_ids == want[3]
