@@ -56,6 +56,7 @@ _HELP = {
     "cpu_kernels": "tokenmill's own CPU kernels (compiled for this CPU on first use); off: pure torch",
     "pack_weights": "oneDNN-prepacked weights (needs native bf16 for bfloat16)",
     "compile": "torch.compile the model",
+    "enforce_eager": "on a GPU, run decode steps eagerly instead of replaying CUDA graphs",
     "threads": "torch threads (default: torch's choice, usually one per core)",
     "tensor_parallel_size": "processes that split every layer (torch.distributed; under torchrun: its ranks)",
     "speculative_model": "drafts: ngram (prompt lookup), demo-draft, or a draft model folder / hub id / .gguf",

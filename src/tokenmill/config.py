@@ -188,7 +188,7 @@ class EngineConfig:
 
     Every optimisation is a switch: `kv_cache`, `batching`, `enable_chunked_prefill`, `enable_prefix_caching`,
     `quantization` (weight-only), `cpu_kernels` (tokenmill's own CPU kernels), `pack_weights` (oneDNN-packed
-    CPU weights), `compile` (torch.compile).
+    CPU weights), `compile` (torch.compile), `enforce_eager` (no CUDA graphs).
     """
 
     model: str | None = None
@@ -215,6 +215,7 @@ class EngineConfig:
     cpu_kernels: bool = True  # tokenmill's own CPU kernels for bf16 / int8 / int4 linears (kernels/)
     pack_weights: bool = False
     compile: bool = False
+    enforce_eager: bool = False  # CUDA: no graphs; every decode step launches its kernels one by one
     threads: int | None = None
     # scale-out: ranks that split every layer (parallel/tensor.py); rank 0 is this process
     tensor_parallel_size: int = 1

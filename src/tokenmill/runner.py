@@ -17,6 +17,7 @@ import torch
 
 from tokenmill import spec_decode
 from tokenmill.attention import KVBackend
+from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.models import CausalLM
 from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.outputs import Logprobs
@@ -39,6 +40,7 @@ class ModelRunner:
         self.model, self.device, self.kv = model, device, kv
         self.sample = sample  # False: compute only (a tensor-parallel worker; rank 0 samples)
         self.decode_stack = DecodeStack.build(model, kv)  # decode-only steps in one kernel call, where it fits
+        self.graphs: DecodeGraphs | None = None  # decode-only steps as CUDA graph replays (set by the engine)
         self.sampler = Sampler(seed, getattr(kv, "ops", None))
         self._generators: dict[str, torch.Generator] = {}
         fault = os.environ.get("TOKENMILL_TEST_FAULT_TOKEN", "")
@@ -97,14 +99,18 @@ class ModelRunner:
         sampling = [s for s in batch.sequences if s.sampling is not None]
         sample_rows = [flat_rows[s.request_id, j] for s in sampling for j in range(_num_drafts(s) + 1)]
 
-        meta = self.kv.prepare(seqs, num_decodes)
-        tokens = torch.tensor(input_ids + positions, dtype=torch.int64, device=self.device)  # one op, not two
-        ids_t, pos_t = tokens[: len(input_ids)], tokens[len(input_ids) :]  # [T] each
-        all_logits = all_argmax = None  # [T, V] float32 and [T] int64, when the decode stack computed every row's
-        if self.decode_stack is not None and self.decode_stack.applies(meta):
-            hidden, all_logits, all_argmax = self.decode_stack(ids_t, pos_t, meta)  # [B, D], [B, V], [B]
+        all_logits = all_argmax = None  # [T, V] float32 and [T] int64, where one call computed every row's
+        hidden = torch.empty(0)  # [T, D]
+        if self.graphs is not None and self.graphs.applies(seqs, num_decodes):
+            all_logits = self.graphs.logits(seqs)  # [B, V]
         else:
-            hidden = self.model(ids_t, pos_t, self.kv, meta)  # [T, D]
+            meta = self.kv.prepare(seqs, num_decodes)
+            tokens = torch.tensor(input_ids + positions, dtype=torch.int64, device=self.device)  # one op, not two
+            ids_t, pos_t = tokens[: len(input_ids)], tokens[len(input_ids) :]  # [T] each
+            if self.decode_stack is not None and self.decode_stack.applies(meta):
+                hidden, all_logits, all_argmax = self.decode_stack(ids_t, pos_t, meta)  # [B, D], [B, V], [B]
+            else:
+                hidden = self.model(ids_t, pos_t, self.kv, meta)  # [T, D]
 
         out = RunnerOutput()
         for s, row in prompt_rows:

@@ -61,11 +61,16 @@ class PagedKVCache:
         # the fused decode attention (kernels/): it reads the blocks in place, no gather and no padding bias
         fused = ops is not None and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
         self.ops = ops if fused else None
-        shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
+        # the gather path's pool has one more block that no table holds: CUDA graphs' padded rows write there
+        spare = 0 if self.ops is not None else 1
+        self.spare_slot = num_blocks * block_size if spare else None
+        shape = (num_layers, 2, (num_blocks + spare) * block_size, num_kv_heads, head_dim)
         # NOTE: empty, not zeros: untouched pages of a large CPU pool cost no resident memory. Blocks are zeroed
         # once, before first use (`_zeroed_below`), because the batched decode reads whole blocks, padding included.
         self.cache = torch.empty(shape, dtype=dtype, device=device)  # [L, 2, slots, Hkv, Dh]
         self._zeroed_below = 0  # blocks [0, this) have been zeroed
+        if self.spare_slot is not None:
+            self.cache[:, :, self.spare_slot :].zero_()
 
     def touch(self) -> None:
         """Zero the whole pool now: its pages become resident, so the process's memory use is known at start
@@ -94,10 +99,7 @@ class PagedKVCache:
                 meta.decode_block_tables, meta.decode_bias, meta.decode_lens = self._decode_tables(
                     tables[:num_decodes], meta.seq_lens
                 )
-                for w in {w for w in self.windows if w is not None}:
-                    k_pos = torch.arange(meta.decode_bias.shape[-1], device=self.device)
-                    early = k_pos < meta.decode_lens[:, None] - w  # [B, S]
-                    meta.window_bias[w] = meta.decode_bias.masked_fill(early[:, None, None, :], float("-inf"))
+                self._window_biases(meta)
         pieces = [slot_t]
         for s in sequences[num_decodes:]:
             ctx = self._slots_of(s.block_table, 0, s.seq_len)
@@ -151,9 +153,30 @@ class PagedKVCache:
         width, padded = self._padded(tables, seq_lens)
         block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device).view(len(tables), width)  # [B, M]
         lens = torch.tensor(seq_lens[: len(tables)], dtype=torch.int64, device=self.device)  # [B]
+        return block_tables, self._padding_bias(lens, width), lens
+
+    def _padding_bias(self, lens: torch.Tensor, width: int) -> torch.Tensor:  # [B, 1, 1, width * block_size]
         pad = torch.arange(width * self.block_size, device=self.device) >= lens[:, None]  # [B, S]
         bias = torch.zeros(pad.shape, dtype=self.dtype, device=self.device).masked_fill_(pad, float("-inf"))
-        return block_tables, bias[:, None, None, :], lens
+        return bias[:, None, None, :]
+
+    def _window_biases(self, meta: PagedMetadata) -> None:
+        """For each windowed layer's window w: the padding bias, also -inf for the positions before the window."""
+        assert meta.decode_bias is not None and meta.decode_lens is not None
+        for w in {w for w in self.windows if w is not None}:
+            k_pos = torch.arange(meta.decode_bias.shape[-1], device=self.device)
+            early = k_pos < meta.decode_lens[:, None] - w  # [B, S]
+            meta.window_bias[w] = meta.decode_bias.masked_fill(early[:, None, None, :], float("-inf"))
+
+    def decode_metadata(self, slots: torch.Tensor, lens: torch.Tensor, tables: torch.Tensor) -> PagedMetadata:
+        """A decode-only step's metadata from tensors alone (slots, lens [B]; tables [B, M] int64, on the device):
+        no host data, so a CUDA graph can record every op that builds it (cuda_graphs.py)."""
+        b, width = tables.shape
+        bias = self._padding_bias(lens, width)
+        meta = PagedMetadata(list(range(b + 1)), [0] * b, slot_mapping=slots, num_decodes=b,
+                             decode_block_tables=tables, decode_bias=bias, decode_lens=lens)  # fmt: skip
+        self._window_biases(meta)
+        return meta
 
     def _slots_of(self, block_table: list[int], start: int, end: int) -> torch.Tensor:  # [end - start]
         pos = torch.arange(start, end)
@@ -205,7 +228,7 @@ class PagedKVCache:
         assert bias is not None
         b, m = meta.decode_block_tables.shape
         flat = meta.decode_block_tables.reshape(-1)
-        kv = self.cache[layer].view(2, self.num_blocks, self.block_size, *self.cache.shape[-2:])
+        kv = self.cache[layer].view(2, -1, self.block_size, *self.cache.shape[-2:])  # [2, blocks, bs, Hkv, Dh]
         keys = kv[0].index_select(0, flat).view(b, m * self.block_size, *self.cache.shape[-2:])  # [B, S, Hkv, Dh]
         values = kv[1].index_select(0, flat).view(b, m * self.block_size, *self.cache.shape[-2:])
         h, dh = q.shape[1], q.shape[2]

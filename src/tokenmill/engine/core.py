@@ -18,6 +18,7 @@ from itertools import count
 
 from tokenmill.attention import make_kv_backend
 from tokenmill.config import EngineConfig
+from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.engine.loading import LoadedModel
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.validation import output_budget
@@ -93,6 +94,7 @@ class EngineCore:
             runner: ModelRunner = TensorParallelRunner(loaded.model, loaded.device, backend, cfg.seed, cfg)
         else:
             runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed)
+            runner.graphs = DecodeGraphs.build(loaded.model, backend, cfg.max_num_seqs, max_len, cfg.enforce_eager)
         proposer: Proposer | None = None
         if cfg.speculative_model == "ngram":
             proposer = NgramProposer(
