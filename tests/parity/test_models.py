@@ -199,15 +199,17 @@ def test_decode_stack_equals_the_module_path(case: tuple[str, Path, Any, LLM], d
     runner = llm.engine.runner
     _skip_without_stack(llm)
     ids = llm.tokenizer.encode(PROMPT)
-    prompts = [{"prompt_token_ids": ids[:n]} for n in (3, 9, len(ids))]
+    # a batch, then one row alone (fewer rows than threads: its SiLU in parts, its RoPE inside attention's chunks)
+    batches = [[{"prompt_token_ids": ids[:n]} for n in (3, 9, len(ids))], [{"prompt_token_ids": ids[:7]}]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 
     def run() -> list[Any]:
-        return [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [o.outputs[0] for prompts in batches for o in llm.generate(prompts, params)]
 
     stacked = run()
-    runner.decode_stack = None
+    stack, runner.decode_stack = runner.decode_stack, None
     modules = run()
+    assert stack is not None and len(stacked) == 4
     for a, b in zip(stacked, modules):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):

@@ -90,16 +90,21 @@ inline void rmsnorm_rows(Act x, Act residual, bool has_residual, Act weight, flo
 // x [T, heads, Dh] in place: rotate-half RoPE with cos/sin [T, Dh] (both in x's dtype), as HF: x * cos and
 // rotate_half(x) * sin each rounded, then their sum.
 inline void rope_rows(Act x, Act cos, Act sin, int64_t T, int64_t heads, int64_t Dh, int64_t row_stride) {
-  const int64_t half = Dh / 2;
-  std::vector<float> v(Dh);
+  const int64_t half = Dh / 2, lanes = half - half % W;  // [0, lanes) W at a time, the rest one by one
   for (int64_t t = 0; t < T; ++t) {
+    const int64_t c = t * Dh;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t base = t * row_stride + h * Dh;
-      for (int64_t i = 0; i < Dh; ++i) v[i] = x.get(base + i);
-      for (int64_t i = 0; i < Dh; ++i) {
-        const float rot = i < half ? -v[i + half] : v[i - half];
-        const float a = x.round(v[i] * cos.get(t * Dh + i)), b = x.round(rot * sin.get(t * Dh + i));
-        x.set(base + i, a + b);
+      // x[i] and x[i + half] are both read before either is written: in place is safe
+      for (int64_t i = 0; i < lanes; i += W) {
+        const vf lo = x.getv(base + i), hi = x.getv(base + half + i);
+        x.setv(base + i, x.roundv(lo * cos.getv(c + i)) + x.roundv(-hi * sin.getv(c + i)));
+        x.setv(base + half + i, x.roundv(hi * cos.getv(c + half + i)) + x.roundv(lo * sin.getv(c + half + i)));
+      }
+      for (int64_t i = lanes; i < half; ++i) {
+        const float lo = x.get(base + i), hi = x.get(base + half + i);
+        x.set(base + i, x.round(lo * cos.get(c + i)) + x.round(-hi * sin.get(c + i)));
+        x.set(base + half + i, x.round(hi * cos.get(c + half + i)) + x.round(lo * sin.get(c + half + i)));
       }
     }
   }
@@ -108,11 +113,13 @@ inline void rope_rows(Act x, Act cos, Act sin, int64_t T, int64_t heads, int64_t
 // out [rows, I] = silu(gate) * up, from gate_up [rows, 2I] (gate first): silu rounded, then the product.
 // silu(g) = g / (1 + e^-g), W lanes at a time with exp_neg on -|g| (g < 0: g e^g / (1 + e^g)); std::exp per
 // element cost a 16-row decode step on the Xeon ~9% of its time.
-inline void silu_mul_rows(Act gate_up, Act out, int64_t rows, int64_t I) {
+// With `cols` >= 0, only the first `cols` of each row's I values (a part of the row: the pointers start at it).
+inline void silu_mul_rows(Act gate_up, Act out, int64_t rows, int64_t I, int64_t cols = -1) {
+  if (cols < 0) cols = I;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t gate = r * 2 * I, up = gate + I;
-    for (int64_t i = 0; i < I; i += W) {
-      const int64_t n = std::min<int64_t>(W, I - i);
+    for (int64_t i = 0; i < cols; i += W) {
+      const int64_t n = std::min<int64_t>(W, cols - i);
       vf g = {};
       if (n == W) g = gate_up.getv(gate + i);
       else for (int64_t j = 0; j < n; ++j) g[j] = gate_up.get(gate + i + j);

@@ -124,23 +124,27 @@ inline int64_t panels_per_chunk(Format F, int64_t K, int64_t M, int64_t bytes) {
 }
 
 // One activation row (bfloat16 or float32, Kx wide) as the kernels read it, in `dst` (room for K floats): float32,
-// zero-padded to K; for Q8_0 / Q4_0 weights, quantized to the QRow layout (qdot.h).
-inline void prep_row(const void* src, bool bf16, int64_t Kx, int64_t K, Format F, float* dst) {
+// zero-padded to K; for Q8_0 / Q4_0 weights, quantized to the QRow layout (qdot.h). Only its values [k0, k1)
+// where k1 >= 0 (multiples of QK: the row in parts, by threads).
+inline void prep_row(const void* src, bool bf16, int64_t Kx, int64_t K, Format F, float* dst, int64_t k0 = 0,
+                     int64_t k1 = -1) {
   thread_local std::vector<float> staged;
+  if (k1 < 0) k1 = K;
   const bool quant = F == Q8_0 || F == Q4_0;
   float* f = dst;
   if (quant) staged.resize(K), f = staged.data();
+  const int64_t kx = std::min(std::max(Kx, k0), k1);  // [k0, kx) from src, [kx, k1) padding
   if (bf16) {
     const uint16_t* s = (const uint16_t*)src;
-    for (int64_t k = 0; k < Kx; ++k) {
+    for (int64_t k = k0; k < kx; ++k) {
       uint32_t bits = (uint32_t)s[k] << 16;
       std::memcpy(&f[k], &bits, 4);
     }
   } else {
-    std::memcpy(f, src, Kx * 4);
+    std::memcpy(f + k0, (const float*)src + k0, (kx - k0) * 4);
   }
-  std::fill(f + Kx, f + K, 0.f);
-  if (quant) quantize_row(f, K, dst, F == Q8_0);
+  std::fill(f + kx, f + k1, 0.f);
+  if (quant) quantize_row(f, K, dst, F == Q8_0, k0 / QK, k1 / QK);
 }
 
 // out[M, N] = x[M, Kx] @ w^T (+ bias): x and out bfloat16 (`bf16` true) or float32, bias float32 or none;

@@ -75,13 +75,15 @@ inline QRow qrow(const float* row, int64_t nb) {
 
 // x[0..K) float32 -> the QRow layout at `dst` (which has room for K floats): per block of 32, d = max|x| / 127 and
 // q = x / d rounded to nearest, ties to even (as ggml's AVX2 quantize_row_q8_0), the scale kept in float32; with
-// `for_q8_0` and VNNI also u = q + 128.
-inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = false) {
+// `for_q8_0` and VNNI also u = q + 128. Only the blocks [b0, b1) where b1 >= 0 (the row in parts, by threads).
+inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = false, int64_t b0 = 0,
+                         int64_t b1 = -1) {
   const int64_t nb = K / QK;
+  if (b1 < 0) b1 = nb;
   const QRow row = qrow(dst, nb);
   int32_t* o = (int32_t*)row.o;
   int8_t* q = (int8_t*)row.q;
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const float* xb = x + b * QK;
 #if defined(__AVX2__)
     const __m256 sign = _mm256_set1_ps(-0.f);
@@ -121,7 +123,7 @@ inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = 
   }
 #if TM_VNNI
   uint8_t* u = (uint8_t*)row.u;
-  for (int64_t k = 0; for_q8_0 && k < K; ++k) u[k] = (uint8_t)q[k] ^ 0x80;
+  for (int64_t k = b0 * QK; for_q8_0 && k < b1 * QK; ++k) u[k] = (uint8_t)q[k] ^ 0x80;
 #else
   (void)for_q8_0;
 #endif

@@ -1,0 +1,69 @@
+"""A/B of whole decode steps through the decode stack: several kernel source trees, one model, steps alternated in
+blocks so that a shared machine's drift hits every tree alike. Times `EngineCore.step` (the stack and the Python
+around it) and prints each tree's median and its ratio to the first.
+
+    cp -r src/tokenmill/kernels/csrc /tmp/A; cp -r src/tokenmill/kernels/csrc /tmp/B   # then edit B
+    .venv/bin/python scripts/stack_ab.py /tmp/qwen05b --trees /tmp/A,/tmp/B --quantization int4 --batch 1
+
+Each tree's module has its own helper threads; the idle one's helpers fall asleep within ~0.1 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import build, isa
+from tokenmill.kernels.ops import Kernels
+from tokenmill.models.decode_stack import DecodeStack
+from tokenmill.types import EngineRequest
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--trees", required=True, help="kernel source folders, comma-separated (the first: the baseline)")
+    p.add_argument("--level", default="", help="kernel variant (default: the best this CPU runs)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--steps", type=int, default=400, help="measured steps per tree")
+    p.add_argument("--block", type=int, default=20, help="steps per turn")
+    args = p.parse_args()
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization)
+    engine, runner = llm.engine, llm.engine.runner
+    level = args.level or isa.choose().level
+    stacks = {}
+    for tree in args.trees.split(","):
+        build.CSRC = Path(tree)
+        runner.kv.ops = Kernels(build.load(level), level)  # type: ignore[attr-defined]
+        stacks[tree] = DecodeStack.build(llm.loaded.model, runner.kv)
+    total = args.steps * len(stacks) + 2 * args.block
+    params = SamplingParams(temperature=0, max_tokens=total + 8, ignore_eos=True)
+    for b in range(args.batch):
+        ids = [100 + (7 * b + i) % 1000 for i in range(args.prompt_tokens)]
+        engine.add_request(EngineRequest(request_id=str(b), prompt_token_ids=ids, params=params, max_tokens=total + 8))
+    times: dict[str, list[float]] = {t: [] for t in stacks}
+    runner.decode_stack = stacks[next(iter(stacks))]
+    for _ in range(args.block):  # the prefill, and warm steps
+        engine.step()
+    while min(len(v) for v in times.values()) < args.steps:
+        for tree, stack in stacks.items():
+            runner.decode_stack = stack
+            engine.step()  # the first step after a switch wakes this tree's helpers: not counted
+            for _ in range(args.block):
+                start = time.perf_counter()
+                engine.step()
+                times[tree].append(time.perf_counter() - start)
+    base = statistics.median(times[next(iter(stacks))])
+    for tree, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{tree}: {med * 1e3:.3f} ms/step (median of {len(ts)}), {base / med:.3f}x the first")
+
+
+if __name__ == "__main__":
+    main()
