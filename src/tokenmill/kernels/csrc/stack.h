@@ -8,7 +8,9 @@
 //
 // Threads: a step is a program of stages (pool.h), ten per layer. Row stages (norms, RoPE + KV write, SiLU*mul)
 // take one chunk per sequence; a linear takes chunks of output panels; attention one chunk per (sequence, KV
-// head). Each stage also leaves its output in float32 rows (`xq`), ready for the next linear.
+// head). With fewer sequences than threads a row's SiLU takes one chunk per thread, and with one sequence each
+// attention chunk ropes and writes its own KV head (the RoPE stage gets no chunks). Each stage also leaves its
+// output in float32 rows (`xq`), ready for the next linear.
 //
 // Included by kernels.cpp after the functions it calls.
 #pragma once
