@@ -7,12 +7,14 @@ positions, new slots, context lengths, then the block tables), which a step fill
 token 0 at position 0, write their keys and values to the pool's spare block (which no table holds) and attend
 to that one position. The graph computes every row's logits; the runner samples the real rows outside it.
 
-`--enforce-eager` (vLLM's name) turns graphs off. Without a GPU (the tests on a CPU) the same buckets run
-eagerly: what a graph would record, without recording it.
+`--enforce-eager` (vLLM's name) turns graphs off. Where recording fails (an op CUDA cannot record, no memory left
+for a graph), one warning says so and decode steps run eagerly from then on; the step itself is computed eagerly.
+Without a GPU (the tests on a CPU) the same buckets run eagerly: what a graph would record, without recording it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ from tokenmill.models import CausalLM
 from tokenmill.types import SequenceInput
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+log = logging.getLogger("tokenmill.engine")
 
 
 @dataclass
@@ -80,7 +83,13 @@ class DecodeGraphs:
         if bucket.graph is not None:
             bucket.graph.replay()
         elif self.record:
-            self._record(bucket, rows, width)
+            try:
+                self._record(bucket, rows, width)
+            except RuntimeError as e:  # a model op CUDA cannot record, or no memory for the graph: run eagerly
+                log.warning("recording a CUDA graph failed (%s); decode steps run eagerly from now on",
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)  # fmt: skip
+                self.record, self.buckets = False, {}
+                return self.logits(seqs)
         else:
             bucket.logits = self._forward(bucket.inputs, rows, width)
         assert bucket.logits is not None

@@ -82,3 +82,31 @@ def test_padded_rows_write_only_the_spare_block(make_checkpoint: Callable[..., P
     # same slots written, same values up to rounding: a GEMM over 4 rows may round apart from one over 3 (MKL's
     # on the CPU, 8e-7 here); a padded row's write anywhere but the spare block would differ by ~1
     torch.testing.assert_close(pools[0], pools[1], rtol=1e-4, atol=1e-5)
+
+
+def test_a_graph_that_cannot_be_recorded_falls_back_to_eager_steps(
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Recording fails (an op CUDA cannot record, or no memory for the graph): one warning, the step and every
+    later one run eagerly, and no request is lost or changed."""
+    folder = make_checkpoint("llama", initializer_range=0.1)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
+    want = [o.outputs[0].token_ids for o in _llm(folder, enforce_eager=True).generate(prompts, PARAMS[:5])]
+    llm = _llm(folder)
+    graphs = _graphs(llm)
+    graphs.record = True
+    calls = []
+
+    def refuse(*args: Any) -> None:
+        calls.append(args)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_record", refuse)
+    with caplog.at_level("WARNING", logger="tokenmill.engine"):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS[:5])]
+    assert got == want
+    assert len(calls) == 1 and not graphs.record  # tried once, then eager
+    assert sum("recording a CUDA graph failed" in r.getMessage() for r in caplog.records) == 1
+    assert graphs.buckets and all(b.graph is None for b in graphs.buckets.values())
+    kv = llm.engine.kv
+    assert not llm.engine.has_unfinished() and kv.num_free_blocks == kv.num_blocks
