@@ -100,7 +100,7 @@ class ModelRunner:
         sample_rows = [flat_rows[s.request_id, j] for s in sampling for j in range(_num_drafts(s) + 1)]
 
         all_logits = all_argmax = None  # [T, V] float32 and [T] int64, where one call computed every row's
-        hidden = torch.empty(0)  # [T, D]
+        hidden: torch.Tensor | None = None  # [T, D]: none where a graph gave the logits (a decode-only step)
         if self.graphs is not None and self.graphs.applies(seqs, num_decodes):
             all_logits = self.graphs.logits(seqs)  # [B, V]
         else:
@@ -115,7 +115,7 @@ class ModelRunner:
         out = RunnerOutput()
         for s, row in prompt_rows:
             plp = s.prompt_logprobs
-            assert plp is not None
+            assert plp is not None and hidden is not None
             logits = self.model.compute_logits(hidden[row : row + plp.count])  # [count, V]
             if not self.sample:  # a tensor-parallel worker: its share of a vocab-parallel head, nothing more
                 continue
@@ -125,6 +125,7 @@ class ModelRunner:
         if sampling:
             argmax = None  # [R] int64: the logits' argmax, where the decode stack took it
             if all_logits is None:
+                assert hidden is not None
                 logits = self.model.compute_logits(hidden[sample_rows])  # [R, V] float32
             elif sample_rows == list(range(len(all_logits))):  # every row samples, in order: no gather
                 logits, argmax = all_logits, all_argmax
