@@ -411,3 +411,30 @@ def test_the_grammar_bitmask_equals_the_reference(ops: kernels.Kernels, vocab: i
         got = logits.clone()
         ops.apply_bitmask(got, mask)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_mlps_reuse_one_scratch_and_their_outputs_do_not_change(ops: kernels.Kernels, quantization: str) -> None:
+    """The MLPs of a model write their [T, 2I] and [T, I] intermediates into buffers they share (layers.Scratch),
+    grown to the most rows seen: the outputs are those of fresh tensors, bit for bit, at every row count."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from tokenmill.models.layers import GatedMLP, bind_kernels
+    from tokenmill.models.linear import prepare_linears
+
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu", mlp_bias=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(GatedMLP(cfg), GatedMLP(cfg)).to(torch.bfloat16)  # type: ignore[arg-type]
+    prepare_linears(model, quantization, torch.device("cpu"))
+    bind_kernels(model, ops)
+    first, second = model[0], model[1]
+    assert first.scratch is not None and first.scratch is second.scratch
+    for rows in (40, 3, 41, 40):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        for mlp in (first, second):
+            fresh = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x)))
+            assert torch.equal(mlp(x), fresh)
+    buf = first.scratch.get("gate_up", 41, 192, torch.bfloat16)
+    assert first.scratch.get("gate_up", 3, 192, torch.bfloat16).data_ptr() == buf.data_ptr()  # reused, not new

@@ -83,10 +83,13 @@ class Kernels:
         self.module.rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], heads,
                          head_dim, x.stride(0))  # fmt: skip
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[rows, 2I] (gate, then up) -> silu(gate) * up [rows, I]."""
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, 2I] (gate, then up) -> silu(gate) * up [rows, I], into `out` when given."""
         rows, width = gate_up.shape
-        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        if out is None:
+            out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        elif out.shape != (rows, width // 2) or out.dtype != gate_up.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {gate_up.dtype} [{rows}, {width // 2}], got {tuple(out.shape)}")
         self.module.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.dtype == torch.bfloat16, rows, width // 2)
         return out
 

@@ -87,7 +87,9 @@ class KernelLinear(nn.Module):
     def packed(self) -> formats.PackedWeight:
         return formats.PackedWeight(self.data, self.format, self.out_features, self.in_features, self.padded_in)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # [..., K] -> [..., N]
+        """`out`: where the kernels may write the [rows, N] result (contiguous, x's dtype), instead of a new tensor;
+        the other paths return a new one."""
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
         bf16 = self.format == "bf16" and x2.dtype == torch.bfloat16
@@ -95,7 +97,9 @@ class KernelLinear(nn.Module):
         if self.ops is not None and not onednn and x2.dtype in (torch.bfloat16, torch.float32):
             # NOTE: the weight and bias were checked against the format when packed; this is the decode hot path
             x2 = x2.contiguous()
-            y = torch.empty(rows, self.out_features, dtype=x2.dtype)
+            shape = (rows, self.out_features)
+            usable = out is not None and out.shape == shape and out.dtype == x2.dtype and out.is_contiguous()
+            y = out if usable and out is not None else torch.empty(shape, dtype=x2.dtype)
             bias = 0 if self.bias is None else self.bias.data_ptr()
             self.ops.module.linear(x2.data_ptr(), x2.dtype == torch.bfloat16, rows, self.in_features,
                                    self.data.data_ptr(), self.format_id, self.out_features, self.padded_in, bias,
