@@ -76,7 +76,27 @@ inline void tile_dense(const T* panel, const float* x, int64_t ldx, int64_t K, v
       }
     }
   };
+  // bf16 in 8-lane builds, 4-6 rows: one vector of the panel's pairs (its even and odd k) at a time, so that 6 rows'
+  // 12 accumulators fit beside it; the rows' activations are broadcast again for each (loads, no arithmetic).
+  // Xeon, AVX2-width builds, the bf16 linears of Qwen2.5-0.5B with its head: 16 rows as 6 + 6 + 4 against 4 x 4,
+  // 122 -> 112-114 ms; a 16-row decode step alternated in one process 135.4 -> 127.2 ms; 4 and 8 rows the same
+  // within noise (+-4%)
+  auto step_narrow = [&](int64_t j, vf (*set)[V]) {
+    prefetch_ahead(panel, j);
+    for (int v = 0; v < V; ++v) {
+      vf we, wo;
+      load_pair(panel, j, v, we, wo);
+      for (int m = 0; m < MT; ++m) {
+        set[m][v] += we * splat(x[m * ldx + 2 * j]);
+        set[m][v] += wo * splat(x[m * ldx + 2 * j + 1]);
+      }
+      if (v + 1 < V) asm volatile("" ::: "memory");  // reload the broadcasts rather than hold 12 (spills)
+    }
+  };
   int64_t j = 0;
+  if constexpr (W == 8 && V == 2 && MT >= 4 && !std::is_same_v<T, float>) {
+    for (; j < pairs; ++j) step_narrow(j, a[0]);  // the same sums in the same order as `step`
+  }
   for (; j + S <= pairs; j += S)
     for (int s = 0; s < S; ++s) step(j + s, a[s]);
   for (; j < pairs; ++j) step(j, a[0]);

@@ -23,8 +23,9 @@
 
 namespace tmk {
 
-// rows of one dense tile at this vector width (what fits in the register file)
-constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 5 : 8);
+// rows of one dense tile at this vector width (what fits in the register file; 8 lanes: 6 with gemm.h's narrow
+// step for bf16, 16 rows as 6 + 6 + 4)
+constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 6 : 8);
 // rows of one bf16 pair tile: with 16 lanes a row needs one accumulator and no widened weights (Zen 4, against
 // 8: 9-12 rows 1.1x). 16, not 12: a 16-row decode step in one tile reads each weight once, 16 vdpbf16ps per 64
 // bytes, which two cores can feed from memory; as two tiles of 8 the first waited on memory while the second ran
