@@ -314,8 +314,12 @@ def test_rope_in_place_on_fused_rows(ops: kernels.Kernels, dtype: torch.dtype, t
 def test_silu_mul(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
     gate_up = (torch.randn(6, 2 * 70) * 3).to(dtype)
     gate_up[0, :5] = torch.tensor([-100.0, 100.0, 0.0, -88.0, 30.0])  # exp's clamp, 0, both signs' far ends
+    gate_up[1, 3] = float("nan")  # a NaN gate stays a NaN (the bf16 rounding's slow path)
     gate, up = gate_up.split(70, dim=-1)
-    torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=tol, rtol=tol)
+    out, expected = ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol, equal_nan=True)
+    assert out[1, 3].isnan()
+    assert out[0, 0] == 0 and out[0, 0].signbit() == expected[0, 0].signbit()  # e^100 overflows: -0 * up, as torch
 
 
 @pytest.mark.parametrize("v", [5, 16, 100, 4099])  # under one vector, whole vectors, a tail
