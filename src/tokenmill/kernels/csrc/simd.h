@@ -80,13 +80,8 @@ inline void load_bf16_pair(const uint16_t* p, vf& a, vf& b) {
   std::memcpy(&b, &hi, sizeof(b));
 }
 
-// e^x for x <= 0 (softmax's shifted scores), ~1 ulp: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5], with a
-// degree-6 polynomial for 2^f. Underflows cleanly to 0 below -87.
-inline vf exp_neg(vf x) {
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  vf t = x * splat(1.44269504088896341f);
-  vf n = __builtin_convertvector(__builtin_convertvector(t + (t < splat(0.f) ? splat(-0.5f) : splat(0.5f)), vi), vf);
-  vf f = t - n;  // [-0.5, 0.5]
+// 2^f for f in [-0.5, 0.5]: a degree-6 polynomial, ~1 ulp
+inline vf exp2_fraction(vf f) {
   vf p = splat(1.535336188319500e-4f);
   p = p * f + splat(1.339887440266574e-3f);
   p = p * f + splat(9.618437357674640e-3f);
@@ -94,6 +89,16 @@ inline vf exp_neg(vf x) {
   p = p * f + splat(2.402264791363012e-1f);
   p = p * f + splat(6.931472028550421e-1f);
   p = p * f + splat(1.f);
+  return p;
+}
+
+// e^x for x <= 0 (softmax's shifted scores), ~1 ulp: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5]. Underflows
+// cleanly to 0 below -87.
+inline vf exp_neg(vf x) {
+  x = x < splat(-87.f) ? splat(-87.f) : x;
+  vf t = x * splat(1.44269504088896341f);
+  vf n = __builtin_convertvector(__builtin_convertvector(t + (t < splat(0.f) ? splat(-0.5f) : splat(0.5f)), vi), vf);
+  const vf p = exp2_fraction(t - n);  // 2^f, f in [-0.5, 0.5]
   vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -109,14 +114,7 @@ inline vf exp_any(vf x) {
   x = x > splat(88.8f) ? splat(88.8f) : x;
   const vf t = x * splat(1.44269504088896341f);
   const vf shifted = t + splat(SHIFT);  // bits: SHIFT's, plus n in the mantissa
-  const vf f = t - (shifted - splat(SHIFT));  // [-0.5, 0.5]
-  vf p = splat(1.535336188319500e-4f);
-  p = p * f + splat(1.339887440266574e-3f);
-  p = p * f + splat(9.618437357674640e-3f);
-  p = p * f + splat(5.550332471162809e-2f);
-  p = p * f + splat(2.402264791363012e-1f);
-  p = p * f + splat(6.931472028550421e-1f);
-  p = p * f + splat(1.f);
+  const vf p = exp2_fraction(t - (shifted - splat(SHIFT)));  // 2^f, f in [-0.5, 0.5]
   vu bits;
   std::memcpy(&bits, &shifted, sizeof(bits));
   bits = (bits << 23) + (127u << 23);  // SHIFT's own bits shift out: (n + 127) << 23, 2^n (n = 128: inf)
