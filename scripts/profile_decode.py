@@ -9,6 +9,12 @@ Queues `--batch` requests, runs their prefill and a few warm decode steps, then 
 torch ops, so while profiling each linear, norm, attention and MLP call is labelled (`record_function`) with
 its module; the labels cost nothing outside the profiled steps.
 
+With `--prefill`, the step profiled is instead one prefill of `--batch` new prompts of `--prompt-tokens` each
+(after a first wave has warmed the model), through the modules, grouped by module kind:
+
+    .venv/bin/python scripts/profile_decode.py /tmp/qwen05b --prefill --batch 16 --prompt-tokens 128 \
+        --quantization int4
+
 Where a decode step runs as one call through the whole stack (models/decode_stack.py, the default with the CPU
 kernels), the modules are not called at all: the stack times its own stages instead (`DecodeStack.profile`),
 the table shows where the stack's time goes by stage (summed over the layers), and the trace shows each stage
@@ -132,6 +138,40 @@ def add_stages_to_trace(path: str, runs: list[list[tuple[str, int | None, float,
     return True
 
 
+def profile_prefill(llm: Any, a: argparse.Namespace) -> None:
+    """Time one prefill step of `a.batch` fresh prompts, then profile another (each after a warm-up wave), and
+    print the time per module kind."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def wave(tag: int) -> None:  # prompts no earlier wave had (no prefix to reuse either way)
+        for i in range(a.batch):
+            first = 300 + 1000 * tag + 7 * i
+            prompt = list(range(first, first + a.prompt_tokens))
+            engine.add_request(EngineRequest(f"w{tag}-{i}", prompt, params, engine.validate(prompt, params)))
+
+    def finish() -> None:
+        while engine.has_unfinished():
+            engine.step()
+
+    wave(0)
+    finish()
+    wave(1)
+    start = time.perf_counter()
+    engine.step()
+    wall = time.perf_counter() - start
+    finish()
+    wave(2)
+    undo = label_modules(llm.loaded.model)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("engine.step"):
+        engine.step()
+    undo()
+    finish()
+    print_groups(prof, 1, linear_labels(llm.loaded.model))
+    tokens = a.batch * a.prompt_tokens
+    print(f"prefill of {a.batch} x {a.prompt_tokens} tokens: unprofiled {wall:.3f} s ({tokens / wall:.0f} tok/s)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="default: the built-in demo model")
@@ -143,9 +183,12 @@ def main() -> None:
     p.add_argument("--quantization", default="none")
     p.add_argument("--no-cpu-kernels", action="store_true", help="the pure-torch path, for comparison")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the profiled steps here")
+    p.add_argument("--prefill", action="store_true", help="profile one prefill step of --batch prompts instead")
     a = p.parse_args()
     llm = LLM(a.model, dtype=a.dtype, threads=a.threads, quantization=a.quantization, enable_prefix_caching=False,
               cpu_kernels=not a.no_cpu_kernels)  # fmt: skip
+    if a.prefill:
+        return profile_prefill(llm, a)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=3 * a.steps + 8, ignore_eos=True)
     for i in range(a.batch):
