@@ -144,10 +144,10 @@ def profile_prefill(llm: Any, a: argparse.Namespace) -> None:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
-    def wave(tag: int) -> None:  # prompts no earlier wave had (no prefix to reuse either way)
+    def wave(tag: int) -> None:  # new prompts (prefix caching is off either way)
         for i in range(a.batch):
             first = 300 + 1000 * tag + 7 * i
-            prompt = list(range(first, first + a.prompt_tokens))
+            prompt = [t % engine.vocab_size for t in range(first, first + a.prompt_tokens)]
             engine.add_request(EngineRequest(f"w{tag}-{i}", prompt, params, engine.validate(prompt, params)))
 
     def finish() -> None:

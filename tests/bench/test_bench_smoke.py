@@ -261,3 +261,17 @@ def test_profile_decode_puts_the_stack_stages_in_its_table_and_trace(model: Path
     for s in slices:
         inside = [e for e in stages if s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1]
         assert len(inside) == 10 * layers + 2
+
+
+def test_profile_decode_prefill_groups_one_prefill_step_by_module(model: Path) -> None:
+    """scripts/profile_decode.py --prefill: one prefill step of a batch of prompts, its time by module kind."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "profile_decode.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(model), "--prefill", "--batch", "2", "--prompt-tokens", "8", "--dtype",
+         "float32"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = proc.stdout.split("group", 1)[1]
+    assert "gate_up_proj" in table and "qkv_proj" in table and "weight multiplications" in table
+    assert "prefill of 2 x 8 tokens" in proc.stdout
