@@ -253,16 +253,14 @@ class GatedMLP(nn.Module):
         self.scratch: Scratch | None = None  # shared by the model's MLPs (bind_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
-        if self.act == "silu" and (ops := _fused(self.ops, x)) is not None and self.scratch is not None:
-            rows, width = x.shape[0], 2 * self.intermediate_size
-            proj = self.gate_up_proj
-            buf = self.scratch.get("gate_up", rows, width, x.dtype)
-            gate_up = proj(x, out=buf) if isinstance(proj, KernelLinear) else proj(x)  # [T, 2I]
-            act = self.scratch.get("act", rows, self.intermediate_size, x.dtype)  # [T, I]
-            return self.down_proj(ops.silu_mul(gate_up, out=act))
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        rows, scratch, proj = x.shape[0], self.scratch, self.gate_up_proj
+        if scratch is not None and isinstance(proj, KernelLinear):
+            gate_up = proj(x, out=scratch.get("gate_up", rows, 2 * self.intermediate_size, x.dtype))  # [T, 2I]
+        else:
+            gate_up = proj(x)
         if self.act == "silu" and (ops := _fused(self.ops, gate_up)) is not None:
-            return self.down_proj(ops.silu_mul(gate_up))
+            act = None if scratch is None else scratch.get("act", rows, self.intermediate_size, x.dtype)  # [T, I]
+            return self.down_proj(ops.silu_mul(gate_up, out=act))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(activation(self.act, gate) * up)
 

@@ -98,8 +98,9 @@ class KernelLinear(nn.Module):
             # NOTE: the weight and bias were checked against the format when packed; this is the decode hot path
             x2 = x2.contiguous()
             shape = (rows, self.out_features)
-            usable = out is not None and out.shape == shape and out.dtype == x2.dtype and out.is_contiguous()
-            y = out if usable and out is not None else torch.empty(shape, dtype=x2.dtype)
+            if out is None or out.shape != shape or out.dtype != x2.dtype or not out.is_contiguous():
+                out = torch.empty(shape, dtype=x2.dtype)
+            y = out
             bias = 0 if self.bias is None else self.bias.data_ptr()
             self.ops.module.linear(x2.data_ptr(), x2.dtype == torch.bfloat16, rows, self.in_features,
                                    self.data.data_ptr(), self.format_id, self.out_features, self.padded_in, bias,

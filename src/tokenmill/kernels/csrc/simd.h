@@ -215,16 +215,12 @@ inline bool any_nan(vf v) {
 inline vf bf16_rounded(vf f) {
   vu bits;
   std::memcpy(&bits, &f, sizeof(bits));
-  if (!any_nan(f)) {
-    const vu even = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    vf out;
-    std::memcpy(&out, &even, sizeof(out));
-    return out;
+  vu r = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;  // nearest even
+  if (any_nan(f)) {
+    const vu nan = (bits & 0x7fffffffu) > 0x7f800000u;  // all ones where a NaN
+    const vu quiet = (bits | 0x400000u) & 0xffff0000u;
+    r = (nan & quiet) | (~nan & r);
   }
-  const vu nan = (bits & 0x7fffffffu) > 0x7f800000u;  // all ones where a NaN
-  const vu even = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  const vu quiet = (bits | 0x400000u) & 0xffff0000u;
-  const vu r = (nan & quiet) | (~nan & even);
   vf out;
   std::memcpy(&out, &r, sizeof(out));
   return out;
