@@ -101,6 +101,10 @@ class LabelledStack:
         with record_function("decode_stack"):
             return self.stack(*args)
 
+    def run_sequences(self, *args: Any) -> Any:
+        with record_function("decode_stack"):
+            return self.stack.run_sequences(*args)
+
 
 def print_stages(runs: list[list[tuple[str, int | None, float, float]]], wall: float) -> None:
     """Milliseconds per step in each kind of the stack's stages (summed over the layers), against the step's wall

@@ -101,14 +101,17 @@ class ModelRunner:
 
         all_logits = all_argmax = None  # [T, V] float32 and [T] int64, where one call computed every row's
         hidden: torch.Tensor | None = None  # [T, D]: none where a graph gave the logits (a decode-only step)
+        stack = self.decode_stack
         if self.graphs is not None and self.graphs.applies(seqs, num_decodes):
             all_logits = self.graphs.logits(seqs)  # [B, V]
+        elif stack is not None and num_decodes == len(seqs) and stack.plain_embedding:  # no tensor for the inputs
+            hidden, all_logits, all_argmax = stack.run_sequences(seqs, input_ids, positions)  # [B, D], [B, V], [B]
         else:
             meta = self.kv.prepare(seqs, num_decodes)
             tokens = torch.tensor(input_ids + positions, dtype=torch.int64, device=self.device)  # one op, not two
             ids_t, pos_t = tokens[: len(input_ids)], tokens[len(input_ids) :]  # [T] each
-            if self.decode_stack is not None and self.decode_stack.applies(meta):
-                hidden, all_logits, all_argmax = self.decode_stack(ids_t, pos_t, meta)  # [B, D], [B, V], [B]
+            if stack is not None and stack.applies(meta):
+                hidden, all_logits, all_argmax = stack(ids_t, pos_t, meta)  # [B, D], [B, V], [B]
             else:
                 hidden = self.model(ids_t, pos_t, self.kv, meta)  # [T, D]
 

@@ -33,24 +33,28 @@ class Runs:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.native, name)
 
-    def run(self, *args: Any) -> None:  # (x, cos, sin, then as run_ids)
+    def run(self, *args: Any) -> None:  # (x, cos, sin, slot, tables, max_blocks, lens, B, block_size, out, ...)
         self.native.run(*args)
-        self.record(args[3:])
+        self.record(args[7], *args[10:])
 
     def run_ids(self, *args: Any) -> None:  # (embed, its rows, ids, positions, cos and sin tables, then as run)
         self.native.run_ids(*args)
-        self.record(args[6:])
+        self.record(args[10], *args[13:])
 
-    def record(self, args: tuple[Any, ...]) -> None:  # (slot, tables, max_blocks, lens, B, ..., argmax)
-        rows, v, bf16 = args[4], VOCAB, self.stack.kv.dtype == torch.bfloat16
+    def run_lists(self, *args: Any) -> None:  # as run_ids, with lists for ids, positions, slots, tables, lens
+        self.native.run_lists(*args)
+        self.record(len(args[2]), *args[12:])
+
+    def record(self, rows: int, logits_ptr: int, wide_ptr: int, top_ptr: int) -> None:
+        v, bf16 = VOCAB, self.stack.kv.dtype == torch.bfloat16
 
         def at(ptr: int, ctype: Any, dtype: torch.dtype, n: int) -> torch.Tensor:  # a copy of n values at ptr
             return torch.frombuffer((ctype * n).from_address(ptr), dtype=dtype).clone()
 
-        logits = at(args[7], ctypes.c_uint16 if bf16 else ctypes.c_float, torch.bfloat16 if bf16 else torch.float32,
-                    rows * v).view(rows, v)  # fmt: skip
-        wide = at(args[8], ctypes.c_float, torch.float32, rows * v).view(rows, v) if bf16 else logits
-        self.steps.append((logits, wide, at(args[9], ctypes.c_int64, torch.int64, rows)))
+        logits = at(logits_ptr, ctypes.c_uint16 if bf16 else ctypes.c_float,
+                    torch.bfloat16 if bf16 else torch.float32, rows * v).view(rows, v)  # fmt: skip
+        wide = at(wide_ptr, ctypes.c_float, torch.float32, rows * v).view(rows, v) if bf16 else logits
+        self.steps.append((logits, wide, at(top_ptr, ctypes.c_int64, torch.int64, rows)))
 
 
 def _llm(make_checkpoint: Callable[..., Path], dtype: str) -> LLM:
@@ -124,16 +128,15 @@ def test_the_stacks_argmax_keeps_torchs_ties_and_nans(make_checkpoint: Callable[
 def test_the_stack_embeds_and_rotates_as_torch_does(
     make_checkpoint: Callable[..., Path], dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Over a plain embedding the stack gathers the token rows and the rotary tables' rows itself (run_ids); the
-    logits are the same bits as from torch's gathers and conversions (run), step by step."""
-    from tokenmill.models.decode_stack import DecodeStack
-
+    """Over a plain embedding the stack gathers the token rows and the rotary tables' rows itself, from the step's
+    inputs as lists (run_lists); the logits are the same bits as from torch's gathers and conversions (run), step
+    by step."""
     llm = _llm(make_checkpoint, dtype)
     runs = Runs(llm)
     assert runs.stack.plain_embedding
     own = _generate(llm)
     own_steps, runs.steps = runs.steps, []
-    monkeypatch.setattr(DecodeStack, "plain_embedding", property(lambda self: False))
+    monkeypatch.setattr(runs.stack, "plain_embedding", False)
     assert _generate(llm) == own
     assert len(runs.steps) == len(own_steps)
     for (logits, _, top), (torch_logits, _, torch_top) in zip(own_steps, runs.steps, strict=True):
@@ -152,4 +155,50 @@ def test_the_stack_refuses_a_token_id_outside_the_embedding(make_checkpoint: Cal
         ids = torch.tensor([3, bad], dtype=torch.int64)
         with pytest.raises(IndexError, match=f"token id {bad} is not in the embedding's {VOCAB} rows"):
             stack.native.run_ids(embed.data_ptr(), VOCAB, ids.data_ptr(), *[0] * 7, 2, 16, 0, 0, 0, 0)
+        with pytest.raises(IndexError, match=f"token id {bad} is not in the embedding's {VOCAB} rows"):
+            stack.native.run_lists(embed.data_ptr(), VOCAB, [3, bad], [0, 0], 0, 0, [0, 1], [1, 1], 1, [1, 1], 16,
+                                   0, 0, 0, 0)  # fmt: skip
     assert all(len(tokens) == 6 for tokens in _generate(llm))
+
+
+@pytest.mark.parametrize(
+    "lists",
+    [([3], [0, 0], [0, 1], [1, 1], [1, 1]), ([3, 4], [0, 0], [0], [1, 1], [1, 1]),
+     ([3, 4], [0, 0], [0, 1], [1], [1, 1]), ([3, 4], [0, 0], [0, 1], [1, 1], [1]), ([], [], [], [], [])],
+)  # fmt: skip
+def test_the_stacks_list_inputs_must_agree_in_length(
+    make_checkpoint: Callable[..., Path], lists: tuple[list[int], ...]
+) -> None:
+    """run_lists takes ids, positions, slots [B], tables [B * max_blocks] and lens [B] as lists: lengths that do not
+    agree (or no row) raise ValueError before anything runs, and the engine decodes on afterwards."""
+    llm = _llm(make_checkpoint, "float32")
+    _skip_without_stack(llm)
+    stack = llm.engine.runner.decode_stack
+    assert stack is not None
+    ids, positions, slots, tables, lens = lists
+    embed = stack.decoder.embed_tokens.weight
+    with pytest.raises(ValueError, match="one entry per row"):
+        stack.native.run_lists(embed.data_ptr(), VOCAB, ids, positions, 0, 0, slots, tables, 1, lens, 16, 0, 0, 0, 0)
+    assert all(len(tokens) == 6 for tokens in _generate(llm))
+
+
+def test_the_stacks_buffers_follow_the_batch_as_it_shrinks_and_grows(make_checkpoint: Callable[..., Path]) -> None:
+    """run_sequences writes into buffers kept from step to step, grown to the most rows seen: batches that shrink as
+    requests finish, then a larger one, decode the same tokens as the tensor path (run), which allocates afresh."""
+    llm = _llm(make_checkpoint, "bfloat16")
+    runs = Runs(llm)
+    ids = llm.tokenizer.encode(PROMPT)
+
+    def generate() -> list[list[int]]:  # 3 rows down to 1, then 5 rows
+        first = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5, 9)]
+        outs = llm.generate([{"prompt_token_ids": ids[: 3 + n]} for n in range(3)], first)
+        more = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outs += llm.generate([{"prompt_token_ids": ids[: 2 + n]} for n in range(5)], more)
+        return [o.outputs[0].token_ids for o in outs]
+
+    own = generate()
+    assert [len(t) for t in own] == [2, 5, 9] + [4] * 5
+    assert sorted({step[2].shape[0] for step in runs.steps}) == [1, 2, 3, 5]
+    assert runs.stack._capacity == 5
+    runs.stack.plain_embedding = False  # run(): the rows gathered by torch, outputs allocated each step
+    assert generate() == own

@@ -86,10 +86,10 @@ class PagedKVCache:
     def prepare(self, sequences: Sequence[SequenceInput], num_decodes: int) -> PagedMetadata:
         layout = BatchLayout.of(sequences)
         meta = PagedMetadata(layout.query_start_loc, layout.seq_lens, num_decodes=num_decodes)
-        bs, tables = self.block_size, [s.block_table for s in sequences]
+        tables = [s.block_table for s in sequences]
         self.zero_new_blocks(tables)
         # decodes: the new token's slot by arithmetic; the context is read as whole blocks in one gather
-        slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables[:num_decodes], meta.seq_lens)]
+        slots = self._new_slots(tables[:num_decodes], meta.seq_lens)
         meta.context_slots = [None] * num_decodes
         if num_decodes and self.ops is not None:  # the fused kernels: slots, lens and tables in one tensor
             slot_t, meta.decode_lens, meta.decode_block_tables = self._decode_inputs(tables[:num_decodes], slots, meta)
@@ -109,6 +109,20 @@ class PagedKVCache:
         if self.ops is not None and len(sequences) > num_decodes:
             meta.prefill_block_tables, meta.prefill_seqs = self._prefill_tables(sequences[num_decodes:], meta)
         return meta
+
+    def decode_lists(self, sequences: Sequence[SequenceInput]) -> tuple[list[int], list[int], list[int], int]:
+        """A decode-only step's inputs for the fused decode stack, as plain lists (it takes them without a tensor;
+        models/decode_stack.py): each sequence's new slot [B], its context length [B], the block tables [B * M]
+        row by row, padded with block 0, and M."""
+        tables, lens = [s.block_table for s in sequences], [s.seq_len for s in sequences]
+        self.zero_new_blocks(tables)
+        width, padded = self._padded(tables, lens)
+        return self._new_slots(tables, lens), lens, padded, width
+
+    def _new_slots(self, tables: list[list[int]], seq_lens: list[int]) -> list[int]:
+        """Each decode's new token's cache slot: position seq_len - 1 of its table."""
+        bs = self.block_size
+        return [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, seq_lens)]
 
     def _prefill_tables(
         self, prefills: Sequence[SequenceInput], meta: PagedMetadata

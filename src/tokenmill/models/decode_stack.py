@@ -21,6 +21,7 @@ from tokenmill.attention import KVBackend, PagedKVCache
 from tokenmill.attention.paged import PagedMetadata
 from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from tokenmill.models.linear import KernelLinear
+from tokenmill.types import SequenceInput
 
 
 def _linear_spec(m: nn.Module, in_features: int) -> tuple[int, int, int, int, int] | None:
@@ -54,6 +55,15 @@ def _layer_spec(layer: DecoderLayer, dims: tuple[int, ...], dtype: torch.dtype) 
 class DecodeStack:
     def __init__(self, native: Any, decoder: DecoderModel, kv: PagedKVCache, vocab_size: int | None) -> None:
         self.native, self.decoder, self.kv, self.vocab_size = native, decoder, kv, vocab_size  # None: no head
+        embed = decoder.embed_tokens
+        # the embedding is a plain table in the cache's dtype, which the stack can read rows of itself
+        self.plain_embedding = (
+            type(embed) is nn.Embedding and embed.weight.dtype == kv.dtype and embed.weight.is_contiguous()
+        )
+        # run_sequences' outputs: buffers for the most rows so far, and their views by row count
+        self._full: tuple[torch.Tensor | None, ...] = ()
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = {}
+        self._capacity = 0
 
     @staticmethod
     def build(model: CausalLM, kv: KVBackend) -> DecodeStack | None:
@@ -90,12 +100,6 @@ class DecodeStack:
         if head is not None:
             native.set_head(head)
         return DecodeStack(native, decoder, kv, None if head is None else head[2])
-
-    @property
-    def plain_embedding(self) -> bool:
-        """The embedding is a plain table in the cache's dtype, which the stack can read rows of itself."""
-        embed = self.decoder.embed_tokens
-        return type(embed) is nn.Embedding and embed.weight.dtype == self.kv.dtype and embed.weight.is_contiguous()
 
     @property
     def greedy_ready(self) -> bool:
@@ -167,6 +171,39 @@ class DecodeStack:
     def applies(meta: Any) -> bool:
         """Every sequence of the step decodes one token over the paged cache."""
         return isinstance(meta, PagedMetadata) and meta.num_decodes == meta.num_seqs and meta.decode_lens is not None
+
+    def run_sequences(
+        self, sequences: list[SequenceInput], input_ids: list[int], positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A decode-only step of `sequences` (one new token each: input_ids, positions [B]) from Python lists, with
+        no torch op on the way: after a step's weights have streamed through the caches, each torch op's first
+        call runs cold code, 20-60 us (Xeon), where a one-row step of Qwen2.5-0.5B in int4 is ~10 ms. Returns
+        what `__call__` does, in buffers that the next call overwrites. Needs `plain_embedding`."""
+        slots, lens, tables, width = self.kv.decode_lists(sequences)
+        rows = len(input_ids)
+        out, logits, wide, top = self._outputs(rows)
+        cos_table, sin_table = self.decoder.rotary.tables(max(lens))  # [positions, Dh] float32
+        embed = self.decoder.embed_tokens.weight  # [vocab, D]
+        self.native.run_lists(embed.data_ptr(), embed.shape[0], input_ids, positions, cos_table.data_ptr(),
+                              sin_table.data_ptr(), slots, tables, width, lens, self.kv.block_size, out.data_ptr(),
+                              0 if logits is None else logits.data_ptr(), 0 if wide is None else wide.data_ptr(),
+                              0 if top is None else top.data_ptr())  # fmt: skip
+        return out, wide, top
+
+    def _outputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """`rows` rows of run_sequences' outputs, views of buffers kept from step to step and grown to the most rows
+        seen: out [B, D] and the logits [B, V] (model dtype), those as float32 [B, V] (the logits themselves for a
+        float32 model) and their argmax [B] int64 (None, None, None without the head)."""
+        if rows not in self._views:
+            if rows > self._capacity:  # larger storage; the old views go with the old buffers
+                d, v, dtype = self.decoder.norm.weight.shape[0], self.vocab_size, self.kv.dtype
+                out = torch.empty(rows, d, dtype=dtype)
+                logits = None if v is None else torch.empty(rows, v, dtype=dtype)
+                wide = logits if v is None or dtype == torch.float32 else torch.empty(rows, v)
+                top = None if v is None else torch.empty(rows, dtype=torch.int64)
+                self._full, self._views, self._capacity = (out, logits, wide, top), {}, rows
+            self._views[rows] = tuple(None if t is None else t[:rows] for t in self._full)  # type: ignore[assignment]
+        return self._views[rows]
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata

@@ -359,6 +359,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   // a whole step releases the GIL: the server's event loop runs meanwhile (a single small op would not pay for it)
   using nogil = py::call_guard<py::gil_scoped_release>;
+  // DecodeStack::run_ids with its integer inputs as Python lists, which pybind copies into vectors before the GIL
+  // is released: ids, positions, slots, lens [B] and tables [B * max_blocks]. A torch op's first call after a
+  // step's weights have streamed through the caches runs cold code, 20-60 us each (Xeon): building, slicing and
+  // viewing the tensors these came in was ~0.1 ms of a 10 ms one-row step.
+  const auto run_lists = [](tmk::DecodeStack& s, uintptr_t embed, int64_t vocab, const std::vector<int64_t>& ids,
+                            const std::vector<int64_t>& positions, uintptr_t cos_table, uintptr_t sin_table,
+                            const std::vector<int64_t>& slots, const std::vector<int64_t>& tables, int64_t max_blocks,
+                            const std::vector<int64_t>& lens, int64_t block_size, uintptr_t out, uintptr_t logits,
+                            uintptr_t logits32, uintptr_t argmax) {
+    const size_t B = ids.size();
+    if (B == 0 || positions.size() != B || slots.size() != B || lens.size() != B || max_blocks < 1 ||
+        tables.size() != B * (size_t)max_blocks)
+      throw std::invalid_argument("run_lists: ids, positions, slots and lens need one entry per row (>= 1 row), "
+                                  "tables max_blocks per row");
+    s.run_ids(embed, vocab, (uintptr_t)ids.data(), (uintptr_t)positions.data(), cos_table, sin_table,
+              (uintptr_t)slots.data(), (uintptr_t)tables.data(), max_blocks, (uintptr_t)lens.data(), (int64_t)B,
+              block_size, out, logits, logits32, argmax);
+  };
   m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
   m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
   m.def("quantize_rows", &tmk::quantize_rows, "float32 rows -> their Q8_0 scales and values (the quantized linears)");
@@ -390,6 +408,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("argmax") = 0, nogil())
       .def("run_ids", &tmk::DecodeStack::run_ids, "run() from token ids and positions (embedding, rotary tables)",
            nogil())
+      .def("run_lists", run_lists, "run_ids() from lists (no tensor built for the step's inputs)", nogil())
       .def("run_greedy", &tmk::DecodeStack::run_greedy, "greedy decoding rounds through the stack and head", nogil())
       .def("set_profile", &tmk::DecodeStack::set_profile, "time every stage of every run from now on (or stop)")
       .def("marks", &tmk::DecodeStack::marks, "each profiled run's stage boundaries, seconds from its start")

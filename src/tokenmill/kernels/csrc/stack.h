@@ -10,7 +10,8 @@
 // take one chunk per sequence; a linear takes chunks of output panels; attention one chunk per (sequence, KV
 // head). With fewer sequences than threads a row's SiLU takes one chunk per thread, and with one sequence each
 // attention chunk ropes and writes its own KV head (the RoPE stage gets no chunks). Each stage also leaves its
-// output in float32 rows (`xq`), ready for the next linear.
+// output in float32 rows (`xq`), ready for the next linear; attention chunks do so for their own heads' columns
+// where those are whole quantization blocks (the o_input stage then gets no chunks).
 //
 // Included by kernels.cpp after the functions it calls.
 #pragma once
@@ -197,7 +198,7 @@ class DecodeStack {
       // one row: each attention chunk ropes and writes its own KV head first, where the rope stage would (rows
       // of a verified draft read each other's keys, so more rows keep the stage between)
       const int64_t rope = B == 1 ? 0 : B;
-      const int64_t counts[kStagesPerLayer] = {B, chunks(s.qkv), rope, B * Hkv_, B, chunks(s.o), B, chunks(s.gate_up),
+      const int64_t counts[kStagesPerLayer] = {B, chunks(s.qkv), rope, B * Hkv_, o_parts_ ? 0 : B, chunks(s.o), B, chunks(s.gate_up),
                                               B * silu_parts_, chunks(s.down)};
       for (int i = 0; i < kStagesPerLayer; ++i) pool_.set_chunks(base + i, counts[i]);
     }
@@ -296,10 +297,10 @@ class DecodeStack {
   }
 
   // row b of `src` (width Kx, the model dtype) -> xq_ row b, ready for linear `w` (unless the bf16 pair tiles read
-  // src itself)
-  void prep(const char* src, int64_t Kx, const LinearSpec& w, int64_t b) {
+  // src itself); only its columns [k0, k1) where k1 >= 0 (multiples of QK, as prep_row)
+  void prep(const char* src, int64_t Kx, const LinearSpec& w, int64_t b, int64_t k0 = 0, int64_t k1 = -1) {
     const Format F = (Format)w[1];
-    if (!pairs_apply(F, bf16_, Kx, w[3])) prep_row(src, bf16_, Kx, w[3], F, xq_.data() + b * max_k_);
+    if (!pairs_apply(F, bf16_, Kx, w[3])) prep_row(src, bf16_, Kx, w[3], F, xq_.data() + b * max_k_, k0, k1);
   }
 
   // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ floats apart), or for a bf16 model from its
@@ -348,6 +349,16 @@ class DecodeStack {
   void attention(int64_t l, int64_t task) {
     const int64_t b = task / Hkv_, g = task % Hkv_, G = H_ / Hkv_;
     if (B_ == 1) rope_and_write(l, b, g);  // the rope stage had no chunks (step)
+    attention_heads(l, b, g);
+    if (o_parts_) {  // these query heads' columns of the o projection's input, whole blocks: ready them here
+      const int64_t k0 = g * G * Dh_;
+      prep(attn_ + b * H_ * Dh_ * e_, H_ * Dh_, layers_[l].o, b, k0, g + 1 == Hkv_ ? -1 : k0 + G * Dh_);
+    }
+  }
+
+  // the decode attention of row b's query heads of KV head g -> their columns of attn_ row b
+  void attention_heads(int64_t l, int64_t b, int64_t g) {
+    const int64_t G = H_ / Hkv_;
     thread_local std::vector<float> scratch;
     scratch.resize(attention_scratch(G, Dh_, longest_, block_size_));
     const float scale = (float)std::pow((double)Dh_, -0.5);
@@ -402,6 +413,9 @@ class DecodeStack {
   const int64_t slots_;
   const uintptr_t final_norm_;
   const int64_t threads_;
+  // each attention task preps its own query heads' columns of the o projection's input (the o_input stage gets
+  // no chunks): they are whole blocks of QK. A one-row step, Xeon: ~1 us a layer of stage hand-over.
+  const bool o_parts_ = (H_ / Hkv_ * Dh_) % QK == 0;
   std::vector<LayerSpec> layers_;
   int64_t max_k_ = 0;
   Program pool_;
