@@ -6,6 +6,9 @@ around it) and prints each tree's median and its ratio to the first.
     .venv/bin/python scripts/stack_ab.py /tmp/qwen05b --trees /tmp/A,/tmp/B --quantization int4 --batch 1
 
 Each tree's module has its own helper threads; the idle one's helpers fall asleep within ~0.1 ms.
+
+With `--tensor-inputs`, each tree also runs as "<tree> (tensor inputs)": the step's inputs built as tensors by
+the KV cache's `prepare` and fed through `DecodeStack.__call__`, the path before `run_sequences` took lists.
 """
 
 from __future__ import annotations
@@ -14,12 +17,29 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import build, isa
 from tokenmill.kernels.ops import Kernels
 from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.types import EngineRequest
+
+
+class TensorInputs:
+    """A stack that the runner feeds through `__call__` (prepare's tensors), never `run_sequences`."""
+
+    plain_embedding = False
+
+    def __init__(self, stack: DecodeStack | None) -> None:
+        assert stack is not None
+        self.stack = stack
+
+    def applies(self, meta: Any) -> bool:
+        return self.stack.applies(meta)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.stack(*args)
 
 
 def main() -> None:
@@ -33,6 +53,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--steps", type=int, default=400, help="measured steps per tree")
     p.add_argument("--block", type=int, default=20, help="steps per turn")
+    p.add_argument("--tensor-inputs", action="store_true", help="also each tree with its inputs as tensors")
     args = p.parse_args()
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization)
     engine, runner = llm.engine, llm.engine.runner
@@ -42,6 +63,8 @@ def main() -> None:
         build.CSRC = Path(tree)
         runner.kv.ops = Kernels(build.load(level), level)  # type: ignore[attr-defined]
         stacks[tree] = DecodeStack.build(llm.loaded.model, runner.kv)
+        if args.tensor_inputs:
+            stacks[f"{tree} (tensor inputs)"] = TensorInputs(stacks[tree])
     total = args.steps * len(stacks) + 2 * args.block
     params = SamplingParams(temperature=0, max_tokens=total + 8, ignore_eos=True)
     for b in range(args.batch):
