@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,6 +84,66 @@ def test_special_tokens_skipped_or_kept(tok: Tokenizer) -> None:
     assert "".join(skipped.add(i) for i in ids) + skipped.flush() == "Hi there"
     kept = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
     assert "".join(kept.add(i) for i in ids) + kept.flush() == "Hi<|im_end|> there"
+
+
+def windows_only(tok: Tokenizer, ids: list[int], prompt: list[int], **kwargs: bool) -> list[str]:
+    """stream(), decoded by the Python windows alone (no Rust DecodeStream)."""
+    detok = IncrementalDetokenizer(tok, prompt, **kwargs)
+    detok.stream = None
+    return [detok.add(i) for i in ids] + [detok.flush()]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_stream_emits_what_the_windows_emit(tok: Tokenizer, skip: bool) -> None:
+    """Where the tokenizer has a Rust backend each token goes through its DecodeStream: token by token the same
+    deltas as the windows, over text, its bytes one token each, and random ids (special tokens among them)."""
+    rng = random.Random(0)
+    prompt = tok.encode("The quick brown fox ", add_special_tokens=False)
+    cases = [tok.encode(t, add_special_tokens=False) for t in TEXTS] + [byte_ids(tok, t) for t in TEXTS]
+    cases += [[rng.randrange(tok.vocab_size) for _ in range(64)] for _ in range(20)]
+    for ids in cases:
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        assert detok.stream is not None
+        deltas = [detok.add(i) for i in ids] + [detok.flush()]
+        assert detok.stream is not None  # the stream took every token
+        assert deltas == windows_only(tok, ids, prompt, skip_special_tokens=skip)
+
+
+class Refusing:
+    """A DecodeStream that refuses its `at`-th token, as the Rust one refuses a window whose prefix changed."""
+
+    def __init__(self, stream: Any, at: int) -> None:
+        self.stream, self.at = stream, at
+
+    def step(self, rust: Any, token_id: int) -> str | None:
+        self.at -= 1
+        if self.at < 0:
+            raise Exception("InvalidPrefix")
+        return self.stream.step(rust, token_id)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("at", [0, 3, 9])
+def test_a_refused_window_goes_on_with_the_windows(tok: Tokenizer, at: int) -> None:
+    ids = byte_ids(tok, TEXTS[1])
+    prompt = tok.encode("Say:", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert detok.stream is not None
+    detok.stream = (detok.stream[0], Refusing(detok.stream[1], at))
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert detok.stream is None
+    assert deltas == windows_only(tok, ids, prompt) and "".join(deltas) == TEXTS[1]
+
+
+def test_space_cleanup_keeps_the_windows(tokenizer_dir: Path) -> None:
+    """transformers may clean up tokenization spaces after decoding where a tokenizer asks for it (transformers 5
+    does so for WordPiece only); the Rust stream would not, so such a tokenizer decodes through the windows, and
+    the deltas join to its decode."""
+    tok = Tokenizer(tokenizer_dir)
+    tok.hf.clean_up_tokenization_spaces = True
+    ids = tok.encode("Hello , world . Do n't", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [])
+    assert detok.stream is None
+    assert "".join([detok.add(i) for i in ids] + [detok.flush()]) == tok.decode(ids)
 
 
 def make_request(tok: Tokenizer, **params: object) -> Request:
