@@ -198,7 +198,8 @@ class DecodeStack {
       // one row: each attention chunk ropes and writes its own KV head first, where the rope stage would (rows
       // of a verified draft read each other's keys, so more rows keep the stage between)
       const int64_t rope = B == 1 ? 0 : B;
-      const int64_t counts[kStagesPerLayer] = {B, chunks(s.qkv), rope, B * Hkv_, o_parts_ ? 0 : B, chunks(s.o), B, chunks(s.gate_up),
+      const int64_t counts[kStagesPerLayer] = {B, chunks(s.qkv), rope, B * Hkv_,
+                                              o_parts_ ? 0 : B, chunks(s.o), B, chunks(s.gate_up),
                                               B * silu_parts_, chunks(s.down)};
       for (int i = 0; i < kStagesPerLayer; ++i) pool_.set_chunks(base + i, counts[i]);
     }
