@@ -83,6 +83,26 @@ def test_register_tiles_across_their_row_blocks(ops: kernels.Kernels, fmt: str, 
         _check_linear(ops, fmt, 37, 4098, [40])
 
 
+def test_bf16_tiles_over_k_spans_give_one_pass_bits(ops: kernels.Kernels) -> None:
+    """A bf16 panel that takes several register tiles runs them span by span of K (kernels.cpp: panel_spans), its
+    sums kept between spans: the same bits as one pass per tile, at row counts that make 2-8 tiles (31: a last
+    tile of one row, which takes one pass) and K over several spans with a tail."""
+    packed = pack(torch.randn(37, 600), "bf16")  # 300 k pairs: spans of 128, 128 and 44
+    x = torch.randn(47, 600)
+    with _path(ops, "tiles"):
+        before = ops.module.set_kspans(True)
+        try:
+            for rows in (7, 8, 12, 13, 16, 17, 25, 31, 47):
+                ops.module.set_kspans(True)
+                spans = ops.linear(x[:rows], packed.data, packed.format_id, 37, packed.padded_in, None)
+                ops.module.set_kspans(False)
+                one_pass = ops.linear(x[:rows], packed.data, packed.format_id, 37, packed.padded_in, None)
+                assert torch.equal(spans, one_pass), rows
+                torch.testing.assert_close(spans, reference_linear(x[:rows], packed), rtol=1e-4, atol=1e-4)
+        finally:
+            ops.module.set_kspans(before)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_integer_sums_do_not_saturate(ops: kernels.Kernels, fmt: str) -> None:
     """The largest products the formats can hold: every weight and activation at the end of its range, with

@@ -56,16 +56,15 @@ inline void prefetch_ahead(const T* panel, int64_t j) {
   for (int64_t b = 0; b < pair_bytes; b += 64) prefetch_weights((const char*)panel + j * pair_bytes + b);
 }
 
-// acc[m][v] += sum_k x[m][k] * w[k][v*W..]: a bf16 (T = uint16_t) or float32 panel, MT rows of x (row stride
-// ldx). S sets of accumulators take the k pairs in turn (S > 1: more independent FMA chains for one row); a
-// float32 panel of odd K ends with one k alone.
-template <int MT, int S, typename T = uint16_t>
-inline void tile_dense(const T* panel, const float* x, int64_t ldx, int64_t K, vf (*acc)[V]) {
-  vf a[S][MT][V] = {};
-  const int64_t pairs = K / 2;
+// The running sums a[s][m][v] of MT rows of x (row stride ldx) over the k pairs [j0, j1) of a bf16 (T = uint16_t)
+// or float32 panel: a[s][m][v] += x[m][2j] * w[2j][v*W..] + x[m][2j + 1] * w[2j + 1][v*W..]. S sets of sums take
+// the pairs in turn (S > 1: more independent FMA chains for one row). With S = 1 the sums are the same bits
+// whether the pairs come in one span or in several (K-blocked tiles); `Prefetch` asks for the weights ahead.
+template <int MT, int S, bool Prefetch = true, typename T = uint16_t>
+inline void span_dense(const T* panel, const float* x, int64_t ldx, int64_t j0, int64_t j1, vf (*a)[MT][V]) {
   auto step = [&](int64_t j, vf (*set)[V]) {
     // a float32 row streams fine on the hardware's prefetch alone (software prefetch: 0.9x)
-    if constexpr (MT > 1 || !std::is_same_v<T, float>) prefetch_ahead(panel, j);
+    if constexpr (Prefetch && (MT > 1 || !std::is_same_v<T, float>)) prefetch_ahead(panel, j);
     vf we[V], wo[V];
     for (int v = 0; v < V; ++v) load_pair(panel, j, v, we[v], wo[v]);
     for (int m = 0; m < MT; ++m) {
@@ -82,7 +81,7 @@ inline void tile_dense(const T* panel, const float* x, int64_t ldx, int64_t K, v
   // 122 -> 112-114 ms; a 16-row decode step alternated in one process 135.4 -> 127.2 ms; 4 and 8 rows the same
   // within noise (+-4%)
   auto step_narrow = [&](int64_t j, vf (*set)[V]) {
-    prefetch_ahead(panel, j);
+    if constexpr (Prefetch) prefetch_ahead(panel, j);
     for (int v = 0; v < V; ++v) {
       vf we, wo;
       load_pair(panel, j, v, we, wo);
@@ -93,13 +92,21 @@ inline void tile_dense(const T* panel, const float* x, int64_t ldx, int64_t K, v
       if (v + 1 < V) asm volatile("" ::: "memory");  // reload the broadcasts rather than hold 12 (spills)
     }
   };
-  int64_t j = 0;
+  int64_t j = j0;
   if constexpr (W == 8 && V == 2 && MT >= 4 && !std::is_same_v<T, float>) {
-    for (; j < pairs; ++j) step_narrow(j, a[0]);  // the same sums in the same order as `step`
+    for (; j < j1; ++j) step_narrow(j, a[0]);  // the same sums in the same order as `step`
   }
-  for (; j + S <= pairs; j += S)
+  for (; j + S <= j1; j += S)
     for (int s = 0; s < S; ++s) step(j + s, a[s]);
-  for (; j < pairs; ++j) step(j, a[0]);
+  for (; j < j1; ++j) step(j, a[0]);
+}
+
+// acc[m][v] += sum_k x[m][k] * w[k][v*W..] over the whole panel, in one pass (span_dense); a float32 panel of odd K
+// ends with one k alone.
+template <int MT, int S, typename T = uint16_t>
+inline void tile_dense(const T* panel, const float* x, int64_t ldx, int64_t K, vf (*acc)[V]) {
+  vf a[S][MT][V] = {};
+  span_dense<MT, S, true, T>(panel, x, ldx, 0, K / 2, a);
   if constexpr (std::is_same_v<T, float>) {
     if (K % 2)
       for (int m = 0; m < MT; ++m)
