@@ -45,7 +45,6 @@ void panel_rows(const T* panel, const float* x, int64_t ldx, int64_t K, int64_t 
 // k pairs per span of a K-blocked bf16 panel: 8 KB of weights, with 16 rows' activations 24 KB of L1
 constexpr int64_t KSPAN = 128;
 constexpr int64_t KSPAN_ROWS = 48;  // rows at most (the sums wait on the stack)
-inline bool kspans = true;  // tests and A/B runs turn the K-blocked bf16 tiles off
 
 // `rows` rows of x (2..KSPAN_ROWS) times a bf16 panel, in tiles of `per` rows (each of 2 or more), with K cut into
 // spans: every tile runs over one span before the next span starts, so a span's weights come from memory once, for
@@ -444,7 +443,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_blocked_rows", [](int64_t rows) { return std::exchange(tmk::blocked_rows, rows); },
         "rows from which every linear takes the cache-blocked GEMM (0: each format's default); returns the old one");
   m.def("set_kspans", [](bool on) { return std::exchange(tmk::kspans, on); },
-        "bf16 register tiles over K spans when a panel takes several (tests, A/B); returns the old setting");
+        "register tiles over K spans where a panel takes several (tests, A/B); returns the old setting");
   m.def("read_sum", &tmk::read_sum, "stream a buffer once (the bandwidth probe)");
   m.def("argmax_rows", &tmk::argmax_rows, "each row's argmax (the first maximum, or the first NaN), as torch");
   m.def("apply_bitmask", &tmk::apply_bitmask, "logits whose grammar bit is clear -> -inf, in place");

@@ -214,19 +214,21 @@ inline void q8_group(const QRow* x, int64_t b, int g, __m256i w0, __m256i w1, __
 }
 #endif
 
-// MT rows x the panel's 16 channels -> sums[m][0..16) = sum over the blocks of isum * (d_w * d_x)
+// MT rows x the panel's 16 channels -> sums[m][0..16) = sum over the blocks of isum * (d_w * d_x), over blocks
+// [b0, b1): from zero at b0 = 0, else on from `sums`; `prefetch`: ask for the weights ahead (qpanel's first tile)
 template <Format F, int MT>
-inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
+inline void qtile(const uint8_t* panel, const QRow* x, int64_t b0, int64_t b1, float (*sums)[P], bool prefetch) {
   __m256 acc[MT][2];
-  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) acc[m][h] = b0 ? _mm256_loadu_ps(sums[m] + 8 * h) : _mm256_setzero_ps();
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // (vpmaddwd's; VNNI needs none)
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = panel + b * quant_block_bytes(F);
     // the weights ahead, as gemm.h's prefetch_ahead (Zen 3, from memory: 1 row 1.22x, 5 rows 1.03-1.12x). Not on a
     // Zen 4, whose AVX-512 build takes only 1-3 rows here: those stream best on the hardware's prefetch alone, as
     // gemm.h's one-row pair tile does (int8 decode steps of Qwen2.5-0.5B, builds alternated in one process: 1 row
     // 18.3 -> 16.7 and 17.8 -> 16.2 ms, 2 and 3 rows 0.93x; int4 1 row the same within noise, 2 rows 0.9x)
-    if (prefetch_quant_rows)
+    if (prefetch_quant_rows && prefetch)
       for (int64_t off = 0; off < quant_block_bytes(F); off += 64) prefetch_weights(blk + off);
     const uint8_t* q = blk + 2 * P;
     __m256i isum[MT][2];
@@ -285,9 +287,10 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
 }
 #else
 template <Format F, int MT>
-inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
-  for (int m = 0; m < MT; ++m) std::fill(sums[m], sums[m] + P, 0.f);
-  for (int64_t b = 0; b < nb; ++b) {
+inline void qtile(const uint8_t* panel, const QRow* x, int64_t b0, int64_t b1, float (*sums)[P], bool) {
+  if (b0 == 0)
+    for (int m = 0; m < MT; ++m) std::fill(sums[m], sums[m] + P, 0.f);
+  for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = panel + b * quant_block_bytes(F);
     float dw[P];
     for (int c = 0; c < P; ++c) dw[c] = half_to_float(((const uint16_t*)blk)[c]);
@@ -309,7 +312,7 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)
 // `rows` <= MT rows in the tile of exactly that many
 template <Format F, int MT>
 inline void qtile_rows(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t rows) {
-  with_rows<MT>(rows, [&](auto r) { qtile<F, decltype(r)::value>(panel, x, nb, sums); });
+  with_rows<MT>(rows, [&](auto r) { qtile<F, decltype(r)::value>(panel, x, 0, nb, sums, true); });
 }
 
 }  // namespace tmk
@@ -319,7 +322,15 @@ inline void qtile_rows(const uint8_t* panel, const QRow* x, int64_t nb, float (*
 
 namespace tmk {
 
-// A panel times mc rows in register tiles (the builds below AVX-512)
+// A panel times mc rows in register tiles (the builds below AVX-512).
+//
+// The tiles of 3 run span by span of K (~8 KB of the panel), as the bf16 tiles do (kernels.cpp: panel_spans):
+// every tile runs over a span before the next span starts, so its weights come from memory once, for the first tile
+// (which alone prefetches), and stay in L1 for the later tiles. Their float sums wait in `sums` between spans, one
+// block after another as in one pass: the same bits. Xeon, the avx2 build (Zen 3's), decode steps of Qwen2.5-0.5B
+// alternated in one process: int8 16 rows 1.073x, 8 rows 1.01x, 4 rows 1.03x; int4 16 rows 1.01x, 4 rows
+// 1.02x. Tried and not kept: the tiles sharing the next span's prefetch (int8 4-8 rows 0.81-0.92x), and spans for
+// the avxvnni build's wide tiles (int8 16 rows 0.99x, 8 rows 0.97x; int4 1.01x).
 template <Format F>
 inline void qpanel(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t mc) {
 #if TM_WIDE
@@ -331,13 +342,23 @@ inline void qpanel(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums
     for (int64_t m = 0; m < mc; m += per)
       with_rows<MT_WIDE>(std::min<int64_t>(per, mc - m), [&](auto r) {
         constexpr int R = decltype(r)::value;
-        if constexpr (R <= MT_Q) qtile<F, R>(panel, x + m, nb, sums + m);
+        if constexpr (R <= MT_Q) qtile<F, R>(panel, x + m, 0, nb, sums + m, true);
         else qtile_wide<F, R>(panel, corr.data(), x + m, nb, sums + m);
       });
     return;
   }
 #endif
-  for (int64_t m = 0; m < mc; m += MT_Q) qtile_rows<F, MT_Q>(panel, x + m, nb, sums + m, std::min<int64_t>(MT_Q, mc - m));
+  const int64_t tiles = (mc + MT_Q - 1) / MT_Q, bb = quant_block_bytes(F);
+  const int64_t span = kspans && tiles > 1 ? std::max<int64_t>(1, 8192 / bb) : nb;
+  for (int64_t b0 = 0; b0 < nb; b0 += span) {
+    const int64_t b1 = std::min(nb, b0 + span);
+    for (int64_t m = 0; m < mc; m += MT_Q) {
+      // in one pass every tile prefetches as it goes; in spans the first (the others find the span in L1)
+      with_rows<MT_Q>(std::min<int64_t>(MT_Q, mc - m), [&](auto r) {
+        qtile<F, decltype(r)::value>(panel, x + m, b0, b1, sums + m, span == nb || m == 0);
+      });
+    }
+  }
 }
 
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), x rows in the QRow layout `ldx` floats
