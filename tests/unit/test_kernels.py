@@ -86,9 +86,9 @@ def test_register_tiles_across_their_row_blocks(ops: kernels.Kernels, fmt: str, 
 @pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
 def test_tiles_over_k_spans_give_one_pass_bits(ops: kernels.Kernels, fmt: str) -> None:
     """A panel that takes several register tiles runs them span by span of K (kernels.cpp: panel_spans for bf16,
-    qdot.h: qpanel for the quantized tiles of 3), its sums kept between spans: the same bits as one pass per tile,
-    at row counts that make 2-8 tiles (bf16 31: a last tile of one row, which takes one pass) and K over several
-    spans with a tail (bf16: 128 k pairs a span; Q8_0 15 blocks, Q4_0 28)."""
+    qdot.h: qpanel for the quantized tiles of 3 or 8), its sums kept between spans: the same bits as one pass per
+    tile, at row counts that make 2-8 tiles (bf16 31 with 8 lanes: a last tile of one row, which takes one pass)
+    and K over several spans with a tail (bf16: 128 k pairs a span; Q8_0 15 blocks, Q4_0 28)."""
     k = 2400 if fmt == "q4_0" else 600  # bf16 300 pairs, Q8_0 19 blocks, Q4_0 75 blocks
     packed = pack(torch.randn(37, k), fmt)
     x = torch.randn(47, k)

@@ -104,7 +104,8 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed
     // the block's rows in the fewest tiles, of even sizes: 8 rows as 4 + 4, not 5 + 3
     const int64_t r1 = std::min(M, r0 + block), tiles = (r1 - r0 + mt - 1) / mt, per = (r1 - r0 + tiles - 1) / tiles;
     if constexpr (std::is_same_v<T, uint16_t>) {
-      if (!xh && kspans && tiles > 1 && r1 - r0 <= KSPAN_ROWS && r1 - r0 - (tiles - 1) * per >= 2) {
+      const bool spans = kspans && tiles > 1 && K / 2 > KSPAN && r1 - r0 <= KSPAN_ROWS;
+      if (!xh && spans && r1 - r0 - (tiles - 1) * per >= 2) {
         vf sums[KSPAN_ROWS][V];
         panel_spans<MT_DENSE>(panel, x + r0 * ldx, ldx, K, r1 - r0, per, sums);
         for (int64_t m = 0; m < r1 - r0; ++m) {
