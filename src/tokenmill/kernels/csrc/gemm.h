@@ -19,9 +19,10 @@ namespace tmk {
 
 enum Format { BF16 = 0, Q8_0 = 1, Q4_0 = 2, F32 = 3 };
 constexpr int QK = 32;  // weights per quantization block
-// panels that take several register tiles run them span by span of K (kernels.cpp: panel_spans; qdot.h: qpanel,
-// its tiles of 3); tests and A/B runs turn that off
+// panels that take several register tiles run them span by span of K, SPAN_BYTES of weights a span (kernels.cpp:
+// panel_spans; qdot.h: qpanel, its tiles of 3 or 8); tests and A/B runs turn that off
 inline bool kspans = true;
+constexpr int64_t SPAN_BYTES = 8192;
 
 // bytes of one quantized block of a panel: P fp16 scales, then P x 32 values (int8, or two 4-bit per byte)
 constexpr int64_t quant_block_bytes(Format f) { return f == Q8_0 ? 2 * P + QK * P : 2 * P + QK / 2 * P; }

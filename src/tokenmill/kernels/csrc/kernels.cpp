@@ -42,8 +42,9 @@ void panel_rows(const T* panel, const float* x, int64_t ldx, int64_t K, int64_t 
   });
 }
 
-// k pairs per span of a K-blocked bf16 panel: 8 KB of weights, with 16 rows' activations 24 KB of L1
-constexpr int64_t KSPAN = 128;
+// k pairs per span of a K-blocked bf16 panel (a pair: 2 k x P channels x 2 bytes): 128, with 16 rows' activations
+// 24 KB of L1
+constexpr int64_t KSPAN = SPAN_BYTES / (4 * P);
 constexpr int64_t KSPAN_ROWS = 48;  // rows at most (the sums wait on the stack)
 
 // `rows` rows of x (2..KSPAN_ROWS) times a bf16 panel, in tiles of `per` rows (each of 2 or more), with K cut into

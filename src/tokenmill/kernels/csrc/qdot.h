@@ -350,7 +350,7 @@ inline void qpanel(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums
   }
 #endif
   const int64_t tiles = (mc + MT_Q - 1) / MT_Q, bb = quant_block_bytes(F);
-  const int64_t span = kspans && tiles > 1 ? std::min(nb, std::max<int64_t>(1, 8192 / bb)) : nb;
+  const int64_t span = kspans && tiles > 1 ? std::min(nb, std::max<int64_t>(1, SPAN_BYTES / bb)) : nb;
   for (int64_t b0 = 0; b0 < nb; b0 += span) {
     const int64_t b1 = std::min(nb, b0 + span);
     for (int64_t m = 0; m < mc; m += MT_Q) {
