@@ -80,6 +80,16 @@ inline void load_bf16_pair(const uint16_t* p, vf& a, vf& b) {
   std::memcpy(&b, &hi, sizeof(b));
 }
 
+// One half of the same: the a's (`odd` false) or the b's, as floats.
+inline vf load_bf16_half(const uint16_t* p, bool odd) {
+  vu lanes;
+  std::memcpy(&lanes, p, sizeof(lanes));
+  lanes = odd ? lanes & 0xffff0000u : lanes << 16;
+  vf f;
+  std::memcpy(&f, &lanes, sizeof(f));
+  return f;
+}
+
 // 2^f for f in [-0.5, 0.5]: a degree-6 polynomial, ~1 ulp
 inline vf exp2_fraction(vf f) {
   vf p = splat(1.535336188319500e-4f);
