@@ -68,7 +68,7 @@ inline void tile_f32(const float* w, const float* x, int64_t ldx, int64_t kc, fl
     for (int v = 0; v < V; ++v) store(c + m * P + v * W, acc[m][v]);
 }
 
-// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), as linear_panels (gemm.h) computes them.
+// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), as linear_panels (dense.h) computes them.
 template <Format F>
 void linear_blocked(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
                     const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end) {

@@ -16,128 +16,13 @@
 #include "amx_int8.h"
 #include "attention.h"
 #include "blocked.h"
+#include "dense.h"
 #include "fused.h"
 #include "gemm.h"
 #include "prefill_attention.h"
 #include "qdot.h"
 
 namespace tmk {
-
-// rows of one dense tile at this vector width (what fits in the register file; 8 lanes: 6 with gemm.h's narrow
-// step for bf16, 16 rows as 6 + 6 + 4)
-constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 6 : 8);
-// rows of one bf16 pair tile: with 16 lanes a row needs one accumulator and no widened weights (Zen 4, against
-// 8: 9-12 rows 1.1x). 16, not 12: a 16-row decode step in one tile reads each weight once, 16 vdpbf16ps per 64
-// bytes, which two cores can feed from memory; as two tiles of 8 the first waited on memory while the second ran
-// from cache (Zen 4, engine decode steps alternated in one process: 50.5 -> 46.3 and 52.4 -> 47.7 ms; prefill the
-// same within noise)
-constexpr int MT_PAIRS = W == 16 ? 16 : MT_DENSE;
-
-// `rows` <= MT rows of x times a dense panel, in the tile of exactly that many (one row: 4 accumulator sets)
-template <typename T, int MT>
-void panel_rows(const T* panel, const float* x, int64_t ldx, int64_t K, int64_t rows, vf (*acc)[V]) {
-  with_rows<MT>(rows, [&](auto r) {
-    constexpr int R = decltype(r)::value;
-    tile_dense<R, R == 1 ? 4 : 1>(panel, x, ldx, K, acc);
-  });
-}
-
-// k pairs per span of a K-blocked bf16 panel (a pair: 2 k x P channels x 2 bytes): 128, with 16 rows' activations
-// 24 KB of L1
-constexpr int64_t KSPAN = SPAN_BYTES / (4 * P);
-constexpr int64_t KSPAN_ROWS = 48;  // rows at most (the sums wait on the stack)
-
-// `rows` rows of x (2..KSPAN_ROWS) times a bf16 panel, in tiles of `per` rows (each of 2 or more), with K cut into
-// spans: every tile runs over one span before the next span starts, so a span's weights come from memory once, for
-// the first tile, and the later tiles find them in L1. One pass per tile instead read the panel from memory for the
-// first and from L2 for the others, and the first tile waited on memory. The sums wait in `sums` between spans and
-// take each span's pairs in order (span_dense, one set), so they are the same bits as one pass per tile. Xeon, 16-row
-// bf16 decode steps of Qwen2.5-0.5B on the AVX-VNNI build, alternated in one process: 1.013x and 1.032x; the
-// avx512 build's linears (2 tiles of 8) 1.04-1.10x at 16 rows.
-template <int MT>
-void panel_spans(const uint16_t* panel, const float* x, int64_t ldx, int64_t K, int64_t rows, int64_t per,
-                 vf (*sums)[V]) {
-  for (int64_t m = 0; m < rows; ++m)
-    for (int v = 0; v < V; ++v) sums[m][v] = splat(0.f);
-  for (int64_t j0 = 0; j0 < K / 2; j0 += KSPAN) {
-    const int64_t j1 = std::min(K / 2, j0 + KSPAN);
-    for (int64_t m0 = 0; m0 < rows; m0 += per)
-      with_rows<MT, 2>(std::min(per, rows - m0), [&](auto r) {
-        constexpr int R = decltype(r)::value;
-        vf a[1][R][V];
-        for (int m = 0; m < R; ++m)
-          for (int v = 0; v < V; ++v) a[0][m][v] = sums[m0 + m][v];
-        if (m0 == 0) span_dense<R, 1, true>(panel, x + m0 * ldx, ldx, j0, j1, a);
-        else span_dense<R, 1, false>(panel, x + m0 * ldx, ldx, j0, j1, a);  // in L1 since the first tile
-        for (int m = 0; m < R; ++m)
-          for (int v = 0; v < V; ++v) sums[m0 + m][v] = a[0][m][v];
-      });
-  }
-}
-
-// the same for bf16 activation pairs (gemm.h: tile_bf16_pairs)
-template <int MT>
-void pair_rows(const uint16_t* panel, const uint16_t* xh, int64_t ldxh, int64_t K, int64_t rows, vf (*acc)[V]) {
-  with_rows<MT>(rows, [&](auto r) {
-    constexpr int R = decltype(r)::value;
-    tile_bf16_pairs<R, R == 1 ? 4 : 1>(panel, xh, ldxh, K, acc);
-  });
-}
-
-// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias) for a dense format (T: uint16_t for bf16,
-// float for f32); x float32 (see prep_row), out in float32 (out32) or bfloat16 (out16). For bf16, `xh` (when
-// not null) holds the same rows as bfloat16 pairs (row stride ldxh), and the pair tiles take them.
-template <typename T>
-void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
-                   const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end,
-                   const uint16_t* xh, int64_t ldxh) {
-  const int64_t stride = K * P * (int64_t)sizeof(T);
-  const int64_t mt = xh ? MT_PAIRS : MT_DENSE;
-  // Rows in blocks of ~384 KB of x, which stay in L2 while every panel of the range passes over them: a long
-  // prompt's rows, all re-read from L3 for each panel, held the pair tiles back (Zen 4, bf16 linears of
-  // Qwen2.5-0.5B, both builds alternated in one process: 128 rows 420 -> 447 GFLOP/s, 512 rows 416 -> 442, 2048 rows
-  // 407 -> 445; vdpbf16ps peaks at ~450 on the two cores)
-  const int64_t block = std::max<int64_t>(mt, (384 << 10) / (K * (xh ? 2 : 4)) / mt * mt);
-  for (int64_t r0 = 0; r0 < M; r0 += block)
-  for (int64_t p = p_begin; p < p_end; ++p) {
-    const T* panel = (const T*)(packed + p * stride);
-    const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
-    // the block's rows in the fewest tiles, of even sizes: 8 rows as 4 + 4, not 5 + 3
-    const int64_t r1 = std::min(M, r0 + block), tiles = (r1 - r0 + mt - 1) / mt, per = (r1 - r0 + tiles - 1) / tiles;
-    if constexpr (std::is_same_v<T, uint16_t>) {
-      const bool spans = kspans && tiles > 1 && K / 2 > KSPAN && r1 - r0 <= KSPAN_ROWS;
-      if (!xh && spans && r1 - r0 - (tiles - 1) * per >= 2) {
-        vf sums[KSPAN_ROWS][V];
-        panel_spans<MT_DENSE>(panel, x + r0 * ldx, ldx, K, r1 - r0, per, sums);
-        for (int64_t m = 0; m < r1 - r0; ++m) {
-          float lane[P];
-          for (int v = 0; v < V; ++v) {
-            vf acc = {};
-            acc += sums[m][v];  // as the tiles add their sums to zeroed accumulators
-            store(lane + v * W, acc);
-          }
-          store_outputs(lane, r0 + m, n0, n_valid, N, bias, out32, out16);
-        }
-        continue;
-      }
-    }
-    for (int64_t m0 = r0; m0 < r1; m0 += per) {
-      const int64_t rows = std::min<int64_t>(per, r1 - m0);
-      vf acc[std::max(MT_DENSE, MT_PAIRS)][V] = {};
-      if constexpr (std::is_same_v<T, uint16_t>) {
-        if (xh) pair_rows<MT_PAIRS>(panel, xh + m0 * ldxh, ldxh, K, rows, acc);
-        else panel_rows<T, MT_DENSE>(panel, x + m0 * ldx, ldx, K, rows, acc);
-      } else {
-        panel_rows<T, MT_DENSE>(panel, x + m0 * ldx, ldx, K, rows, acc);
-      }
-      for (int64_t m = 0; m < rows; ++m) {
-        float lane[P];
-        for (int v = 0; v < V; ++v) store(lane + v * W, acc[m][v]);
-        store_outputs(lane, m0 + m, n0, n_valid, N, bias, out32, out16);
-      }
-    }
-  }
-}
 
 // Output panels [p_begin, p_end) for any format, x rows prepared by prep_row `ldx` floats apart: the quantized
 // formats in integers (qdot.h), the dense ones in register tiles or, from blocked_min_rows(), the blocked GEMM.
