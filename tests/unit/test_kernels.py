@@ -77,7 +77,7 @@ def test_blocked_gemm_across_its_row_and_k_blocks(ops: kernels.Kernels, fmt: str
 
 @pytest.mark.parametrize(("fmt", "path"), [("bf16", "pairs"), ("bf16", "tiles"), ("f32", "tiles")])
 def test_register_tiles_across_their_row_blocks(ops: kernels.Kernels, fmt: str, path: str) -> None:
-    # the register tiles take rows in blocks of ~384 KB of x (kernels.cpp: linear_panels): at K = 4098, 40 rows are
+    # the register tiles take rows in blocks of ~384 KB of x (dense.h: linear_panels): at K = 4098, 40 rows are
     # more than one block (bf16 pairs: 36 rows, float32 rows: 16-22)
     with _path(ops, path):
         _check_linear(ops, fmt, 37, 4098, [40])
@@ -85,7 +85,7 @@ def test_register_tiles_across_their_row_blocks(ops: kernels.Kernels, fmt: str, 
 
 @pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
 def test_tiles_over_k_spans_give_one_pass_bits(ops: kernels.Kernels, fmt: str) -> None:
-    """A panel that takes several register tiles runs them span by span of K (kernels.cpp: panel_spans for bf16,
+    """A panel that takes several register tiles runs them span by span of K (dense.h: panel_spans for bf16,
     qdot.h: qpanel for the quantized tiles of 3 or 8), its sums kept between spans: the same bits as one pass per
     tile, at row counts that make 2-8 tiles (bf16 31 with 8 lanes: a last tile of one row, which takes one pass)
     and K over several spans with a tail (bf16: 128 k pairs a span; Q8_0 15 blocks, Q4_0 28)."""

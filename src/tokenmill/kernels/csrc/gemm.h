@@ -19,7 +19,7 @@ namespace tmk {
 
 enum Format { BF16 = 0, Q8_0 = 1, Q4_0 = 2, F32 = 3 };
 constexpr int QK = 32;  // weights per quantization block
-// panels that take several register tiles run them span by span of K, SPAN_BYTES of weights a span (kernels.cpp:
+// panels that take several register tiles run them span by span of K, SPAN_BYTES of weights a span (dense.h:
 // panel_spans; qdot.h: qpanel, its tiles of 3 or 8); tests and A/B runs turn that off
 inline bool kspans = true;
 constexpr int64_t SPAN_BYTES = 8192;
@@ -96,7 +96,7 @@ inline void span_dense(const T* panel, const float* x, int64_t ldx, int64_t j0, 
     }
   };
   int64_t j = j0;
-  if constexpr (W == 8 && V == 2 && MT >= 4 && !std::is_same_v<T, float>) {
+  if constexpr (W == 8 && V == 2 && MT >= 4 && S == 1 && !std::is_same_v<T, float>) {
     for (; j < j1; ++j) step_halves(j, a[0]);
   }
   for (; j + S <= j1; j += S)

@@ -325,7 +325,7 @@ namespace tmk {
 // A panel times mc rows in register tiles (the builds below AVX-512).
 //
 // The tiles of MT_Q rows (3; 8 in the avx512 build) run span by span of K (~8 KB of the panel), as the bf16 tiles
-// do (kernels.cpp: panel_spans): every tile runs over a span before the next span starts, so its weights come from
+// do (dense.h: panel_spans): every tile runs over a span before the next span starts, so its weights come from
 // memory once, for the first tile (which alone prefetches), and stay in L1 for the later tiles. Their float sums
 // wait in `sums` between spans, one block after another as in one pass: the same bits. Xeon, decode steps of
 // Qwen2.5-0.5B alternated in one process, the avx2 build (Zen 3's): int8 16 rows 1.073x, 8 rows 1.01x, 4 rows
