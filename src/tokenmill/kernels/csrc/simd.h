@@ -70,17 +70,9 @@ inline vf load_bf16(const uint16_t* p) {
 #endif
 }
 
-// 2W bfloat16 values holding W pairs (a, b) side by side -> the a's and the b's as floats: each pair is one
-// 32-bit lane (a in its low half), and a bf16 is the top half of a float's bits: a = lane << 16, b = lane & high.
-inline void load_bf16_pair(const uint16_t* p, vf& a, vf& b) {
-  vu lanes;
-  std::memcpy(&lanes, p, sizeof(lanes));
-  const vu lo = lanes << 16, hi = lanes & 0xffff0000u;
-  std::memcpy(&a, &lo, sizeof(a));
-  std::memcpy(&b, &hi, sizeof(b));
-}
-
-// One half of the same: the a's (`odd` false) or the b's, as floats.
+// 2W bfloat16 values holding W pairs (a, b) side by side -> the a's (`odd` false) or the b's as floats: each pair
+// is one 32-bit lane (a in its low half), and a bf16 is the top half of a float's bits: a = lane << 16, b = lane &
+// high.
 inline vf load_bf16_half(const uint16_t* p, bool odd) {
   vu lanes;
   std::memcpy(&lanes, p, sizeof(lanes));
@@ -88,6 +80,12 @@ inline vf load_bf16_half(const uint16_t* p, bool odd) {
   vf f;
   std::memcpy(&f, &lanes, sizeof(f));
   return f;
+}
+
+// Both halves at once (the two loads are one).
+inline void load_bf16_pair(const uint16_t* p, vf& a, vf& b) {
+  a = load_bf16_half(p, false);
+  b = load_bf16_half(p, true);
 }
 
 // 2^f for f in [-0.5, 0.5]: a degree-6 polynomial, ~1 ulp
