@@ -50,6 +50,30 @@ def test_decode_attention_over_paged_blocks(
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (6, 1, 40)])
+def test_decode_attention_over_several_splits(
+    ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Contexts longer than a split (attention.h's kSplit positions, each split's softmax merged with the others'):
+    exactly one split, one past it, several with a short last one, and windows that start mid-split; each against
+    SDPA, and each sequence's output the same bits alone as in its batch."""
+    split = int(ops.module.attention_split)
+    block_size, num_blocks = 16, 64
+    gen = torch.Generator().manual_seed(head_dim)
+    cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor([split, split + 1, 3 * split + 5, 2 * split], dtype=torch.int64)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:40] for _ in lens])  # [B, 40]
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    for window in (None, split + 7, 2 * split + 3):
+        out = ops.decode_attention(q, cache, tables, lens, block_size, window)
+        for b, n in enumerate(lens.tolist()):
+            ref = reference(q[b : b + 1], cache, tables[b], n, block_size, window)[0]
+            torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+            alone = ops.decode_attention(q[b : b + 1], cache, tables[b : b + 1], lens[b : b + 1], block_size, window)
+            assert torch.equal(alone[0], out[b])
+
+
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
 # 64: vdpbf16ps for scores and values; 80: 5 vectors of 16 (a tail past 4); 1 KV head of 6: rows = tokens x 6;
 # (2, 2, 32): one head per KV head, so a task takes 96 tokens
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(2, 2, 32), (14, 2, 64), (6, 1, 80), (8, 2, 128)])

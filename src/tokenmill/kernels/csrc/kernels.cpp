@@ -184,21 +184,34 @@ void silu_mul(uintptr_t gate_up, uintptr_t out, bool bf16, int64_t rows, int64_t
   });
 }
 
+// Every sequence's splits of each KV head as tasks, then each sequence's merge (attention.h)
 template <typename T>
 void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const int64_t* tab, int64_t max_blocks,
                            const int64_t* len, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size,
                            float scale, int64_t window, uintptr_t out) {
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b]);
   const int64_t G = H / Hkv;
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, longest * G * Dh));  // see linear
-  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(attention_scratch(G, Dh, longest, block_size));
+  std::vector<int64_t> first(B + 1, 0);  // sequence b's splits are [first[b], first[b + 1]), Hkv tasks each
+  int64_t most = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = num_splits(len[b], window);
+    first[b + 1] = first[b] + n, most = std::max(most, n);
+  }
+  std::vector<float> acc(B * most * H * Dh), ml(B * most * H * 2);  // [B, most, H, Dh] and [B, most, H, 2]
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kSplit * G * Dh));  // see linear
+  at::parallel_for(0, first[B] * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(attention_scratch(G, Dh, block_size));
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, g = task % Hkv;
-      decode_attention_task<T>((const T*)q, (const T*)cache, slots, tab + b * max_blocks, len[b], window, b, g, H,
-                               Hkv, Dh, block_size, scale, (T*)out, scratch.data());
+      const int64_t split = task / Hkv, g = task % Hkv;
+      const int64_t b = std::upper_bound(first.begin(), first.end(), split) - first.begin() - 1, s = split - first[b];
+      const int64_t at = (b * most + s) * H + g * G;
+      attention_split<T>((const T*)q, (const T*)cache, slots, tab + b * max_blocks, len[b], window, b, g, s, H, Hkv, Dh,
+                         block_size, scale, acc.data() + at * Dh, ml.data() + at * 2, scratch.data());
     }
+  });
+  at::parallel_for(0, B, std::max<int64_t>(1, (16 << 10) / (most * H * Dh)), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      merge_splits<T>(acc.data() + b * most * H * Dh, ml.data() + b * most * H * 2, first[b + 1] - first[b], H, 0, H,
+                      Dh, (T*)out + b * H * Dh);
   });
 }
 
@@ -352,4 +365,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stage_of", &tmk::DecodeStack::stage_of, "stage i's kind and layer (-1: after the last layer)");
   m.attr("lanes") = tmk::W;
   m.attr("panel") = tmk::P;
+  m.attr("attention_split") = tmk::kSplit;  // positions per split of decode attention (attention.h)
 }

@@ -7,18 +7,22 @@
 // alive); scratch activations live here and are reused from step to step.
 //
 // Threads: a step is a program of stages (pool.h), ten per layer. Row stages (norms, RoPE + KV write, SiLU*mul)
-// take one chunk per sequence; a linear takes chunks of output panels; attention one chunk per (sequence, KV
-// head). With fewer sequences than threads a row's SiLU takes one chunk per thread, and with one sequence each
-// attention chunk ropes and writes its own KV head (the RoPE stage gets no chunks). Each stage also leaves its
-// output in float32 rows (`xq`), ready for the next linear; attention chunks do so for their own heads' columns
-// where those are whole quantization blocks (the o_input stage then gets no chunks).
+// take one chunk per sequence; a linear takes chunks of output panels; attention one chunk per (sequence, split of
+// its context, KV head) (attention.h: splits of kSplit positions), the last split of a (sequence, KV head) to
+// finish merging them. With fewer sequences than threads a row's SiLU takes one chunk per thread, and with one
+// sequence in one split each attention chunk ropes and writes its own KV head (the RoPE stage gets no chunks).
+// Each stage also leaves its output in float32 rows (`xq`), ready for the next linear; attention chunks do so for
+// their own heads' columns where those are whole quantization blocks (the o_input stage then gets no chunks).
 //
 // Included by kernels.cpp after the functions it calls.
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -189,16 +193,21 @@ class DecodeStack {
     if (argmax_) winners_.resize(B * head_chunks_);
     // fewer rows than threads: each row's SiLU in parts of whole quantization blocks, one thread each
     silu_parts_ = B < threads_ ? std::max<int64_t>(1, std::min<int64_t>(threads_, I_ / QK)) : 1;
-    longest_ = 0;
-    for (int64_t b = 0; b < B; ++b) longest_ = std::max(longest_, lens_[b]);
+    // attention: each row's splits (attention.h), one task each
+    split_first_.resize(B + 1), split_first_[0] = 0, most_splits_ = 1;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = num_splits(lens_[b], 0);
+      split_first_[b + 1] = split_first_[b] + n, most_splits_ = std::max(most_splits_, n);
+    }
+    part_acc_.resize(B * most_splits_ * H_ * Dh_), part_ml_.resize(B * most_splits_ * H_ * 2);
+    // one row in one split: each attention task ropes and writes its own KV head first, where the rope stage would
+    // (more splits read the roped queries of the whole row; rows of a verified draft read each other's keys)
+    rope_in_attention_ = B == 1 && split_first_[1] == 1;
     const int64_t L = num_layers();
     for (int64_t l = 0; l < L; ++l) {
       const LayerSpec& s = layers_[l];
       const int64_t base = l * kStagesPerLayer;
-      // one row: each attention chunk ropes and writes its own KV head first, where the rope stage would (rows
-      // of a verified draft read each other's keys, so more rows keep the stage between)
-      const int64_t rope = B == 1 ? 0 : B;
-      const int64_t counts[kStagesPerLayer] = {B, chunks(s.qkv), rope, B * Hkv_,
+      const int64_t counts[kStagesPerLayer] = {B, chunks(s.qkv), rope_in_attention_ ? 0 : B, split_first_[B] * Hkv_,
                                               o_parts_ ? 0 : B, chunks(s.o), B, chunks(s.gate_up),
                                               B * silu_parts_, chunks(s.down)};
       for (int i = 0; i < kStagesPerLayer; ++i) pool_.set_chunks(base + i, counts[i]);
@@ -347,28 +356,36 @@ class DecodeStack {
     std::memcpy(q_ + (b * H_ + g * G) * Dh_ * e_, q, G * Dh_ * e_);
   }
 
+  // task `task` of the attention stage: split s of row b's KV head g -> part_acc_, part_ml_; the last of the
+  // (b, g) splits to finish merges them into attn_ (and readies those columns for the o projection)
   void attention(int64_t l, int64_t task) {
-    const int64_t b = task / Hkv_, g = task % Hkv_, G = H_ / Hkv_;
-    if (B_ == 1) rope_and_write(l, b, g);  // the rope stage had no chunks (step)
-    attention_heads(l, b, g);
-    if (o_parts_) {  // these query heads' columns of the o projection's input, whole blocks: ready them here
-      const int64_t k0 = g * G * Dh_;
-      prep(attn_ + b * H_ * Dh_ * e_, H_ * Dh_, layers_[l].o, b, k0, g + 1 == Hkv_ ? -1 : k0 + G * Dh_);
-    }
-  }
-
-  // the decode attention of row b's query heads of KV head g -> their columns of attn_ row b
-  void attention_heads(int64_t l, int64_t b, int64_t g) {
-    const int64_t G = H_ / Hkv_;
+    const int64_t split = task / Hkv_, g = task % Hkv_, G = H_ / Hkv_;
+    const int64_t b = std::upper_bound(split_first_.begin(), split_first_.begin() + B_ + 1, split) -
+                      split_first_.begin() - 1;
+    const int64_t s = split - split_first_[b], n = split_first_[b + 1] - split_first_[b];
+    if (rope_in_attention_) rope_and_write(l, b, g);  // one row, one split: see step
     thread_local std::vector<float> scratch;
-    scratch.resize(attention_scratch(G, Dh_, longest_, block_size_));
+    scratch.resize(attention_scratch(G, Dh_, block_size_));
     const float scale = (float)std::pow((double)Dh_, -0.5);
-    if (bf16_) decode_attention_task<uint16_t>((const uint16_t*)q_, (const uint16_t*)layers_[l].cache, slots_,
-                                               tables_ + b * max_blocks_, lens_[b], 0, b, g, H_, Hkv_, Dh_,
-                                               block_size_, scale, (uint16_t*)attn_, scratch.data());
-    else decode_attention_task<float>((const float*)q_, (const float*)layers_[l].cache, slots_,
-                                      tables_ + b * max_blocks_, lens_[b], 0, b, g, H_, Hkv_, Dh_, block_size_, scale,
-                                      (float*)attn_, scratch.data());
+    const int64_t at = (b * most_splits_ + s) * H_ + g * G;
+    float *acc = part_acc_.data() + at * Dh_, *ml = part_ml_.data() + at * 2;
+    if (bf16_) attention_split<uint16_t>((const uint16_t*)q_, (const uint16_t*)layers_[l].cache, slots_,
+                                         tables_ + b * max_blocks_, lens_[b], 0, b, g, s, H_, Hkv_, Dh_, block_size_,
+                                         scale, acc, ml, scratch.data());
+    else attention_split<float>((const float*)q_, (const float*)layers_[l].cache, slots_, tables_ + b * max_blocks_,
+                                lens_[b], 0, b, g, s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data());
+    if (n > 1) {  // the splits' writes before this one's are visible to whichever finishes last (acq_rel)
+      std::atomic<int64_t>& done = splits_done_[b * Hkv_ + g];
+      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 < n) return;
+      done.store(0, std::memory_order_relaxed);  // for the next layer, after this stage
+    }
+    const int64_t h0 = g * G, first = b * most_splits_ * H_;
+    if (bf16_) merge_splits<uint16_t>(part_acc_.data() + first * Dh_, part_ml_.data() + first * 2, n, H_, h0, h0 + G,
+                                      Dh_, (uint16_t*)attn_ + b * H_ * Dh_);
+    else merge_splits<float>(part_acc_.data() + first * Dh_, part_ml_.data() + first * 2, n, H_, h0, h0 + G, Dh_,
+                             (float*)attn_ + b * H_ * Dh_);
+    if (o_parts_)  // these query heads' columns of the o projection's input, whole blocks: ready them here
+      prep(attn_ + b * H_ * Dh_ * e_, H_ * Dh_, layers_[l].o, b, h0 * Dh_, g + 1 == Hkv_ ? -1 : (h0 + G) * Dh_);
   }
 
   void post_norm(int64_t l, int64_t b) {
@@ -405,6 +422,8 @@ class DecodeStack {
     qkv_ = scratch_[3].data(), q_ = scratch_[4].data(), attn_ = scratch_[5].data();
     gate_up_ = scratch_[6].data(), act_ = scratch_[7].data();
     xq_.assign(B * max_k_, 0.f);
+    splits_done_.reset(new std::atomic<int64_t>[B * Hkv_]);
+    for (int64_t i = 0; i < B * Hkv_; ++i) splits_done_[i].store(0, std::memory_order_relaxed);
     rows_ = B;
   }
 
@@ -414,8 +433,8 @@ class DecodeStack {
   const int64_t slots_;
   const uintptr_t final_norm_;
   const int64_t threads_;
-  // each attention task preps its own query heads' columns of the o projection's input (the o_input stage gets
-  // no chunks): they are whole blocks of QK. A one-row step, Xeon: ~1 us a layer of stage hand-over.
+  // each (row, KV head)'s merge preps its own query heads' columns of the o projection's input (the o_input stage
+  // gets no chunks): they are whole blocks of QK. A one-row step, Xeon: ~1 us a layer of stage hand-over.
   const bool o_parts_ = (H_ / Hkv_ * Dh_) % QK == 0;
   std::vector<LayerSpec> layers_;
   int64_t max_k_ = 0;
@@ -427,7 +446,15 @@ class DecodeStack {
   std::vector<float> xq_;
   int64_t rows_ = 0;
   // this step's inputs (set by run, read by the stages)
-  int64_t B_ = 0, max_blocks_ = 0, block_size_ = 0, longest_ = 0, silu_parts_ = 1;
+  int64_t B_ = 0, max_blocks_ = 0, block_size_ = 0, silu_parts_ = 1;
+  // attention: row b's splits are the stage's tasks [split_first_[b], split_first_[b + 1]); their sums
+  // [B, most_splits_, H, Dh] and (max, sum) [B, most_splits_, H, 2], merged by the last of a (row, KV head)'s splits
+  // to finish
+  std::vector<int64_t> split_first_;
+  int64_t most_splits_ = 1;
+  std::vector<float> part_acc_, part_ml_;
+  std::unique_ptr<std::atomic<int64_t>[]> splits_done_;  // [rows_, Hkv]: splits finished this layer, 0 between
+  bool rope_in_attention_ = false;
   const char *cos_ = nullptr, *sin_ = nullptr;
   const int64_t *slot_ = nullptr, *tables_ = nullptr, *lens_ = nullptr;
   char *out_ = nullptr, *logits_ = nullptr;

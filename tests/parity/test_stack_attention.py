@@ -1,0 +1,43 @@
+"""The decode stack's attention over contexts longer than one split (kernels/csrc/attention.h): a sequence alone
+runs its splits as separate tasks, the RoPE stage first and the last split to finish merging them; in a batch the
+same. Both give the module path's tokens and logprobs."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.parity.test_models import SPREAD, _skip_without_stack
+from tokenmill import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 0.05)])
+def test_contexts_of_several_splits_alone_and_in_a_batch(
+    make_checkpoint: Callable[..., Path], dtype: str, tol: float
+) -> None:
+    # head_dim 32: AVX-512 BF16's attention path where the CPU has it (the portable one otherwise)
+    folder = make_checkpoint("qwen2", **SPREAD, hidden_size=128, num_attention_heads=4)
+    llm = LLM(str(folder), dtype=dtype, device="cpu", enable_prefix_caching=False)
+    _skip_without_stack(llm)
+    split = int(llm.loaded.ops.module.attention_split)  # type: ignore[union-attr]
+    rng = random.Random(0)
+    long = [rng.randrange(3, 384) for _ in range(2 * split + 9)]  # three splits, then more as it decodes
+    short = [[rng.randrange(3, 384) for _ in range(n)] for n in (5, split - 2)]  # the second crosses into two
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def run(prompts: list[list[int]]) -> list[Any]:
+        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+    alone, batch = run([long]), run([short[0], long, short[1]])
+    runner = llm.engine.runner
+    stack, runner.decode_stack = runner.decode_stack, None
+    modules = run([short[0], long, short[1]])
+    runner.decode_stack = stack
+    assert alone[0].token_ids == batch[1].token_ids
+    for a, b in zip(batch, modules, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < tol
