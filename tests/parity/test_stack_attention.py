@@ -1,6 +1,7 @@
 """The decode stack's attention over contexts longer than one split (kernels/csrc/attention.h): a sequence alone
-runs its splits as separate tasks, the RoPE stage first and the last split to finish merging them; in a batch the
-same. Both give the module path's tokens and logprobs."""
+runs its splits as separate tasks, the RoPE stage first and the last split to finish merging them (one that crosses
+from one split into two while it decodes switches from RoPE inside its attention tasks to the stage); in a batch the
+same. Each gives the module path's tokens and logprobs, whose attention takes the same splits in one call."""
 
 from __future__ import annotations
 
@@ -25,19 +26,22 @@ def test_contexts_of_several_splits_alone_and_in_a_batch(
     _skip_without_stack(llm)
     split = int(llm.loaded.ops.module.attention_split)  # type: ignore[union-attr]
     rng = random.Random(0)
-    long = [rng.randrange(3, 384) for _ in range(2 * split + 9)]  # three splits, then more as it decodes
+    long = [rng.randrange(3, 384) for _ in range(2 * split + 9)]  # three splits
     short = [[rng.randrange(3, 384) for _ in range(n)] for n in (5, split - 2)]  # the second crosses into two
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 
     def run(prompts: list[list[int]]) -> list[Any]:
         return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
-    alone, batch = run([long]), run([short[0], long, short[1]])
+    def runs() -> list[Any]:  # each long-ish prompt alone (one row: its splits as tasks), then all three at once
+        return run([long]) + run([short[1]]) + run([short[0], long, short[1]])
+
     runner = llm.engine.runner
+    stacked = runs()
     stack, runner.decode_stack = runner.decode_stack, None
-    modules = run([short[0], long, short[1]])
+    modules = runs()
     runner.decode_stack = stack
-    assert alone[0].token_ids == batch[1].token_ids
-    for a, b in zip(batch, modules, strict=True):
+    assert stacked[0].token_ids == stacked[3].token_ids and stacked[1].token_ids == stacked[4].token_ids
+    for a, b in zip(stacked, modules, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < tol

@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -191,27 +192,23 @@ void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const in
                            float scale, int64_t window, uintptr_t out) {
   const int64_t G = H / Hkv;
   std::vector<int64_t> first(B + 1, 0);  // sequence b's splits are [first[b], first[b + 1]), Hkv tasks each
-  int64_t most = 1;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = num_splits(len[b], window);
-    first[b + 1] = first[b] + n, most = std::max(most, n);
-  }
-  std::vector<float> acc(B * most * H * Dh), ml(B * most * H * 2);  // [B, most, H, Dh] and [B, most, H, 2]
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + num_splits(len[b], window);
+  // each split's sums and (max, sum): [splits, H, Dh] and [splits, H, 2], every element written before it is read
+  std::unique_ptr<float[]> acc(new float[first[B] * H * Dh]), ml(new float[first[B] * H * 2]);
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kSplit * G * Dh));  // see linear
   at::parallel_for(0, first[B] * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(attention_scratch(G, Dh, block_size));
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t split = task / Hkv, g = task % Hkv;
+      const int64_t split = task / Hkv, g = task % Hkv, at = split * H + g * G;
       const int64_t b = std::upper_bound(first.begin(), first.end(), split) - first.begin() - 1, s = split - first[b];
-      const int64_t at = (b * most + s) * H + g * G;
       attention_split<T>((const T*)q, (const T*)cache, slots, tab + b * max_blocks, len[b], window, b, g, s, H, Hkv, Dh,
-                         block_size, scale, acc.data() + at * Dh, ml.data() + at * 2, scratch.data());
+                         block_size, scale, acc.get() + at * Dh, ml.get() + at * 2, scratch.data());
     }
   });
-  at::parallel_for(0, B, std::max<int64_t>(1, (16 << 10) / (most * H * Dh)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B, std::max<int64_t>(1, (16 << 10) / (H * Dh)), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      merge_splits<T>(acc.data() + b * most * H * Dh, ml.data() + b * most * H * 2, first[b + 1] - first[b], H, 0, H,
-                      Dh, (T*)out + b * H * Dh);
+      merge_splits<T>(acc.get() + first[b] * H * Dh, ml.get() + first[b] * H * 2, first[b + 1] - first[b], H, 0, H, Dh,
+                      (T*)out + b * H * Dh);
   });
 }
 

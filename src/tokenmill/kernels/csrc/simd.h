@@ -254,14 +254,21 @@ inline const bool amd_avx512 = [] {
 #endif
 }();
 
-// Ask for the line at `at` into L2. An asm statement rather than __builtin_prefetch: GCC removed a loop nest whose
-// only statements were __builtin_prefetch calls (the object code had no prefetch left).
+// Ask for the line at `at` into L2. An asm statement rather than __builtin_prefetch: GCC 12 (-O3) deleted loops whose
+// only statements were __builtin_prefetch calls. attention.h's prefetch loops left no prefetch instruction in the
+// object code, and measured as no change at all.
 inline void prefetch_l2(const void* at) {
 #if defined(__x86_64__) || defined(__i386__)
   asm volatile("prefetcht1 %0" : : "m"(*(const char*)at));
 #else
   __builtin_prefetch(at, 0, 2);
 #endif
+}
+
+// every line of the `bytes` at `at` (the first from its line's start) into L2
+inline void prefetch_range_l2(const void* at, int64_t bytes) {
+  const uintptr_t end = (uintptr_t)at + bytes;
+  for (uintptr_t line = (uintptr_t)at & ~uintptr_t{63}; line < end; line += 64) prefetch_l2((const void*)line);
 }
 
 // Ask for the weight line a prefetch distance past `at`, as the tiles stream their panels. On Intel into L2 only,

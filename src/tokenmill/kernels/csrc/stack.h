@@ -194,14 +194,12 @@ class DecodeStack {
     // fewer rows than threads: each row's SiLU in parts of whole quantization blocks, one thread each
     silu_parts_ = B < threads_ ? std::max<int64_t>(1, std::min<int64_t>(threads_, I_ / QK)) : 1;
     // attention: each row's splits (attention.h), one task each
-    split_first_.resize(B + 1), split_first_[0] = 0, most_splits_ = 1;
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t n = num_splits(lens_[b], 0);
-      split_first_[b + 1] = split_first_[b] + n, most_splits_ = std::max(most_splits_, n);
-    }
-    part_acc_.resize(B * most_splits_ * H_ * Dh_), part_ml_.resize(B * most_splits_ * H_ * 2);
+    split_first_.resize(B + 1), split_first_[0] = 0;
+    for (int64_t b = 0; b < B; ++b) split_first_[b + 1] = split_first_[b] + num_splits(lens_[b], 0);
+    part_acc_.resize(split_first_[B] * H_ * Dh_), part_ml_.resize(split_first_[B] * H_ * 2);
     // one row in one split: each attention task ropes and writes its own KV head first, where the rope stage would
-    // (more splits read the roped queries of the whole row; rows of a verified draft read each other's keys)
+    // (rope_and_write rotates q and k in place, so several splits of a KV head would each rotate them again; and the
+    // split that holds the new token must find its key in the cache; rows of a verified draft read each other's keys)
     rope_in_attention_ = B == 1 && split_first_[1] == 1;
     const int64_t L = num_layers();
     for (int64_t l = 0; l < L; ++l) {
@@ -367,7 +365,7 @@ class DecodeStack {
     thread_local std::vector<float> scratch;
     scratch.resize(attention_scratch(G, Dh_, block_size_));
     const float scale = (float)std::pow((double)Dh_, -0.5);
-    const int64_t at = (b * most_splits_ + s) * H_ + g * G;
+    const int64_t at = split * H_ + g * G;
     float *acc = part_acc_.data() + at * Dh_, *ml = part_ml_.data() + at * 2;
     if (bf16_) attention_split<uint16_t>((const uint16_t*)q_, (const uint16_t*)layers_[l].cache, slots_,
                                          tables_ + b * max_blocks_, lens_[b], 0, b, g, s, H_, Hkv_, Dh_, block_size_,
@@ -379,7 +377,7 @@ class DecodeStack {
       if (done.fetch_add(1, std::memory_order_acq_rel) + 1 < n) return;
       done.store(0, std::memory_order_relaxed);  // for the next layer, after this stage
     }
-    const int64_t h0 = g * G, first = b * most_splits_ * H_;
+    const int64_t h0 = g * G, first = split_first_[b] * H_;
     if (bf16_) merge_splits<uint16_t>(part_acc_.data() + first * Dh_, part_ml_.data() + first * 2, n, H_, h0, h0 + G,
                                       Dh_, (uint16_t*)attn_ + b * H_ * Dh_);
     else merge_splits<float>(part_acc_.data() + first * Dh_, part_ml_.data() + first * 2, n, H_, h0, h0 + G, Dh_,
@@ -447,11 +445,10 @@ class DecodeStack {
   int64_t rows_ = 0;
   // this step's inputs (set by run, read by the stages)
   int64_t B_ = 0, max_blocks_ = 0, block_size_ = 0, silu_parts_ = 1;
-  // attention: row b's splits are the stage's tasks [split_first_[b], split_first_[b + 1]); their sums
-  // [B, most_splits_, H, Dh] and (max, sum) [B, most_splits_, H, 2], merged by the last of a (row, KV head)'s splits
-  // to finish
+  // attention: row b's splits are [split_first_[b], split_first_[b + 1]), Hkv tasks each (task = split * Hkv + g);
+  // their sums [splits, H, Dh] and (max, sum) [splits, H, 2], merged by the last of a (row, KV head)'s splits to
+  // finish
   std::vector<int64_t> split_first_;
-  int64_t most_splits_ = 1;
   std::vector<float> part_acc_, part_ml_;
   std::unique_ptr<std::atomic<int64_t>[]> splits_done_;  // [rows_, Hkv]: splits finished this layer, 0 between
   bool rope_in_attention_ = false;
