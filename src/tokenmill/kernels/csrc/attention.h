@@ -261,6 +261,17 @@ inline void attention_bf16(const uint16_t* qh, const uint16_t* cache, const int6
 }
 #endif
 
+// Positions [t0, t1) of a paged context run by run within a block: fn(slot, t, m) for each run of m positions from t,
+// whose slots are slot .. slot + m - 1 (position t's slot is table[t / block_size] * block_size + t % block_size)
+template <typename Fn>
+inline void for_each_run(const int64_t* table, int64_t block_size, int64_t t0, int64_t t1, Fn&& fn) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t off = t % block_size, m = std::min(block_size - off, t1 - t);
+    fn(table[t / block_size] * block_size + off, t, m);
+    t += m;
+  }
+}
+
 // Split s of one new token's attention over its paged context, for one (sequence b, KV head g): the G query heads'
 // softmax over the split's positions and their weighted sum of values. cache: [2, slots, Hkv, Dh] for this layer
 // (keys then values); q: [B, H, Dh]; table: the sequence's block ids; len: its context length. -> acc [G, Dh] (the
@@ -280,12 +291,10 @@ inline void attention_split(const T* q, const T* cache, int64_t slots, const int
   // ~600 positions: attention 1.10-1.15 -> 0.75-0.85 ms a step). Into L1 it did as well there, but pushed the
   // portable path's own rows out at 16 sequences.
   for (int64_t half = 0; half < 2; ++half)
-    for (int64_t t = t0; t < t1;) {  // run by run within a block
-      const int64_t off = t % block_size, m = std::min(block_size - off, t1 - t);
-      const T* row = cache + (half * slots + table[t / block_size] * block_size + off) * kv_stride + g * Dh;
+    for_each_run(table, block_size, t0, t1, [&](int64_t slot, int64_t, int64_t m) {
+      const T* row = cache + (half * slots + slot) * kv_stride + g * Dh;
       for (int64_t i = 0; i < m; ++i, row += kv_stride) prefetch_range_l2(row, Dh * (int64_t)sizeof(T));
-      t += m;
-    }
+    });
 #if TM_ATTN_BF16
   if constexpr (sizeof(T) == 2) {
     if (Dh % 32 == 0) {
@@ -305,25 +314,18 @@ inline void attention_split(const T* q, const T* cache, int64_t slots, const int
   float* scores = qv + G * Dh;    // [G, n]
   float* run = scores + G * n;    // [<= block_size, Dh]: a run's keys or values as float32
   for (int64_t j = 0; j < G * Dh; ++j) qv[j] = load_one(q + (b * H + g * G) * Dh + j) * scale;
-  // run by run within a block: the slot of position t is table[t / block_size] * block_size + t % block_size
-  for (int64_t t = t0; t < t1;) {
-    const int64_t off = t % block_size, m = std::min(block_size - off, t1 - t);
+  for_each_run(table, block_size, t0, t1, [&](int64_t slot, int64_t t, int64_t m) {
     int64_t stride = kv_stride;
-    const float* kb = float_rows(cache + (table[t / block_size] * block_size + off) * kv_stride + g * Dh, m, stride,
-                                 Dh, run);
+    const float* kb = float_rows(cache + slot * kv_stride + g * Dh, m, stride, Dh, run);
     for (int64_t j = 0; j < G; ++j) dot_rows(qv + j * Dh, kb, stride, m, Dh, scores + j * n + t - t0);
-    t += m;
-  }
+  });
   softmax_rows(scores, G, n, ml);
   std::fill(acc, acc + G * Dh, 0.f);
-  for (int64_t t = t0; t < t1;) {
-    const int64_t off = t % block_size, m = std::min(block_size - off, t1 - t);
+  for_each_run(table, block_size, t0, t1, [&](int64_t slot, int64_t t, int64_t m) {
     int64_t stride = kv_stride;
-    const float* vb = float_rows(cache + (slots + table[t / block_size] * block_size + off) * kv_stride + g * Dh, m,
-                                 stride, Dh, run);
+    const float* vb = float_rows(cache + (slots + slot) * kv_stride + g * Dh, m, stride, Dh, run);
     for (int64_t j = 0; j < G; ++j) axpy_run(acc + j * Dh, scores + j * n + t - t0, vb, stride, m, Dh);
-    t += m;
-  }
+  });
 }
 
 // A sequence's n splits of query heads [h0, h1) -> out (T [H, Dh], the sequence's row); acc [n, H, Dh] and
