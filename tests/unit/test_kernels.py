@@ -298,6 +298,26 @@ def test_the_avxvnni_variant_builds_where_the_cpu_lacks_it() -> None:
     assert load("avxvnni").lanes == 8
 
 
+def test_a_build_killed_midway_does_not_hang_the_next_start() -> None:
+    """A build killed by a signal leaves torch's baton (a `lock` file in the build directory) behind; torch's
+    loader then waited for it forever, in every later process, even with the module built. The next start
+    must load the variant and clear the baton."""
+    from tokenmill.kernels.build import build_key, cache_root, load
+    from tokenmill.kernels.isa import LANES
+
+    load("scalar")  # built (or found) here, so the child below only has to load it
+    baton = cache_root() / build_key("scalar") / "lock"
+    baton.touch()  # what a build killed mid-compile leaves
+    code = "from tokenmill.kernels.build import load; print(load('scalar').lanes)"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        baton.unlink(missing_ok=True)
+        pytest.fail("loading a built variant hung on a stale build lock")
+    assert done.returncode == 0 and done.stdout.strip() == str(LANES["scalar"]), done.stderr
+    assert not baton.exists()
+
+
 def test_without_a_compiler_the_pure_torch_path_runs_and_says_so_once(tmp_path: Path) -> None:
     """A machine with no C++ compiler (and nothing cached) still generates, and one stderr line says why."""
     env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TOKENMILL_CACHE_DIR": str(tmp_path / "cache")}

@@ -12,6 +12,8 @@ import hashlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -74,12 +76,36 @@ def load(level: str) -> ModuleType:
 
 
 def _compile(cpp_extension: Any, name: str, level: str, directory: Path) -> ModuleType:
-    return cpp_extension.load(
-        name=name,
-        sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=cflags(level),
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(CSRC)],
-        build_directory=str(directory),
-        verbose=False,
-    )
+    with _build_lock(directory):
+        return cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=cflags(level),
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(directory),
+            verbose=False,
+        )
+
+
+@contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One tokenmill process at a time in `directory`, and no baton left by a build that died.
+
+    torch's `load` takes a baton, a file named `lock` in the build directory, even when nothing needs building,
+    and a process that finds one waits, without a word, until it is gone. A build killed by a signal (SIGTERM,
+    SIGKILL, the OOM killer) never removes it, so every later start hung forever. An flock dies with its
+    process: whoever holds ours is the only one that can be building here, so a baton it finds is stale.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's baton alone
+        yield
+        return
+    with open(directory / "tokenmill.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # another process is building this variant: wait for it
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
