@@ -330,6 +330,20 @@ def test_without_a_compiler_the_pure_torch_path_runs_and_says_so_once(tmp_path: 
     assert "Traceback" not in done.stderr
 
 
+def test_a_cache_folder_that_cannot_be_made_leaves_the_pure_torch_path_and_one_line(tmp_path: Path) -> None:
+    """TOKENMILL_CACHE_DIR (or the home) where no folder can be made: tokenmill still runs, and says why once."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {**os.environ, "TOKENMILL_CACHE_DIR": str(blocker / "cache")}
+    done = subprocess.run([sys.executable, "-m", "tokenmill", "env"], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    lines = dict(line.split(None, 1) for line in done.stdout.splitlines() if line.strip())
+    assert lines["kernels"] == "pure-torch" and "cannot create the kernel cache" in lines["why"]
+    notes = [line for line in done.stderr.splitlines() if "kernel cache" in line]
+    assert len(notes) == 1 and "TOKENMILL_CACHE_DIR" in notes[0], done.stderr
+
+
 def test_a_variant_that_does_not_build_gives_way_to_the_next_lower_one(tmp_path: Path) -> None:
     """A compiler that refuses the best variant's flags (too old for them) leaves the next lower variant running,
     not the pure-torch path, and one stderr line says so."""

@@ -56,7 +56,12 @@ def load(level: str) -> ModuleType:
 
     key = build_key(level)
     directory = cache_root() / key
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only home, a cache path through a file: the caller falls back, in one line
+        raise KernelBuildError(
+            f"cannot create the kernel cache {directory} ({e.strerror}; set TOKENMILL_CACHE_DIR to a writable folder)"
+        ) from e
     name = f"tokenmill_kernels_{key.replace('.', '_').replace('-', '_')}"
     if not any(directory.glob(f"{name}*.so")):
         compiler = os.environ.get("CXX", "c++")
