@@ -158,12 +158,12 @@ inline void softmax_rows(float* scores, int64_t G, int64_t n, float* ml) {
   }
 }
 
-// A split's 2n cache rows (its keys, rows [0, n), then its values, [n, 2n)) asked for into L2 a fixed distance ahead
-// of where the scores and sums read them: until(i) as rows up to i are about to be read. A context's blocks lie anywhere in
-// the cache, where the hardware prefetcher does not follow them. Asked for all at once at the split's start, the
-// rows had the core wait until the last request was on its way before any arithmetic began (Xeon, Qwen2.5-0.5B
-// int4, one sequence, steps alternated with that build: 1.017-1.029x at 512 positions, 1.044x at 2000; 16
-// sequences 0.98-1.03x, noise).
+// A split's 2n cache rows (its keys, rows [0, n), then its values, [n, 2n)) asked for into L2 a fixed distance
+// ahead of where the scores and sums read them: until(i) when the rows before i are about to be read. A context's
+// blocks lie anywhere in the cache, where the hardware prefetcher does not follow them. Asked for all at once at the
+// split's start, the rows had the core wait until the last request was on its way before any arithmetic began
+// (Xeon, Qwen2.5-0.5B int4, one sequence, steps alternated with that build: 1.015-1.029x at 512 positions, 1.044x
+// at 2000; 16 sequences 0.97-1.03x, noise).
 constexpr int64_t kAskAhead = 32;  // positions
 
 template <typename RowAt>
@@ -329,8 +329,7 @@ inline void attention_split(const T* q, const T* cache, int64_t slots, const int
   float* qv = scratch;            // [G, Dh]
   float* scores = qv + G * Dh;    // [G, n]
   float* run = scores + G * n;    // [<= block_size, Dh]: a run's keys or values as float32
-  // this head's keys and values ahead of the runs that read them (into L1 it did as well at one sequence, but
-  // pushed the rows out at 16)
+  // this head's keys and values, asked for ahead of the runs that read them
   RowAsker ask{[&](int64_t i) {
                  const int64_t half = i >= n, t = t0 + i - half * n;
                  const int64_t slot = table[t / block_size] * block_size + t % block_size;
