@@ -318,6 +318,24 @@ def test_a_build_killed_midway_does_not_hang_the_next_start() -> None:
     assert not baton.exists()
 
 
+def test_two_installs_of_the_same_sources_build_in_folders_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch writes the sources' paths into a build folder's build.ninja, so two installs of the same sources (two
+    venvs, a clone beside a wheel) that shared a folder recompiled there each time the other had loaded. Each
+    source folder gets its own build; the same folder keeps its key."""
+    import shutil
+
+    from tokenmill.kernels import build
+
+    here = build.build_key("scalar")
+    assert build.build_key("scalar") == here
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    monkeypatch.setattr(build, "CSRC", copy)
+    assert build.build_key("scalar") != here
+
+
 def test_without_a_compiler_the_pure_torch_path_runs_and_says_so_once(tmp_path: Path) -> None:
     """A machine with no C++ compiler (and nothing cached) still generates, and one stderr line says why."""
     env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "TOKENMILL_CACHE_DIR": str(tmp_path / "cache")}

@@ -1,9 +1,9 @@
 """Compile the C++ kernels for one ISA variant with torch.utils.cpp_extension, once, and cache the result.
 
-The cache key holds the torch version, the variant and a hash of the sources and flags, so a build for
-AVX-512 is never loaded on an AVX2 machine and an edited source is rebuilt. Builds go to
-`$TOKENMILL_CACHE_DIR` (default `~/.cache/tokenmill`)/kernels/<key>; the first build of a variant takes
-about a minute on two cores, later loads are instant.
+The cache key holds the torch version, the variant and a hash of the sources, their folder and the flags, so a
+build for AVX-512 is never loaded on an AVX2 machine, an edited source is rebuilt, and two installs never rebuild
+each other's. Builds go to `$TOKENMILL_CACHE_DIR` (default `~/.cache/tokenmill`)/kernels/<key>; the first build of
+a variant takes about a minute on two cores, later loads are instant.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def build_key(level: str) -> str:
     import torch
 
     digest = hashlib.sha256()
+    # the sources' folder too: torch writes their paths into the folder's build.ninja, so two installs of the same
+    # sources (two venvs, a clone beside a wheel) sharing one folder recompiled each time the other had loaded
+    digest.update(str(CSRC.resolve()).encode())
     for path in sorted(CSRC.iterdir()):  # every source and header: an edit to any of them is a new build
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(" ".join(cflags(level)).encode())
