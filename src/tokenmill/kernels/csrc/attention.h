@@ -123,6 +123,17 @@ inline int64_t num_splits(int64_t len, int64_t window) {
   return std::max<int64_t>(1, (n_ctx + kSplit - 1) / kSplit);
 }
 
+// B sequences' splits numbered in sequence order: sequence b's are [first[b], first[b + 1]) (first: B + 1 entries)
+inline void split_offsets(const int64_t* len, int64_t B, int64_t window, std::vector<int64_t>& first) {
+  first.resize(B + 1), first[0] = 0;
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + num_splits(len[b], window);
+}
+
+// the sequence that split `split` belongs to, in split_offsets' numbering
+inline int64_t split_owner(const std::vector<int64_t>& first, int64_t split) {
+  return std::upper_bound(first.begin(), first.end(), split) - first.begin() - 1;
+}
+
 // floats of scratch attention_split needs for G query heads of Dh (blocks of block_size)
 inline int64_t attention_scratch(int64_t G, int64_t Dh, int64_t block_size) {
   const int64_t n = kSplit;

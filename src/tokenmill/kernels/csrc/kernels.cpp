@@ -191,8 +191,8 @@ void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const in
                            const int64_t* len, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size,
                            float scale, int64_t window, uintptr_t out) {
   const int64_t G = H / Hkv;
-  std::vector<int64_t> first(B + 1, 0);  // sequence b's splits are [first[b], first[b + 1]), Hkv tasks each
-  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + num_splits(len[b], window);
+  std::vector<int64_t> first;  // sequence b's splits are [first[b], first[b + 1]), Hkv tasks each
+  split_offsets(len, B, window, first);
   // each split's sums and (max, sum): [splits, H, Dh] and [splits, H, 2], every element written before it is read
   std::unique_ptr<float[]> acc(new float[first[B] * H * Dh]), ml(new float[first[B] * H * 2]);
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kSplit * G * Dh));  // see linear
@@ -200,7 +200,7 @@ void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const in
     std::vector<float> scratch(attention_scratch(G, Dh, block_size));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task / Hkv, g = task % Hkv, at = split * H + g * G;
-      const int64_t b = std::upper_bound(first.begin(), first.end(), split) - first.begin() - 1, s = split - first[b];
+      const int64_t b = split_owner(first, split), s = split - first[b];
       attention_split<T>((const T*)q, (const T*)cache, slots, tab + b * max_blocks, len[b], window, b, g, s, H, Hkv, Dh,
                          block_size, scale, acc.get() + at * Dh, ml.get() + at * 2, scratch.data());
     }

@@ -194,8 +194,7 @@ class DecodeStack {
     // fewer rows than threads: each row's SiLU in parts of whole quantization blocks, one thread each
     silu_parts_ = B < threads_ ? std::max<int64_t>(1, std::min<int64_t>(threads_, I_ / QK)) : 1;
     // attention: each row's splits (attention.h), one task each
-    split_first_.resize(B + 1), split_first_[0] = 0;
-    for (int64_t b = 0; b < B; ++b) split_first_[b + 1] = split_first_[b] + num_splits(lens_[b], 0);
+    split_offsets(lens_, B, 0, split_first_);
     part_acc_.resize(split_first_[B] * H_ * Dh_), part_ml_.resize(split_first_[B] * H_ * 2);
     // one row in one split: each attention task ropes and writes its own KV head first, where the rope stage would
     // (rope_and_write rotates q and k in place, so several splits of a KV head would each rotate them again; and the
@@ -358,8 +357,7 @@ class DecodeStack {
   // (b, g) splits to finish merges them into attn_ (and readies those columns for the o projection)
   void attention(int64_t l, int64_t task) {
     const int64_t split = task / Hkv_, g = task % Hkv_, G = H_ / Hkv_;
-    const int64_t b = std::upper_bound(split_first_.begin(), split_first_.begin() + B_ + 1, split) -
-                      split_first_.begin() - 1;
+    const int64_t b = split_owner(split_first_, split);
     const int64_t s = split - split_first_[b], n = split_first_[b + 1] - split_first_[b];
     if (rope_in_attention_) rope_and_write(l, b, g);  // one row, one split: see step
     thread_local std::vector<float> scratch;
