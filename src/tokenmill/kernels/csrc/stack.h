@@ -146,8 +146,9 @@ class DecodeStack {
   }
 
   // Greedy decoding, as a draft model proposes: R drafts per row at most. First the catch-up: n0 one-token rows,
-  // feed_tok[i] for row feed_seq[i] (each row's tables row), and each row b's first draft is the argmax (the first,
-  // as torch.argmax) at its feed row feed_last[b]. Then R - 1 chain rounds: round r embeds tokens[b, r] for the
+  // feed_tok[i] for row feed_seq[i] (each row's tables row), and each row b's first draft is the argmax (as
+  // torch.argmax takes it: the first NaN, else the first maximum; found by the head's chunks, as in run) at its
+  // feed row feed_last[b]. Then R - 1 chain rounds: round r embeds tokens[b, r] for the
   // rows b < active[r] (rows sorted by their draft count, most first) and writes the argmax to tokens[b, r + 1].
   // embed [V, D] the embedding table (model dtype); tokens [B, R] int64; cos, sin [n0 + (R - 1) B, Dh] and
   // slots, lens [n0 + (R - 1) B] int64: the feed rows', then round r's at n0 + r B; tables [B, max_blocks];
@@ -168,15 +169,19 @@ class DecodeStack {
     embed_rows(n0, [&](int64_t i) { return ((const int64_t*)feed_tok)[i]; });
     for (int64_t i = 0; i < n0; ++i)
       std::memcpy(&feed_tables[i * max_blocks], (const int64_t*)tables + seq[i] * max_blocks, max_blocks * 8);
+    // each row's argmax, and for a bf16 model the float32 logits it is taken over
+    std::vector<int64_t> best(std::max(n0, B));
+    draft32_.resize(bf16_ ? best.size() * V : 0);
+    const uintptr_t logits32 = bf16_ ? (uintptr_t)draft32_.data() : 0;
     run((uintptr_t)x.data(), cos, sin, slots, (uintptr_t)feed_tables.data(), max_blocks, lens, n0, block_size, out,
-        logits);
-    for (int64_t b = 0; b < B; ++b) tok[b * R] = argmax_row(logits_ + ((const int64_t*)feed_last)[b] * V * e_, V);
+        logits, logits32, (uintptr_t)best.data());
+    for (int64_t b = 0; b < B; ++b) tok[b * R] = best[((const int64_t*)feed_last)[b]];
     for (int64_t r = 0; r + 1 < R && rows[r] > 0; ++r) {
       const int64_t n = rows[r], at = n0 + r * B;
       embed_rows(n, [&](int64_t b) { return tok[b * R + r]; });
       run((uintptr_t)x.data(), cos + at * rope_bytes, sin + at * rope_bytes, slots + at * 8, tables, max_blocks,
-          lens + at * 8, n, block_size, out, logits);
-      for (int64_t b = 0; b < n; ++b) tok[b * R + r + 1] = argmax_row(logits_ + b * V * e_, V);
+          lens + at * 8, n, block_size, out, logits, logits32, (uintptr_t)best.data());
+      for (int64_t b = 0; b < n; ++b) tok[b * R + r + 1] = best[b];
     }
   }
 
@@ -221,22 +226,6 @@ class DecodeStack {
       marks_.push_back(std::move(marks));
     }
     if (argmax_) pick_winners();
-  }
-
-  int64_t argmax_row(const char* row, int64_t V) const {
-    int64_t best = 0;
-    float top = -INFINITY;
-    for (int64_t v = 0; v < V; ++v) {
-      float f;
-      if (bf16_) {
-        const uint32_t bits = (uint32_t)((const uint16_t*)row)[v] << 16;
-        std::memcpy(&f, &bits, 4);
-      } else {
-        f = ((const float*)row)[v];
-      }
-      if (f > top) top = f, best = v;
-    }
-    return best;
   }
 
   // the head's chunk c of bf16 logits (its output panels' columns, every row) -> logits32_
@@ -457,6 +446,7 @@ class DecodeStack {
   int64_t* argmax_ = nullptr;
   int64_t head_chunks_ = 0;
   std::vector<int64_t> winners_;  // [B, head_chunks_]: each chunk's argmax per row
+  std::vector<float> draft32_;    // run_greedy: a bf16 model's logits as float32 [rows, V]
   std::vector<char> rope_;  // run_ids: cos and sin [B, Dh] (model dtype)
   LinearSpec head_{};
   bool profiling_ = false;
