@@ -20,6 +20,7 @@
 #include "dense.h"
 #include "fused.h"
 #include "gemm.h"
+#include "head.h"
 #include "prefill_attention.h"
 #include "qdot.h"
 

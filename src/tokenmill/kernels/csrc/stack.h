@@ -73,8 +73,8 @@ class DecodeStack {
     pool_.set_stage(base + kStagesPerLayer, [this](int64_t b) { final_norm(b); });
     pool_.set_stage(base + kStagesPerLayer + 1, [this](int64_t c) {
       panels(head_, c, logits_, out_, D_);
-      if (logits32_) widen_logits(c);
-      if (argmax_) chunk_argmax(c);
+      const auto [begin, end] = chunk_panels(head_, c);
+      head_out_.chunk(c, begin * P, std::min(head_[2], end * P));
     });
   }
 
@@ -89,11 +89,8 @@ class DecodeStack {
   // x [B, D] the embedded tokens; cos, sin [B, Dh]; slot [B] each new token's cache slot; tables [B, max_blocks]
   // and lens [B] the paged context (int64) -> out [B, D], the final norm's output, and logits [B, V] (the head's
   // output, in the model dtype) when `logits` is not 0; for a bf16 model, those logits also as float32 in
-  // logits32 [B, V] when it is not 0 (the sampler's input, widened chunk by chunk while in cache: a torch
-  // conversion afterwards woke its OpenMP threads for ~0.1 ms a step). With `argmax` (int64 [B]) and float32
-  // logits (the model's, or logits32), also each row's argmax as torch.argmax takes it over those: each chunk of
-  // the head finds its own columns' while they are in cache, and the chunks' winners are compared at the end (a
-  // separate pass over [16, 151936] logits was ~0.6 ms of a 16-row step, Xeon).
+  // logits32 [B, V] when it is not 0; with `argmax` (int64 [B]) and float32 logits (the model's, or logits32), also
+  // each row's argmax over those (head.h).
   void run(uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t slot, uintptr_t tables, int64_t max_blocks,
            uintptr_t lens, int64_t B, int64_t block_size, uintptr_t out, uintptr_t logits, uintptr_t logits32 = 0,
            uintptr_t argmax = 0) {
@@ -192,10 +189,8 @@ class DecodeStack {
     B_ = B, cos_ = (const char*)cos, sin_ = (const char*)sin, slot_ = (const int64_t*)slot;
     tables_ = (const int64_t*)tables, max_blocks_ = max_blocks, lens_ = (const int64_t*)lens;
     block_size_ = block_size, out_ = (char*)out, logits_ = (char*)logits;
-    logits32_ = bf16_ && logits ? (float*)logits32 : nullptr;
-    argmax_ = logits && (!bf16_ || logits32_) ? (int64_t*)argmax : nullptr;
-    head_chunks_ = logits ? chunks(head_) : 0;
-    if (argmax_) winners_.resize(B * head_chunks_);
+    const int64_t head_chunks = logits ? chunks(head_) : 0;
+    head_out_.begin(B, head_[2], bf16_, logits_, (float*)logits32, logits ? (int64_t*)argmax : nullptr, head_chunks);
     // fewer rows than threads: each row's SiLU in parts of whole quantization blocks, one thread each
     silu_parts_ = B < threads_ ? std::max<int64_t>(1, std::min<int64_t>(threads_, I_ / QK)) : 1;
     // attention: each row's splits (attention.h), one task each
@@ -215,7 +210,7 @@ class DecodeStack {
       for (int i = 0; i < kStagesPerLayer; ++i) pool_.set_chunks(base + i, counts[i]);
     }
     pool_.set_chunks(L * kStagesPerLayer, B);
-    pool_.set_chunks(L * kStagesPerLayer + 1, head_chunks_);
+    pool_.set_chunks(L * kStagesPerLayer + 1, head_chunks);
     const int64_t count = L * kStagesPerLayer + (logits_ ? 2 : 1);
     if (!profiling_) {
       pool_.run(count);
@@ -225,47 +220,7 @@ class DecodeStack {
       for (int64_t i = count; i >= 0; --i) marks[i] -= marks[0];
       marks_.push_back(std::move(marks));
     }
-    if (argmax_) pick_winners();
-  }
-
-  // the head's chunk c of bf16 logits (its output panels' columns, every row) -> logits32_
-  void widen_logits(int64_t c) {
-    const int64_t V = head_[2];
-    const auto [begin, end] = chunk_panels(head_, c);
-    const int64_t n1 = std::min(V, end * P);
-    for (int64_t b = 0; b < B_; ++b) {
-      const uint16_t* src = (const uint16_t*)logits_ + b * V;
-      float* dst = logits32_ + b * V;
-      int64_t n = begin * P;
-      for (; n + W <= n1; n += W) store(dst + n, load_bf16(src + n));
-      for (; n < n1; ++n) dst[n] = load_one(src + n);
-    }
-  }
-
-  // the float32 logits the argmax is taken over: [B, V]
-  const float* logits_f32() const { return logits32_ ? logits32_ : (const float*)logits_; }
-
-  // each row's argmax over the head's chunk c of columns (the first NaN, else the first maximum) -> winners_
-  void chunk_argmax(int64_t c) {
-    const int64_t V = head_[2];
-    const auto [begin, end] = chunk_panels(head_, c);
-    const int64_t n0 = begin * P, n1 = std::min(V, end * P);
-    for (int64_t b = 0; b < B_; ++b)
-      winners_[b * head_chunks_ + c] = n0 + tmk::argmax_row(logits_f32() + b * V + n0, n1 - n0);
-  }
-
-  // the chunks' winners, in column order -> argmax_: a NaN ends the search (it is the row's first), else a later
-  // chunk wins only with a larger value (equal maxima: the first)
-  void pick_winners() {
-    const int64_t V = head_[2];
-    for (int64_t b = 0; b < B_; ++b) {
-      const float* row = logits_f32() + b * V;
-      const int64_t* won = winners_.data() + b * head_chunks_;
-      int64_t best = won[0];
-      for (int64_t c = 1; c < head_chunks_ && row[best] == row[best]; ++c)
-        if (row[won[c]] != row[won[c]] || row[won[c]] > row[best]) best = won[c];
-      argmax_[b] = best;
-    }
+    head_out_.finish();
   }
 
   Act act(char* base, int64_t row, int64_t width) const { return Act{base + row * width * e_, bf16_}; }
@@ -442,10 +397,7 @@ class DecodeStack {
   const char *cos_ = nullptr, *sin_ = nullptr;
   const int64_t *slot_ = nullptr, *tables_ = nullptr, *lens_ = nullptr;
   char *out_ = nullptr, *logits_ = nullptr;
-  float* logits32_ = nullptr;
-  int64_t* argmax_ = nullptr;
-  int64_t head_chunks_ = 0;
-  std::vector<int64_t> winners_;  // [B, head_chunks_]: each chunk's argmax per row
+  HeadOutputs head_out_;  // the head's float32 logits and argmax
   std::vector<float> draft32_;    // run_greedy: a bf16 model's logits as float32 [rows, V]
   std::vector<char> rope_;  // run_ids: cos and sin [B, Dh] (model dtype)
   LinearSpec head_{};
