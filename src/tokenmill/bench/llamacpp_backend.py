@@ -41,6 +41,63 @@ def _import_llama() -> Any:
     return Llama
 
 
+class _Greedy:
+    """Greedy generation on llama.cpp's raw context (llama-cpp-python's own handle): the prompt in batches of
+    n_batch, then one token at a time, each from an empty KV cache (no prefix reuse: from position 0)."""
+
+    def __init__(self, llm: Any, n_batch: int, ignore_eos: bool) -> None:
+        import llama_cpp as lc
+
+        self.lc, self.ctx, self.n_batch = lc, llm._ctx.ctx, n_batch
+        self.eos, self.ignore_eos = llm.token_eos(), ignore_eos
+        self.sampler = lc.llama_sampler_init_greedy()
+
+    def _decode(self, ids: list[int]) -> None:
+        lc = self.lc
+        for i in range(0, len(ids), self.n_batch):
+            chunk = ids[i : i + self.n_batch]
+            tokens = (lc.llama_token * len(chunk))(*chunk)  # alive until llama_decode has read it
+            status = lc.llama_decode(self.ctx, lc.llama_batch_get_one(tokens, len(chunk)))
+            if status != 0:
+                raise RuntimeError(f"llama_decode returned {status}")
+
+    def generate(self, ids: list[int], n: int) -> tuple[list[int], float | None]:
+        """Up to n tokens after `ids` (fewer at EOS unless ignore_eos), and when the first was sampled."""
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        out: list[int] = []
+        first: float | None = None
+        if n <= 0:
+            return out, first
+        self._decode(ids)
+        while len(out) < n:
+            tok = self.lc.llama_sampler_sample(self.sampler, self.ctx, -1)
+            if first is None:
+                first = time.perf_counter()
+            if tok == self.eos and not self.ignore_eos:
+                break
+            out.append(tok)
+            if len(out) < n:
+                self._decode([tok])
+        return out, first
+
+    def timed(self, llm: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
+        """One prompt's run: its tokens, text, TTFT and generation time."""
+        t0 = time.perf_counter()
+        out, first = self.generate(ids, max_tokens)
+        elapsed = time.perf_counter() - t0
+        return {
+            "prompt_tokens": len(ids),
+            "ttft_ms": ((first if first is not None else time.perf_counter()) - t0) * 1000,
+            "generate_time_s": elapsed,
+            "completion_tokens": len(out),
+            "token_ids": out,
+            "text": llm.detokenize(out).decode("utf-8", errors="replace"),
+        }
+
+    def close(self) -> None:
+        self.lc.llama_sampler_free(self.sampler)
+
+
 def run_llamacpp(
     gguf_path: Path,
     prompts: list[str] | list[list[int]],
@@ -70,68 +127,27 @@ def run_llamacpp(
         n_threads_batch=threads, verbose=False,
     )  # fmt: skip
     load_time = time.perf_counter() - start
-    eos = llm.token_eos()
     token_prompts = [
         list(p) if not isinstance(p, str) else llm.tokenize(p.encode("utf-8"), add_bos=True, special=True)
         for p in prompts
     ]
-
-    import llama_cpp as lc
-
-    ctx, n_batch = llm._ctx.ctx, min(512, n_ctx)  # the raw llama_context (llama-cpp-python's own handle)
-    greedy = lc.llama_sampler_init_greedy()
-
-    def decode(ids: list[int]) -> None:
-        for i in range(0, len(ids), n_batch):
-            chunk = ids[i : i + n_batch]
-            tokens = (lc.llama_token * len(chunk))(*chunk)  # alive until llama_decode has read it
-            status = lc.llama_decode(ctx, lc.llama_batch_get_one(tokens, len(chunk)))
-            if status != 0:
-                raise RuntimeError(f"llama_decode returned {status}")
-
-    def generate(ids: list[int], n: int) -> tuple[list[int], float | None]:
-        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)  # no prefix reuse: from position 0
-        out: list[int] = []
-        first: float | None = None
-        if n <= 0:
-            return out, first
-        decode(ids)
-        while len(out) < n:
-            tok = lc.llama_sampler_sample(greedy, ctx, -1)
-            if first is None:
-                first = time.perf_counter()
-            if tok == eos and not ignore_eos:
-                break
-            out.append(tok)
-            if len(out) < n:
-                decode([tok])
-        return out, first
-
-    warmup_s = 0.0
-    if warmup and token_prompts and max_tokens > 0:
-        t0 = time.perf_counter()
-        generate(token_prompts[0][:8] or [eos], 2)
-        warmup_s = time.perf_counter() - t0
-    runs = []
     for ids in token_prompts:
         if len(ids) + max_tokens > n_ctx:
             raise ValueError(f"prompt of {len(ids)} tokens + {max_tokens} new tokens exceeds n_ctx={n_ctx}")
-        t0 = time.perf_counter()
-        out, first = generate(ids, max_tokens)
-        elapsed = time.perf_counter() - t0
-        runs.append({
-            "prompt_tokens": len(ids),
-            "ttft_ms": ((first if first is not None else time.perf_counter()) - t0) * 1000,
-            "generate_time_s": elapsed,
-            "completion_tokens": len(out),
-            "token_ids": out,
-            "text": llm.detokenize(out).decode("utf-8", errors="replace"),
-        })  # fmt: skip
+    greedy = _Greedy(llm, min(512, n_ctx), ignore_eos)
+    try:
+        warmup_s = 0.0
+        if warmup and token_prompts and max_tokens > 0:
+            t0 = time.perf_counter()
+            greedy.generate(token_prompts[0][:8] or [greedy.eos], 2)
+            warmup_s = time.perf_counter() - t0
+        runs = [greedy.timed(llm, ids, max_tokens) for ids in token_prompts]
+    finally:
+        greedy.close()
+        if hasattr(llm, "close"):
+            llm.close()
     total_tokens = sum(r["completion_tokens"] for r in runs)
     total_time = sum(r["generate_time_s"] for r in runs)
-    lc.llama_sampler_free(greedy)
-    if hasattr(llm, "close"):
-        llm.close()
     return {
         "load_time_s": load_time,
         "warmup_s": warmup_s,
