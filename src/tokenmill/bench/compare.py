@@ -213,10 +213,30 @@ def run_compare(args: argparse.Namespace) -> Path:
         "threads": args.threads,
         "n_ctx": args.prompt_tokens + args.max_tokens + 8,
     }
+    raw, results = _run_rounds(args, parsed, model, spec, run.path)
+    rows = [_summarize_rounds(backend, rs) for backend, rs in results.items()]
+    _add_agreement(rows, raw, backends[0])
+    config["read_bandwidth_gb_per_sec"] = read_bandwidth_gb_s()
+    run.save_raw(raw)
+    run.save_summary(rows)
+    _plot(run, rows)
+    report = _report(rows, config, run.manifest["command"])
+    print(report)
+    best = max((float(r.get("tokens_per_second", 0.0)) for r in rows if r["backend"] == backends[0]), default=0.0)
+    return run.finish(report, (f"{backends[0]} tok/s", best, "tok/s"), model, ",".join(backends))
+
+
+def _run_rounds(
+    args: argparse.Namespace, parsed: list[tuple[str, str | None]], model: str, spec: dict[str, Any], out: Path
+) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """Every backend once per round, in turn (the host's drift hits them alike), each in a worker of its own: the
+    runs of every prompt, flat ([{backend, round, prompt, ...}]), and each backend's worker results by round. A
+    backend that failed once (its GGUF export or a worker) is not run again."""
+    gguf_model = model.lower().endswith(".gguf")
     raw: list[dict[str, Any]] = []
     results: dict[str, list[dict[str, Any]]] = {label(n, v): [] for n, v in parsed}
     ggufs: dict[str, str] = {}
-    for rnd in range(args.rounds):  # every backend once per round, in turn: the host's drift hits them alike
+    for rnd in range(args.rounds):
         for name, variant in parsed:
             backend = label(name, variant)
             if name == "llama.cpp" and backend not in ggufs:
@@ -224,7 +244,7 @@ def run_compare(args: argparse.Namespace) -> Path:
                     if gguf_model or args.gguf:
                         ggufs[backend] = model if gguf_model else args.gguf
                     else:
-                        ggufs[backend] = str(_export(model, run.path / f"model-{variant}.gguf", str(variant)))
+                        ggufs[backend] = str(_export(model, out / f"model-{variant}.gguf", str(variant)))
                 except Exception as e:
                     results[backend].append({"status": "error", "error": f"GGUF export failed: {e}"})
                     continue
@@ -234,25 +254,21 @@ def run_compare(args: argparse.Namespace) -> Path:
             spec["engine"] = {"quantization": variant} if name == "tokenmill" and variant else {}
             tag = backend.replace(" ", "-") + (f"-round{rnd + 1}" if args.rounds > 1 else "")
             with progress(f"bench compare: {backend}" + (f" (round {rnd + 1})" if args.rounds > 1 else "")):
-                result = _run_worker(name, model, spec, run.path / "raw", args.timeout, tag=tag)
+                result = _run_worker(name, model, spec, out / "raw", args.timeout, tag=tag)
             raw += [{"backend": backend, "round": rnd, "prompt": i, **r} for i, r in enumerate(result.get("runs", []))]
             results[backend].append(result)
             print(f"{backend}: {result.get('status')}", file=sys.stderr)
-    rows = [_summarize_rounds(backend, rs) for backend, rs in results.items()]
-    reference = next((r for r in raw if r["backend"] == backends[0] and r["prompt"] == 0), None)
+    return raw, results
+
+
+def _add_agreement(rows: list[dict[str, Any]], raw: list[dict[str, Any]], first: str) -> None:
+    """Each row's share of greedy tokens equal to the first backend's, on the first prompt of the first round."""
+    reference = next((r for r in raw if r["backend"] == first and r["prompt"] == 0), None)
     for row in rows:
         mine = next((r for r in raw if r["backend"] == row["backend"] and r["prompt"] == 0 and r["round"] == 0), None)
         if reference and mine:
             same = sum(a == b for a, b in zip(reference["token_ids"], mine["token_ids"]))
             row["greedy_agreement_with_first"] = same / max(len(reference["token_ids"]), 1)
-    config["read_bandwidth_gb_per_sec"] = read_bandwidth_gb_s()
-    run.save_raw(raw)
-    run.save_summary(rows)
-    _plot(run, rows)
-    report = _report(rows, config, run.manifest["command"])
-    print(report)
-    best = max((float(r.get("tokens_per_second", 0.0)) for r in rows if r["backend"] == backends[0]), default=0.0)
-    return run.finish(report, (f"{backends[0]} tok/s", best, "tok/s"), model, ",".join(backends))
 
 
 def _export(model: str, out: Path, gguf_dtype: str) -> Path:
