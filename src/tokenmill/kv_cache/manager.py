@@ -100,34 +100,13 @@ class KVCacheManager:
         `new_computed_blocks` (from `get_computed_blocks`, only for a request with no blocks yet) start the table
         and are already counted in `num_computed_tokens`.
         """
-        bs = self.block_size
         num_tokens = num_computed_tokens + num_new_tokens
-        if num_computed_tokens < 0 or num_new_tokens < 0 or num_lookahead_tokens < 0:
-            raise ValueError(
-                f"token counts must be >= 0, got num_computed_tokens={num_computed_tokens}, "
-                f"num_new_tokens={num_new_tokens}, num_lookahead_tokens={num_lookahead_tokens}"
-            )
-        if len(token_ids) < num_tokens:
-            raise ValueError(f"request {request_id!r}: {len(token_ids)} token ids given, {num_tokens} to allocate")
         req = self._requests.get(request_id)
         old_block_ids = req.block_ids if req is not None else []
         old_hashes = req.block_hashes if req is not None else []
-        if new_computed_blocks:
-            if old_block_ids:
-                raise ValueError(f"request {request_id!r} already has blocks; new_computed_blocks is for new requests")
-            if not self.enable_prefix_caching:
-                raise ValueError("new_computed_blocks given but prefix caching is disabled")
-            if len(new_computed_blocks) * bs > num_computed_tokens:
-                raise ValueError(
-                    f"{len(new_computed_blocks)} computed blocks cover {len(new_computed_blocks) * bs} tokens, "
-                    f"more than num_computed_tokens={num_computed_tokens}"
-                )
+        self._check_allocation(request_id, len(token_ids), num_computed_tokens, num_new_tokens, new_computed_blocks,
+                               num_lookahead_tokens, len(old_block_ids))  # fmt: skip
         num_table_blocks = len(old_block_ids) + len(new_computed_blocks)
-        if num_computed_tokens > num_table_blocks * bs:
-            raise ValueError(
-                f"request {request_id!r}: num_computed_tokens={num_computed_tokens} but its blocks hold only "
-                f"{num_table_blocks * bs} tokens"
-            )
 
         # Hash first (no side effects) so a stale or wrong new_computed_blocks fails before anything changes.
         new_hashes = self._hash_new_full_blocks(old_hashes, token_ids, num_tokens)
@@ -153,6 +132,44 @@ class KVCacheManager:
         req.block_hashes.extend(new_hashes)
         req.num_tokens = max(req.num_tokens, num_tokens)
         return True
+
+    def _check_allocation(
+        self,
+        request_id: str,
+        num_token_ids: int,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int],
+        num_lookahead_tokens: int,
+        num_old_blocks: int,
+    ) -> None:
+        """allocate_slots' arguments, checked against each other and the request's table before anything changes:
+        a ValueError naming what is wrong."""
+        bs = self.block_size
+        num_tokens = num_computed_tokens + num_new_tokens
+        if num_computed_tokens < 0 or num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError(
+                f"token counts must be >= 0, got num_computed_tokens={num_computed_tokens}, "
+                f"num_new_tokens={num_new_tokens}, num_lookahead_tokens={num_lookahead_tokens}"
+            )
+        if num_token_ids < num_tokens:
+            raise ValueError(f"request {request_id!r}: {num_token_ids} token ids given, {num_tokens} to allocate")
+        if new_computed_blocks:
+            if num_old_blocks:
+                raise ValueError(f"request {request_id!r} already has blocks; new_computed_blocks is for new requests")
+            if not self.enable_prefix_caching:
+                raise ValueError("new_computed_blocks given but prefix caching is disabled")
+            if len(new_computed_blocks) * bs > num_computed_tokens:
+                raise ValueError(
+                    f"{len(new_computed_blocks)} computed blocks cover {len(new_computed_blocks) * bs} tokens, "
+                    f"more than num_computed_tokens={num_computed_tokens}"
+                )
+        num_table_blocks = num_old_blocks + len(new_computed_blocks)
+        if num_computed_tokens > num_table_blocks * bs:
+            raise ValueError(
+                f"request {request_id!r}: num_computed_tokens={num_computed_tokens} but its blocks hold only "
+                f"{num_table_blocks * bs} tokens"
+            )
 
     def fork(self, src_id: str, dst_id: str, num_tokens: int) -> int:
         """Share src's full blocks covering its first `num_tokens` tokens with dst (which has no blocks yet),
