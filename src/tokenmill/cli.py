@@ -96,7 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tokenmill", description="A fast, exact, readable LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    _generate_args(sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal"))
+    _serve_args(sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API"))
+
+    from tokenmill.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, _engine_args)
+
+    env = sub.add_parser("env", help="print the CPU, its ISA, which kernel path runs and why, and torch's threads")
+    env.add_argument("--bandwidth", action="store_true", help="also measure the memory read bandwidth (seconds)")
+
+    _make_model_args(sub.add_parser("make-model", help="write a random-weight checkpoint at a real model's shape"))
+    return parser
+
+
+def _generate_args(gen: argparse.ArgumentParser) -> None:
+    """`tokenmill generate`'s flags."""
     _engine_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
@@ -110,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
-    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+
+def _serve_args(srv: argparse.ArgumentParser) -> None:
+    """`tokenmill serve`'s flags."""
     _engine_args(srv)
     srv.add_argument("--seed", type=int, default=0, help="seed for requests that bring none")
     srv.add_argument("--host", default="127.0.0.1")
@@ -150,14 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
-    from tokenmill.bench.cli import add_bench_parser
 
-    add_bench_parser(sub, _engine_args)
-
-    env = sub.add_parser("env", help="print the CPU, its ISA, which kernel path runs and why, and torch's threads")
-    env.add_argument("--bandwidth", action="store_true", help="also measure the memory read bandwidth (seconds)")
-
-    mk = sub.add_parser("make-model", help="write a random-weight checkpoint at a real model's shape")
+def _make_model_args(mk: argparse.ArgumentParser) -> None:
+    """`tokenmill make-model`'s flags."""
     from tokenmill.make_model import SHAPES
 
     mk.add_argument(
@@ -172,7 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--out", required=True)
     mk.add_argument("--dtype", choices=[d for d in DTYPES if d != "auto"], default="bfloat16")
     mk.add_argument("--seed", type=int, default=0)
-    return parser
 
 
 class _FamilyNames:
