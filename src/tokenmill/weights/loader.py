@@ -125,21 +125,14 @@ def load_weights(
     tied_head: PackedWeight | None = None
     embedding = _embedding_name(model)
     for hf_name, tensor, where in tensors:
-        if model.hf_skipped_prefixes and hf_name.startswith(model.hf_skipped_prefixes):
+        renamed = _model_name(model, hf_name)
+        if renamed is None:
             continue
-        hf_name = next((new + hf_name[len(old) :] for old, new in model.hf_renames if hf_name.startswith(old)), hf_name)
-        if hf_name.endswith(model.hf_ignored) or (cfg.tie_word_embeddings and hf_name == "lm_head.weight"):
-            continue
+        hf_name = renamed
         if hf_layout and hf_name.endswith(model.hf_transposed) and isinstance(tensor, torch.Tensor):
             tensor = tensor.t()  # [in, out] -> [out, in]
         name, fused, shard = _map_name(hf_name)
-        if name not in params:
-            raise ModelLoadError(
-                f"unexpected tensor {hf_name!r} in {where}: {cfg.architecture} has no such weight "
-                f"(is {config_source} from a different model?)"
-            )
-        param = params[name]
-        expected = tuple(param.shape) if fused is None else (shard_sizes[fused][shard], *param.shape[1:])
+        expected = _expected_shape(params, shard_sizes, cfg.architecture, hf_name, where, config_source)
         if tuple(tensor.shape) != expected:
             raise ModelLoadError(
                 f"tensor {hf_name!r} in {where} has shape {list(tensor.shape)}, "
@@ -172,6 +165,37 @@ def load_weights(
         if isinstance(module, RotaryEmbedding):
             module.materialize(device)
     return model.eval()
+
+
+def _model_name(model: CausalLM, hf_name: str) -> str | None:
+    """A checkpoint tensor's name as the model knows it (the family's renames applied), or None for one it skips:
+    its skipped prefixes and ignored suffixes, and a tied model's lm_head.weight."""
+    if model.hf_skipped_prefixes and hf_name.startswith(model.hf_skipped_prefixes):
+        return None
+    hf_name = next((new + hf_name[len(old) :] for old, new in model.hf_renames if hf_name.startswith(old)), hf_name)
+    if hf_name.endswith(model.hf_ignored) or (model.config.tie_word_embeddings and hf_name == "lm_head.weight"):
+        return None
+    return hf_name
+
+
+def _expected_shape(
+    params: dict[str, nn.Parameter],
+    shard_sizes: dict[str, list[int]],
+    architecture: str,
+    hf_name: str,
+    where: str,
+    config_source: str,
+) -> tuple[int, ...]:
+    """The shape the config gives tensor `hf_name` (a fused parameter's shard: its share of the first dimension);
+    ModelLoadError when the model has no such weight."""
+    name, fused, shard = _map_name(hf_name)
+    if name not in params:
+        raise ModelLoadError(
+            f"unexpected tensor {hf_name!r} in {where}: {architecture} has no such weight "
+            f"(is {config_source} from a different model?)"
+        )
+    shape = tuple(params[name].shape)
+    return shape if fused is None else (shard_sizes[fused][shard], *shape[1:])
 
 
 def _embedding_name(model: CausalLM) -> str:
