@@ -1,7 +1,7 @@
 """`tokenmill serve`: from parsed flags to a running uvicorn, and the process's life around it.
 
 - The API key comes from `--api-key`, `--api-key-file` or `TOKENMILL_API_KEY` (the last two keep it out of `ps`).
-- The port is bound before the model loads: a taken one is one line and exit 2, not a model loaded for nothing.
+- The port is tried before the model loads: a taken one is one line and exit 2, not a model loaded for nothing.
 - A model that fails to load prints one line and exits 2; the port never serves a server that cannot work.
 - On SIGTERM, uvicorn stops accepting and gives open requests `--grace-period` seconds. Shortly before that
   ends, every request still running is aborted, so its stream ends cleanly (finish_reason "abort", then
@@ -73,8 +73,7 @@ def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) ->
                          "and 1 with --tensor-parallel-size > 1")  # fmt: skip
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is invalid: allowed an integer in [0, 65535] (0: any free port)")
-    sock = _listen(args.host, args.port)
-    args.port = sock.getsockname()[1]  # --port 0: the one the system picked
+    _check_port(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     died = threading.Event()
     app = build_app(lambda: _load(cfg, path, name, args, died), config)
@@ -83,22 +82,23 @@ def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) ->
     # uvicorn re-raises SIGTERM to the handler that was there before once it has shut down; a no-op there
     # makes a graceful stop exit 0 instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    server.run(sock)
+    server.run()
     return EXIT_ENGINE_DIED if died.is_set() else 0
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """The server's socket, bound as uvicorn would bind it (it listens once the server starts)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        hint = "; pick another --port, or 0 for any free one" if e.errno == errno.EADDRINUSE else ""
-        raise ValueError(f"--host {host} --port {port} cannot be bound: {e.strerror or e}{hint}") from None
-    sock.set_inheritable(True)
-    return sock
+def _check_port(host: str, port: int) -> None:
+    """Bind the port and let it go, as uvicorn binds it once the app has started: a taken port (or a host this
+    machine cannot bind) then stops the command before the model loads. (Handing this socket to uvicorn instead
+    made a 413 sent on a kept-alive connection arrive as a reset: tests/server/test_hostile_input.py.)"""
+    if port == 0:  # any free one: nothing to check
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            hint = "; pick another --port, or 0 for any free one" if e.errno == errno.EADDRINUSE else ""
+            raise ValueError(f"--host {host} --port {port} cannot be bound: {e.strerror or e}{hint}") from None
 
 
 def _load(cfg: EngineConfig, path: Path, name: str, args: argparse.Namespace, died: threading.Event) -> Any:
@@ -148,8 +148,8 @@ class _Server:
         self.server.handle_exit = self._on_exit  # type: ignore[method-assign]
         self._draining = False
 
-    def run(self, sock: socket.socket) -> None:
-        self.server.run(sockets=[sock])
+    def run(self) -> None:
+        self.server.run()
 
     def _on_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self._draining:
