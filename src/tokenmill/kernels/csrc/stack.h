@@ -145,8 +145,8 @@ class DecodeStack {
   // Greedy decoding, as a draft model proposes: R drafts per row at most. First the catch-up: n0 one-token rows,
   // feed_tok[i] for row feed_seq[i] (each row's tables row), and each row b's first draft is the argmax (as
   // torch.argmax takes it: the first NaN, else the first maximum; found by the head's chunks, as in run) at its
-  // feed row feed_last[b]. Then R - 1 chain rounds: round r embeds tokens[b, r] for the
-  // rows b < active[r] (rows sorted by their draft count, most first) and writes the argmax to tokens[b, r + 1].
+  // feed row feed_last[b]. Then R - 1 chain rounds: round r embeds tokens[b, r] for the rows b < active[r] (rows
+  // sorted by their draft count, most first) and writes the argmax to tokens[b, r + 1].
   // embed [V, D] the embedding table (model dtype); tokens [B, R] int64; cos, sin [n0 + (R - 1) B, Dh] and
   // slots, lens [n0 + (R - 1) B] int64: the feed rows', then round r's at n0 + r B; tables [B, max_blocks];
   // out [max(n0, B), D] and logits [max(n0, B), V] scratch (model dtype). Needs the head (set_head).
