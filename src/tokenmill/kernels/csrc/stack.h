@@ -89,8 +89,7 @@ class DecodeStack {
   // x [B, D] the embedded tokens; cos, sin [B, Dh]; slot [B] each new token's cache slot; tables [B, max_blocks]
   // and lens [B] the paged context (int64) -> out [B, D], the final norm's output, and logits [B, V] (the head's
   // output, in the model dtype) when `logits` is not 0; for a bf16 model, those logits also as float32 in
-  // logits32 [B, V] when it is not 0; with `argmax` (int64 [B]) and float32 logits (the model's, or logits32), also
-  // each row's argmax over those (head.h).
+  // logits32 [B, V] when it is not 0; with `argmax` (int64 [B]), also each row's argmax over the logits (head.h).
   void run(uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t slot, uintptr_t tables, int64_t max_blocks,
            uintptr_t lens, int64_t B, int64_t block_size, uintptr_t out, uintptr_t logits, uintptr_t logits32 = 0,
            uintptr_t argmax = 0) {
@@ -156,7 +155,7 @@ class DecodeStack {
                   uintptr_t logits) {
     int64_t* tok = (int64_t*)tokens;
     const int64_t *rows = (const int64_t*)active, *seq = (const int64_t*)feed_seq;
-    const int64_t V = head_[2], row_bytes = D_ * e_, rope_bytes = Dh_ * e_;
+    const int64_t row_bytes = D_ * e_, rope_bytes = Dh_ * e_;
     std::vector<char> x(std::max(n0, B) * row_bytes);
     std::vector<int64_t> feed_tables(n0 * max_blocks);  // each feed row's sequence's block table
     auto embed_rows = [&](int64_t n, auto token_of) {
@@ -166,18 +165,15 @@ class DecodeStack {
     embed_rows(n0, [&](int64_t i) { return ((const int64_t*)feed_tok)[i]; });
     for (int64_t i = 0; i < n0; ++i)
       std::memcpy(&feed_tables[i * max_blocks], (const int64_t*)tables + seq[i] * max_blocks, max_blocks * 8);
-    // each row's argmax, and for a bf16 model the float32 logits it is taken over
-    std::vector<int64_t> best(std::max(n0, B));
-    draft32_.resize(bf16_ ? best.size() * V : 0);
-    const uintptr_t logits32 = bf16_ ? (uintptr_t)draft32_.data() : 0;
+    std::vector<int64_t> best(std::max(n0, B));  // each row's argmax
     run((uintptr_t)x.data(), cos, sin, slots, (uintptr_t)feed_tables.data(), max_blocks, lens, n0, block_size, out,
-        logits, logits32, (uintptr_t)best.data());
+        logits, 0, (uintptr_t)best.data());
     for (int64_t b = 0; b < B; ++b) tok[b * R] = best[((const int64_t*)feed_last)[b]];
     for (int64_t r = 0; r + 1 < R && rows[r] > 0; ++r) {
       const int64_t n = rows[r], at = n0 + r * B;
       embed_rows(n, [&](int64_t b) { return tok[b * R + r]; });
       run((uintptr_t)x.data(), cos + at * rope_bytes, sin + at * rope_bytes, slots + at * 8, tables, max_blocks,
-          lens + at * 8, n, block_size, out, logits, logits32, (uintptr_t)best.data());
+          lens + at * 8, n, block_size, out, logits, 0, (uintptr_t)best.data());
       for (int64_t b = 0; b < n; ++b) tok[b * R + r + 1] = best[b];
     }
   }
@@ -398,7 +394,6 @@ class DecodeStack {
   const int64_t *slot_ = nullptr, *tables_ = nullptr, *lens_ = nullptr;
   char *out_ = nullptr, *logits_ = nullptr;
   HeadOutputs head_out_;  // the head's float32 logits and argmax
-  std::vector<float> draft32_;    // run_greedy: a bf16 model's logits as float32 [rows, V]
   std::vector<char> rope_;  // run_ids: cos and sin [B, Dh] (model dtype)
   LinearSpec head_{};
   bool profiling_ = false;
