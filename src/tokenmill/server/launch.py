@@ -87,18 +87,26 @@ def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) ->
 
 
 def _check_port(host: str, port: int) -> None:
-    """Bind the port and let it go, as uvicorn binds it once the app has started: a taken port (or a host this
-    machine cannot bind) then stops the command before the model loads. (Handing this socket to uvicorn instead
-    made a 413 sent on a kept-alive connection arrive as a reset: tests/server/test_hostile_input.py.)"""
+    """Bind every address `host` names at `port` and let them go, as asyncio binds them for uvicorn once the app
+    has started: a taken port (or a host this machine cannot bind) then stops the command before the model loads.
+    (Handing such a socket to uvicorn instead made a 413 sent on a kept-alive connection arrive as a reset:
+    tests/server/test_hostile_input.py.)"""
     if port == 0:  # any free one: nothing to check
         return
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            hint = "; pick another --port, or 0 for any free one" if e.errno == errno.EADDRINUSE else ""
-            raise ValueError(f"--host {host} --port {port} cannot be bound: {e.strerror or e}{hint}") from None
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host} cannot be resolved: {e.strerror}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio: the IPv6 socket does not also take IPv4
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                hint = "; pick another --port, or 0 for any free one" if e.errno == errno.EADDRINUSE else ""
+                raise ValueError(f"--host {host} --port {port} cannot be bound: {e.strerror or e}{hint}") from None
 
 
 def _load(cfg: EngineConfig, path: Path, name: str, args: argparse.Namespace, died: threading.Event) -> Any:
