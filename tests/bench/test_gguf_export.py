@@ -203,6 +203,14 @@ def test_llamacpp_greedy_equals_transformers(exported: Callable[..., Any], famil
     assert got["load_time_s"] > 0 and run["ttft_ms"] > 0 and got["tokens_per_second"] > 0
 
 
+def test_llamacpp_refuses_a_prompt_past_its_context_before_any_run(exported: Callable[..., Any]) -> None:
+    """A prompt that cannot fit n_ctx with its new tokens is refused before the warmup and the other prompts run."""
+    pytest.importorskip("llama_cpp")
+    _, path = exported("llama")
+    with pytest.raises(ValueError, match=r"prompt of 120 tokens \+ 16 new tokens exceeds n_ctx=128"):
+        run_llamacpp(path, [[5, 6, 7], list(range(3, 123))], max_tokens=16, n_threads=1, n_ctx=128)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_llamacpp_tokenizes_like_hf(exported: Callable[..., Any], family: str) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")

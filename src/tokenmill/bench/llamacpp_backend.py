@@ -131,11 +131,12 @@ def run_llamacpp(
         list(p) if not isinstance(p, str) else llm.tokenize(p.encode("utf-8"), add_bos=True, special=True)
         for p in prompts
     ]
-    for ids in token_prompts:
-        if len(ids) + max_tokens > n_ctx:
-            raise ValueError(f"prompt of {len(ids)} tokens + {max_tokens} new tokens exceeds n_ctx={n_ctx}")
-    greedy = _Greedy(llm, min(512, n_ctx), ignore_eos)
+    greedy: _Greedy | None = None
     try:
+        for ids in token_prompts:
+            if len(ids) + max_tokens > n_ctx:
+                raise ValueError(f"prompt of {len(ids)} tokens + {max_tokens} new tokens exceeds n_ctx={n_ctx}")
+        greedy = _Greedy(llm, min(512, n_ctx), ignore_eos)
         warmup_s = 0.0
         if warmup and token_prompts and max_tokens > 0:
             t0 = time.perf_counter()
@@ -143,7 +144,8 @@ def run_llamacpp(
             warmup_s = time.perf_counter() - t0
         runs = [greedy.timed(llm, ids, max_tokens) for ids in token_prompts]
     finally:
-        greedy.close()
+        if greedy is not None:
+            greedy.close()
         if hasattr(llm, "close"):
             llm.close()
     total_tokens = sum(r["completion_tokens"] for r in runs)
