@@ -28,7 +28,7 @@ from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
-from tokenmill.spec_decode import DraftRequest, NgramProposer, Proposer
+from tokenmill.spec_decode import DraftRequest, Proposer, make_proposer
 from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.types import (
@@ -95,15 +95,7 @@ class EngineCore:
         else:
             runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed)
             runner.graphs = DecodeGraphs.build(loaded.model, backend, cfg.max_num_seqs, max_len, cfg.enforce_eager)
-        proposer: Proposer | None = None
-        if cfg.speculative_model == "ngram":
-            proposer = NgramProposer(
-                cfg.num_speculative_tokens, cfg.ngram_prompt_lookup_min, cfg.ngram_prompt_lookup_max
-            )
-        elif cfg.speculative_model is not None:
-            from tokenmill.spec_decode.draft import build_draft_proposer
-
-            proposer = build_draft_proposer(loaded, cfg, max_len)
+        proposer = make_proposer(loaded, cfg, max_len)
         return cls(runner, scheduler, loaded.tokenizer, model_cfg.vocab_size, max_len, loaded.eos_token_ids,
                    proposer, cfg.speculative_disable_by_batch_size)  # fmt: skip
 

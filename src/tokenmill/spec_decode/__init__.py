@@ -8,8 +8,16 @@ sampling's rejection rule: a draft d is kept with probability p(d), and a reject
 removed. So the output distribution is the target's, and greedy output is token for token the same.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.spec_decode.request import DraftRequest, Proposer
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.loading import LoadedModel
 
 
 def keeps(sampled: int, draft: int) -> bool:
@@ -17,4 +25,15 @@ def keeps(sampled: int, draft: int) -> bool:
     return sampled == draft
 
 
-__all__ = ["DraftRequest", "NgramProposer", "Proposer", "keeps"]
+def make_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -> Proposer | None:
+    """The proposer `cfg.speculative_model` names: prompt lookup ("ngram"), a draft model, or none."""
+    if cfg.speculative_model == "ngram":
+        return NgramProposer(cfg.num_speculative_tokens, cfg.ngram_prompt_lookup_min, cfg.ngram_prompt_lookup_max)
+    if cfg.speculative_model is not None:
+        from tokenmill.spec_decode.draft import build_draft_proposer
+
+        return build_draft_proposer(target, cfg, max_len)
+    return None
+
+
+__all__ = ["DraftRequest", "NgramProposer", "Proposer", "keeps", "make_proposer"]
