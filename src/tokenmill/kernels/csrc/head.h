@@ -7,11 +7,9 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
-#include "fused.h"  // argmax_row
-#include "simd.h"
+#include "fused.h"  // Act, argmax_row
 
 namespace tmk {
 
@@ -35,7 +33,10 @@ class HeadOutputs {
         row = (const float*)logits_ + b * V_ + n0;
       } else if (logits32_ || argmax_) {
         float* dst = logits32_ ? logits32_ + b * V_ + n0 : (widened.resize(n1 - n0), widened.data());
-        widen((const uint16_t*)logits_ + b * V_ + n0, n1 - n0, dst);
+        const Act src = logits_row(b);
+        int64_t n = n0;
+        for (; n + W <= n1; n += W) store(dst + n - n0, src.getv(n));
+        for (; n < n1; ++n) dst[n - n0] = src.get(n);
         row = dst;
       }
       if (argmax_) winners_[b * chunks_ + c] = n0 + argmax_row(row, n1 - n0);
@@ -48,10 +49,11 @@ class HeadOutputs {
     if (!argmax_) return;
     for (int64_t b = 0; b < B_; ++b) {
       const int64_t* won = winners_.data() + b * chunks_;
+      const Act row = logits_row(b);
       int64_t best = won[0];
-      float top = value(b, best);
+      float top = row.get(best);
       for (int64_t c = 1; c < chunks_ && top == top; ++c) {
-        const float v = value(b, won[c]);
+        const float v = row.get(won[c]);
         if (v != v || v > top) best = won[c], top = v;
       }
       argmax_[b] = best;
@@ -59,24 +61,8 @@ class HeadOutputs {
   }
 
  private:
-  // n bf16 values -> float32 (exact)
-  static void widen(const uint16_t* src, int64_t n, float* dst) {
-    int64_t i = 0;
-    for (; i + W <= n; i += W) store(dst + i, load_bf16(src + i));
-    for (; i < n; ++i) {
-      const uint32_t bits = (uint32_t)src[i] << 16;
-      std::memcpy(dst + i, &bits, 4);
-    }
-  }
-
-  // row b's logit n as float32
-  float value(int64_t b, int64_t n) const {
-    if (!bf16_) return ((const float*)logits_)[b * V_ + n];
-    const uint32_t bits = (uint32_t)((const uint16_t*)logits_)[b * V_ + n] << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
+  // row b of the logits, in the model dtype
+  Act logits_row(int64_t b) const { return Act{(char*)logits_ + b * V_ * (bf16_ ? 2 : 4), bf16_}; }
 
   int64_t B_ = 0, V_ = 0, chunks_ = 0;
   bool bf16_ = false;
