@@ -131,8 +131,7 @@ def load_weights(
         hf_name = renamed
         if hf_layout and hf_name.endswith(model.hf_transposed) and isinstance(tensor, torch.Tensor):
             tensor = tensor.t()  # [in, out] -> [out, in]
-        name, fused, shard = _map_name(hf_name)
-        expected = _expected_shape(params, shard_sizes, cfg.architecture, hf_name, where, config_source)
+        name, fused, shard, expected = _target(params, shard_sizes, cfg.architecture, hf_name, where, config_source)
         if tuple(tensor.shape) != expected:
             raise ModelLoadError(
                 f"tensor {hf_name!r} in {where} has shape {list(tensor.shape)}, "
@@ -178,16 +177,17 @@ def _model_name(model: CausalLM, hf_name: str) -> str | None:
     return hf_name
 
 
-def _expected_shape(
+def _target(
     params: dict[str, nn.Parameter],
     shard_sizes: dict[str, list[int]],
     architecture: str,
     hf_name: str,
     where: str,
     config_source: str,
-) -> tuple[int, ...]:
-    """The shape the config gives tensor `hf_name` (a fused parameter's shard: its share of the first dimension);
-    ModelLoadError when the model has no such weight."""
+) -> tuple[str, str | None, int, tuple[int, ...]]:
+    """The parameter tensor `hf_name` fills (_map_name's name, fused module and shard) and the shape the config
+    gives it (a fused parameter's shard: its share of the first dimension); ModelLoadError when the model has no
+    such weight."""
     name, fused, shard = _map_name(hf_name)
     if name not in params:
         raise ModelLoadError(
@@ -195,7 +195,7 @@ def _expected_shape(
             f"(is {config_source} from a different model?)"
         )
     shape = tuple(params[name].shape)
-    return shape if fused is None else (shard_sizes[fused][shard], *shape[1:])
+    return name, fused, shard, shape if fused is None else (shard_sizes[fused][shard], *shape[1:])
 
 
 def _embedding_name(model: CausalLM) -> str:
