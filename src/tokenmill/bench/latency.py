@@ -1,5 +1,6 @@
 """Single-stream latency, the llama-bench equivalent: prompt processing (pp N) and text generation (tg N)
-tokens/s with their std over trials, achieved weight-read bandwidth (weight bytes x tg tok/s), peak RSS.
+tokens/s with their std over trials, achieved weight-read bandwidth (weight bytes x tg tok/s), peak RSS, and the
+decode step's p50 and p90 over every step of the trials (with the share of the probe at the p50 step).
 
 Prefix caching is off so every trial really computes its prompt; prompts are random token ids (seeded).
 """
@@ -60,6 +61,7 @@ def _trial(llm: Any, rng: random.Random, vocab: int, prompt_tokens: int, gen_tok
         "prefill_ms": m.prefill_ms,
         "pp_tokens_per_sec": prompt_tokens / (m.prefill_ms / 1000),
         "tg_tokens_per_sec": m.decode_tokens_per_sec or 0.0,
+        "itl_ms": m.itl_ms,  # each decode step's time, as the token's arrival shows it
     }
 
 
@@ -86,12 +88,16 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
     probe = read_bandwidth_gb_s(device=str(llm.loaded.device))  # after the trials: it must not warm anything for them
     pp = summarize([r["pp_tokens_per_sec"] for r in measured])
     tg = summarize([r["tg_tokens_per_sec"] for r in measured])
+    # every decode step of the trials: on a shared host a phase of slow steps (another tenant, a lost core) moves
+    # the mean, and the median step shows what the code does when it has the machine
+    tpot = summarize([gap for r in measured for gap in r["itl_ms"]])
     summary = {
         "backend": "tokenmill",
         f"pp{args.prompt_tokens}_tokens_per_sec": pp,
         f"tg{args.gen_tokens}_tokens_per_sec": tg,
         "weight_bytes": wbytes,
         "achieved_gb_per_sec": wbytes * tg["mean"] / 1e9,
+        "tpot_ms": tpot,
         "read_bandwidth_gb_per_sec": probe,
         "kernels": _kernel_path(llm),
         "peak_rss_mb": peak_rss_mb(),
@@ -107,6 +113,8 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         f"| achieved GB/s (weights x tg) | {summary['achieved_gb_per_sec']:.2f} | |\n"
         f"| read bandwidth probe GB/s | {probe:.1f} | |\n"
         f"| achieved / probe | {wbytes * tg['mean'] / 1e9 / probe:.0%} | |\n"
+        f"| decode step ms: p50 / p90 of {tpot['n']} | {tpot['p50']:.2f} / {tpot['p90']:.2f} | |\n"
+        f"| achieved / probe at the p50 step | {wbytes / (tpot['p50'] / 1000) / 1e9 / probe:.0%} | |\n"
         f"| peak RSS MB | {summary['peak_rss_mb']:.0f} | |\n\n"
         f"{args.repeat} trials after {args.warmup} warmup (excluded); CPU kernels: {summary['kernels']}. "
         f"Command: `{run.manifest['command']}`\n"
