@@ -343,6 +343,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_kspans", [](bool on) { return std::exchange(tmk::kspans, on); },
         "register tiles over K spans where a panel takes several (tests, A/B); returns the old setting");
   m.def("read_sum", &tmk::read_sum, "stream a buffer once (the bandwidth probe)");
+  m.def(
+      "contention_rests",
+      [](const std::vector<std::pair<double, double>>& programs) {
+        tmk::Contention c;
+        std::vector<bool> rests;
+        for (const auto& [wall, cpu] : programs) rests.push_back(c.starved_again(wall, cpu));
+        return rests;
+      },
+      "the decode pool's verdict after each of these programs (wall, caller CPU seconds): rest the helpers (tests)");
   m.def("argmax_rows", &tmk::argmax_rows, "each row's argmax (the first maximum, or the first NaN), as torch");
   m.def("apply_bitmask", &tmk::apply_bitmask, "logits whose grammar bit is clear -> -inf, in place");
   py::class_<tmk::DecodeStack>(m, "DecodeStack", py::module_local())  // one per variant in a process

@@ -8,9 +8,9 @@
 // nothing, and the caller does its share.
 //
 // When the machine is oversubscribed even a helper that claims nothing costs: a spinning helper is one more
-// runnable thread, and the scheduler takes that share from the caller. So the caller measures each program: when
-// it got less than 80% of a core's time (its thread CPU time over the wall time), other work is competing, and the
-// helpers sleep for the next half second; then one program tries them again.
+// runnable thread, and the scheduler takes that share from the caller. So the caller measures each program (its
+// thread CPU time over the wall time, `Contention`): when it got less than 80% of a core in two programs in a row,
+// other work is competing, and the helpers sleep for the next half second; then one program tries them again.
 //
 // The cursor packs {program epoch, stage, next chunk}: a claim is a compare-and-swap on it, so a helper holding a
 // stale view (an older program or stage) can never claim a chunk that is not the current one.
@@ -40,6 +40,22 @@
 #endif
 
 namespace tmk {
+
+// Whether other work competes for the cores, from each program's wall time and the caller's CPU time in it. One
+// starved program alone is as often the host's hiccup (a VM's core descheduled for a few ms): on a quiet Xeon VM
+// ~1 decode step in 1000, each then costing half a second of one-thread steps. Two in a row are competition; so is
+// one in the first program after a rest. Programs shorter than 200 us say nothing.
+struct Contention {
+  int starved = 0;  // starved programs in a row (1 after a rest: the next starved one is enough)
+  // the program just run: true when the helpers should rest
+  bool starved_again(double wall, double cpu) {
+    if (wall <= 200e-6) return false;
+    starved = cpu < 0.8 * wall ? starved + 1 : 0;
+    if (starved < 2) return false;
+    starved = 1;
+    return true;
+  }
+};
 
 struct Stage {
   std::atomic<int64_t> n{0};         // chunks in this stage
@@ -96,7 +112,7 @@ class Pool {
     cursor_.store(kIdle, std::memory_order_seq_cst);
     while (inside_.load(std::memory_order_seq_cst) > 0) TM_PAUSE();  // a helper between its cursor read and claim
     const double wall = now(CLOCK_MONOTONIC) - wall0, cpu = now(CLOCK_THREAD_CPUTIME_ID) - cpu0;
-    if (helpers > 0 && wall > 200e-6 && cpu < 0.8 * wall) quiet_after_ = wall0 + wall + 0.5;  // see the top
+    if (helpers > 0 && contention_.starved_again(wall, cpu)) quiet_after_ = wall0 + wall + 0.5;  // see the top
   }
 
  private:
@@ -163,6 +179,7 @@ class Pool {
   std::atomic<int> active_{0};  // helpers [0, active_) take part in the current program
   uint64_t epoch_ = 0;
   double quiet_after_ = 0;  // the helpers rest until this time (CLOCK_MONOTONIC seconds)
+  Contention contention_;
   std::mutex owner_mutex_;  // one program at a time
   std::mutex mutex_;
   std::condition_variable wake_;
