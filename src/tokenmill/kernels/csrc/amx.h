@@ -63,6 +63,9 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure(int r0, i
   TileConfig c;
   const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
   for (int t = 0; t < 8; ++t) c.rows[t] = (uint8_t)rows[t], c.colsb[t] = rows[t] ? 64 : 0;
+  // GCC 12 may drop stores to a config it sees no read of: a test build setting the fields one by one loaded a
+  // config of zero rows, and the first tile instruction faulted (SIGILL)
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 

@@ -36,6 +36,7 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_configure_q(int r0,
   const int rows[8] = {r0, r0, r1, r1, r0, r1, QK / 4, QK / 4};
   const int cols[8] = {64, 64, 64, 64, QK, QK, 64, 64};
   for (int t = 0; t < 8; ++t) c.rows[t] = (uint8_t)rows[t], c.colsb[t] = rows[t] ? cols[t] : 0;
+  asm volatile("" : : "r"(&c) : "memory");  // the config's stores kept: see amx_configure
   _tile_loadconfig(&c);
 }
 
