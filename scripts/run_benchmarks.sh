@@ -101,6 +101,12 @@ for pair in none:bf16 int8:q8_0 int4:q4_0; do
     kill -TERM $PID $LPID; wait $PID $LPID || true
   done
 done
+# long context: tg after a 2048-token prompt (llama-bench's tg @ d2048), each format against llama.cpp, same GGUFs
+for pair in none:bf16 int8:q8_0 int4:q4_0; do
+  q=${pair%%:*}; g=${pair##*:}; b=tokenmill; [ "$q" = none ] || b="tokenmill:$q"
+  $TM bench compare "$MODEL" --backends "$b,llama.cpp:$g" --gguf "$G/model-$g.gguf" --dtype bfloat16 --num-prompts 1 \
+    --prompt-tokens 2048 --max-tokens 64 --threads 2 --rounds 2 --output-dir "$OUT"
+done
 # the fixed overhead per step: the demo model, quiet, then with one other process keeping a core busy
 $TM bench latency --prompt-tokens 64 --gen-tokens 128 --repeat 3 --output-dir "$OUT"
 python3 -c "while True: pass" & BUSY=$!
