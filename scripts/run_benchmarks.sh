@@ -20,7 +20,8 @@
 #    The AVX-VNNI code (Intel client cores; docs/benchmarks.md, fourth Xeon sitting): the same with -DGGML_AVX_VNNI=ON,
 #      and tokenmill under TOKENMILL_ISA=avxvnni ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2_VNNI.
 #  - `transformers serve` needs: .venv/bin/pip install accelerate
-# ONLY=kernels runs section 4 alone (issue 14's sitting: every format against llama.cpp, one stream and 16).
+# ONLY=kernels runs section 4 alone (issue 14's sitting: every format against llama.cpp, one stream and 16, and tg after
+# a 2048-token prompt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ONLY=${ONLY:-all}

@@ -8,6 +8,7 @@ Prefix caching is off so every trial really computes its prompt; prompts are ran
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import resource
 from pathlib import Path
@@ -61,7 +62,7 @@ def _trial(llm: Any, rng: random.Random, vocab: int, prompt_tokens: int, gen_tok
         "prefill_ms": m.prefill_ms,
         "pp_tokens_per_sec": prompt_tokens / (m.prefill_ms / 1000),
         "tg_tokens_per_sec": m.decode_tokens_per_sec or 0.0,
-        "itl_ms": m.itl_ms,  # each decode step's time, as the token's arrival shows it
+        "step_ms": _step_times(m.token_times),
     }
 
 
@@ -90,14 +91,14 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
     tg = summarize([r["tg_tokens_per_sec"] for r in measured])
     # every decode step of the trials: on a shared host a phase of slow steps (another tenant, a lost core) moves
     # the mean, and the median step shows what the code does when it has the machine
-    tpot = summarize([gap for r in measured for gap in r["itl_ms"]])
+    steps = summarize([t for r in measured for t in r["step_ms"]])
     summary = {
         "backend": "tokenmill",
         f"pp{args.prompt_tokens}_tokens_per_sec": pp,
         f"tg{args.gen_tokens}_tokens_per_sec": tg,
         "weight_bytes": wbytes,
         "achieved_gb_per_sec": wbytes * tg["mean"] / 1e9,
-        "tpot_ms": tpot,
+        "step_ms": steps if steps["n"] else None,
         "read_bandwidth_gb_per_sec": probe,
         "kernels": _kernel_path(llm),
         "peak_rss_mb": peak_rss_mb(),
@@ -113,8 +114,7 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         f"| achieved GB/s (weights x tg) | {summary['achieved_gb_per_sec']:.2f} | |\n"
         f"| read bandwidth probe GB/s | {probe:.1f} | |\n"
         f"| achieved / probe | {wbytes * tg['mean'] / 1e9 / probe:.0%} | |\n"
-        f"| decode step ms: p50 / p90 of {tpot['n']} | {tpot['p50']:.2f} / {tpot['p90']:.2f} | |\n"
-        f"| achieved / probe at the p50 step | {wbytes / (tpot['p50'] / 1000) / 1e9 / probe:.0%} | |\n"
+        f"{_step_rows(steps, wbytes, probe)}"
         f"| peak RSS MB | {summary['peak_rss_mb']:.0f} | |\n\n"
         f"{args.repeat} trials after {args.warmup} warmup (excluded); CPU kernels: {summary['kernels']}. "
         f"Command: `{run.manifest['command']}`\n"
@@ -127,6 +127,22 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         "tokenmill",
         warmup_excluded=args.warmup,
     )
+
+
+def _step_times(token_times: list[float]) -> list[float]:
+    """The decode steps' durations (ms) between a request's first and last token: the gaps between the distinct
+    times tokens appeared (a speculative step's tokens appear together)."""
+    times = sorted(set(token_times))
+    return [(b - a) * 1000 for a, b in itertools.pairwise(times)]
+
+
+def _step_rows(steps: dict[str, float], wbytes: int, probe: float) -> str:
+    """The report's rows for the decode steps' p50 and p90 (none with fewer than two tokens a trial)."""
+    if not steps["n"]:
+        return ""
+    share = wbytes / (steps["p50"] / 1000) / 1e9 / probe
+    return (f"| decode step ms: p50 / p90 of {steps['n']} | {steps['p50']:.2f} / {steps['p90']:.2f} | |\n"
+            f"| achieved / probe at the p50 step | {share:.0%} | |\n")  # fmt: skip
 
 
 def _kernel_path(llm: LLM) -> str:

@@ -9,8 +9,9 @@
 //
 // When the machine is oversubscribed even a helper that claims nothing costs: a spinning helper is one more
 // runnable thread, and the scheduler takes that share from the caller. So the caller measures each program (its
-// thread CPU time over the wall time, `Contention`): when it got less than 80% of a core in two programs in a row,
-// other work is competing, and the helpers sleep for the next half second; then one program tries them again.
+// thread CPU time over the wall time, `Contention`): when it got less than 80% of a core over the last 20 ms of
+// programs, other work is competing, and the helpers sleep for the next half second; then one program tries them
+// again.
 //
 // The cursor packs {program epoch, stage, next chunk}: a claim is a compare-and-swap on it, so a helper holding a
 // stale view (an older program or stage) can never claim a chunk that is not the current one.
@@ -41,19 +42,27 @@
 
 namespace tmk {
 
-// Whether other work competes for the cores, from each program's wall time and the caller's CPU time in it. One
-// starved program alone is as often the host's hiccup (a VM's core descheduled for a few ms): on a quiet Xeon VM
-// ~1 decode step in 1000, each then costing half a second of one-thread steps. Two in a row are competition; so is
-// one in the first program after a rest. Programs shorter than 200 us say nothing.
+// Whether other work competes for the cores, from each program's wall time and the caller's CPU time in it. A
+// program in which the caller got under 80% of a core is as often the host's hiccup (a VM's core descheduled for a
+// few ms: on a quiet Xeon VM ~1 one-row decode step in 1000, each then costing half a second of one-thread steps).
+// So programs are judged together, in windows of at least two programs and 20 ms: a hiccup of a few ms leaves a
+// window above 80%, a competing process keeps it under whether it starves every program (steps longer than its
+// time slice) or one in a few (short ones). The first program after a rest is judged alone. Programs shorter than
+// 200 us say nothing.
 struct Contention {
-  int starved = 0;  // starved programs in a row (1 after a rest: the next starved one is enough)
+  static constexpr double kWindow = 20e-3;  // seconds of programs judged together, at least
+  double wall = 0, cpu = 0;                 // the current window's sums
+  int programs = 0;                         // ... over this many programs
+  bool probing = false;                     // the next program is the first after a rest
   // the program just run: true when the helpers should rest
-  bool starved_again(double wall, double cpu) {
-    if (wall <= 200e-6) return false;
-    starved = cpu < 0.8 * wall ? starved + 1 : 0;
-    if (starved < 2) return false;
-    starved = 1;
-    return true;
+  bool starved_again(double w, double c) {
+    if (w <= 200e-6) return false;
+    if (probing) return probing = c < 0.8 * w;
+    wall += w, cpu += c, ++programs;
+    if (programs < 2 || wall < kWindow) return false;
+    probing = cpu < 0.8 * wall;
+    wall = cpu = 0, programs = 0;
+    return probing;
   }
 };
 
