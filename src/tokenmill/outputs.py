@@ -61,6 +61,12 @@ class RequestMetrics:
         return [(b - a) * 1000 for a, b in itertools.pairwise(t)]
 
     @property
+    def step_ms(self) -> list[float]:
+        """The decode steps' durations: gaps between the distinct times tokens appeared (a speculative step's
+        accepted drafts appear with its token, which itl_ms counts as gaps of 0)."""
+        return [(b - a) * 1000 for a, b in itertools.pairwise(sorted(set(self.token_times)))]
+
+    @property
     def decode_tokens_per_sec(self) -> float | None:
         """Tokens after the first over the time after the first (the decode rate; TTFT excluded)."""
         if self.first_token_time is None or self.last_token_time is None or self.num_generated_tokens < 2:

@@ -8,7 +8,6 @@ Prefix caching is off so every trial really computes its prompt; prompts are ran
 from __future__ import annotations
 
 import argparse
-import itertools
 import random
 import resource
 from pathlib import Path
@@ -62,7 +61,7 @@ def _trial(llm: Any, rng: random.Random, vocab: int, prompt_tokens: int, gen_tok
         "prefill_ms": m.prefill_ms,
         "pp_tokens_per_sec": prompt_tokens / (m.prefill_ms / 1000),
         "tg_tokens_per_sec": m.decode_tokens_per_sec or 0.0,
-        "step_ms": _step_times(m.token_times),
+        "step_ms": m.step_ms,
     }
 
 
@@ -127,13 +126,6 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         "tokenmill",
         warmup_excluded=args.warmup,
     )
-
-
-def _step_times(token_times: list[float]) -> list[float]:
-    """The decode steps' durations (ms) between a request's first and last token: the gaps between the distinct
-    times tokens appeared (a speculative step's tokens appear together)."""
-    times = sorted(set(token_times))
-    return [(b - a) * 1000 for a, b in itertools.pairwise(times)]
 
 
 def _step_rows(steps: dict[str, float], wbytes: int, probe: float) -> str:
