@@ -5,7 +5,10 @@ around it) and prints each tree's median and its ratio to the first.
     cp -r src/tokenmill/kernels/csrc /tmp/A; cp -r src/tokenmill/kernels/csrc /tmp/B   # then edit B
     .venv/bin/python scripts/stack_ab.py /tmp/qwen05b --trees /tmp/A,/tmp/B --quantization int4 --batch 1
 
-Each tree's module has its own helper threads; the idle one's helpers fall asleep within ~0.1 ms.
+Each tree builds with its own C++ namespace (`-Dtmk=tmk_ab<i>`), so each module has its own helper threads (the
+idle one's fall asleep within ~0.1 ms). Without it the inline functions' statics (`Pool::shared`) are GNU unique
+symbols: every module in the process would share the first one's pool, and a tree whose pool differs in layout
+would crash.
 
 With `--tensor-inputs`, each tree also runs as "<tree> (tensor inputs)": the step's inputs built as tensors by
 the KV cache's `prepare` and fed through `DecodeStack.__call__`, the path before `run_sequences` took lists.
@@ -14,8 +17,10 @@ the KV cache's `prepare` and fed through `DecodeStack.__call__`, the path before
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,10 @@ class TensorInputs:
         return self.stack(*args)
 
 
+def _tree_cflags(plain: Callable[[str], list[str]], define: str, level: str) -> list[str]:
+    return [*plain(level), define]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
@@ -59,9 +68,11 @@ def main() -> None:
     engine, runner = llm.engine, llm.engine.runner
     level = args.level or isa.choose().level
     stacks = {}
-    for tree in args.trees.split(","):
+    plain_cflags = build.cflags
+    for i, tree in enumerate(args.trees.split(",")):
         build.CSRC = Path(tree)
-        runner.kv.ops = Kernels(build.load(level), level)  # type: ignore[attr-defined]
+        build.cflags = functools.partial(_tree_cflags, plain_cflags, f"-Dtmk=tmk_ab{i}")
+        runner.kv.ops = Kernels(build.load(level), level)
         stacks[tree] = DecodeStack.build(llm.loaded.model, runner.kv)
         if args.tensor_inputs:
             stacks[f"{tree} (tensor inputs)"] = TensorInputs(stacks[tree])
