@@ -33,7 +33,7 @@ from tokenmill.kernels import Kernels, formats
 from tokenmill.kernels.isa import cpu_flags
 
 # Rows above which a bf16 product goes to oneDNN where it has a native bf16 GEMM. Elsewhere the kernel's blocked
-# GEMM beats unpacking to float32 for torch's sgemm at every size (Zen 3 AVX2: 1.1-1.6x, docs/benchmarks.md).
+# GEMM beats unpacking to float32 for torch's sgemm at every size (Zen 3 AVX2: 1.1-1.6x, docs/benchmark-log.md).
 KERNEL_MAX_ROWS = 64
 FORMAT_OF_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0"}
 

@@ -12,7 +12,7 @@
 // - values: widened to float32 once per block, times the float32 probabilities (not rounded to bf16: torch's
 //   SDPA keeps them in float32 too; rounded, a bf16 model's outputs were 1.4x further from the exact ones, and a
 //   random-weight model's greedy tokens left transformers' at the first token).
-// torch's SDPA, called once per sequence, took 15-18% of a bf16 prefill on a Zen 4 (docs/benchmarks.md).
+// torch's SDPA, called once per sequence, took 15-18% of a bf16 prefill on a Zen 4 (docs/benchmark-log.md).
 #pragma once
 
 #include <algorithm>
