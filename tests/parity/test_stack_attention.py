@@ -1,7 +1,8 @@
 """The decode stack's attention over contexts longer than one split (kernels/csrc/attention.h): a sequence alone
-runs its splits as separate tasks, the RoPE stage first and the last split to finish merging them (one that crosses
-from one split into two while it decodes switches from RoPE inside its attention tasks to the stage); in a batch the
-same. Each gives the module path's tokens and logprobs, whose attention takes the same splits in one call."""
+runs its splits as separate tasks, each roping its own copy of the queries, the split that holds the new token also
+writing its key and value, and the last split to finish merging them (one that crosses from one split into two
+while it decodes included); in a batch the RoPE stage goes first. Qwen3's q/k norms go with the RoPE. Each gives
+the module path's tokens and logprobs, whose attention takes the same splits in one call."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from tests.parity.test_models import SPREAD, _skip_without_stack
 from tokenmill import LLM, SamplingParams
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 0.05)])
 def test_contexts_of_several_splits_alone_and_in_a_batch(
-    make_checkpoint: Callable[..., Path], dtype: str, tol: float
+    make_checkpoint: Callable[..., Path], arch: str, dtype: str, tol: float
 ) -> None:
     # head_dim 32: AVX-512 BF16's attention path where the CPU has it (the portable one otherwise)
-    folder = make_checkpoint("qwen2", **SPREAD, hidden_size=128, num_attention_heads=4)
+    folder = make_checkpoint(arch, **SPREAD, hidden_size=128, num_attention_heads=4, head_dim=32)
     llm = LLM(str(folder), dtype=dtype, device="cpu", enable_prefix_caching=False)
     _skip_without_stack(llm)
     split = int(llm.loaded.ops.module.attention_split)  # type: ignore[union-attr]

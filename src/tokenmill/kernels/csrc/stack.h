@@ -192,10 +192,10 @@ class DecodeStack {
     // attention: each row's splits (attention.h), one task each
     split_offsets(lens_, B, 0, split_first_);
     part_acc_.resize(split_first_[B] * H_ * Dh_), part_ml_.resize(split_first_[B] * H_ * 2);
-    // one row in one split: each attention task ropes and writes its own KV head first, where the rope stage would
-    // (rope_and_write rotates q and k in place, so several splits of a KV head would each rotate them again; and the
-    // split that holds the new token must find its key in the cache; rows of a verified draft read each other's keys)
-    rope_in_attention_ = B == 1 && split_first_[1] == 1;
+    // one row: each attention task ropes its own copy of its KV head's queries, and the split that holds the new
+    // token also its key, which it writes to the cache with the value, where the rope stage would (that stage then
+    // gets no chunks). Not with several rows: rows of a verified draft read each other's keys.
+    rope_in_attention_ = B == 1;
     const int64_t L = num_layers();
     for (int64_t l = 0; l < L; ++l) {
       const LayerSpec& s = layers_[l];
@@ -268,29 +268,40 @@ class DecodeStack {
     prep(normed_ + b * D_ * e_, D_, s.qkv, b);
   }
 
+  // row b's query heads (q/k norms where the model has them, RoPE) -> q_, its keys (RoPE) and values -> the cache
   void rope_and_write(int64_t l, int64_t b) {
-    for (int64_t g = 0; g < Hkv_; ++g) rope_and_write(l, b, g);
+    for (int64_t g = 0; g < Hkv_; ++g) {
+      rope_queries(l, b, g, q_ + (b * H_ + g * H_ / Hkv_) * Dh_ * e_);
+      rope_and_write_kv(l, b, g);
+    }
   }
 
-  // row b's query heads of KV head g (q/k norms where the model has them, RoPE) -> q_, and that head's key (RoPE)
-  // and value -> the new token's slot in the cache (rows of Hkv * Dh, this head's Dh at g * Dh)
-  void rope_and_write(int64_t l, int64_t b, int64_t g) {
+  // row b's G query heads of KV head g, per-head RMSNorm'd (Qwen3) and rotated -> dst [G, Dh] (the model dtype);
+  // qkv_ is only read
+  void rope_queries(int64_t l, int64_t b, int64_t g, char* dst) {
     const LayerSpec& s = layers_[l];
-    const int64_t width = (H_ + 2 * Hkv_) * Dh_, G = H_ / Hkv_, kv_width = Hkv_ * Dh_;
-    char* q = qkv_ + (b * width + g * G * Dh_) * e_;
+    const int64_t width = (H_ + 2 * Hkv_) * Dh_, G = H_ / Hkv_;
+    const char* q = qkv_ + (b * width + g * G * Dh_) * e_;
+    const Act none{nullptr, bf16_};
+    if (s.q_norm) rmsnorm_rows(Act{(void*)q, bf16_}, none, false, param(s.q_norm), eps_, Act{dst, bf16_}, G, Dh_);
+    else std::memcpy(dst, q, G * Dh_ * e_);
+    const Act cos{(void*)(cos_ + b * Dh_ * e_), bf16_}, sin{(void*)(sin_ + b * Dh_ * e_), bf16_};
+    rope_rows(Act{dst, bf16_}, cos, sin, 1, G, Dh_, G * Dh_);
+  }
+
+  // row b's key of KV head g (its norm, RoPE; in place in qkv_) and value -> the new token's slot in the cache
+  // (rows of Hkv * Dh, this head's Dh at g * Dh)
+  void rope_and_write_kv(int64_t l, int64_t b, int64_t g) {
+    const LayerSpec& s = layers_[l];
+    const int64_t width = (H_ + 2 * Hkv_) * Dh_, kv_width = Hkv_ * Dh_;
     char* k = qkv_ + (b * width + (H_ + g) * Dh_) * e_;
     const char* v = qkv_ + (b * width + (H_ + Hkv_ + g) * Dh_) * e_;
-    if (s.q_norm) {  // per-head RMSNorm of q and k, in place (Qwen3)
-      rmsnorm_rows(Act{q, bf16_}, Act{nullptr, bf16_}, false, param(s.q_norm), eps_, Act{q, bf16_}, G, Dh_);
-      rmsnorm_rows(Act{k, bf16_}, Act{nullptr, bf16_}, false, param(s.k_norm), eps_, Act{k, bf16_}, 1, Dh_);
-    }
+    if (s.k_norm) rmsnorm_rows(Act{k, bf16_}, Act{nullptr, bf16_}, false, param(s.k_norm), eps_, Act{k, bf16_}, 1, Dh_);
     const Act cos{(void*)(cos_ + b * Dh_ * e_), bf16_}, sin{(void*)(sin_ + b * Dh_ * e_), bf16_};
-    rope_rows(Act{q, bf16_}, cos, sin, 1, G, Dh_, width);
     rope_rows(Act{k, bf16_}, cos, sin, 1, 1, Dh_, width);
     char* cache = (char*)s.cache;
     std::memcpy(cache + (slot_[b] * kv_width + g * Dh_) * e_, k, Dh_ * e_);
     std::memcpy(cache + ((slots_ + slot_[b]) * kv_width + g * Dh_) * e_, v, Dh_ * e_);
-    std::memcpy(q_ + (b * H_ + g * G) * Dh_ * e_, q, G * Dh_ * e_);
   }
 
   // task `task` of the attention stage: split s of row b's KV head g -> part_acc_, part_ml_; the last of the
@@ -299,17 +310,26 @@ class DecodeStack {
     const int64_t split = task / Hkv_, g = task % Hkv_, G = H_ / Hkv_;
     const int64_t b = split_owner(split_first_, split);
     const int64_t s = split - split_first_[b], n = split_first_[b + 1] - split_first_[b];
-    if (rope_in_attention_) rope_and_write(l, b, g);  // one row, one split: see step
+    // the queries: q_'s row b, or with one row (see step) this task's own copy, laid out as q_'s row 0 would be
+    const char* q = q_;
+    int64_t q_row = b;
+    if (rope_in_attention_) {
+      thread_local std::vector<char> own;
+      own.resize(H_ * Dh_ * e_);
+      rope_queries(l, b, g, own.data() + g * G * Dh_ * e_);
+      if (s + 1 == n) rope_and_write_kv(l, b, g);  // the split that holds the new token reads its key
+      q = own.data(), q_row = 0;
+    }
     thread_local std::vector<float> scratch;
     scratch.resize(attention_scratch(G, Dh_, block_size_));
     const float scale = (float)std::pow((double)Dh_, -0.5);
     const int64_t at = split * H_ + g * G;
     float *acc = part_acc_.data() + at * Dh_, *ml = part_ml_.data() + at * 2;
-    if (bf16_) attention_split<uint16_t>((const uint16_t*)q_, (const uint16_t*)layers_[l].cache, slots_,
-                                         tables_ + b * max_blocks_, lens_[b], 0, b, g, s, H_, Hkv_, Dh_, block_size_,
-                                         scale, acc, ml, scratch.data());
-    else attention_split<float>((const float*)q_, (const float*)layers_[l].cache, slots_, tables_ + b * max_blocks_,
-                                lens_[b], 0, b, g, s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data());
+    if (bf16_) attention_split<uint16_t>((const uint16_t*)q, (const uint16_t*)layers_[l].cache, slots_,
+                                         tables_ + b * max_blocks_, lens_[b], 0, q_row, g, s, H_, Hkv_, Dh_,
+                                         block_size_, scale, acc, ml, scratch.data());
+    else attention_split<float>((const float*)q, (const float*)layers_[l].cache, slots_, tables_ + b * max_blocks_,
+                                lens_[b], 0, q_row, g, s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data());
     if (n > 1) {  // the splits' writes before this one's are visible to whichever finishes last (acq_rel)
       std::atomic<int64_t>& done = splits_done_[b * Hkv_ + g];
       if (done.fetch_add(1, std::memory_order_acq_rel) + 1 < n) return;
