@@ -1,6 +1,6 @@
 """`tokenmill bench`: the measuring instrument. Never imported by runtime code.
 
-- `store.py`   one self-contained folder per run + `index.csv` (layout in docs/benchmarks.md)
+- `store.py`   one self-contained folder per run + `index.csv` (layout in store.py)
 - `stats.py`   summaries (mean, p50, p90, p99) shared by every subcommand
 - `latency.py` single-stream pp/tg (llama-bench style), `throughput.py` offline all-at-once
 - `serve.py`   streaming load generator against any OpenAI-compatible server

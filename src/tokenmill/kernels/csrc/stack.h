@@ -10,7 +10,8 @@
 // take one chunk per sequence; a linear takes chunks of output panels; attention one chunk per (sequence, split of
 // its context, KV head) (attention.h: splits of kSplit positions), the last split of a (sequence, KV head) to
 // finish merging them. With fewer sequences than threads a row's SiLU takes one chunk per thread, and with one
-// sequence in one split each attention chunk ropes and writes its own KV head (the RoPE stage gets no chunks).
+// sequence each attention chunk ropes its own queries, the split holding the new token also its KV head's key, which
+// it writes with the value (the RoPE stage gets no chunks).
 // Each stage also leaves its output in float32 rows (`xq`), ready for the next linear; attention chunks do so for
 // their own heads' columns where those are whole quantization blocks (the o_input stage then gets no chunks).
 //
