@@ -211,6 +211,30 @@ def _check_linear(ops: kernels.Kernels, fmt: str, n: int, k: int, row_counts: li
                 assert (y.float() - expected).abs().max().item() <= tol * scale, (fmt, n, k, rows, dtype)
 
 
+@pytest.mark.parametrize("path", ["tiles", "pairs", "blocked"])
+def test_bfloat16_outputs_are_the_sums_rounded_to_nearest_even(ops: kernels.Kernels, path: str) -> None:
+    """A weight that copies x's columns makes each output an exact sum, so out = x + bias in float32, then rounded
+    to bfloat16 as torch rounds, ties to even and subnormals included, bit for bit, in whole panels (stored a vector
+    at a time) and the partial one (N = 40: 16 + 16 + 8). x itself holds no subnormal: vdpbf16ps reads those as 0."""
+    n, k = 40, 64
+    w = torch.zeros(n, k)
+    w[torch.arange(n), torch.arange(n) % k] = 1.0  # out[:, i] = x[:, i % k]
+    packed = pack(w, "bf16")
+    torch.manual_seed(0)
+    x = torch.randn(17, k)
+    x[0, :4] = torch.tensor([1.0, 1.0 + 2**-7, -0.0, 0.0])  # two ties, a negative zero, a subnormal sum
+    x = x.bfloat16()
+    bias = torch.randn(n) * 1e-3
+    bias[:4] = torch.tensor([2**-8, 2**-8, 0.0, 2**-131])  # 1 + 2^-8 rounds down, 1 + 3 * 2^-8 up: to even
+    with _path(ops, path):
+        for rows in (1, 3, 16, 17):
+            for b in (None, bias):
+                y = ops.linear(x[:rows], packed.data, packed.format_id, n, packed.padded_in, b)
+                sums = x[:rows, torch.arange(n) % k].float() + 0.0  # sums start from +0.0, so -0.0 comes out +0.0
+                expected = (sums if b is None else sums + b).bfloat16()
+                assert torch.equal(y.view(torch.int16), expected.view(torch.int16)), (path, rows, b is None)
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_unpack_equals_the_reference(ops: kernels.Kernels, fmt: str) -> None:
     packed = pack(torch.randn(37, 70), fmt)

@@ -40,11 +40,7 @@ struct Act {  // a row-major activation buffer of either dtype
   inline vf roundv(vf f) const { return bf16 ? bf16_rounded(f) : f; }
   inline void setv(int64_t i, vf f) const {
     if (!bf16) return store((float*)ptr + i, f);
-    vf r = bf16_rounded(f);
-    vu bits;
-    std::memcpy(&bits, &r, sizeof(bits));
-    const vu16 top = __builtin_convertvector(bits >> 16, vu16);
-    std::memcpy((uint16_t*)ptr + i, &top, sizeof(top));
+    store_bf16((uint16_t*)ptr + i, f);
   }
 };
 

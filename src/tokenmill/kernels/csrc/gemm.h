@@ -37,6 +37,14 @@ inline int64_t panel_bytes(Format f, int64_t K) {
 // when it is set, else out32).
 inline void store_outputs(const float* sums, int64_t row, int64_t n0, int64_t n_valid, int64_t N, const float* bias,
                           float* out32, uint16_t* out16) {
+  if (n_valid == P) {  // a whole panel W lanes at a time, the same values: at K = 896 the scalar loop below took ~8%
+    for (int v = 0; v < V; ++v) {  // of a 16-row pair tile's time (Zen 4)
+      const vf y = load(sums + v * W) + (bias ? load(bias + n0 + v * W) : splat(0.f));
+      if (out16) store_bf16(out16 + row * N + n0 + v * W, y);
+      else store(out32 + row * N + n0 + v * W, y);
+    }
+    return;
+  }
   for (int64_t i = 0; i < n_valid; ++i) {
     const float y = sums[i] + (bias ? bias[n0 + i] : 0.f);
     if (out16) out16[row * N + n0 + i] = float_to_bf16(y);

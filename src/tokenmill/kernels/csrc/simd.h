@@ -234,6 +234,15 @@ inline vf bf16_rounded(vf f) {
   return out;
 }
 
+// W floats stored as bfloat16 at p, each as float_to_bf16 rounds it
+inline void store_bf16(uint16_t* p, vf f) {
+  const vf r = bf16_rounded(f);
+  vu bits;
+  std::memcpy(&bits, &r, sizeof(bits));
+  const vu16 top = __builtin_convertvector(bits >> 16, vu16);
+  std::memcpy(p, &top, sizeof(top));
+}
+
 // This CPU is Intel's (cpuid's vendor string): the weight prefetch below, and whether gemm.h's one-row pair tile
 // prefetches at all, differ by vendor because the two vendors' cores were measured to differ.
 inline const bool intel_cpu = [] {
