@@ -2,7 +2,7 @@
 # The runs behind docs/benchmarks.md, in order, one at a time (the machine must be otherwise idle).
 # Needs: ./scripts/setup.sh, ../shared/tokenizers/qwen2, and for the llama.cpp peers:
 #  - llama-cpp-python (bench compare's llama.cpp backend), built with AMX off:
-#      CMAKE_ARGS="$LLAMA_FLAGS" .venv/bin/pip install '.[llamacpp]'
+#      CMAKE_ARGS="$LLAMA_FLAGS" .venv/bin/pip install -e '.[llamacpp]'  (-e: a plain install would replace the editable one)
 #  - llama-server and llama-bench, from the llama.cpp source vendored in the llama-cpp-python sdist:
 #      .venv/bin/pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/llsrc
 #      tar xzf /tmp/llsrc/llama_cpp_python-0.3.36.tar.gz -C /tmp/llsrc
@@ -11,7 +11,9 @@
 #    with LLAMA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON
 #      -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 #      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-#    (AMX off: llama.cpp's AMX Q8_0 matmul segfaults on batches > 1 on these Xeons, llama.cpp issue #20824.)
+#    (AMX off: llama.cpp's AMX Q8_0 matmul segfaults on batches > 1 on these Xeons, llama.cpp issue #20824.
+#    -DGGML_AVX_VNNI=ON only where /proc/cpuinfo lists avx_vnni: a Zen 4 has AVX512_VNNI but not the VEX form, and a
+#    build with it dies of an illegal instruction on Q8_0/Q4_0.)
 #    The AVX2 code on an AVX-512 machine (docs/benchmark-log.md, fifth Zen 4 sitting): a second build into another
 #    directory (LLAMA_BIN) with LLAMA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 #      -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX512_VNNI=OFF
