@@ -21,7 +21,7 @@ from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.models import CausalLM
 from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.outputs import Logprobs
-from tokenmill.sampling import Sampler, SamplingBatch, topk_logprobs
+from tokenmill.sampling import Sampler, SamplingBatch, reads_logits, topk_logprobs
 from tokenmill.types import ModelInput, RunnerOutput, SequenceInput
 
 
@@ -105,7 +105,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.applies(seqs, num_decodes):
             all_logits = self.graphs.logits(seqs)  # [B, V]
         elif stack is not None and num_decodes == len(seqs) and stack.plain_embedding:  # no tensor for the inputs
-            hidden, all_logits, all_argmax = stack.run_sequences(seqs, input_ids, positions)  # [B, D], [B, V], [B]
+            # [B, D], [B, V] (None where sampling reads only the argmax), [B]
+            hidden, all_logits, all_argmax = stack.run_sequences(seqs, input_ids, positions, self._reads_logits(batch))
         else:
             meta = self.kv.prepare(seqs, num_decodes)
             tokens = torch.tensor(input_ids + positions, dtype=torch.int64, device=self.device)  # one op, not two
@@ -119,15 +120,18 @@ class ModelRunner:
         for s, row in prompt_rows:
             plp = s.prompt_logprobs
             assert plp is not None and hidden is not None
-            logits = self.model.compute_logits(hidden[row : row + plp.count])  # [count, V]
+            scores = self.model.compute_logits(hidden[row : row + plp.count])  # [count, V]
             if not self.sample:  # a tensor-parallel worker: its share of a vocab-parallel head, nothing more
                 continue
-            logprobs = logits.log_softmax(dim=-1)
+            logprobs = scores.log_softmax(dim=-1)
             targets = torch.tensor(plp.target_token_ids, device=self.device)
             out.prompt_logprobs[s.request_id] = topk_logprobs(logprobs, targets, [plp.num_top] * plp.count)
         if sampling:
             argmax = None  # [R] int64: the logits' argmax, where the decode stack took it
-            if all_logits is None:
+            logits: torch.Tensor | None  # [R, V] float32, or None where sampling reads only the argmax
+            if all_logits is None and all_argmax is not None and sample_rows == list(range(len(all_argmax))):
+                logits, argmax = None, all_argmax
+            elif all_logits is None:
                 assert hidden is not None
                 logits = self.model.compute_logits(hidden[sample_rows])  # [R, V] float32
             elif sample_rows == list(range(len(all_logits))):  # every row samples, in order: no gather
@@ -139,10 +143,20 @@ class ModelRunner:
                 self._sample(sampling, logits, out, batch, argmax)
         return out
 
+    def _reads_logits(self, batch: ModelInput) -> bool:
+        """Whether this step's sampling reads its rows' logits, not only their argmax (sampling.reads_logits)."""
+        rows = [s.sampling for s in batch.sequences if s.sampling is not None]
+        return (
+            len(rows) < len(batch.sequences)  # a sequence that does not sample this step (a prompt's chunk)
+            or any(r.draft_token_ids for r in rows)
+            or reads_logits([r.params for r in rows], [i for r in rows for i in r.suppressed_token_ids],
+                            bool(batch.grammar_rows))
+        )  # fmt: skip
+
     def _sample(
         self,
         sampling: list[SequenceInput],
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
         out: RunnerOutput,
         batch: ModelInput,
         argmax: torch.Tensor | None = None,

@@ -27,7 +27,7 @@ class Runs:
         self.stack = llm.engine.runner.decode_stack
         assert self.stack is not None and self.stack.vocab_size == VOCAB
         self.native = self.stack.native
-        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.steps: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # wide None: not asked for
         self.stack.native = self
 
     def __getattr__(self, name: str) -> Any:
@@ -53,7 +53,8 @@ class Runs:
 
         logits = at(logits_ptr, ctypes.c_uint16 if bf16 else ctypes.c_float,
                     torch.bfloat16 if bf16 else torch.float32, rows * v).view(rows, v)  # fmt: skip
-        wide = at(wide_ptr, ctypes.c_float, torch.float32, rows * v).view(rows, v) if bf16 else logits
+        wide = at(wide_ptr, ctypes.c_float, torch.float32, rows * v).view(rows, v) if bf16 and wide_ptr else None
+        wide = logits if not bf16 else wide
         self.steps.append((logits, wide, at(top_ptr, ctypes.c_int64, torch.int64, rows)))
 
 
@@ -61,9 +62,9 @@ def _llm(make_checkpoint: Callable[..., Path], dtype: str) -> LLM:
     return LLM(str(make_checkpoint("qwen2", **SPREAD, vocab_size=VOCAB)), dtype=dtype, device="cpu")
 
 
-def _generate(llm: LLM) -> list[list[int]]:
+def _generate(llm: LLM, logprobs: int | None = None) -> list[list[int]]:
     ids = llm.tokenizer.encode(PROMPT)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=logprobs)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": ids[:n]} for n in (3, 7, 12)], params)]
 
 
@@ -81,10 +82,29 @@ def test_the_stack_widens_a_bf16_models_logits_exactly(make_checkpoint: Callable
     step's are exactly its bf16 logits as torch widens them (every row, every chunk and the vocabulary's tail)."""
     llm = _llm(make_checkpoint, "bfloat16")
     runs = Runs(llm)
-    _generate(llm)
+    _generate(llm, logprobs=1)  # logprobs read the logits themselves
     assert runs.steps and max(len(top) for *_, top in runs.steps) == 3  # decode steps of three rows ran
     for logits, wide, _ in runs.steps:
-        assert torch.equal(logits.float(), wide)
+        assert wide is not None and torch.equal(logits.float(), wide)
+
+
+def test_a_step_that_reads_only_the_argmax_skips_the_float32_logits(make_checkpoint: Callable[..., Path]) -> None:
+    """Greedy rows without logprobs, penalties, biases or a grammar read only each row's argmax: a bf16 model's
+    stack then writes no float32 copy of the logits, and decodes the same tokens. A step with one row that reads
+    its logits (here logprobs) widens them for all."""
+    llm = _llm(make_checkpoint, "bfloat16")
+    runs = Runs(llm)
+    greedy = _generate(llm)
+    assert runs.steps and all(wide is None for _, wide, _ in runs.steps)
+    runs.steps.clear()
+    assert _generate(llm, logprobs=0) == greedy
+    assert runs.steps and all(wide is not None for _, wide, _ in runs.steps)
+    runs.steps.clear()
+    ids = llm.tokenizer.encode(PROMPT)
+    mixed = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=lp) for lp in (None, 2)]
+    outs = llm.generate([{"prompt_token_ids": ids[:n]} for n in (3, 7)], mixed)
+    assert [o.outputs[0].token_ids for o in outs] == greedy[:2]
+    assert runs.steps and all(wide is not None for _, wide, _ in runs.steps)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -95,8 +115,8 @@ def test_the_stacks_argmax_is_torchs_and_the_sampler_takes_it(make_checkpoint: C
     runs = Runs(llm)
     outputs = _generate(llm)
     assert runs.steps
-    for _, wide, top in runs.steps:
-        assert torch.equal(top, wide.argmax(dim=-1))
+    for logits, _, top in runs.steps:
+        assert torch.equal(top, logits.float().argmax(dim=-1))
     emitted = [tokens[1:] for tokens in outputs]  # each step's token, from the second (the first is the prefill's)
     for step, (_, _, top) in enumerate(runs.steps):
         assert top.tolist() == [tokens[step] for tokens in emitted]
@@ -120,8 +140,8 @@ def test_the_stacks_argmax_keeps_torchs_ties_and_nans(make_checkpoint: Callable[
     _set_head(llm, nans)
     runs.steps.clear()
     assert all(set(tokens[1:]) == {VOCAB // 2} for tokens in _generate(llm))
-    for _, wide, top in runs.steps:
-        assert torch.equal(top, wide.argmax(dim=-1)) and set(top.tolist()) == {VOCAB // 2}
+    for logits, _, top in runs.steps:
+        assert torch.equal(top, logits.float().argmax(dim=-1)) and set(top.tolist()) == {VOCAB // 2}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -22,6 +22,16 @@ if TYPE_CHECKING:
     from tokenmill.kernels.ops import Kernels
 
 
+def reads_logits(params: Sequence[SamplingParams], suppressed_token_ids: Sequence[list[int]], grammar: bool) -> bool:
+    """Whether sampling these rows reads their logits, rather than only each row's argmax: a draw, logprobs, a
+    penalty, a logit bias, suppressed tokens or a grammar. `Sampler.__call__` takes the argmax alone otherwise."""
+    return grammar or any(suppressed_token_ids) or any(
+        p.temperature > 0 or p.logprobs is not None or p.logit_bias or p.repetition_penalty != 1
+        or p.presence_penalty or p.frequency_penalty
+        for p in params
+    )  # fmt: skip
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling settings as tensors ([B] each) plus the token history penalties need. The tensors are made
@@ -208,10 +218,17 @@ class Sampler:
             return self.ops.argmax(logits)
         return logits.argmax(dim=-1)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, argmax: torch.Tensor | None = None) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor | None, batch: SamplingBatch, argmax: torch.Tensor | None = None
+    ) -> SamplerOutput:
         """logits [B, V] float32 -> each row's token. `argmax` [B] int64, where the caller has it: the logits'
         own argmax (as torch.argmax), taken instead of another pass over them where no mask, bias or penalty
-        changes the logits."""
+        changes the logits; with it, logits may be None where no row reads them (`reads_logits`)."""
+        if logits is None:  # the caller kept only the argmax (reads_logits: False for every row)
+            assert argmax is not None and not reads_logits(
+                batch.params, batch.suppressed_token_ids, batch.bitmask is not None
+            )
+            return SamplerOutput(token_ids=argmax.tolist(), logprobs=[None] * len(batch.params))
         raw = logits
         if batch.bitmask is not None:
             logits = self._masked(logits, batch.bitmask)
