@@ -7,7 +7,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from tokenmill.sampling.sampler import Sampler, SamplingBatch, apply_filters, apply_penalties, topk_logprobs
+from tokenmill.sampling.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_filters,
+    apply_penalties,
+    reads_logits,
+    topk_logprobs,
+)
 from tokenmill.sampling_params import SamplingParams as SP
 
 
@@ -51,6 +58,31 @@ def test_greedy_picks_argmax() -> None:
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1)) * 2
     out = Sampler(0)(logits, make_batch([SP(temperature=0)] * 64))
     assert out.token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    ("params", "suppressed", "grammar"),
+    [(SP(temperature=0.7), [], False), (SP(temperature=0, logprobs=0), [], False),
+     (SP(temperature=0, logit_bias={3: -100.0}), [], False), (SP(temperature=0, repetition_penalty=1.5), [], False),
+     (SP(temperature=0, presence_penalty=2.0), [], False), (SP(temperature=0, frequency_penalty=2.0), [], False),
+     (SP(temperature=0), [3], False), (SP(temperature=0), [], True)],
+)  # fmt: skip
+def test_what_reads_the_logits_beyond_their_argmax(params: SP, suppressed: list[int], grammar: bool) -> None:
+    """The decode stack skips its float32 logits where sampling reads only the argmax (reads_logits): each of a
+    draw, logprobs, a bias, a penalty, suppressed tokens and a grammar reads them, alone in a batch of greedy rows,
+    and without any of them the sampler returns the argmax it is handed, with logits=None."""
+    greedy = SP(temperature=0)
+    assert not reads_logits([greedy, greedy], [[], []], False)
+    assert reads_logits([greedy, params], [[], suppressed], grammar)
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    top = logits.argmax(-1)
+    out = Sampler(0)(None, make_batch([greedy, greedy]), top)
+    assert out.token_ids == top.tolist() and out.logprobs == [None, None]
+    batch = make_batch([greedy, params], suppressed=[[], suppressed])
+    if grammar:
+        batch.bitmask = torch.full((2, 2), -1, dtype=torch.int32)  # every token allowed, but a mask to apply
+    with pytest.raises(AssertionError):  # a row that reads its logits must be handed them
+        Sampler(0)(None, batch, top)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
