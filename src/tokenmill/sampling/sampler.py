@@ -22,13 +22,15 @@ if TYPE_CHECKING:
     from tokenmill.kernels.ops import Kernels
 
 
+def _penalizes(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
 def reads_logits(params: Sequence[SamplingParams], suppressed_token_ids: Sequence[list[int]], grammar: bool) -> bool:
     """Whether sampling these rows reads their logits, rather than only each row's argmax: a draw, logprobs, a
     penalty, a logit bias, suppressed tokens or a grammar. `Sampler.__call__` takes the argmax alone otherwise."""
     return grammar or any(suppressed_token_ids) or any(
-        p.temperature > 0 or p.logprobs is not None or p.logit_bias or p.repetition_penalty != 1
-        or p.presence_penalty or p.frequency_penalty
-        for p in params
+        p.temperature > 0 or p.logprobs is not None or p.logit_bias or _penalizes(p) for p in params
     )  # fmt: skip
 
 
@@ -71,7 +73,7 @@ class SamplingBatch:
             device=device,
             bitmask=None if bitmask is None else bitmask.to(device),
             logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
-            penalized=any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params),
+            penalized=any(_penalizes(p) for p in params),
             sampled=any(p.temperature > 0 for p in params),
         )
 
@@ -225,9 +227,10 @@ class Sampler:
         own argmax (as torch.argmax), taken instead of another pass over them where no mask, bias or penalty
         changes the logits; with it, logits may be None where no row reads them (`reads_logits`)."""
         if logits is None:  # the caller kept only the argmax (reads_logits: False for every row)
-            assert argmax is not None and not reads_logits(
-                batch.params, batch.suppressed_token_ids, batch.bitmask is not None
-            )
+            # the batch's own flags, not reads_logits again: the runner has just asked that of the same rows
+            reads = batch.sampled or batch.penalized or batch.logit_bias is not None or batch.bitmask is not None
+            assert argmax is not None and not reads and not any(batch.suppressed_token_ids)
+            assert all(n is None for n in batch.num_logprobs)
             return SamplerOutput(token_ids=argmax.tolist(), logprobs=[None] * len(batch.params))
         raw = logits
         if batch.bitmask is not None:
