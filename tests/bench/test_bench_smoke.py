@@ -166,6 +166,7 @@ def test_compare_and_report(model: Path, tmp_path: Path) -> None:
         assert r["status"] == "ok" and r["completion_tokens"] == 12
         assert_positive(r, "load_time_s", "generate_time_s", "tokens_per_second", "ttft_ms", "peak_memory_mib")
         assert_positive(r, "pp_tokens_per_sec", "tg_tokens_per_sec")
+    assert_positive(rows["tokenmill"], "tg_gb_per_sec", "probe_share")  # transformers reports no weight bytes
     assert rows["transformers"]["greedy_agreement_with_first"] == 1.0  # same weights, same greedy tokens
     assert rows["llama.cpp f32"]["status"] in ("ok", "not installed", "unavailable", "error")  # never a crash
     report = bench("report", str(run), str(run), "--out", str(tmp_path / "rep"))
@@ -174,17 +175,30 @@ def test_compare_and_report(model: Path, tmp_path: Path) -> None:
 
 def test_compare_in_rounds_takes_the_median_of_each_backends_rounds(model: Path, tmp_path: Path) -> None:
     """--rounds 3 runs every backend three times in turn; pp and tg are the medians of the rounds, and the report
-    lists each round's tg with its ratio to the first backend's in that round."""
+    lists each round's tg with its ratio to the first backend's in that round. The memory is probed before the first
+    run and after each: every run's share of the probe is its tg GB/s over the mean of the two probes around it."""
     args = ["--num-prompts", "1", "--prompt-tokens", "8", "--max-tokens", "6", "--rounds", "3"]
     run = bench("compare", str(model), "--backends", "tokenmill,tokenmill:int8", *args, "--output-dir", str(tmp_path))
     rows = {r["backend"]: r for r in json.loads((run / "summary/summary.json").read_text())}
     raw = json.loads((run / "raw/trials.json").read_text())
-    for backend, row in rows.items():
+    config = json.loads((run / "manifest.json").read_text())["config"]
+    probes = config["probes_gb_per_sec"]
+    assert len(probes) == 1 + 2 * 3 and min(probes) > 0  # one before the first run, one after each of six
+    assert config["read_bandwidth_gb_per_sec"] == sorted(probes)[3]
+    for i, (backend, row) in enumerate(rows.items()):
         assert row["status"] == "ok" and len(row["tg_by_round"]) == 3 and min(row["tg_by_round"]) > 0
         assert row["tg_tokens_per_sec"] == sorted(row["tg_by_round"])[1]
         assert sorted(r["round"] for r in raw if r["backend"] == backend) == [0, 1, 2]
+        gb = row["tg_gb_per_sec"] / row["tg_tokens_per_sec"]  # weight bytes / 1e9
+        # backends run in turn: round r's run of backend i sits between probes 2r + i and 2r + i + 1
+        expected = [
+            gb * tg / ((probes[2 * r + i] + probes[2 * r + i + 1]) / 2) for r, tg in enumerate(row["tg_by_round"])
+        ]
+        assert row["probe_share_by_round"] == pytest.approx(expected)
+        assert row["probe_share"] == pytest.approx(sorted(expected)[1])
     report = (run / "report.md").read_text()
-    assert "tg tok/s by round (3 rounds" in report and report.count("x)") == 3  # int8's ratio in each round
+    assert "tg tok/s by round (3 rounds" in report and report.count("x, ") == 3  # int8's ratio in each round
+    assert f"median {sorted(probes)[3]:.1f} GB/s" in report
 
 
 def test_compare_runs_peers_without_tokenmills_openmp_policy(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -147,7 +147,20 @@ def _summarize_rounds(backend: str, results: list[dict[str, Any]]) -> dict[str, 
             row[key] = statistics.median(means) if means else None
         if result_bytes := results[0].get("weight_bytes"):
             row["tg_gb_per_sec"] = result_bytes * row["tg_tokens_per_sec"] / 1e9 if row["tg_tokens_per_sec"] else None
+        shares = [_probe_share(r, tg) for r, tg in zip(results, row["tg_by_round"], strict=True)]
+        row["probe_share_by_round"] = shares
+        row["probe_share"] = statistics.median([s for s in shares if s is not None]) if any(shares) else None
     return row
+
+
+def _probe_share(result: dict[str, Any], tg: float | None) -> float | None:
+    """A run's tg GB/s over the read bandwidth the probes just before and just after it measured (their mean): the
+    host's bandwidth can change by half within seconds (another tenant's load; Zen 4: 31 <-> 53 GB/s), so a run is
+    judged against the memory it had, not one probe taken minutes away."""
+    probes, wbytes = result.get("probe_gb_s"), result.get("weight_bytes")
+    if not probes or not wbytes or not tg:
+        return None
+    return wbytes * tg / 1e9 / statistics.mean(probes)
 
 
 def _summarize_backend(backend: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +187,7 @@ def _summarize_backend(backend: str, result: dict[str, Any]) -> dict[str, Any]:
     )
     if result.get("weight_bytes") and row["tg_tokens_per_sec"]:
         row["tg_gb_per_sec"] = result["weight_bytes"] * row["tg_tokens_per_sec"] / 1e9
+    row["probe_share"] = _probe_share(result, row["tg_tokens_per_sec"])
     return row
 
 
@@ -213,10 +227,11 @@ def run_compare(args: argparse.Namespace) -> Path:
         "threads": args.threads,
         "n_ctx": args.prompt_tokens + args.max_tokens + 8,
     }
-    raw, results = _run_rounds(args, parsed, model, spec, run.path)
+    probes: list[float] = []
+    raw, results = _run_rounds(args, parsed, model, spec, run.path, probes)
     rows = [_summarize_rounds(backend, rs) for backend, rs in results.items()]
     _add_agreement(rows, raw, backends[0])
-    config["read_bandwidth_gb_per_sec"] = read_bandwidth_gb_s()
+    config["read_bandwidth_gb_per_sec"], config["probes_gb_per_sec"] = statistics.median(probes), probes
     run.save_raw(raw)
     run.save_summary(rows)
     _plot(run, rows)
@@ -227,15 +242,22 @@ def run_compare(args: argparse.Namespace) -> Path:
 
 
 def _run_rounds(
-    args: argparse.Namespace, parsed: list[tuple[str, str | None]], model: str, spec: dict[str, Any], out: Path
+    args: argparse.Namespace,
+    parsed: list[tuple[str, str | None]],
+    model: str,
+    spec: dict[str, Any],
+    out: Path,
+    probes: list[float],
 ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
     """Every backend once per round, in turn (the host's drift hits them alike), each in a worker of its own: the
     runs of every prompt, flat ([{backend, round, prompt, ...}]), and each backend's worker results by round. A
-    backend that failed once (its GGUF export or a worker) is not run again."""
+    backend that failed once (its GGUF export or a worker) is not run again. The memory's read bandwidth is probed
+    before the first worker and after each (appended to `probes`); a worker's result keeps the two around it."""
     gguf_model = model.lower().endswith(".gguf")
     raw: list[dict[str, Any]] = []
     results: dict[str, list[dict[str, Any]]] = {label(n, v): [] for n, v in parsed}
     ggufs: dict[str, str] = {}
+    probes.append(read_bandwidth_gb_s())
     for rnd in range(args.rounds):
         for name, variant in parsed:
             backend = label(name, variant)
@@ -255,6 +277,8 @@ def _run_rounds(
             tag = backend.replace(" ", "-") + (f"-round{rnd + 1}" if args.rounds > 1 else "")
             with progress(f"bench compare: {backend}" + (f" (round {rnd + 1})" if args.rounds > 1 else "")):
                 result = _run_worker(name, model, spec, out / "raw", args.timeout, tag=tag)
+            probes.append(read_bandwidth_gb_s())
+            result["probe_gb_s"] = probes[-2:]
             raw += [{"backend": backend, "round": rnd, "prompt": i, **r} for i, r in enumerate(result.get("runs", []))]
             results[backend].append(result)
             print(f"{backend}: {result.get('status')}", file=sys.stderr)
@@ -282,8 +306,8 @@ def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) ->
         f"# compare: {Path(config['model']).name}, {config['num_prompts']} prompts x {config['prompt_tokens']} "
         f"tokens, {config['max_tokens']} generated, {config['dtype']}, threads={config['threads']}\n",
         "| backend | status | load s | generate s | tokens | tok/s | TTFT ms | pp tok/s | tg tok/s | tg GB/s "
-        f"| peak MiB | greedy agreement with {config['backends'][0]} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| share of the probe | peak MiB | greedy agreement with {config['backends'][0]} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v: Any, spec: str) -> str:
@@ -295,25 +319,40 @@ def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) ->
             f"{f(r.get('generate_time_s'), '.1f')} | {f(r.get('completion_tokens'), 'd')} | "
             f"{f(r.get('tokens_per_second'), '.1f')} | {f(r.get('ttft_ms'), '.0f')} | "
             f"{f(r.get('pp_tokens_per_sec'), '.1f')} | {f(r.get('tg_tokens_per_sec'), '.2f')} | "
-            f"{f(r.get('tg_gb_per_sec'), '.1f')} | {f(r.get('peak_memory_mib'), '.0f')} | "
+            f"{f(r.get('tg_gb_per_sec'), '.1f')} | {f(r.get('probe_share'), '.0%')} | "
+            f"{f(r.get('peak_memory_mib'), '.0f')} | "
             f"{f(r.get('greedy_agreement_with_first'), '.2f')} |"
         )
-    if config.get("rounds", 1) > 1:  # each round's tg, and its ratio to the first backend's in the same round
-        first = rows[0].get("tg_by_round") or []
-        lines += [
-            "",
-            f"tg tok/s by round ({config['rounds']} rounds; pp and tg above are the medians of the rounds; "
-            f"in brackets: {config['backends'][0]}'s tg in the same round over this one's):",
-        ]
-        for r in rows:
-            tgs = r.get("tg_by_round") or []
-            cells = [f"{t:.2f}" + (f" ({f0 / t:.2f}x)" if f0 and t and r is not rows[0] else "") for t, f0 in
-                     zip(tgs, first + [None] * len(tgs))]  # fmt: skip
-            lines.append(f"- {r['backend']}: " + (", ".join(cells) if cells else "-"))
+    if config.get("rounds", 1) > 1:
+        lines += _round_lines(rows, config)
     errors = [f"- {r['backend']}: {r.get('error')}" for r in rows if r["status"] != "ok"]
-    probe = config.get("read_bandwidth_gb_per_sec")
-    footer = [f"Memory read bandwidth (probe): {probe:.1f} GB/s. tg GB/s = weight bytes x tg tok/s."] if probe else []
+    probes = config.get("probes_gb_per_sec") or []
+    footer = [
+        f"Memory read bandwidth (probe, before the first run and after each): median {statistics.median(probes):.1f}"
+        f" GB/s, {min(probes):.1f}-{max(probes):.1f} ({', '.join(f'{p:.1f}' for p in probes)}). tg GB/s = weight"
+        " bytes x tg tok/s; its share of the probe: each run's against the mean of the two probes around it (the"
+        " median of the rounds)."
+    ] if probes else []  # fmt: skip
     return "\n".join(lines + ([""] + errors if errors else []) + [""] + footer + [f"Command: `{command}`", ""])
+
+
+def _round_lines(rows: list[dict[str, Any]], config: dict[str, Any]) -> list[str]:
+    """Each round's tg of every backend, with the first backend's tg in the same round over it, and its share of the
+    probes around its run."""
+    first = rows[0].get("tg_by_round") or []
+    lines = [
+        "",
+        f"tg tok/s by round ({config['rounds']} rounds; pp and tg above are the medians of the rounds; in brackets: "
+        f"{config['backends'][0]}'s tg in the same round over this one's, and the run's share of the probe):",
+    ]
+    for r in rows:
+        tgs, cells = r.get("tg_by_round") or [], []
+        shares = r.get("probe_share_by_round") or [None] * len(tgs)
+        for t, f0, share in zip(tgs, first + [None] * len(tgs), shares, strict=False):
+            notes = ([f"{f0 / t:.2f}x"] if f0 and t and r is not rows[0] else []) + ([f"{share:.0%}"] if share else [])
+            cells.append(f"{t:.2f}" + (f" ({', '.join(notes)})" if notes else ""))
+        lines.append(f"- {r['backend']}: " + (", ".join(cells) if cells else "-"))
+    return lines
 
 
 def _plot(run: Run, rows: list[dict[str, Any]]) -> None:
