@@ -12,6 +12,12 @@ would crash.
 
 With `--tensor-inputs`, each tree also runs as "<tree> (tensor inputs)": the step's inputs built as tensors by
 the KV cache's `prepare` and fed through `DecodeStack.__call__`, the path before `run_sequences` took lists.
+
+With `--probe`, each turn starts with a short read of 128 MB (the memory's bandwidth at that moment, GB/s), and each
+tree's steps are also split by it: turns whose probe read above the midpoint of the probes' 10th and 90th
+percentiles, and the rest. A
+shared host's bandwidth can flip between two levels within seconds (Zen 4: ~31 and ~53 GB/s, another tenant's
+load); a change can win at one and not at the other.
 """
 
 from __future__ import annotations
@@ -51,6 +57,29 @@ def _tree_cflags(plain: Callable[[str], list[str]], define: str, level: str) -> 
     return [*plain(level), define]
 
 
+def _prober() -> Callable[[], float]:
+    """A read of 128 MB of a huge-page region (as the weights live; bench/bandwidth.py), the best of two: GB/s."""
+    import torch
+
+    from tokenmill import kernels
+    from tokenmill.kernels.placement import huge_page_buffer
+
+    ops, nbytes = kernels.active(), 128 << 20
+    assert ops is not None, "--probe reads memory with the kernels' read_sum"
+    region = huge_page_buffer(nbytes)
+    buf = (torch.empty(nbytes, dtype=torch.uint8) if region is None else region).view(torch.float32).fill_(1.0)
+
+    def probe() -> float:
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            ops.module.read_sum(buf.data_ptr(), nbytes)
+            best = min(best, time.perf_counter() - start)
+        return nbytes / best / 1e9
+
+    return probe
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
@@ -63,6 +92,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400, help="measured steps per tree")
     p.add_argument("--block", type=int, default=20, help="steps per turn")
     p.add_argument("--tensor-inputs", action="store_true", help="also each tree with its inputs as tensors")
+    p.add_argument("--probe", action="store_true", help="also split each tree's steps by the bandwidth of their turn")
     args = p.parse_args()
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization)
     engine, runner = llm.engine, llm.engine.runner
@@ -81,22 +111,38 @@ def main() -> None:
     for b in range(args.batch):
         ids = [100 + (7 * b + i) % 1000 for i in range(args.prompt_tokens)]
         engine.add_request(EngineRequest(request_id=str(b), prompt_token_ids=ids, params=params, max_tokens=total + 8))
-    times: dict[str, list[float]] = {t: [] for t in stacks}
+    times: dict[str, list[tuple[float, float]]] = {t: [] for t in stacks}  # (step seconds, its turn's probe)
+    probe = _prober() if args.probe else lambda: 0.0
     runner.decode_stack = stacks[next(iter(stacks))]
     for _ in range(args.block):  # the prefill, and warm steps
         engine.step()
     while min(len(v) for v in times.values()) < args.steps:
         for tree, stack in stacks.items():
             runner.decode_stack = stack
+            bandwidth = probe()
             engine.step()  # the first step after a switch wakes this tree's helpers: not counted
             for _ in range(args.block):
                 start = time.perf_counter()
                 engine.step()
-                times[tree].append(time.perf_counter() - start)
-    base = statistics.median(times[next(iter(stacks))])
-    for tree, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{tree}: {med * 1e3:.3f} ms/step (median of {len(ts)}), {base / med:.3f}x the first")
+                times[tree].append((time.perf_counter() - start, bandwidth))
+    _report(times, args.probe)
+
+
+def _report(times: dict[str, list[tuple[float, float]]], by_probe: bool) -> None:
+    """Each tree's median step and its ratio to the first tree's; with the probes, also above and below their cut."""
+    probes = sorted(b for ts in times.values() for _, b in ts)
+    cut = (probes[len(probes) // 10] + probes[len(probes) * 9 // 10]) / 2  # between the two levels of a bimodal host
+    groups = {"": lambda b: True}
+    if by_probe:
+        groups |= {f" probe > {cut:.1f} GB/s": lambda b: b > cut, f" probe <= {cut:.1f} GB/s": lambda b: b <= cut}
+    for name, keep in groups.items():
+        kept = {tree: [t for t, b in ts if keep(b)] for tree, ts in times.items()}
+        if not all(kept.values()):
+            continue
+        base = statistics.median(next(iter(kept.values())))
+        for tree, ts in kept.items():
+            med = statistics.median(ts)
+            print(f"{tree}{name}: {med * 1e3:.3f} ms/step (median of {len(ts)}), {base / med:.3f}x the first")
 
 
 if __name__ == "__main__":
