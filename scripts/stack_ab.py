@@ -15,9 +15,8 @@ the KV cache's `prepare` and fed through `DecodeStack.__call__`, the path before
 
 With `--probe`, each turn starts with a short read of 128 MB (the memory's bandwidth at that moment, GB/s), and each
 tree's steps are also split by it: turns whose probe read above the midpoint of the probes' 10th and 90th
-percentiles, and the rest. A
-shared host's bandwidth can flip between two levels within seconds (Zen 4: ~31 and ~53 GB/s, another tenant's
-load); a change can win at one and not at the other.
+percentiles, and the rest. A shared host's bandwidth can flip between two levels within seconds (Zen 4: ~31 and ~53
+GB/s, another tenant's load); a change can win at one and not at the other.
 """
 
 from __future__ import annotations
