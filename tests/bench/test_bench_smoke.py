@@ -77,7 +77,10 @@ def test_latency(model: Path, tmp_path: Path) -> None:
     s = json.loads((run / "summary/summary.json").read_text())
     assert_positive(s["pp16_tokens_per_sec"], "mean")
     assert_positive(s["tg4_tokens_per_sec"], "mean")
-    assert_positive(s, "achieved_gb_per_sec", "peak_rss_mb", "weight_bytes")
+    assert_positive(s, "achieved_gb_per_sec", "peak_rss_mb", "weight_bytes", "read_bandwidth_gb_per_sec")
+    # the memory probed before the warmup trial and after the last: the trials are judged against their mean
+    assert len(s["probes_gb_per_sec"]) == 2 and min(s["probes_gb_per_sec"]) > 0
+    assert s["read_bandwidth_gb_per_sec"] == pytest.approx(sum(s["probes_gb_per_sec"]) / 2)
     assert s["step_ms"]["n"] == 2 * 3  # every decode step of the measured trials: 4 tokens, 3 steps after the first
     assert 0 < s["step_ms"]["p50"] <= s["step_ms"]["p90"]
     assert {len(r["step_ms"]) for r in rows} == {3}

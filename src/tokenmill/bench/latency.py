@@ -82,10 +82,15 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         "device": str(llm.loaded.device),
     }
     run = Run.create(args.output_dir, "latency", config)
+    # the memory's read bandwidth before the warmup trials (which then warm the model again) and after the measured
+    # ones: a shared host's can change by half within seconds (Zen 4: ~31 <-> ~53 GB/s), so the trials are judged
+    # against the mean of the two around them
+    probes = [read_bandwidth_gb_s(device=str(llm.loaded.device))]
     rows = measure(llm, args.prompt_tokens, args.gen_tokens, args.repeat, args.warmup, args.seed)
+    probes.append(read_bandwidth_gb_s(device=str(llm.loaded.device)))
+    probe = sum(probes) / 2
     measured = [r for r in rows if not r["warmup"]]
     wbytes = weight_bytes(llm)
-    probe = read_bandwidth_gb_s(device=str(llm.loaded.device))  # after the trials: it must not warm anything for them
     pp = summarize([r["pp_tokens_per_sec"] for r in measured])
     tg = summarize([r["tg_tokens_per_sec"] for r in measured])
     # every decode step of the trials: on a shared host a phase of slow steps (another tenant, a lost core) moves
@@ -99,25 +104,14 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         "achieved_gb_per_sec": wbytes * tg["mean"] / 1e9,
         "step_ms": steps if steps["n"] else None,
         "read_bandwidth_gb_per_sec": probe,
+        "probes_gb_per_sec": probes,
         "kernels": _kernel_path(llm),
         "peak_rss_mb": peak_rss_mb(),
     }
     run.save_raw(rows)
     run.save_summary(summary)
     _plot(run, rows)
-    report = (
-        f"# latency: {Path(config['model']).name} ({config['dtype']}, {config['device']})\n\n"
-        "| measure | mean | std |\n|---|---|---|\n"
-        f"| pp{args.prompt_tokens} tok/s | {pp['mean']:.1f} | {pp['std']:.1f} |\n"
-        f"| tg{args.gen_tokens} tok/s | {tg['mean']:.2f} | {tg['std']:.2f} |\n"
-        f"| achieved GB/s (weights x tg) | {summary['achieved_gb_per_sec']:.2f} | |\n"
-        f"| read bandwidth probe GB/s | {probe:.1f} | |\n"
-        f"| achieved / probe | {wbytes * tg['mean'] / 1e9 / probe:.0%} | |\n"
-        f"{_step_rows(steps, wbytes, probe)}"
-        f"| peak RSS MB | {summary['peak_rss_mb']:.0f} | |\n\n"
-        f"{args.repeat} trials after {args.warmup} warmup (excluded); CPU kernels: {summary['kernels']}. "
-        f"Command: `{run.manifest['command']}`\n"
-    )
+    report = _report(args, config, summary, run.manifest["command"])
     print(report)
     return run.finish(
         report,
@@ -128,9 +122,31 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
     )
 
 
-def _step_rows(steps: dict[str, float], wbytes: int, probe: float) -> str:
+def _report(args: argparse.Namespace, config: dict[str, Any], summary: dict[str, Any], command: str) -> str:
+    pp, tg = summary[f"pp{args.prompt_tokens}_tokens_per_sec"], summary[f"tg{args.gen_tokens}_tokens_per_sec"]
+    probe, (before, after), wbytes = (
+        summary["read_bandwidth_gb_per_sec"],
+        summary["probes_gb_per_sec"],
+        summary["weight_bytes"],
+    )
+    return (
+        f"# latency: {Path(config['model']).name} ({config['dtype']}, {config['device']})\n\n"
+        "| measure | mean | std |\n|---|---|---|\n"
+        f"| pp{args.prompt_tokens} tok/s | {pp['mean']:.1f} | {pp['std']:.1f} |\n"
+        f"| tg{args.gen_tokens} tok/s | {tg['mean']:.2f} | {tg['std']:.2f} |\n"
+        f"| achieved GB/s (weights x tg) | {summary['achieved_gb_per_sec']:.2f} | |\n"
+        f"| read bandwidth probe GB/s (before / after the trials) | {probe:.1f} ({before:.1f} / {after:.1f}) | |\n"
+        f"| achieved / probe | {wbytes * tg['mean'] / 1e9 / probe:.0%} | |\n"
+        f"{_step_rows(summary['step_ms'], wbytes, probe)}"
+        f"| peak RSS MB | {summary['peak_rss_mb']:.0f} | |\n\n"
+        f"{args.repeat} trials after {args.warmup} warmup (excluded); CPU kernels: {summary['kernels']}. "
+        f"Command: `{command}`\n"
+    )
+
+
+def _step_rows(steps: dict[str, float] | None, wbytes: int, probe: float) -> str:
     """The report's rows for the decode steps' p50 and p90 (none with fewer than two tokens a trial)."""
-    if not steps["n"]:
+    if not steps or not steps["n"]:
         return ""
     share = wbytes / (steps["p50"] / 1000) / 1e9 / probe
     return (f"| decode step ms: p50 / p90 of {steps['n']} | {steps['p50']:.2f} / {steps['p90']:.2f} | |\n"
