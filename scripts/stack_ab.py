@@ -15,8 +15,9 @@ the KV cache's `prepare` and fed through `DecodeStack.__call__`, the path before
 
 With `--probe`, each turn starts with a short read of 128 MB (the memory's bandwidth at that moment, GB/s), and each
 tree's steps are also split by it: turns whose probe read above the midpoint of the probes' 10th and 90th
-percentiles, and the rest. A shared host's bandwidth can flip between two levels within seconds (Zen 4: ~31 and ~53
-GB/s, another tenant's load); a change can win at one and not at the other.
+percentiles, and the rest (where the 90th reads at least 1.3 times the 10th; else the probes saw one level). A
+shared host's bandwidth can flip between two levels within seconds (Zen 4: ~31 and ~53 GB/s, another tenant's
+load); a change can win at one and not at the other.
 """
 
 from __future__ import annotations
@@ -130,13 +131,17 @@ def main() -> None:
 def _report(times: dict[str, list[tuple[float, float]]], by_probe: bool) -> None:
     """Each tree's median step and its ratio to the first tree's; with the probes, also above and below their cut."""
     probes = sorted(b for ts in times.values() for _, b in ts)
-    cut = (probes[len(probes) // 10] + probes[len(probes) * 9 // 10]) / 2  # between the two levels of a bimodal host
+    low, high = probes[len(probes) // 10], probes[len(probes) * 9 // 10]
+    cut = (low + high) / 2  # between the two levels of a bimodal host
     groups = {"": lambda b: True}
-    if by_probe:
+    if by_probe and high < 1.3 * low:
+        print(f"the probes read {low:.1f}-{high:.1f} GB/s (10th-90th percentile): one level, not split")
+    elif by_probe:
         groups |= {f" probe > {cut:.1f} GB/s": lambda b: b > cut, f" probe <= {cut:.1f} GB/s": lambda b: b <= cut}
     for name, keep in groups.items():
         kept = {tree: [t for t, b in ts if keep(b)] for tree, ts in times.items()}
         if not all(kept.values()):
+            print(f"{name.strip()}: no turns of " + ", ".join(tree for tree, ts in kept.items() if not ts))
             continue
         base = statistics.median(next(iter(kept.values())))
         for tree, ts in kept.items():

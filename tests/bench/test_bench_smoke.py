@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -170,6 +171,10 @@ def test_compare_and_report(model: Path, tmp_path: Path) -> None:
         assert_positive(r, "load_time_s", "generate_time_s", "tokens_per_second", "ttft_ms", "peak_memory_mib")
         assert_positive(r, "pp_tokens_per_sec", "tg_tokens_per_sec")
     assert_positive(rows["tokenmill"], "tg_gb_per_sec", "probe_share")  # transformers reports no weight bytes
+    probes = json.loads((run / "manifest.json").read_text())["config"]["probes_gb_per_sec"]
+    assert rows["tokenmill"]["probe_share"] == pytest.approx(
+        rows["tokenmill"]["tg_gb_per_sec"] / statistics.mean(probes[:2])
+    )
     assert rows["transformers"]["greedy_agreement_with_first"] == 1.0  # same weights, same greedy tokens
     assert rows["llama.cpp f32"]["status"] in ("ok", "not installed", "unavailable", "error")  # never a crash
     report = bench("report", str(run), str(run), "--out", str(tmp_path / "rep"))
@@ -188,20 +193,38 @@ def test_compare_in_rounds_takes_the_median_of_each_backends_rounds(model: Path,
     probes = config["probes_gb_per_sec"]
     assert len(probes) == 1 + 2 * 3 and min(probes) > 0  # one before the first run, one after each of six
     assert config["read_bandwidth_gb_per_sec"] == sorted(probes)[3]
+    n = len(rows)
     for i, (backend, row) in enumerate(rows.items()):
         assert row["status"] == "ok" and len(row["tg_by_round"]) == 3 and min(row["tg_by_round"]) > 0
         assert row["tg_tokens_per_sec"] == sorted(row["tg_by_round"])[1]
         assert sorted(r["round"] for r in raw if r["backend"] == backend) == [0, 1, 2]
         gb = row["tg_gb_per_sec"] / row["tg_tokens_per_sec"]  # weight bytes / 1e9
-        # backends run in turn: round r's run of backend i sits between probes 2r + i and 2r + i + 1
+        # backends run in turn: round r's run of backend i sits between probes n r + i and n r + i + 1
         expected = [
-            gb * tg / ((probes[2 * r + i] + probes[2 * r + i + 1]) / 2) for r, tg in enumerate(row["tg_by_round"])
+            gb * tg / ((probes[n * r + i] + probes[n * r + i + 1]) / 2) for r, tg in enumerate(row["tg_by_round"])
         ]
         assert row["probe_share_by_round"] == pytest.approx(expected)
         assert row["probe_share"] == pytest.approx(sorted(expected)[1])
     report = (run / "report.md").read_text()
     assert "tg tok/s by round (3 rounds" in report and report.count("x, ") == 3  # int8's ratio in each round
     assert f"median {sorted(probes)[3]:.1f} GB/s" in report
+
+
+def test_compare_report_names_a_round_without_tg() -> None:
+    """A round whose runs gave no tg (one token each) is a dash in the rounds' lines, not a crash after every run."""
+    from tokenmill.bench.compare import _report
+
+    rows = [
+        {"backend": "tokenmill", "status": "ok", "tg_by_round": [10.0, None], "probe_share_by_round": [0.5, None]},
+        {"backend": "tokenmill int8", "status": "ok", "tg_by_round": [None, 20.0], "probe_share_by_round": [None, 0.4]},
+    ]
+    config = {
+        **{"model": "m", "num_prompts": 1, "prompt_tokens": 8, "max_tokens": 1, "dtype": "bfloat16", "threads": 2},
+        **{"backends": ["tokenmill", "tokenmill int8"], "rounds": 2, "probes_gb_per_sec": [30.0, 31.0, 50.0]},
+    }
+    report = _report(rows, config, "cmd")
+    assert "- tokenmill: 10.00 (50%), -\n" in report and "- tokenmill int8: -, 20.00 (40%)\n" in report
+    assert "median 31.0 GB/s, 30.0-50.0 (30.0, 31.0, 50.0)" in report and "(the median of the rounds)" in report
 
 
 def test_compare_runs_peers_without_tokenmills_openmp_policy(monkeypatch: pytest.MonkeyPatch) -> None:

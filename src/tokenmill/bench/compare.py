@@ -154,9 +154,9 @@ def _summarize_rounds(backend: str, results: list[dict[str, Any]]) -> dict[str, 
 
 
 def _probe_share(result: dict[str, Any], tg: float | None) -> float | None:
-    """A run's tg GB/s over the read bandwidth the probes just before and just after it measured (their mean): the
-    host's bandwidth can change by half within seconds (another tenant's load; Zen 4: 31 <-> 53 GB/s), so a run is
-    judged against the memory it had, not one probe taken minutes away."""
+    """A run's tg GB/s over the read bandwidth the probes just before and just after it measured (their mean): a
+    shared host's bandwidth can change ~1.7x within seconds (another tenant's load; Zen 4: ~31 <-> ~53 GB/s), so a
+    run is judged against the memory it had, not one probe taken minutes away."""
     probes, wbytes = result.get("probe_gb_s"), result.get("weight_bytes")
     if not probes or not wbytes or not tg:
         return None
@@ -227,8 +227,7 @@ def run_compare(args: argparse.Namespace) -> Path:
         "threads": args.threads,
         "n_ctx": args.prompt_tokens + args.max_tokens + 8,
     }
-    probes: list[float] = []
-    raw, results = _run_rounds(args, parsed, model, spec, run.path, probes)
+    raw, results, probes = _run_rounds(args, parsed, model, spec, run.path)
     rows = [_summarize_rounds(backend, rs) for backend, rs in results.items()]
     _add_agreement(rows, raw, backends[0])
     config["read_bandwidth_gb_per_sec"], config["probes_gb_per_sec"] = statistics.median(probes), probes
@@ -242,34 +241,27 @@ def run_compare(args: argparse.Namespace) -> Path:
 
 
 def _run_rounds(
-    args: argparse.Namespace,
-    parsed: list[tuple[str, str | None]],
-    model: str,
-    spec: dict[str, Any],
-    out: Path,
-    probes: list[float],
-) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    args: argparse.Namespace, parsed: list[tuple[str, str | None]], model: str, spec: dict[str, Any], out: Path
+) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]], list[float]]:
     """Every backend once per round, in turn (the host's drift hits them alike), each in a worker of its own: the
-    runs of every prompt, flat ([{backend, round, prompt, ...}]), and each backend's worker results by round. A
-    backend that failed once (its GGUF export or a worker) is not run again. The memory's read bandwidth is probed
-    before the first worker and after each (appended to `probes`); a worker's result keeps the two around it."""
-    gguf_model = model.lower().endswith(".gguf")
+    runs of every prompt, flat ([{backend, round, prompt, ...}]), each backend's worker results by round, and the
+    memory's read bandwidth probes (GB/s). A backend that failed once (its GGUF export or a worker) is not run again.
+    A probe comes before the first worker, after each worker, and after each GGUF is made (the export's own memory
+    traffic is not the next run's): a worker's result keeps the two probes around it."""
     raw: list[dict[str, Any]] = []
     results: dict[str, list[dict[str, Any]]] = {label(n, v): [] for n, v in parsed}
     ggufs: dict[str, str] = {}
-    probes.append(read_bandwidth_gb_s())
+    probes = [read_bandwidth_gb_s()]
     for rnd in range(args.rounds):
         for name, variant in parsed:
             backend = label(name, variant)
             if name == "llama.cpp" and backend not in ggufs:
                 try:
-                    if gguf_model or args.gguf:
-                        ggufs[backend] = model if gguf_model else args.gguf
-                    else:
-                        ggufs[backend] = str(_export(model, out / f"model-{variant}.gguf", str(variant)))
+                    ggufs[backend] = _gguf(model, args.gguf, out, str(variant))
                 except Exception as e:
                     results[backend].append({"status": "error", "error": f"GGUF export failed: {e}"})
                     continue
+                probes.append(read_bandwidth_gb_s())
             if any(r.get("status") != "ok" for r in results[backend]):
                 continue  # failed in an earlier round
             spec["gguf"] = ggufs.get(backend)
@@ -282,7 +274,14 @@ def _run_rounds(
             raw += [{"backend": backend, "round": rnd, "prompt": i, **r} for i, r in enumerate(result.get("runs", []))]
             results[backend].append(result)
             print(f"{backend}: {result.get('status')}", file=sys.stderr)
-    return raw, results
+    return raw, results, probes
+
+
+def _gguf(model: str, given: str | None, out: Path, variant: str) -> str:
+    """The GGUF llama.cpp reads: the model itself where it is one, `--gguf`, else the model exported as `variant`."""
+    if model.lower().endswith(".gguf"):
+        return model
+    return given or str(_export(model, out / f"model-{variant}.gguf", variant))
 
 
 def _add_agreement(rows: list[dict[str, Any]], raw: list[dict[str, Any]], first: str) -> None:
@@ -327,11 +326,11 @@ def _report(rows: list[dict[str, Any]], config: dict[str, Any], command: str) ->
         lines += _round_lines(rows, config)
     errors = [f"- {r['backend']}: {r.get('error')}" for r in rows if r["status"] != "ok"]
     probes = config.get("probes_gb_per_sec") or []
+    rounds = " (the median of the rounds)" if config.get("rounds", 1) > 1 else ""
     footer = [
         f"Memory read bandwidth (probe, before the first run and after each): median {statistics.median(probes):.1f}"
         f" GB/s, {min(probes):.1f}-{max(probes):.1f} ({', '.join(f'{p:.1f}' for p in probes)}). tg GB/s = weight"
-        " bytes x tg tok/s; its share of the probe: each run's against the mean of the two probes around it (the"
-        " median of the rounds)."
+        f" bytes x tg tok/s; its share of the probe: each run's against the mean of the two probes around it{rounds}."
     ] if probes else []  # fmt: skip
     return "\n".join(lines + ([""] + errors if errors else []) + [""] + footer + [f"Command: `{command}`", ""])
 
@@ -350,7 +349,7 @@ def _round_lines(rows: list[dict[str, Any]], config: dict[str, Any]) -> list[str
         shares = r.get("probe_share_by_round") or [None] * len(tgs)
         for t, f0, share in zip(tgs, first + [None] * len(tgs), shares, strict=False):
             notes = ([f"{f0 / t:.2f}x"] if f0 and t and r is not rows[0] else []) + ([f"{share:.0%}"] if share else [])
-            cells.append(f"{t:.2f}" + (f" ({', '.join(notes)})" if notes else ""))
+            cells.append(("-" if t is None else f"{t:.2f}") + (f" ({', '.join(notes)})" if notes else ""))
         lines.append(f"- {r['backend']}: " + (", ".join(cells) if cells else "-"))
     return lines
 

@@ -82,9 +82,9 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         "device": str(llm.loaded.device),
     }
     run = Run.create(args.output_dir, "latency", config)
-    # the memory's read bandwidth before the warmup trials (which then warm the model again) and after the measured
-    # ones: a shared host's can change by half within seconds (Zen 4: ~31 <-> ~53 GB/s), so the trials are judged
-    # against the mean of the two around them
+    # the memory's read bandwidth before the warmup trials (which then warm the model again; with --warmup 0 the
+    # first trial starts cold) and after the measured ones: a shared host's can change ~1.7x within seconds (Zen 4:
+    # ~31 <-> ~53 GB/s), so the trials are judged against the mean of the two around them rather than one
     probes = [read_bandwidth_gb_s(device=str(llm.loaded.device))]
     rows = measure(llm, args.prompt_tokens, args.gen_tokens, args.repeat, args.warmup, args.seed)
     probes.append(read_bandwidth_gb_s(device=str(llm.loaded.device)))
@@ -123,6 +123,7 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
 
 
 def _report(args: argparse.Namespace, config: dict[str, Any], summary: dict[str, Any], command: str) -> str:
+    """report.md: the summary's measures as a table, then the trials and the command."""
     pp, tg = summary[f"pp{args.prompt_tokens}_tokens_per_sec"], summary[f"tg{args.gen_tokens}_tokens_per_sec"]
     probe, (before, after), wbytes = (
         summary["read_bandwidth_gb_per_sec"],
