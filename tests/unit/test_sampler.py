@@ -149,6 +149,58 @@ def test_top_p_one_row_unfiltered_even_beside_top_p_row() -> None:
     assert torch.equal(mixed, alone)
 
 
+def _transformers_filters(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    scores = logits.clone()
+    if top_k > 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)  # type: ignore[arg-type]
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)  # type: ignore[arg-type]
+    return scores
+
+
+@pytest.mark.parametrize(
+    ("scale", "top_k", "top_p"),
+    [(4.0, 0, 0.9), (4.0, 50, 0.9), (4.0, 300, 0.95), (2.0, 0, 0.9), (0.05, 0, 0.95), (0.05, 5000, 0.5),
+     (4.0, 40, 1.0), (0.0, 5, 1.0)],
+)  # fmt: skip
+def test_top_k_and_top_p_keep_what_transformers_keeps(scale: float, top_k: int, top_p: float) -> None:
+    """Over a vocabulary larger than the candidates top-k and top-p look among (sampler.CANDIDATES, 256 then
+    4096): a nucleus inside the first, inside the second, past both (the whole row sorted), a k past the first and
+    past the second, a k alone, and all-tied rows (transformers' top-k keeps every token tied with the k-th;
+    which tied tokens a top-p keeps follows the sort, so ties are not compared there). A row without filters
+    beside them keeps all."""
+    from tokenmill.sampling import sampler
+
+    vocab = 2 * sampler.CANDIDATES[-1]
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5)) * scale
+    params = [SP(top_k=top_k, top_p=top_p), SP(), SP(top_k=top_k, top_p=top_p)]
+    ours = apply_filters(logits, make_batch(params))
+    theirs = _transformers_filters(logits, top_k, top_p)
+    for row in (0, 2):
+        assert torch.equal(torch.isfinite(ours[row]), torch.isfinite(theirs[row]))
+        assert torch.equal(ours[row][torch.isfinite(ours[row])], logits[row][torch.isfinite(ours[row])])
+    assert torch.equal(ours[1], logits[1])
+    kept = int(torch.isfinite(ours[0]).sum())
+    if scale == 0.0:
+        assert kept == vocab  # every token ties
+    elif top_k == 0 and scale < 1:
+        assert kept > sampler.CANDIDATES[-1]  # the flat row's nucleus reaches past the candidates
+    elif top_k == 0 and scale == 2:
+        assert sampler.CANDIDATES[0] < kept < sampler.CANDIDATES[-1]
+
+
+def test_inverse_transform_never_picks_a_token_without_mass() -> None:
+    """u = 0 picks the first token with mass; a u between two tokens' running sums picks the later one; a u that
+    rounds up to the total picks the last token with mass, never a zero past it. Weights need not sum to 1."""
+    from tokenmill.sampling.sampler import inverse_transform
+
+    weights = torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0]] * 4)
+    u = torch.tensor([0.0, 0.49, 0.5, 1 - 1e-12], dtype=torch.float64)
+    assert inverse_transform(weights, u).tolist() == [1, 1, 3, 3]
+
+
 def test_min_p_drops_tokens_below_fraction_of_max() -> None:
     probs = [0.5, 0.2, 0.12, 0.08, 0.06, 0.04]  # threshold 0.2 * 0.5 = 0.1
     row = logits_of(probs)
@@ -204,7 +256,7 @@ def test_suppressed_tokens_never_sampled() -> None:
     assert set(draw(row, SP(temperature=0), n=8, suppressed=[4]).tolist()) == {int(row[:4].argmax())}
     toks = draw(row, SP(temperature=1.0), suppressed=[4, 7])
     assert 4 not in toks.tolist() and 7 not in toks.tolist() and len(set(toks.tolist())) == 8
-    assert set(draw(row, SP(top_k=1), n=8, suppressed=[4]).tolist()) == {0}
+    assert set(draw(row, SP(top_k=1), n=200, suppressed=[4]).tolist()) == set(range(10)) - {4}  # nine tied at 0
     assert set(draw(row, SP(), n=200).tolist()) == {4}  # without suppression 4 always wins
 
 
