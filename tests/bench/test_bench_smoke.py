@@ -87,6 +87,21 @@ def test_latency(model: Path, tmp_path: Path) -> None:
     assert {len(r["step_ms"]) for r in rows} == {3}
 
 
+def test_latency_draws_with_the_sampling_asked_for(model: Path, tmp_path: Path) -> None:
+    """--temperature, --top-k and --top-p reach the trials (the config records them), and a drawn run decodes every
+    token it was asked for."""
+    args = ["--prompt-tokens", "8", "--gen-tokens", "6", "--repeat", "1", "--warmup", "0"]
+    run = bench("latency", str(model), *args, "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9",
+                "--output-dir", str(tmp_path))  # fmt: skip
+    manifest = assert_run_folder(run)
+    assert manifest["config"]["sampling"] == {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
+    rows = json.loads((run / "raw/trials.json").read_text())
+    assert [r["gen_tokens"] for r in rows] == [6] and rows[0]["tg_tokens_per_sec"] > 0
+    drawn = rows[0]["sampling"]  # the trial's SamplingParams fields
+    assert {k: drawn[k] for k in ("temperature", "top_k", "top_p")} == {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
+    assert isinstance(drawn["seed"], int)
+
+
 def test_throughput(model: Path, tmp_path: Path) -> None:
     run = bench(
         "throughput",

@@ -33,29 +33,42 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure(llm: Any, prompt_tokens: int, gen_tokens: int, repeat: int, warmup: int, seed: int) -> list[dict[str, Any]]:
-    """One row per trial (warmups included, flagged) with pp and tg tokens/s."""
-    rng = random.Random(seed)
+def measure(
+    llm: Any,
+    prompt_tokens: int,
+    gen_tokens: int,
+    repeat: int,
+    warmup: int,
+    seed: int,
+    sampling: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per trial (warmups included, flagged) with pp and tg tokens/s. `sampling`: SamplingParams fields
+    (temperature, top_k, top_p; greedy without them), each trial's draws seeded from `seed` (its prompt too)."""
+    rng, seeds = random.Random(seed), random.Random(seed + 1)  # the prompts as before sampling had a seed
     vocab = llm.loaded.config.vocab_size
     rows = []
     with progress("bench latency: trials", total=warmup + repeat) as advance:
         for trial in range(warmup + repeat):
-            rows.append(_trial(llm, rng, vocab, prompt_tokens, gen_tokens, trial - warmup))
+            params = {"temperature": 0, **(sampling or {}), "seed": seeds.randrange(2**31)}
+            rows.append(_trial(llm, rng, vocab, prompt_tokens, gen_tokens, trial - warmup, params))
             advance()
     return rows
 
 
-def _trial(llm: Any, rng: random.Random, vocab: int, prompt_tokens: int, gen_tokens: int, trial: int) -> dict[str, Any]:
+def _trial(
+    llm: Any, rng: random.Random, vocab: int, prompt_tokens: int, gen_tokens: int, trial: int, sampling: dict[str, Any]
+) -> dict[str, Any]:
     from tokenmill import SamplingParams
 
     prompt = [rng.randrange(vocab) for _ in range(prompt_tokens)]
-    params = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
+    params = SamplingParams(**sampling, max_tokens=gen_tokens, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
     m = out.metrics
     assert m is not None and m.prefill_ms is not None
     return {
         "trial": trial,
         "warmup": trial < 0,
+        "sampling": sampling,
         "prompt_tokens": prompt_tokens,
         "gen_tokens": len(out.outputs[0].token_ids),
         "prefill_ms": m.prefill_ms,
@@ -77,6 +90,7 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
         "repeat": args.repeat,
         "warmup": args.warmup,
         "seed": args.seed,
+        "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
         "engine": engine_kwargs,
         "dtype": str(llm.loaded.dtype),
         "device": str(llm.loaded.device),
@@ -86,7 +100,7 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
     # first trial starts cold) and after the measured ones: a shared host's can change ~1.7x within seconds (Zen 4:
     # ~31 <-> ~53 GB/s), so the trials are judged against the mean of the two around them rather than one
     probes = [read_bandwidth_gb_s(device=str(llm.loaded.device))]
-    rows = measure(llm, args.prompt_tokens, args.gen_tokens, args.repeat, args.warmup, args.seed)
+    rows = measure(llm, args.prompt_tokens, args.gen_tokens, args.repeat, args.warmup, args.seed, config["sampling"])
     probes.append(read_bandwidth_gb_s(device=str(llm.loaded.device)))
     probe = sum(probes) / 2
     measured = [r for r in rows if not r["warmup"]]
@@ -188,4 +202,7 @@ def add_latency_parser(sub: Any, engine_args: Any) -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above, each trial draws, seeded")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (1: off)")
     p.add_argument("--output-dir", default="bench-results")
