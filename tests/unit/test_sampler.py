@@ -192,13 +192,54 @@ def test_top_k_and_top_p_keep_what_transformers_keeps(scale: float, top_k: int, 
 
 
 def test_inverse_transform_never_picks_a_token_without_mass() -> None:
-    """u = 0 picks the first token with mass; a u between two tokens' running sums picks the later one; a u that
-    rounds up to the total picks the last token with mass, never a zero past it. Weights need not sum to 1."""
+    """u = 0 picks the first token with mass; a u between two tokens' running sums picks the later one; u = 1 (as
+    a u whose product with the total rounds up to it) picks the last token with mass, never a zero past it. Weights
+    need not sum to 1."""
     from tokenmill.sampling.sampler import inverse_transform
 
     weights = torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0]] * 4)
-    u = torch.tensor([0.0, 0.49, 0.5, 1 - 1e-12], dtype=torch.float64)
+    u = torch.tensor([0.0, 0.49, 0.5, 1.0], dtype=torch.float64)
     assert inverse_transform(weights, u).tolist() == [1, 1, 3, 3]
+
+
+def test_inverse_transform_reaches_tokens_below_float32_resolution() -> None:
+    """1000 tokens of 1e-8 after one of 0.75: a float32 running sum would not rise over them (its step there is
+    6e-8), so no u could draw them; the sums are float64."""
+    from tokenmill.sampling.sampler import inverse_transform
+
+    weights = torch.cat([torch.tensor([0.75]), torch.full((1000,), 1e-8), torch.tensor([0.25 - 1e-5])])[None]
+    total = float(weights.double().sum())
+    u = torch.tensor([(0.75 + 500.5e-8) / total], dtype=torch.float64)
+    assert inverse_transform(weights, u).item() in (500, 501, 502)
+
+
+def test_each_rows_kept_tokens_do_not_depend_on_the_batch() -> None:
+    """Rows with different filters in one batch keep what each keeps alone, whichever candidates the batch needs
+    (a flat top-p row makes every row's be the whole sorted vocabulary): a top-k, a top-p whose last kept token ties
+    with others, both, a top-k past the vocabulary (off), a flat nucleus, and a greedy row (its filters unused). A
+    seeded row draws the same alone and beside them."""
+    vocab = 8192
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, vocab, generator=gen) * 4
+    logits[1] = -10.0
+    logits[1, [8000, 17, 4090, 6000]] = torch.tensor([5.0, 3.0, 3.0, 3.0])  # the nucleus at 0.75 ends in a tie
+    logits[4] *= 0.01  # flat
+    params = [SP(top_k=50), SP(top_p=0.75), SP(top_k=300, top_p=0.8), SP(top_k=2**31 - 1), SP(top_p=0.95),
+              SP(temperature=0, top_p=0.5)]  # fmt: skip
+    together = apply_filters(logits, make_batch(params))
+    for i, p in enumerate(params):
+        alone = apply_filters(logits[i : i + 1], make_batch([p]))[0]
+        assert torch.equal(torch.isfinite(together[i]), torch.isfinite(alone)), p
+    assert set(torch.isfinite(together[1]).nonzero().flatten().tolist()) == {8000, 17, 4090, 6000}
+    assert torch.isfinite(together[3]).all() and torch.isfinite(together[5]).all()
+    for seed in range(20):
+        draws = []
+        for rows in ([1], [0, 1, 2, 3, 4, 5]):
+            gens: list[torch.Generator | None] = [None] * len(rows)
+            gens[rows.index(1)] = torch.Generator().manual_seed(seed)
+            out = Sampler(seed + 100)(logits[rows], make_batch([params[r] for r in rows], generators=gens))
+            draws.append(out.token_ids[rows.index(1)])
+        assert draws[0] == draws[1]
 
 
 def test_min_p_drops_tokens_below_fraction_of_max() -> None:

@@ -6,8 +6,9 @@ repetition, presence and frequency penalties -> greedy argmax, or temperature ->
 A draw is an inverse transform: one uniform number per row (a seeded row's from its own generator, so it draws
 the same whatever the batch), and the first token whose running sum of probabilities passes it. top-k and top-p
 look among each row's most likely tokens (a partial sort, `torch.topk`, `CANDIDATES`) and sort whole rows only
-where a nucleus reaches past them. With a 152k vocabulary, one row (Zen 4, 2 threads), the exponential race this
-replaced drew 152k exponentials (~3 ms), and top-k and top-p sorted the row (~12-25 ms).
+where a row may keep tokens past them (a wide nucleus, or ties with the last token kept). With a 152k vocabulary,
+one row (Zen 4, 2 threads), the exponential race this replaced drew 152k exponentials (~3 ms), and top-k and top-p
+sorted the row (~12-25 ms).
 """
 
 from __future__ import annotations
@@ -55,8 +56,6 @@ class SamplingBatch:
     # weights have streamed through the caches, every torch op's first call is cold: tens of us)
     penalized: bool = True  # some row has a repetition, presence or frequency penalty
     sampled: bool = True  # some row draws (temperature > 0)
-    top_k_rows: bool = True  # some row has a top-k
-    top_p_rows: bool = True  # some row has a top-p below 1
     min_p_rows: bool = True  # some row has a min-p
 
     @classmethod
@@ -82,8 +81,6 @@ class SamplingBatch:
             logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
             penalized=any(_penalizes(p) for p in params),
             sampled=any(p.temperature > 0 for p in params),
-            top_k_rows=any(p.top_k > 0 for p in params),
-            top_p_rows=any(p.top_p < 1 for p in params),
             min_p_rows=any(p.min_p > 0 for p in params),
         )
 
@@ -155,30 +152,35 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-# how many of each row's most likely tokens top-p looks among first, then (if some row's nucleus reaches past them)
-# next; past those, it sorts whole rows. A vocabulary of 152k, one row (Zen 4, 2 threads): topk of 41 or 256
+# How many of each row's most likely tokens (`torch.topk`) the filters look among, first, then if some row may
+# keep tokens past them; past those, whole rows are sorted. top-p starts at the first, top-k alone at its largest k
+# (+ 1, so that a tie with the k-th shows). A vocabulary of 152k, one row (Zen 4, 2 threads): topk of 41 or 256
 # tokens 0.3 ms, of 4096 1.3 ms, a whole sort 12.5 ms.
 CANDIDATES = (256, 4096)
 
 
 def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  # [B, V] -> [B, V]
-    """top-k, top-p and min-p on temperature-scaled logits; filtered entries become -inf."""
-    use_top_k, use_top_p = batch.top_k_rows, batch.top_p_rows
+    """top-k, top-p and min-p on temperature-scaled logits; filtered entries become -inf. A row's kept tokens
+    depend on that row alone (a seeded row draws the same whatever the batch): a top-k keeps every token tied with
+    its k-th (as transformers' does), a top-p every token tied with the last one its nucleus needs."""
+    vocab = logits.shape[1]
+    drawing = [p for p in batch.params if p.temperature > 0]  # greedy rows' filters change nothing they take
+    use_top_k = any(0 < p.top_k < vocab for p in drawing)
+    use_top_p = any(p.top_p < 1 for p in drawing)
     if use_top_k or use_top_p:
-        vocab, k = logits.shape[1], int(batch.top_k.max()) + 1  # + 1: a tie with the k-th shows
+        k = max((p.top_k for p in drawing if 0 < p.top_k < vocab), default=0) + 1
         widths = [max(w, k) for w in CANDIDATES] if use_top_p else [k, max(CANDIDATES[-1], k)]
-        for width in dict.fromkeys([*(w for w in widths if w < vocab), vocab]):  # the fewest that hold every row's
+        rows = _FilterRows(logits, batch, use_top_k, use_top_p)
+        for width in dict.fromkeys([*(w for w in widths if w < vocab), vocab]):
             values, order = logits.topk(width, dim=-1) if width < vocab else logits.sort(dim=-1, descending=True)
-            drop = _nucleus_drops(values, logits, batch, use_top_k, use_top_p)  # [B, width], or None: too few
+            drop = rows.drops(values)  # [B, width], or None: some row may keep tokens past these
             if drop is not None:
                 break
         assert drop is not None  # the last width is the whole vocabulary
-        drop[:, 0] = False  # always keep the most likely token
         # the kept candidates in place, every other token -inf, but for rows without a filter: those stay whole
         filtered = torch.full_like(logits, float("-inf")).scatter_(1, order, values.masked_fill(drop, float("-inf")))
-        unfiltered = (batch.top_k <= 0) & (batch.top_p >= 1)  # [B]
-        if bool(unfiltered.any()):
-            filtered[unfiltered] = logits[unfiltered]
+        if bool(rows.unfiltered.any()):
+            filtered[rows.unfiltered] = logits[rows.unfiltered]
         logits = filtered
     if batch.min_p_rows:  # p < min_p * p_max, in logits: l < l_max + log(min_p) (log 0 = -inf: off)
         floor = logits.amax(dim=-1, keepdim=True) + batch.min_p[:, None].log()
@@ -186,33 +188,49 @@ def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:  
     return logits
 
 
-def _nucleus_drops(
-    values: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch, use_top_k: bool, use_top_p: bool
-) -> torch.Tensor | None:
-    """values [B, k]: each row's k largest logits, most likely first (k = V: the whole row, sorted) -> which of them
-    top-k and top-p drop [B, k] bool; None where a row may keep tokens past the k (the caller sorts whole rows then).
-    Tokens past the k are all dropped in a row that filters: a top-k row keeps its k largest and any tied with the
-    k-th (as transformers' top-k does), a top-p row the fewest whose mass reaches p."""
-    vocab, width = logits.shape[1], values.shape[1]
-    drop = torch.zeros_like(values, dtype=torch.bool)
-    if use_top_k:
-        on = batch.top_k > 0  # [B]
-        kth = values.gather(1, (torch.where(on, batch.top_k, width).clamp(max=width) - 1)[:, None])  # [B, 1]
-        if width < vocab and bool((on & (values[:, -1] == kth[:, 0])).any()):  # ties with the k-th run past the k
-            return None
-        drop |= (values < kth) & on[:, None]
-    if use_top_p:
-        # each candidate's share of the row's whole mass after top-k: a top-k row's mass lies in its candidates,
-        # another row's over the whole vocabulary
-        kept = values.masked_fill(drop, float("-inf"))
-        total = torch.where(batch.top_k > 0, kept.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # [B]
-        probs = (kept - total[:, None]).exp()  # [B, k]
-        mass_before = probs.cumsum(dim=-1) - probs
-        nucleus = batch.top_p < 1  # top_p = 1 rows: off
-        if width < vocab and bool((nucleus & (mass_before[:, -1] + probs[:, -1] < batch.top_p)).any()):
-            return None
-        drop |= (mass_before >= batch.top_p[:, None]) & nucleus[:, None]
-    return drop
+class _FilterRows:
+    """Which of a row's most likely tokens top-k and top-p drop, whatever the number of them looked among."""
+
+    def __init__(self, logits: torch.Tensor, batch: SamplingBatch, use_top_k: bool, use_top_p: bool) -> None:
+        self.logits, self.batch, self.use_top_k, self.use_top_p = logits, batch, use_top_k, use_top_p
+        vocab, drawing = logits.shape[1], batch.temperature > 0  # [B]
+        self.top_k = drawing & (batch.top_k > 0) & (batch.top_k < vocab)  # [B]: rows with a top-k
+        self.top_p = drawing & (batch.top_p < 1)  # [B]: rows with a top-p
+        self.unfiltered = ~(self.top_k | self.top_p)  # [B]
+        self._total: torch.Tensor | None = None
+
+    def drops(self, values: torch.Tensor) -> torch.Tensor | None:
+        """values [B, W]: each row's W largest logits, most likely first (W = V: whole rows) -> which of them are
+        dropped [B, W] bool (never the first); None where a row may keep tokens past the W."""
+        vocab, width = self.logits.shape[1], values.shape[1]
+        drop = torch.zeros_like(values, dtype=torch.bool)
+        kth = None
+        if self.use_top_k:
+            kth = values.gather(1, (torch.where(self.top_k, self.batch.top_k, width).clamp(max=width) - 1)[:, None])
+            # a tie with the k-th at the last candidate may continue past them (a -inf k-th: a grammar's mask)
+            if width < vocab and bool((self.top_k & (values[:, -1] == kth[:, 0]) & kth[:, 0].isfinite()).any()):
+                return None
+            drop |= (values < kth) & self.top_k[:, None]
+        if self.use_top_p:
+            probs = (values.masked_fill(drop, float("-inf")) - self.total(kth)[:, None]).exp()  # [B, W]
+            mass_before = probs.cumsum(dim=-1) - probs
+            cut = (mass_before >= self.batch.top_p[:, None]) & self.top_p[:, None]  # [B, W]: past the nucleus
+            last = values.gather(1, (~cut).sum(dim=-1, keepdim=True) - 1)  # [B, 1]: the nucleus's last value
+            if width < vocab and bool((self.top_p & ~cut[:, -1] | self.top_p & (values[:, -1] == last[:, 0])).any()):
+                return None  # the nucleus, or a tie with its last token, may reach past the candidates
+            drop |= (values < last) & self.top_p[:, None]
+        drop[:, 0] = False  # always keep the most likely token
+        return drop
+
+    def total(self, kth: torch.Tensor | None) -> torch.Tensor:  # -> [B]
+        """Each row's log of its whole mass after its top-k, over its whole row (a sum over the candidates alone
+        would round differently with their number)."""
+        if self._total is None:
+            logits = self.logits
+            if kth is not None and bool(self.top_k.any()):
+                logits = logits.masked_fill((logits < kth) & self.top_k[:, None], float("-inf"))
+            self._total = logits.logsumexp(dim=-1)
+        return self._total
 
 
 def topk_logprobs(
@@ -234,25 +252,32 @@ def topk_logprobs(
 
 
 def _scaled(logits: torch.Tensor, batch: SamplingBatch, greedy: bool) -> torch.Tensor:  # [B, V] -> [B, V]
-    """The logits over each drawing row's temperature (greedy rows' as they are): one temperature for the batch
-    divides by a number, 1 not at all (the filters and the softmax make new tensors; the caller's stay)."""
+    """The logits over each drawing row's temperature (greedy rows' as they are): on the CPU one temperature for
+    the batch divides by a number, 1 not at all (the filters and the softmax make new tensors; the caller's stay).
+    A GPU divides by a number as a product with its reciprocal, which rounds differently from a division by a
+    tensor: there every batch divides by the column, so that a row's numbers do not depend on the batch."""
     temperatures = {p.temperature for p in batch.params}
-    if greedy or len(temperatures) > 1:
+    if greedy or len(temperatures) > 1 or logits.device.type != "cpu":
         return logits / torch.where(batch.temperature > 0, batch.temperature, 1.0)[:, None]
     (t,) = temperatures
     return logits if t == 1 else logits / t
 
 
-def inverse_transform(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [B, V], [B] in [0, 1) -> [B]
+def inverse_transform(
+    weights: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:  # [B, V], [B] in [0, 1) -> [B]
     """Each row's token (int64) at u: the first whose running sum of weights (probabilities, not necessarily
-    normalised) exceeds u times the row's total. A token of weight 0 never is (the sum does not rise there); where
-    rounding puts u times the total at the total itself, the row's last token of any weight. `weights` is
-    overwritten by its running sums (a [B, V] buffer fewer: at 16 rows of 152k, each costs ~1 ms of page faults)."""
-    cdf = weights.cumsum_(dim=-1)  # [B, V]
+    normalised) exceeds u times the row's total. The sums are float64: in float32 past a sum of 0.5 a token below
+    ~3e-8 would add nothing and never be drawn (152k tokens of 3-sigma logits: 43k of them). A token of weight 0
+    never is drawn (the sum does not rise there); where u times the total rounds up to the total itself, the token
+    at which the sums reach it. `out`: float64 storage of at least B * V for the sums (a fresh [B, V] float64 each
+    step costs page faults: ~1 ms at one row of 152k on a Zen 4)."""
+    cdf = torch.empty(weights.shape, dtype=torch.float64, device=weights.device) if out is None else out
+    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64, out=cdf[: weights.numel()].view(weights.shape))
     total = cdf[:, -1:]  # [B, 1]
     index = torch.searchsorted(cdf, u.to(device=cdf.device, dtype=cdf.dtype)[:, None] * total, right=True).squeeze(1)
     if int(index.max()) >= cdf.shape[1]:  # some row where nothing exceeds the target
-        index = torch.where(index >= cdf.shape[1], (cdf < total).sum(dim=-1), index)  # where the sums reach the total
+        index = torch.where(index >= cdf.shape[1], (cdf < total).sum(dim=-1), index)
     return index
 
 
@@ -277,6 +302,7 @@ class Sampler:
     def __init__(self, seed: int = 0, ops: Kernels | None = None) -> None:
         self.default_generator = torch.Generator().manual_seed(seed)  # rows without a seed of their own
         self.ops = ops  # the CPU kernels, for the grammar bitmask and the greedy argmax (torch's otherwise)
+        self._cdf: torch.Tensor | None = None  # the draws' running sums (float64), grown to the most rows seen
 
     def _masked(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
@@ -317,15 +343,20 @@ class Sampler:
         tokens = argmax if argmax is not None and logits is raw else self._argmax(logits) if greedy else None  # [B]
         if batch.sampled:
             probs = apply_filters(_scaled(logits, batch, greedy), batch).softmax(dim=-1)  # [B, V]
-            drawn = inverse_transform(probs, self._uniforms(batch.generators))  # [B]
+            drawn = inverse_transform(probs, self._uniforms(batch.generators), self._sums(probs))  # [B]
             tokens = drawn if tokens is None else torch.where(batch.temperature > 0, drawn, tokens)
         assert tokens is not None  # every row either drew or took the argmax
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(raw, tokens, batch))
 
-    def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:  # -> [B] float32 in [0, 1)
+    def _sums(self, probs: torch.Tensor) -> torch.Tensor:  # -> float64 [>= B * V], kept from call to call
+        if self._cdf is None or self._cdf.numel() < probs.numel() or self._cdf.device != probs.device:
+            self._cdf = torch.empty(probs.numel(), dtype=torch.float64, device=probs.device)
+        return self._cdf
+
+    def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:  # -> [B] float64 in [0, 1)
         """One uniform number per row: a seeded row's from its own generator, the others' from the sampler's. Drawn
         on the CPU, so that seeds reproduce on any device."""
-        u = torch.empty(len(generators)).uniform_(generator=self.default_generator)
+        u = torch.empty(len(generators), dtype=torch.float64).uniform_(generator=self.default_generator)
         for i, gen in enumerate(generators):
             if gen is not None:
                 u[i : i + 1].uniform_(generator=gen)
