@@ -272,8 +272,8 @@ def inverse_transform(
     never is drawn (the sum does not rise there); where u times the total rounds up to the total itself, the token
     at which the sums reach it. `out`: float64 storage of at least B * V for the sums (a fresh [B, V] float64 each
     step costs page faults: ~1 ms at one row of 152k on a Zen 4)."""
-    cdf = torch.empty(weights.shape, dtype=torch.float64, device=weights.device) if out is None else out
-    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64, out=cdf[: weights.numel()].view(weights.shape))
+    flat = torch.empty(weights.numel(), dtype=torch.float64, device=weights.device) if out is None else out
+    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64, out=flat[: weights.numel()].view(weights.shape))
     total = cdf[:, -1:]  # [B, 1]
     index = torch.searchsorted(cdf, u.to(device=cdf.device, dtype=cdf.dtype)[:, None] * total, right=True).squeeze(1)
     if int(index.max()) >= cdf.shape[1]:  # some row where nothing exceeds the target
