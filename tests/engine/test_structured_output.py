@@ -98,7 +98,9 @@ def test_every_schema_validates_on_a_tiny_random_model(tiny: LLM) -> None:
 
 
 def test_regex_choice_and_grammars(tiny: LLM) -> None:
-    regexes = [r"[a-z]{3,8}", r"(yes|no)-\d{2}", r"\d{3}-\d{4}", r"[A-Z][a-z]{1,5} [A-Z][a-z]{1,5}"]
+    # [0-9], not \d: the grammar's \d takes every Unicode digit of its own (newer) tables, and a draw of one that
+    # Python 3.11's Unicode 14 lacks (U+1E4F7, Nag Mundari) failed re's check of a valid output
+    regexes = [r"[a-z]{3,8}", r"(yes|no)-[0-9]{2}", r"[0-9]{3}-[0-9]{4}", r"[A-Z][a-z]{1,5} [A-Z][a-z]{1,5}"]
     lark = 'start: "(" item ("," item)* ")"\nitem: /[a-c]{1,3}/'
     gbnf = 'root ::= "[" digit digit? "]"\ndigit ::= [0-9]'
     cases = [StructuredOutputsParams(regex=r) for r in regexes] + [
