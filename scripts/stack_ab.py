@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.bandwidth import cpu_prober
 from tokenmill.kernels import build, isa
 from tokenmill.kernels.ops import Kernels
 from tokenmill.models.decode_stack import DecodeStack
@@ -55,29 +56,6 @@ class TensorInputs:
 
 def _tree_cflags(plain: Callable[[str], list[str]], define: str, level: str) -> list[str]:
     return [*plain(level), define]
-
-
-def _prober() -> Callable[[], float]:
-    """A read of 128 MB of a huge-page region (as the weights live; bench/bandwidth.py), the best of two: GB/s."""
-    import torch
-
-    from tokenmill import kernels
-    from tokenmill.kernels.placement import huge_page_buffer
-
-    ops, nbytes = kernels.active(), 128 << 20
-    assert ops is not None, "--probe reads memory with the kernels' read_sum"
-    region = huge_page_buffer(nbytes)
-    buf = (torch.empty(nbytes, dtype=torch.uint8) if region is None else region).view(torch.float32).fill_(1.0)
-
-    def probe() -> float:
-        best = float("inf")
-        for _ in range(2):
-            start = time.perf_counter()
-            ops.module.read_sum(buf.data_ptr(), nbytes)
-            best = min(best, time.perf_counter() - start)
-        return nbytes / best / 1e9
-
-    return probe
 
 
 def main() -> None:
@@ -112,14 +90,14 @@ def main() -> None:
         ids = [100 + (7 * b + i) % 1000 for i in range(args.prompt_tokens)]
         engine.add_request(EngineRequest(request_id=str(b), prompt_token_ids=ids, params=params, max_tokens=total + 8))
     times: dict[str, list[tuple[float, float]]] = {t: [] for t in stacks}  # (step seconds, its turn's probe)
-    probe = _prober() if args.probe else lambda: 0.0
+    prober = cpu_prober(128) if args.probe else None  # 128 MB, kept from turn to turn
     runner.decode_stack = stacks[next(iter(stacks))]
     for _ in range(args.block):  # the prefill, and warm steps
         engine.step()
     while min(len(v) for v in times.values()) < args.steps:
         for tree, stack in stacks.items():
             runner.decode_stack = stack
-            bandwidth = probe()
+            bandwidth = prober(2) if prober is not None else 0.0
             engine.step()  # the first step after a switch wakes this tree's helpers: not counted
             for _ in range(args.block):
                 start = time.perf_counter()

@@ -5,6 +5,7 @@ reads every weight once, so tg tok/s x weight bytes can reach at most what that 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,6 +24,16 @@ def read_bandwidth_gb_s(megabytes: int = 1024, repeats: int = 5, device: str = "
 
     if device != "cpu":
         return _gpu_read_gb_s(torch.device(device), repeats)
+    probe = cpu_prober(megabytes)
+    probe(1)  # the first pass faults the pages in
+    return probe(repeats)
+
+
+def cpu_prober(megabytes: int) -> Callable[[int], float]:
+    """`read_bandwidth_gb_s`'s CPU probe over one buffer that stays allocated: probe(repeats) -> the best of that
+    many reads, GB/s (for a tool that probes again and again, `scripts/stack_ab.py --probe`)."""
+    import torch
+
     from tokenmill import kernels
     from tokenmill.kernels.placement import huge_page_buffer
 
@@ -31,12 +42,16 @@ def read_bandwidth_gb_s(megabytes: int = 1024, repeats: int = 5, device: str = "
     region = huge_page_buffer(nbytes)
     buf = torch.ones(nbytes // 4, dtype=torch.float32) if region is None else region.view(torch.float32).fill_(1.0)
     read = (lambda: ops.module.read_sum(buf.data_ptr(), buf.numel() * 4)) if ops is not None else buf.sum
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first pass faults the pages in
-        start = time.perf_counter()
-        read()
-        best = min(best, time.perf_counter() - start)
-    return buf.numel() * 4 / best / 1e9
+
+    def probe(repeats: int) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - start)
+        return buf.numel() * 4 / best / 1e9
+
+    return probe
 
 
 def _gpu_read_gb_s(device: torch.device, repeats: int) -> float:
