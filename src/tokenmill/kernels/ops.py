@@ -6,11 +6,16 @@ shape, dtype, layout and device happens here, before a pointer crosses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.kernels.formats import BLOCK, FORMATS, PANEL
+
+if TYPE_CHECKING:
+    from tokenmill.sampling_params import SamplingParams
 
 
 def panel_bytes(format_id: int, k: int) -> int:
@@ -112,6 +117,28 @@ class Kernels:
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self.module.argmax_rows(logits.data_ptr(), *logits.shape, out.data_ptr())
         return out
+
+    def draw(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        u: Sequence[float],
+        filtered: torch.Tensor | None = None,
+    ) -> list[int]:
+        """logits [B, V] float32 -> each row's token: a drawing row's after its temperature, top-k, top-p and min-p,
+        at its uniform number u [B] in [0, 1) (sampling/sampler.py's rules); a greedy row's argmax. `filtered`
+        [B, V] float32 (tests): each drawing row's values after the filters, over the temperature, -inf where
+        dropped."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu" or not len(params):
+            raise ValueError("logits must be a float32 CPU tensor [B, V], B >= 1")
+        if filtered is not None and (filtered.shape != logits.shape or filtered.dtype != torch.float32
+                                     or not filtered.is_contiguous()):  # fmt: skip
+            raise ValueError(f"filtered must be a contiguous float32 {tuple(logits.shape)} tensor")
+        logits, out = logits.contiguous(), 0 if filtered is None else filtered.data_ptr()
+        return self.module.draw_lists(
+            logits.data_ptr(), *logits.shape, [p.temperature for p in params], [max(p.top_k, 0) for p in params],
+            [p.top_p for p in params], [p.min_p for p in params], list(u), out,
+        )  # fmt: skip
 
     def prefill_attention(
         self,

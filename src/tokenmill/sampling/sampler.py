@@ -9,6 +9,11 @@ look among each row's most likely tokens (a partial sort, `torch.topk`, `CANDIDA
 where a row may keep tokens past them (a wide nucleus, or ties with the last token kept). With a 152k vocabulary,
 one row (Zen 4, 2 threads), the exponential race this replaced drew 152k exponentials (~3 ms), and top-k and top-p
 sorted the row (~12-25 ms).
+
+On the CPU, float32 logits after the masks, biases and penalties go to one kernel call instead
+(kernels/csrc/sample.h: the same rules, tested against this code): 0.1-0.4 ms a row of 152k where the torch ops
+took 0.6-17 ms. Its top-p sums in float64 where this code's running sums are float32, so a nucleus within ~1e-6 of
+the whole row may keep a few tokens more or fewer here.
 """
 
 from __future__ import annotations
@@ -301,20 +306,23 @@ def _only(row: torch.Tensor, ids: list[int]) -> bool:
 class Sampler:
     def __init__(self, seed: int = 0, ops: Kernels | None = None) -> None:
         self.default_generator = torch.Generator().manual_seed(seed)  # rows without a seed of their own
-        self.ops = ops  # the CPU kernels, for the grammar bitmask and the greedy argmax (torch's otherwise)
+        self.ops = ops  # the CPU kernels: the grammar bitmask, the greedy argmax and the draws (torch's otherwise)
         self._cdf: torch.Tensor | None = None  # the draws' running sums (float64), grown to the most rows seen
 
+    def _kernels(self, logits: torch.Tensor) -> Kernels | None:
+        """The CPU kernels, where they take these logits (float32 on the CPU); the torch code is their reference."""
+        return self.ops if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+
     def _masked(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        if (ops := self._kernels(logits)) is not None:
             out = logits.clone()
-            self.ops.apply_bitmask(out, bitmask)
+            ops.apply_bitmask(out, bitmask)
             return out
         return apply_bitmask(logits, bitmask)
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
-        if self.ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
-            return self.ops.argmax(logits)
-        return logits.argmax(dim=-1)
+        ops = self._kernels(logits)
+        return ops.argmax(logits) if ops is not None else logits.argmax(dim=-1)
 
     def __call__(
         self, logits: torch.Tensor | None, batch: SamplingBatch, argmax: torch.Tensor | None = None
@@ -339,6 +347,9 @@ class Sampler:
         if batch.logit_bias is not None:
             logits = _biased(logits, batch.logit_bias)
         logits = apply_penalties(logits, batch)
+        if batch.sampled and (ops := self._kernels(logits)) is not None:  # every row (greedy: argmax) in one call
+            token_ids = ops.draw(logits, batch.params, self._uniforms(batch.generators).tolist())
+            return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(raw, token_ids, batch))
         greedy = not batch.sampled or any(p.temperature <= 0 for p in batch.params)  # some row takes the argmax
         tokens = argmax if argmax is not None and logits is raw else self._argmax(logits) if greedy else None  # [B]
         if batch.sampled:
@@ -346,7 +357,8 @@ class Sampler:
             drawn = inverse_transform(probs, self._uniforms(batch.generators), self._sums(probs))  # [B]
             tokens = drawn if tokens is None else torch.where(batch.temperature > 0, drawn, tokens)
         assert tokens is not None  # every row either drew or took the argmax
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=self._logprobs(raw, tokens, batch))
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(raw, token_ids, batch))
 
     def _sums(self, probs: torch.Tensor) -> torch.Tensor:  # -> float64 [>= B * V], kept from call to call
         if self._cdf is None or self._cdf.numel() < probs.numel() or self._cdf.device != probs.device:
@@ -362,13 +374,14 @@ class Sampler:
                 u[i : i + 1].uniform_(generator=gen)
         return u
 
-    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[dict[int, float] | None]:
+    def _logprobs(self, raw: torch.Tensor, token_ids: list[int], batch: SamplingBatch) -> list[dict[int, float] | None]:
         wanted = [i for i, k in enumerate(batch.num_logprobs) if k is not None]
         out: list[dict[int, float] | None] = [None] * len(batch.num_logprobs)
         if not wanted:
             return out
         rows = torch.tensor(wanted, device=raw.device)
+        tokens = torch.tensor([token_ids[i] for i in wanted], dtype=torch.int64, device=raw.device)
         num_top = [batch.num_logprobs[i] or 0 for i in wanted]
-        for i, d in zip(wanted, topk_logprobs(raw[rows].log_softmax(dim=-1), tokens[rows], num_top)):
+        for i, d in zip(wanted, topk_logprobs(raw[rows].log_softmax(dim=-1), tokens, num_top)):
             out[i] = d
         return out

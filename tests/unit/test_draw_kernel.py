@@ -1,0 +1,129 @@
+"""The draw kernel (kernels/csrc/sample.h: temperature, top-k, top-p, min-p and the draw in one call) against the
+sampler's torch path, its reference, on every kernel variant this CPU runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenmill import kernels
+from tokenmill.sampling.sampler import Sampler, SamplingBatch, _scaled, apply_filters
+from tokenmill.sampling_params import SamplingParams as SP
+
+VOCAB = 2 * 4096 + 3  # past the torch path's candidates (256, 4096), and a tail after the last whole vector
+
+# each row: what it tests
+ROWS = [
+    (SP(top_k=50), "a top-k in the heap"),
+    (SP(top_k=2000), "a top-k past the heap (nth_element)"),
+    (SP(top_k=VOCAB), "a top-k of the whole vocabulary: off"),
+    (SP(top_p=0.75), "a nucleus that ends in a tie"),
+    (SP(top_p=0.95), "a flat row's wide nucleus, many bins"),
+    (SP(top_k=300, top_p=0.8, temperature=0.7), "both, below a temperature"),
+    (SP(min_p=0.1, temperature=1.3), "a min-p"),
+    (SP(top_k=3, top_p=0.5, min_p=0.01), "all three on a row of few distinct values (ties everywhere)"),
+    (SP(top_p=0.9), "a nucleus among a grammar's -inf"),
+    (SP(temperature=0, top_p=0.5), "a greedy row: its argmax, its filters unused"),
+]
+
+
+def _logits(seed: int) -> torch.Tensor:  # [len(ROWS), VOCAB]
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(ROWS), VOCAB, generator=gen) * 4
+    logits[3] = -10.0
+    logits[3, [8000, 17, 4090, 6000, VOCAB - 1]] = torch.tensor([5.0, 3.0, 3.0, 3.0, 1.0])  # 0.75 ends in the tie
+    logits[4] *= 0.01
+    logits[7] = torch.randint(0, 6, (VOCAB,), generator=gen).float()
+    logits[8, ::3] = float("-inf")
+    return logits
+
+
+def _batch(params: list[SP]) -> SamplingBatch:
+    n = len(params)
+    return SamplingBatch.build(params, [[]] * n, [[]] * n, [None] * n, [[]] * n)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_keeps_what_the_torch_path_keeps(ops: kernels.Kernels, seed: int) -> None:
+    """Each drawing row's values after its filters, over its temperature, equal the torch path's: the same tokens
+    kept (ties with the k-th and with the nucleus's last token too), the same float32 values. A greedy row takes
+    its argmax."""
+    logits = _logits(seed)
+    params = [p for p, _ in ROWS]
+    batch = _batch(params)
+    expected = apply_filters(_scaled(logits, batch, greedy=True), batch)
+    filtered = torch.full_like(logits, 7.0)
+    tokens = ops.draw(logits, params, [0.5] * len(params), filtered)
+    for i, (p, what) in enumerate(ROWS):
+        if p.temperature == 0:
+            assert tokens[i] == int(logits[i].argmax()), what
+            continue
+        kept = torch.isfinite(filtered[i])
+        assert torch.equal(kept, torch.isfinite(expected[i])), what
+        assert torch.equal(filtered[i][kept], expected[i][kept]), what
+        assert bool(kept[tokens[i]]), what
+    assert int(torch.isfinite(filtered[3]).sum()) == 4  # 8000 and the three tied at 3.0
+    assert int(torch.isfinite(filtered[2]).sum()) == VOCAB and int(torch.isfinite(filtered[4]).sum()) > 4096
+
+
+def test_kernel_draws_what_the_torch_path_draws(ops: kernels.Kernels) -> None:
+    """The same uniform numbers draw the same tokens: one Sampler with the kernels, one without, seeded alike,
+    over steps of the batch above (seeded rows among them)."""
+    params = [p for p, _ in ROWS]
+    with_kernels, reference = Sampler(3, ops), Sampler(3)
+    drawn: set[int] = set()
+    for step in range(12):
+        logits = _logits(100 + step)
+        tokens = []
+        for sampler in (with_kernels, reference):
+            gens: list[torch.Generator | None] = [None] * len(params)
+            gens[5] = torch.Generator().manual_seed(step)
+            batch = SamplingBatch.build(params, [[]] * len(params), [[]] * len(params), gens, [[]] * len(params))
+            tokens.append(sampler(logits, batch).token_ids)
+        assert tokens[0] == tokens[1], step
+        drawn.add(tokens[0][4])
+    assert len(drawn) > 1  # the draws really are random
+
+
+@pytest.mark.parametrize("top_p", [0.999, 0.999999])
+def test_kernel_nucleus_near_one_as_float64_finds_it(ops: kernels.Kernels, top_p: float) -> None:
+    """A nucleus of nearly the whole row ends where float64 sums put it: the mass before its last token under
+    top_p, the mass before the next not. (The torch path's float32 running sums cannot resolve this: near 1 they
+    step by 6e-8, and there it keeps a few tokens more or fewer.)"""
+    for seed in range(3):
+        logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+        filtered = torch.empty_like(logits)
+        ops.draw(logits, [SP(top_p=top_p)], [0.5], filtered)
+        x = logits[0].double()
+        values = x.sort(descending=True).values
+        probs = (values - values[0]).exp()
+        probs /= probs.sum()
+        before = probs.cumsum(0) - probs  # each token's mass before it, most likely first
+        last = values[int((before < torch.tensor(top_p, dtype=torch.float32).double()).sum()) - 1]
+        assert torch.equal(torch.isfinite(filtered[0]), x >= last), seed
+
+
+def test_kernel_draw_ends_and_tiny_weights(ops: kernels.Kernels) -> None:
+    """u = 0 draws the first kept token; u just under 1 the last; a NaN or a dropped token never. 1000 tokens of
+    1e-8 after one of 0.75 are reachable (the sums are float64)."""
+    row = torch.full((1, 40), float("-inf"))
+    row[0, [3, 9, 30]] = torch.tensor([0.0, 1.0, 0.5])
+    row[0, 20] = float("nan")
+    assert ops.draw(row, [SP()], [0.0]) == [3]
+    assert ops.draw(row, [SP()], [1 - 2**-53]) == [30]
+    assert ops.draw(row, [SP(top_k=2)], [1 - 2**-53]) == [30]  # 3 dropped: 9 and 30 are the two largest
+    assert ops.draw(row, [SP(top_k=1)], [0.0]) == [9]
+    weights = [0.75] + [1e-8] * 1000 + [0.25 - 1e-5]
+    tiny = torch.tensor([[math.log(w) for w in weights]])
+    mass = [math.exp(float(x) - float(tiny.max())) for x in tiny[0]]  # as the kernel weighs them, to ~1 ulp
+    u = (mass[0] + 500.5 * mass[1]) / sum(mass)
+    assert ops.draw(tiny, [SP()], [u])[0] in (500, 501, 502)
+
+
+def test_kernel_rejects_mismatched_rows(ops: kernels.Kernels) -> None:
+    with pytest.raises(ValueError, match="one temperature"):
+        ops.draw(torch.zeros(2, 8), [SP()], [0.5])
+    with pytest.raises(ValueError, match="float32"):
+        ops.draw(torch.zeros(2, 8, dtype=torch.float64), [SP()] * 2, [0.5] * 2)
