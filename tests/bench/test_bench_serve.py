@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.server.helpers import Server, running
-from tokenmill.bench.serve import add_serve_parser, make_plan, parse_goodput, run_serve
+from tokenmill.bench.serve import add_serve_parser, make_plan, parse_goodput, run_serve, sampling
 
 INPUT_LEN, OUTPUT_LEN = 16, 8
 
@@ -99,6 +99,19 @@ def test_prefix_caching_scaled_down_uses_server_tokenizer(server: Server, tmp_pa
     check_figures(summary, 5)
     assert all(r["kind"] == "prefixed" and r["output_tokens"] == OUTPUT_LEN for r in rows)
     assert all(abs(r["prompt_tokens"] - (48 + INPUT_LEN)) <= 2 for r in rows)
+
+
+def test_drawn_requests_send_and_record_their_sampling(server: Server, tmp_path: Path) -> None:
+    """--temperature makes every request draw, with the top_p, top_k and min_p given; the manifest keeps them.
+    Greedy sends the temperature alone."""
+    assert sampling(parse("--url", "http://x", "--model", "m")) == {"temperature": 0.0}
+    assert sampling(parse("--url", "x", "--model", "m", "--temperature", "1")) == {"temperature": 1.0, "top_p": 1.0}
+    drawn = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05}
+    run, summary, rows = bench(server, tmp_path, "--num-prompts", "3", "--max-concurrency", "3", "--temperature", "0.8",
+                               "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05")  # fmt: skip
+    assert check_layout(run, "custom")["config"]["sampling"] == drawn
+    check_figures(summary, 3)
+    assert all(r["ok"] and r["output_tokens"] == OUTPUT_LEN for r in rows)
 
 
 def test_errors_are_recorded_not_raised(server: Server, tmp_path: Path) -> None:

@@ -109,8 +109,8 @@ def build_prompts(plan: Plan, counter: TokenCounter, seed: int) -> list[tuple[st
 
 
 def _body(args: argparse.Namespace, text: str, output_len: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": args.model, "max_tokens": output_len, "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict[str, Any] = {"model": args.model, "max_tokens": output_len, "stream": True,
+                            "stream_options": {"include_usage": True}, **sampling(args)}  # fmt: skip
     if not getattr(args, "no_ignore_eos", False):
         body["ignore_eos"] = True
     if args.endpoint == "chat":
@@ -118,6 +118,17 @@ def _body(args: argparse.Namespace, text: str, output_len: int) -> dict[str, Any
     else:
         body["prompt"] = text
     return body
+
+
+def sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The requests' sampling fields: greedy by default; with --temperature, a draw with top_p (1 sent as well, where
+    a server has its own default), and top_k / min_p where given (fields beyond OpenAI's, which vLLM and llama-server
+    take: llama-server applies its own top-k 40 and min-p 0.05 unless they come as 0)."""
+    fields: dict[str, Any] = {"temperature": args.temperature}
+    if args.temperature > 0:
+        fields["top_p"] = args.top_p
+        fields.update({name: getattr(args, name) for name in ("top_k", "min_p") if getattr(args, name) is not None})
+    return fields
 
 
 async def send(client: httpx.AsyncClient, args: argparse.Namespace, body: dict[str, Any], row: dict[str, Any],
@@ -328,8 +339,7 @@ def run_workload(args: argparse.Namespace, workload: str) -> Path:
                   else args.prefix_len, "long_factor": LONG_FACTOR if plan.long_fraction else None,
                   "prompt_token_source": counter.source, "ignore_eos": not args.no_ignore_eos,
                   "request_timeout_s": args.timeout, "max_duration_s": args.max_duration,
-                  "warmup": args.warmup, "warmup_excluded": args.warmup > 0,
-                  "temperature": 0.0}  # fmt: skip
+                  "warmup": args.warmup, "warmup_excluded": args.warmup > 0, "sampling": sampling(args)}  # fmt: skip
         run = Run.create(args.output_dir, workload, config)
         if warm:
             wrows, _ = asyncio.run(drive(args, warm_plan, warm, seed + 10_000))
@@ -390,6 +400,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--max-duration", type=float, default=3600.0, help="seconds for the whole run")
     p.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject `ignore_eos`")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above, every request draws")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top_p (sent, 1 too)")
+    p.add_argument("--top-k", type=int, default=None, help="with --temperature: top_k, sent where given (0: off)")
+    p.add_argument("--min-p", type=float, default=None, help="with --temperature: min_p, sent where given (0: off)")
     p.add_argument("--output-dir", default="./bench-results")
     p.add_argument("--server-label", default="tokenmill", help="backend name in index.csv")
     p.add_argument("--server-peers", default=None, metavar="LABEL=URL[@MODEL],...",
