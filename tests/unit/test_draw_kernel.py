@@ -122,6 +122,44 @@ def test_kernel_draw_ends_and_tiny_weights(ops: kernels.Kernels) -> None:
     assert ops.draw(tiny, [SP()], [u])[0] in (500, 501, 502)
 
 
+@pytest.mark.parametrize("vocab", [5, 37, 600])  # under one vector, a tail after whole vectors, several blocks
+def test_kernel_inf_and_nan_logits(ops: kernels.Kernels, vocab: int) -> None:
+    """A NaN is never drawn; +inf logits (a tiny repetition penalty over a positive logit) are drawn alone, each
+    alike, whatever the filters and wherever they lie (the last value, a tail past the vectors)."""
+    row = torch.randn(1, vocab, generator=torch.Generator().manual_seed(vocab))
+    row[0, 1] = float("nan")
+    for params in (SP(), SP(top_p=0.9), SP(top_k=2, min_p=0.5)):
+        tokens = {ops.draw(row, [params], [u])[0] for u in (0.0, 0.3, 0.7, 1 - 2**-53)}
+        assert 1 not in tokens and all(0 <= t < vocab for t in tokens), params
+    row[0, [vocab - 1, 2]] = float("inf")
+    for params in (SP(), SP(top_p=0.9), SP(top_k=3, min_p=0.1)):
+        assert [ops.draw(row, [params], [u])[0] for u in (0.0, 0.49, 0.51)] == [2, 2, vocab - 1], params
+
+
+def test_sampler_draws_alike_with_and_without_the_kernels(ops: kernels.Kernels) -> None:
+    """The whole Sampler with the kernels and without, seeded alike, over steps of rows that a grammar's mask, a
+    logit bias, suppressed tokens, penalties and logprobs each change first: the same tokens and logprobs."""
+    vocab = 300
+    params = [SP(top_k=20, logprobs=3), SP(top_p=0.8, logit_bias={7: 5.0}), SP(repetition_penalty=1.3, top_p=0.9),
+              SP(temperature=0, presence_penalty=0.5, logprobs=0), SP(min_p=0.2, frequency_penalty=0.4),
+              SP()]  # fmt: skip
+    bitmask = torch.full((len(params), (vocab + 31) // 32), -1, dtype=torch.int32)
+    bitmask[5, :4] = 0  # the last row may not take tokens 0-127
+    with_kernels, reference = Sampler(11, ops), Sampler(11)
+    for step in range(8):
+        logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(step)) * 3
+        outs = []
+        for sampler in (with_kernels, reference):
+            n = len(params)
+            batch = SamplingBatch.build(
+                params, [[1, 2, 3]] * n, [[4, 5, step]] * n, [None] * n, [[9]] * n, bitmask=bitmask
+            )
+            outs.append(sampler(logits, batch))
+        assert outs[0].token_ids == outs[1].token_ids, step
+        assert outs[0].logprobs == outs[1].logprobs, step
+        assert outs[0].token_ids[5] >= 128 and 9 not in outs[0].token_ids
+
+
 def test_kernel_rejects_mismatched_rows(ops: kernels.Kernels) -> None:
     with pytest.raises(ValueError, match="one temperature"):
         ops.draw(torch.zeros(2, 8), [SP()], [0.5])

@@ -126,7 +126,9 @@ class Kernels:
         filtered: torch.Tensor | None = None,
     ) -> list[int]:
         """logits [B, V] float32 -> each row's token: a drawing row's after its temperature, top-k, top-p and min-p,
-        at its uniform number u [B] in [0, 1) (sampling/sampler.py's rules); a greedy row's argmax. `filtered`
+        at its uniform number u [B] in [0, 1) (sampling/sampler.py's rules); a greedy row's argmax. A drawing row
+        never draws a NaN, and where some logits are +inf (a penalty's overflow) draws among those alone (the torch
+        path's softmax makes such rows NaN). `filtered`
         [B, V] float32 (tests): each drawing row's values after the filters, over the temperature, -inf where
         dropped."""
         if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu" or not len(params):

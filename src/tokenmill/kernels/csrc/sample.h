@@ -96,8 +96,9 @@ inline float nucleus_floor(const float* x, int64_t n, float top, float kept, flo
     std::memcpy(bin + i, &b, sizeof(b));
   }
   for (; i < n; ++i) {
+    const float d = (top - x[i]) * kBinsPerUnit;
     w[i] = x[i] >= kept && x[i] > -INFINITY ? std::exp(x[i] - top) : 0.f;
-    bin[i] = (int32_t)std::min((top - x[i]) * kBinsPerUnit, (float)(kBins - 1));
+    bin[i] = (int32_t)(d < (float)(kBins - 1) ? d : (float)(kBins - 1));  // as the vectors: a NaN to the last bin
   }
   s.mass.assign(2 * kBins, 0.0);  // two histograms, even and odd values: half the chains through one bin's sum
   double* mass = s.mass.data();
@@ -140,7 +141,7 @@ inline int64_t inverse_transform_row(const float* w, int64_t n, double u, std::v
   double acc = 0;
   int64_t k = 0;
   while (k < blocks - 1 && acc + block_mass[k] <= target) acc += block_mass[k++];
-  int64_t last = -1;  // the block's last token with weight: where its sum, in this order, falls short of the target
+  int64_t last = k * kBlock;  // the block's last token with weight: where its sum, in this order, falls short
   for (int64_t i = k * kBlock, end = std::min(n, (k + 1) * kBlock); i < end; ++i) {
     if (w[i] > 0.f) last = i;
     if ((acc += w[i]) > target) return i;
@@ -172,6 +173,13 @@ inline int64_t draw_row(const float* logits, int64_t n, const DrawRule& r, float
     top = std::max(top, x[i]);
   }
   if (top == -INFINITY) return argmax_row(logits, n);  // nothing can be drawn (a grammar allows no token)
+  if (top == INFINITY) {  // +inf outweighs every finite value: the +inf tokens alone, alike (a penalty's overflow)
+    for (i = 0; i < n; ++i) {
+      w[i] = x[i] == INFINITY ? 1.f : 0.f;
+      if (filtered) filtered[i] = x[i] == INFINITY ? x[i] : -INFINITY;
+    }
+    return inverse_transform_row(w, n, r.u, s.mass);
+  }
   float floor = -INFINITY;  // the least value kept
   if (r.top_k > 0 && r.top_k < n) floor = kth_largest(x, n, r.top_k, s.heap);
   if (r.top_p < 1.f) floor = std::max(floor, nucleus_floor(x, n, top, floor, r.top_p, s));

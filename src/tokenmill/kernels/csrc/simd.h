@@ -100,8 +100,8 @@ inline vf exp2_fraction(vf f) {
   return p;
 }
 
-// e^x for x <= 0 (softmax's shifted scores), ~1 ulp: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5]. Underflows
-// cleanly to 0 below -87.
+// e^x for x <= 0 (softmax's shifted scores), ~1 ulp: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5]. Below -87 it
+// stays at e^-87 (~1.7e-38, where e^x would go subnormal, then 0): nothing a softmax's sum can see.
 inline vf exp_neg(vf x) {
   x = x < splat(-87.f) ? splat(-87.f) : x;
   vf t = x * splat(1.44269504088896341f);
