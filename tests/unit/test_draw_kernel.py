@@ -26,6 +26,8 @@ ROWS = [
     (SP(top_k=3, top_p=0.5, min_p=0.01), "all three on a row of few distinct values (ties everywhere)"),
     (SP(top_p=0.9), "a nucleus among a grammar's -inf"),
     (SP(temperature=0, top_p=0.5), "a greedy row: its argmax, its filters unused"),
+    (SP(top_k=5, top_p=0.5), "a top-k tied past the few tokens it draws among alone (draw_kept): the whole row"),
+    (SP(top_k=2, min_p=0.5), "a top-k past a grammar's -inf: fewer finite tokens than k"),
 ]
 
 
@@ -37,6 +39,9 @@ def _logits(seed: int) -> torch.Tensor:  # [len(ROWS), VOCAB]
     logits[4] *= 0.01
     logits[7] = torch.randint(0, 6, (VOCAB,), generator=gen).float()
     logits[8, ::3] = float("-inf")
+    logits[10] = 0.0
+    logits[11] = float("-inf")
+    logits[11, 77] = 1.0
     return logits
 
 
@@ -65,6 +70,7 @@ def test_kernel_keeps_what_the_torch_path_keeps(ops: kernels.Kernels, seed: int)
         assert torch.equal(filtered[i][kept], expected[i][kept]), what
         assert bool(kept[tokens[i]]), what
     assert int(torch.isfinite(filtered[3]).sum()) == 4  # 8000 and the three tied at 3.0
+    assert int(torch.isfinite(filtered[10]).sum()) == VOCAB and tokens[11] == 77
     assert int(torch.isfinite(filtered[2]).sum()) == VOCAB and int(torch.isfinite(filtered[4]).sum()) > 4096
 
 

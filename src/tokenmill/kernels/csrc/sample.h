@@ -44,12 +44,16 @@ struct DrawScratch {
   std::vector<int32_t> bin;           // [V]: each value's top-p bin
   std::vector<double> mass;           // per top-p bin, then per draw block
   std::vector<std::pair<float, float>> boundary;  // the values (and weights) of the bin where the nucleus ends
+  std::vector<int64_t> kept;          // a top-k's tokens, in vocabulary order (draw_kept)
+  std::vector<double> kept_w;         // ... and their weights
+  std::vector<std::pair<float, double>> ranked;  // ... as (value, weight), most likely first
 };
 
 constexpr int64_t kHeapMax = 1024;     // the largest k kept in a heap
 constexpr int kBins = 1024;            // top-p bins
 constexpr float kBinsPerUnit = 32.f;   // bins per unit of (max - x)
 constexpr int64_t kBlock = 256;        // values per block of the draw's sums
+constexpr int64_t kKeptMax = 4096;     // the most tokens a top-k keeps for draw_kept (more: ties with the k-th)
 
 inline bool any_lane(vi mask) {
   bool any = false;
@@ -149,6 +153,58 @@ inline int64_t inverse_transform_row(const float* w, int64_t n, double u, std::v
   return last;
 }
 
+// After a top-k whose k-th value is `kth`: the row's token, from its kept tokens alone (x >= kth, in vocabulary
+// order), where there are at most kKeptMax: the nucleus, min-p and the draw then look at those few instead of
+// the whole row (top-k 40 with top-p, 16 rows of 152k: 2.8 -> 1.4 ms, Zen 4). -1 where there are more.
+inline int64_t draw_kept(const float* x, int64_t n, float top, float kth, const DrawRule& r, float* filtered,
+                         DrawScratch& s) {
+  s.kept.clear();
+  const auto take = [&](int64_t i) {
+    if (x[i] >= kth && x[i] > -INFINITY) s.kept.push_back(i);
+  };
+  int64_t i = 0;
+  for (; i + W <= n && (int64_t)s.kept.size() <= kKeptMax; i += W)
+    if (any_lane(load(x + i) >= splat(kth)))
+      for (int j = 0; j < W; ++j) take(i + j);
+  for (; i < n && (int64_t)s.kept.size() <= kKeptMax; ++i) take(i);
+  if ((int64_t)s.kept.size() > kKeptMax || s.kept.empty()) return -1;
+  const size_t m = s.kept.size();
+  s.kept_w.resize(m);
+  double total = 0;
+  for (size_t j = 0; j < m; ++j) total += s.kept_w[j] = std::exp((double)x[s.kept[j]] - (double)top);
+  float floor = kth;
+  if (r.top_p < 1.f) {  // the nucleus among them: most likely first, a value's tokens join while the mass before < target
+    s.ranked.resize(m);
+    for (size_t j = 0; j < m; ++j) s.ranked[j] = {x[s.kept[j]], s.kept_w[j]};
+    std::sort(s.ranked.begin(), s.ranked.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
+    const double target = (double)r.top_p * total;
+    double acc = 0;
+    float last = s.ranked[0].first;
+    for (size_t j = 0; j < m && acc < target;) {
+      last = s.ranked[j].first;
+      for (; j < m && s.ranked[j].first == last; ++j) acc += s.ranked[j].second;
+    }
+    floor = std::max(floor, last);
+  }
+  if (r.min_p > 0.f) floor = std::max(floor, top + std::log(r.min_p));
+  if (filtered) std::fill(filtered, filtered + n, -INFINITY);
+  double sum = 0;
+  for (size_t j = 0; j < m; ++j)
+    if (x[s.kept[j]] >= floor) {
+      sum += s.kept_w[j];
+      if (filtered) filtered[s.kept[j]] = x[s.kept[j]];
+    }
+  const double target = r.u * sum;
+  double acc = 0;
+  int64_t last = s.kept[0];
+  for (size_t j = 0; j < m; ++j)
+    if (x[s.kept[j]] >= floor) {
+      last = s.kept[j];
+      if ((acc += s.kept_w[j]) > target) return last;
+    }
+  return last;
+}
+
 // One row's token. `filtered` (or null): the row's values after the filters (over the temperature; -inf where
 // dropped), for tests.
 inline int64_t draw_row(const float* logits, int64_t n, const DrawRule& r, float* filtered, DrawScratch& s) {
@@ -181,7 +237,11 @@ inline int64_t draw_row(const float* logits, int64_t n, const DrawRule& r, float
     return inverse_transform_row(w, n, r.u, s.mass);
   }
   float floor = -INFINITY;  // the least value kept
-  if (r.top_k > 0 && r.top_k < n) floor = kth_largest(x, n, r.top_k, s.heap);
+  if (r.top_k > 0 && r.top_k < n) {
+    floor = kth_largest(x, n, r.top_k, s.heap);
+    const int64_t token = draw_kept(x, n, top, floor, r, filtered, s);
+    if (token >= 0) return token;
+  }
   if (r.top_p < 1.f) floor = std::max(floor, nucleus_floor(x, n, top, floor, r.top_p, s));
   if (r.min_p > 0.f) floor = std::max(floor, top + std::log(r.min_p));
   const vf vfloor = splat(floor), vtop = splat(top);
