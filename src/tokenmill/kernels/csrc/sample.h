@@ -5,7 +5,8 @@
 // streamed through the caches: ~3.5 ms a step for top-k 40, ~12.5 ms for a wide top-p (one row of 152k, Zen 4).
 // Here a row takes a few passes over its values:
 // - top-k: the k-th largest value (ties counted), from a heap of the k largest, where a vector of values is looked
-//   at one by one only if one of them passes the heap's least (nth_element for k > kHeapMax);
+//   at one by one only if one of them passes the heap's least (nth_element for k > kHeapMax); what follows then
+//   looks at the tokens it keeps alone (draw_kept);
 // - top-p: each kept token's weight e^(x - max), summed in float64 into bins of (max - x), 1/kBinsPerUnit wide (the
 //   last bin takes everything lower); the bin where the running mass reaches top_p of the total is sorted alone
 //   and walked a value at a time to the nucleus's last one;
