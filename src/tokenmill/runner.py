@@ -12,6 +12,7 @@ The reliability tests use both.
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import torch
 
@@ -21,7 +22,7 @@ from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.models import CausalLM
 from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.outputs import Logprobs
-from tokenmill.sampling import Sampler, SamplingBatch, reads_logits, topk_logprobs
+from tokenmill.sampling import Sampler, SamplingBatch, plain, reads_logits, topk_logprobs
 from tokenmill.types import ModelInput, RunnerOutput, SequenceInput
 
 
@@ -106,7 +107,7 @@ class ModelRunner:
             all_logits = self.graphs.logits(seqs)  # [B, V]
         elif stack is not None and num_decodes == len(seqs) and stack.plain_embedding:  # no tensor for the inputs
             # [B, D], [B, V] (None where sampling reads only the argmax), [B]
-            hidden, all_logits, all_argmax = stack.run_sequences(seqs, input_ids, positions, self._reads_logits(batch))
+            hidden, all_logits, all_argmax = stack.run_sequences(seqs, input_ids, positions, self._logits_wanted(batch))
         else:
             meta = self.kv.prepare(seqs, num_decodes)
             tokens = torch.tensor(input_ids + positions, dtype=torch.int64, device=self.device)  # one op, not two
@@ -143,15 +144,21 @@ class ModelRunner:
                 self._sample(sampling, logits, out, batch, argmax)
         return out
 
-    def _reads_logits(self, batch: ModelInput) -> bool:
-        """Whether this step's sampling reads its rows' logits, not only their argmax (sampling.reads_logits)."""
+    def _logits_wanted(self, batch: ModelInput) -> Literal["argmax", "model", "float32"]:
+        """What this step's sampling reads of its rows' logits (sampling.reads_logits, sampling.plain): only their
+        argmax; the logits in the model's dtype (every row samples, and only draws read them, by the CPU kernels);
+        or the logits as float32."""
         rows = [s.sampling for s in batch.sequences if s.sampling is not None]
+        params, suppressed = [r.params for r in rows], [i for r in rows for i in r.suppressed_token_ids]
+        if len(rows) < len(batch.sequences) or any(r.draft_token_ids for r in rows):  # a prompt's chunk; drafts
+            return "float32"
+        if not reads_logits(params, suppressed, bool(batch.grammar_rows)):
+            return "argmax"
         return (
-            len(rows) < len(batch.sequences)  # a sequence that does not sample this step (a prompt's chunk)
-            or any(r.draft_token_ids for r in rows)
-            or reads_logits([r.params for r in rows], [i for r in rows for i in r.suppressed_token_ids],
-                            bool(batch.grammar_rows))
-        )  # fmt: skip
+            "model"
+            if self.sampler.ops is not None and plain(params, suppressed, bool(batch.grammar_rows))
+            else "float32"
+        )
 
     def _sample(
         self,

@@ -107,6 +107,27 @@ def test_a_step_that_reads_only_the_argmax_skips_the_float32_logits(make_checkpo
     assert runs.steps and all(wide is not None for _, wide, _ in runs.steps)
 
 
+def test_a_drawing_step_draws_from_the_bf16_logits_as_from_float32(make_checkpoint: Callable[..., Path]) -> None:
+    """Rows that only draw (no logprobs, penalty, bias or grammar) hand the draw kernel a bf16 model's logits as
+    they are: no float32 copy, and the same seeded draws as where another row's logprobs widen them for all."""
+    llm = _llm(make_checkpoint, "bfloat16")
+    runs = Runs(llm)
+    ids = llm.tokenizer.encode(PROMPT)
+    prompts = [{"prompt_token_ids": ids[:n]} for n in (3, 7, 12)]
+
+    def drawn(logprobs: int | None) -> list[SamplingParams]:
+        return [SamplingParams(temperature=1.0, top_k=k, top_p=0.9, seed=i, max_tokens=6, ignore_eos=True,
+                               logprobs=logprobs) for i, k in enumerate((0, 20, 50))]  # fmt: skip
+
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, drawn(None))]
+    assert runs.steps and all(wide is None for _, wide, _ in runs.steps)
+    runs.steps.clear()
+    widened = [o.outputs[0].token_ids for o in llm.generate(prompts, drawn(None)[:2] + drawn(0)[2:])]
+    assert runs.steps and all(wide is not None for _, wide, _ in runs.steps)
+    assert widened == plain
+    assert len({tuple(t) for t in plain}) == 3
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_stacks_argmax_is_torchs_and_the_sampler_takes_it(make_checkpoint: Callable[..., Path], dtype: str) -> None:
     """Each head chunk takes its columns' argmax, and the chunks' winners are compared after: every step's is

@@ -74,6 +74,17 @@ def test_kernel_keeps_what_the_torch_path_keeps(ops: kernels.Kernels, seed: int)
     assert int(torch.isfinite(filtered[2]).sum()) == VOCAB and int(torch.isfinite(filtered[4]).sum()) > 4096
 
 
+def test_kernel_draws_from_bfloat16_as_from_its_float32(ops: kernels.Kernels) -> None:
+    """A bf16 model's logits, read as they are, keep and draw what their float32 widening does (widening is exact)."""
+    logits = _logits(3).bfloat16()
+    params = [p for p, _ in ROWS]
+    u = torch.rand(len(params), dtype=torch.float64, generator=torch.Generator().manual_seed(0)).tolist()
+    kept, wide = torch.empty(logits.shape), torch.empty(logits.shape)
+    assert ops.draw(logits, params, u, kept) == ops.draw(logits.float(), params, u, wide)
+    drawing = [i for i, p in enumerate(params) if p.temperature > 0]
+    assert torch.equal(kept[drawing], wide[drawing])
+
+
 def test_kernel_draws_what_the_torch_path_draws(ops: kernels.Kernels) -> None:
     """The same uniform numbers draw the same tokens: one Sampler with the kernels, one without, seeded alike,
     over steps of the batch above (seeded rows among them)."""

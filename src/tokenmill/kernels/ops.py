@@ -125,21 +125,20 @@ class Kernels:
         u: Sequence[float],
         filtered: torch.Tensor | None = None,
     ) -> list[int]:
-        """logits [B, V] float32 -> each row's token: a drawing row's after its temperature, top-k, top-p and min-p,
-        at its uniform number u [B] in [0, 1) (sampling/sampler.py's rules); a greedy row's argmax. A drawing row
-        never draws a NaN, and where some logits are +inf (a penalty's overflow) draws among those alone (the torch
-        path's softmax makes such rows NaN). `filtered`
-        [B, V] float32 (tests): each drawing row's values after the filters, over the temperature, -inf where
-        dropped."""
-        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu" or not len(params):
-            raise ValueError("logits must be a float32 CPU tensor [B, V], B >= 1")
+        """logits [B, V] float32 or bfloat16 -> each row's token: a drawing row's after its temperature, top-k, top-p
+        and min-p, at its uniform number u [B] in [0, 1) (sampling/sampler.py's rules); a greedy row's argmax. A
+        drawing row never draws a NaN, and where some logits are +inf (a penalty's overflow) draws among those alone
+        (the torch path's softmax makes such rows NaN). `filtered` [B, V] float32 (tests): each drawing row's values
+        after the filters, over the temperature, -inf where dropped."""
+        if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.device.type != "cpu":
+            raise ValueError("logits must be a float32 or bfloat16 CPU tensor [B, V]")
         if filtered is not None and (filtered.shape != logits.shape or filtered.dtype != torch.float32
                                      or not filtered.is_contiguous()):  # fmt: skip
             raise ValueError(f"filtered must be a contiguous float32 {tuple(logits.shape)} tensor")
         logits, out = logits.contiguous(), 0 if filtered is None else filtered.data_ptr()
         return self.module.draw_lists(
-            logits.data_ptr(), *logits.shape, [p.temperature for p in params], [max(p.top_k, 0) for p in params],
-            [p.top_p for p in params], [p.min_p for p in params], list(u), out,
+            logits.data_ptr(), logits.dtype == torch.bfloat16, *logits.shape, [p.temperature for p in params],
+            [max(p.top_k, 0) for p in params], [p.top_p for p in params], [p.min_p for p in params], list(u), out,
         )  # fmt: skip
 
     def prefill_attention(

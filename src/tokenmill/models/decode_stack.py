@@ -12,7 +12,7 @@ It applies to the Llama-shaped stack of `layers.py` (Llama, Mistral, Qwen2, Qwen
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -173,28 +173,33 @@ class DecodeStack:
         return isinstance(meta, PagedMetadata) and meta.num_decodes == meta.num_seqs and meta.decode_lens is not None
 
     def run_sequences(
-        self, sequences: list[SequenceInput], input_ids: list[int], positions: list[int], wide_logits: bool = True
+        self,
+        sequences: list[SequenceInput],
+        input_ids: list[int],
+        positions: list[int],
+        logits: Literal["argmax", "model", "float32"] = "float32",
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """A decode-only step of `sequences` (one new token each: input_ids, positions [B]) from Python lists, with
         no torch op on the way: after a step's weights have streamed through the caches, each torch op's first
         call runs cold code, 20-60 us (Xeon), where a one-row step of Qwen2.5-0.5B in int4 is ~10 ms. Returns
         what `__call__` does, in buffers that the next call overwrites. Needs `plain_embedding`.
 
-        `wide_logits` False: only the argmax is read (sampling.reads_logits), so a bf16 model's logits are not
-        widened into a float32 copy, and None comes back in its place. At 16 rows that copy is 9.7 MB of writes a
-        step (Zen 4, bf16 16-row steps alternated in one process: 1.016x and 1.023x without it; one row the same)."""
+        `logits`: what the caller reads of them (runner._logits_wanted). Unless "float32", a bf16 model's logits
+        are not widened into a float32 copy (at 16 rows 9.7 MB of writes a step; Zen 4, bf16 16-row steps alternated
+        in one process: 1.016x and 1.023x without it), and what comes back in its place is None ("argmax") or the
+        logits in the model's dtype ("model")."""
         slots, lens, tables, width = self.kv.decode_lists(sequences)
         rows = len(input_ids)
-        out, logits, wide, top = self._outputs(rows)
-        if not wide_logits and wide is not logits:
+        out, model_logits, wide, top = self._outputs(rows)
+        if logits != "float32" and wide is not model_logits:
             wide = None
         cos_table, sin_table = self.decoder.rotary.tables(max(lens))  # [positions, Dh] float32
         embed = self.decoder.embed_tokens.weight  # [vocab, D]
         self.native.run_lists(embed.data_ptr(), embed.shape[0], input_ids, positions, cos_table.data_ptr(),
                               sin_table.data_ptr(), slots, tables, width, lens, self.kv.block_size, out.data_ptr(),
-                              0 if logits is None else logits.data_ptr(), 0 if wide is None else wide.data_ptr(),
-                              0 if top is None else top.data_ptr())  # fmt: skip
-        return out, wide, top
+                              0 if model_logits is None else model_logits.data_ptr(),
+                              0 if wide is None else wide.data_ptr(), 0 if top is None else top.data_ptr())  # fmt: skip
+        return out, model_logits if logits == "model" else wide, top
 
     def _outputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """`rows` rows of run_sequences' outputs, views of buffers kept from step to step and grown to the most rows

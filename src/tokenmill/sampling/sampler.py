@@ -38,8 +38,15 @@ def _penalizes(p: SamplingParams) -> bool:
 def reads_logits(params: Sequence[SamplingParams], suppressed_token_ids: Sequence[list[int]], grammar: bool) -> bool:
     """Whether sampling these rows reads their logits, rather than only each row's argmax: a draw, logprobs, a
     penalty, a logit bias, suppressed tokens or a grammar. `Sampler.__call__` takes the argmax alone otherwise."""
-    return grammar or any(suppressed_token_ids) or any(
-        p.temperature > 0 or p.logprobs is not None or p.logit_bias or _penalizes(p) for p in params
+    return any(p.temperature > 0 for p in params) or not plain(params, suppressed_token_ids, grammar)
+
+
+def plain(params: Sequence[SamplingParams], suppressed_token_ids: Sequence[list[int]], grammar: bool) -> bool:
+    """Whether nothing but a draw or the argmax reads these rows' logits: no logprobs, penalty, logit bias, suppressed
+    token or grammar. Then the CPU kernels draw from logits in the model's dtype (bfloat16: no float32 copy);
+    `Sampler.__call__` widens them otherwise."""
+    return not grammar and not any(suppressed_token_ids) and not any(
+        p.logprobs is not None or p.logit_bias or _penalizes(p) for p in params
     )  # fmt: skip
 
 
@@ -62,6 +69,7 @@ class SamplingBatch:
     penalized: bool = True  # some row has a repetition, presence or frequency penalty
     sampled: bool = True  # some row draws (temperature > 0)
     min_p_rows: bool = True  # some row has a min-p
+    plain: bool = False  # nothing but a draw or the argmax reads the logits (`plain`)
 
     @classmethod
     def build(
@@ -87,6 +95,7 @@ class SamplingBatch:
             penalized=any(_penalizes(p) for p in params),
             sampled=any(p.temperature > 0 for p in params),
             min_p_rows=any(p.min_p > 0 for p in params),
+            plain=plain(params, suppressed_token_ids, bitmask is not None),
         )
 
     @cached_property
@@ -310,8 +319,9 @@ class Sampler:
         self._cdf: torch.Tensor | None = None  # the draws' running sums (float64), grown to the most rows seen
 
     def _kernels(self, logits: torch.Tensor) -> Kernels | None:
-        """The CPU kernels, where they take these logits (float32 on the CPU); the torch code is their reference."""
-        return self.ops if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        """The CPU kernels, where they take these logits (on the CPU: float32, and bfloat16 for a draw); the torch
+        code is their reference."""
+        return self.ops if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) else None
 
     def _masked(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         if (ops := self._kernels(logits)) is not None:
@@ -327,15 +337,18 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor | None, batch: SamplingBatch, argmax: torch.Tensor | None = None
     ) -> SamplerOutput:
-        """logits [B, V] float32 -> each row's token. `argmax` [B] int64, where the caller has it: the logits'
-        own argmax (as torch.argmax), taken instead of another pass over them where no mask, bias or penalty
-        changes the logits; with it, logits may be None where no row reads them (`reads_logits`)."""
+        """logits [B, V] (float32, or the model's dtype where `plain`) -> each row's token. `argmax` [B] int64,
+        where the caller has it: the logits' own argmax (as torch.argmax), taken instead of another pass over them
+        where no mask, bias or penalty changes the logits; with it, logits may be None where no row reads them
+        (`reads_logits`)."""
         if logits is None:  # the caller kept only the argmax (reads_logits: False for every row)
             # the batch's own flags, not reads_logits again: the runner has just asked that of the same rows
             reads = batch.sampled or batch.penalized or batch.logit_bias is not None or batch.bitmask is not None
             assert argmax is not None and not reads and not any(batch.suppressed_token_ids)
             assert all(n is None for n in batch.num_logprobs)
             return SamplerOutput(token_ids=argmax.tolist(), logprobs=[None] * len(batch.params))
+        if logits.dtype != torch.float32 and not (batch.sampled and batch.plain and self._kernels(logits) is not None):
+            logits = logits.float()  # [B, V]: only the draw kernel reads the model's dtype
         raw = logits
         if batch.bitmask is not None:
             logits = self._masked(logits, batch.bitmask)

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <stdexcept>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -55,6 +56,17 @@ constexpr int kBins = 1024;            // top-p bins
 constexpr float kBinsPerUnit = 32.f;   // bins per unit of (max - x)
 constexpr int64_t kBlock = 256;        // values per block of the draw's sums
 constexpr int64_t kKeptMax = 4096;     // the most tokens a top-k keeps for draw_kept (more: ties with the k-th)
+
+// a row of logits, float32 or bfloat16 (uint16_t), read as float32 (widening bf16 is exact)
+inline vf load_row(const float* p) { return load(p); }
+inline vf load_row(const uint16_t* p) { return load_bf16(p); }
+inline float get_row(const float* p) { return *p; }
+inline float get_row(const uint16_t* p) {
+  const uint32_t bits = (uint32_t)*p << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // whether any lane of a comparison's mask is set: one test where the ISA has one (lane by lane, GCC extracts each)
 inline bool any_lane(vi mask) {
@@ -215,16 +227,22 @@ inline int64_t draw_kept(const float* x, int64_t n, float top, float kth, const 
 
 // One row's token. `filtered` (or null): the row's values after the filters (over the temperature; -inf where
 // dropped), for tests.
-inline int64_t draw_row(const float* logits, int64_t n, const DrawRule& r, float* filtered, DrawScratch& s) {
-  if (!(r.temperature > 0)) return argmax_row(logits, n);
+template <typename T>
+inline int64_t draw_row(const T* logits, int64_t n, const DrawRule& r, float* filtered, DrawScratch& s) {
   s.x.resize(n), s.w.resize(n), s.bin.resize(n);
   float* x = s.x.data();
   float* w = s.w.data();
+  const auto argmax = [&] {  // a greedy row's token, as torch.argmax over the logits as float32
+    if constexpr (std::is_same_v<T, float>) return argmax_row(logits, n);
+    for (int64_t i = 0; i < n; ++i) x[i] = get_row(logits + i);
+    return argmax_row(x, n);
+  };
+  if (!(r.temperature > 0)) return argmax();
   const vf t = splat(r.temperature), ninf = splat(-INFINITY);
   vf most = ninf;
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    vf v = load(logits + i) / t;
+    vf v = load_row(logits + i) / t;
     v = v == v ? v : ninf;  // a NaN is never drawn
     store(x + i, v);
     most = v > most ? v : most;
@@ -232,11 +250,11 @@ inline int64_t draw_row(const float* logits, int64_t n, const DrawRule& r, float
   float top = -INFINITY;
   for (int j = 0; j < W; ++j) top = std::max(top, most[j]);
   for (; i < n; ++i) {
-    const float v = logits[i] / r.temperature;
+    const float v = get_row(logits + i) / r.temperature;
     x[i] = v == v ? v : -INFINITY;
     top = std::max(top, x[i]);
   }
-  if (top == -INFINITY) return argmax_row(logits, n);  // nothing can be drawn (a grammar allows no token)
+  if (top == -INFINITY) return argmax();  // nothing can be drawn (a grammar allows no token)
   if (top == INFINITY) {  // +inf outweighs every finite value: the +inf tokens alone, alike (a penalty's overflow)
     for (i = 0; i < n; ++i) {
       w[i] = x[i] == INFINITY ? 1.f : 0.f;
@@ -267,9 +285,10 @@ inline int64_t draw_row(const float* logits, int64_t n, const DrawRule& r, float
   return inverse_transform_row(w, n, r.u, s.mass);
 }
 
-// logits [B, V] float32 -> tokens [B]; rows in parallel, each on one thread (a row of 152k takes well under a
-// millisecond: splitting one would cost more in waking threads than it saves).
-inline std::vector<int64_t> draw_rows(const float* logits, int64_t B, int64_t V, const std::vector<DrawRule>& rules,
+// logits [B, V] (float32 or bfloat16) -> tokens [B]; rows in parallel, each on one thread (a row of 152k takes
+// well under a millisecond: splitting one would cost more in waking threads than it saves).
+template <typename T>
+inline std::vector<int64_t> draw_rows(const T* logits, int64_t B, int64_t V, const std::vector<DrawRule>& rules,
                                       float* filtered) {
   std::vector<int64_t> out(B);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
@@ -281,7 +300,8 @@ inline std::vector<int64_t> draw_rows(const float* logits, int64_t B, int64_t V,
 }
 
 // draw_rows from the sampler's per-row lists (float32 settings, as the torch path holds them) and raw pointers
-inline std::vector<int64_t> draw_lists(uintptr_t logits, int64_t B, int64_t V, const std::vector<double>& temperature,
+inline std::vector<int64_t> draw_lists(uintptr_t logits, bool bf16, int64_t B, int64_t V,
+                                       const std::vector<double>& temperature,
                                        const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
                                        const std::vector<double>& min_p, const std::vector<double>& u,
                                        uintptr_t filtered) {
@@ -292,6 +312,7 @@ inline std::vector<int64_t> draw_lists(uintptr_t logits, int64_t B, int64_t V, c
   std::vector<DrawRule> rules(rows);
   for (size_t b = 0; b < rows; ++b)
     rules[b] = {(float)temperature[b], (float)top_p[b], (float)min_p[b], top_k[b], u[b]};
+  if (bf16) return draw_rows((const uint16_t*)logits, B, V, rules, (float*)filtered);
   return draw_rows((const float*)logits, B, V, rules, (float*)filtered);
 }
 
