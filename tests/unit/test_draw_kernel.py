@@ -1,5 +1,5 @@
-"""The draw kernel (kernels/csrc/sample.h: temperature, top-k, top-p, min-p and the draw in one call) against the
-sampler's torch path, its reference, on every kernel variant this CPU runs."""
+"""The sampler's kernels against its torch path, their reference, on every kernel variant this CPU runs: the draw
+(kernels/csrc/sample.h: temperature, top-k, top-p, min-p and the draw in one call) and the logprobs (logprobs.h)."""
 
 from __future__ import annotations
 
@@ -173,8 +173,33 @@ def test_sampler_draws_alike_with_and_without_the_kernels(ops: kernels.Kernels) 
             )
             outs.append(sampler(logits, batch))
         assert outs[0].token_ids == outs[1].token_ids, step
-        assert outs[0].logprobs == outs[1].logprobs, step
+        for mine, theirs in zip(outs[0].logprobs, outs[1].logprobs):
+            assert (mine is None) == (theirs is None) and (mine is None or mine.keys() == theirs.keys()), step
+            assert mine is None or theirs is None or all(abs(mine[t] - theirs[t]) < 1e-5 for t in mine), step
         assert outs[0].token_ids[5] >= 128 and 9 not in outs[0].token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_logprobs_equal_torchs(ops: kernels.Kernels, dtype: torch.dtype) -> None:
+    """The chosen token's logprob and the row's most likely ones, as topk_logprobs over torch's log_softmax: each
+    value to 1e-5, the same top values, most likely first and equal values by lower id (where torch's topk orders
+    ties its own way: bf16 logits tie often), for the rows asked (a tail past the vectors, no top tokens, the most
+    OpenAI allows, a row of ties)."""
+    from tokenmill.sampling.sampler import topk_logprobs
+
+    logits = (torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    logits[4] = 1.0
+    rows, num_top = [0, 2, 3, 4], [0, 3, 20, 3]
+    tokens = [5, int(logits[2].float().argmax()), VOCAB - 1, 9]  # row 2 chooses its most likely token
+    mine = ops.logprobs(logits, rows, tokens, num_top)
+    full = logits[rows].float().log_softmax(dim=-1)
+    theirs = topk_logprobs(full, torch.tensor(tokens), num_top)
+    for r, (token, k) in enumerate(zip(tokens, num_top)):
+        assert next(iter(mine[r])) == token and all(abs(v - full[r, t].item()) < 1e-5 for t, v in mine[r].items())
+        top = list(mine[r].items())[1:] if len(mine[r]) > k else list(mine[r].items())  # without the chosen token
+        assert sorted(top, key=lambda tv: (-tv[1], tv[0])) == top, r
+        assert [v for _, v in top] == pytest.approx(sorted(list(theirs[r].values())[-k:] if k else [], reverse=True))
+    assert list(mine[3]) == [9, 0, 1, 2] and mine[3][0] == pytest.approx(-math.log(VOCAB), abs=1e-5)
 
 
 def test_kernel_rejects_mismatched_rows(ops: kernels.Kernels) -> None:
@@ -182,3 +207,5 @@ def test_kernel_rejects_mismatched_rows(ops: kernels.Kernels) -> None:
         ops.draw(torch.zeros(2, 8), [SP()], [0.5])
     with pytest.raises(ValueError, match="float32"):
         ops.draw(torch.zeros(2, 8, dtype=torch.float64), [SP()] * 2, [0.5] * 2)
+    with pytest.raises(ValueError, match="outside the logits"):
+        ops.logprobs(torch.zeros(2, 8), [2], [0], [1])

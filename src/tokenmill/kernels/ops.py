@@ -141,6 +141,23 @@ class Kernels:
             [max(p.top_k, 0) for p in params], [p.top_p for p in params], [p.min_p for p in params], list(u), out,
         )  # fmt: skip
 
+    def logprobs(
+        self, logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int], num_top: Sequence[int]
+    ) -> list[dict[int, float]]:
+        """Rows `rows` of logits [B, V] (float32 or bfloat16): each one's {token: logprob} at token_ids[r] and at its
+        num_top[r] most likely tokens (ties: the lower id), as sampling.topk_logprobs over torch's log_softmax."""
+        if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.device.type != "cpu":
+            raise ValueError("logits must be a float32 or bfloat16 CPU tensor [B, V]")
+        logits = logits.contiguous()
+        out = []
+        for token, (chosen, top) in zip(token_ids, self.module.logprobs_lists(
+                logits.data_ptr(), logits.dtype == torch.bfloat16, *logits.shape, list(rows), list(token_ids),
+                list(num_top))):  # fmt: skip
+            row = {token: chosen}
+            row.update(top)
+            out.append(row)
+        return out
+
     def prefill_attention(
         self,
         q: torch.Tensor,

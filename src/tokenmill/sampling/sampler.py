@@ -392,9 +392,13 @@ class Sampler:
         out: list[dict[int, float] | None] = [None] * len(batch.num_logprobs)
         if not wanted:
             return out
-        rows = torch.tensor(wanted, device=raw.device)
-        tokens = torch.tensor([token_ids[i] for i in wanted], dtype=torch.int64, device=raw.device)
         num_top = [batch.num_logprobs[i] or 0 for i in wanted]
-        for i, d in zip(wanted, topk_logprobs(raw[rows].log_softmax(dim=-1), tokens, num_top)):
+        if (ops := self._kernels(raw)) is not None:
+            dicts = ops.logprobs(raw, wanted, [token_ids[i] for i in wanted], num_top)
+        else:
+            rows = torch.tensor(wanted, device=raw.device)
+            tokens = torch.tensor([token_ids[i] for i in wanted], dtype=torch.int64, device=raw.device)
+            dicts = topk_logprobs(raw[rows].log_softmax(dim=-1), tokens, num_top)
+        for i, d in zip(wanted, dicts):
             out[i] = d
         return out

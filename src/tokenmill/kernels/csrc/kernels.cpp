@@ -23,6 +23,7 @@
 #include "head.h"
 #include "prefill_attention.h"
 #include "qdot.h"
+#include "logprobs.h"
 #include "sample.h"
 
 namespace tmk {
@@ -356,6 +357,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &tmk::argmax_rows, "each row's argmax (the first maximum, or the first NaN), as torch");
   m.def("apply_bitmask", &tmk::apply_bitmask, "logits whose grammar bit is clear -> -inf, in place");
   m.def("draw_lists", &tmk::draw_lists, "each row's token: temperature, top-k, top-p, min-p, a draw at u", nogil());
+  m.def("logprobs_lists", &tmk::logprobs_lists, "rows' logprobs at a token and at their most likely ones", nogil());
   py::class_<tmk::DecodeStack>(m, "DecodeStack", py::module_local())  // one per variant in a process
       .def(py::init<bool, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, uintptr_t, int64_t, int>())
       .def("add_layer", &tmk::DecodeStack::add_layer)
