@@ -28,6 +28,8 @@ ROWS = [
     (SP(temperature=0, top_p=0.5), "a greedy row: its argmax, its filters unused"),
     (SP(top_k=5, top_p=0.5), "a top-k tied past the few tokens it draws among alone (draw_kept): the whole row"),
     (SP(top_k=2, min_p=0.5), "a top-k past a grammar's -inf: fewer finite tokens than k"),
+    (SP(top_k=10, top_p=0.9), "4096 tokens tie with the k-th: the list at its most"),
+    (SP(top_k=10, min_p=0.5), "4097 tokens tie with the k-th: one past the list, the whole row"),
 ]
 
 
@@ -42,6 +44,9 @@ def _logits(seed: int) -> torch.Tensor:  # [len(ROWS), VOCAB]
     logits[10] = 0.0
     logits[11] = float("-inf")
     logits[11, 77] = 1.0
+    for row, ties in ((12, 4096), (13, 4097)):
+        logits[row] = torch.randn(VOCAB, generator=gen) - 10
+        logits[row, torch.randperm(VOCAB, generator=gen)[:ties]] = 1.0
     return logits
 
 
@@ -71,6 +76,7 @@ def test_kernel_keeps_what_the_torch_path_keeps(ops: kernels.Kernels, seed: int)
         assert bool(kept[tokens[i]]), what
     assert int(torch.isfinite(filtered[3]).sum()) == 4  # 8000 and the three tied at 3.0
     assert int(torch.isfinite(filtered[10]).sum()) == VOCAB and tokens[11] == 77
+    assert int(torch.isfinite(filtered[12]).sum()) == 4096 and int(torch.isfinite(filtered[13]).sum()) == 4097
     assert int(torch.isfinite(filtered[2]).sum()) == VOCAB and int(torch.isfinite(filtered[4]).sum()) > 4096
 
 
@@ -200,6 +206,46 @@ def test_kernel_logprobs_equal_torchs(ops: kernels.Kernels, dtype: torch.dtype) 
         assert sorted(top, key=lambda tv: (-tv[1], tv[0])) == top, r
         assert [v for _, v in top] == pytest.approx(sorted(list(theirs[r].values())[-k:] if k else [], reverse=True))
     assert list(mine[3]) == [9, 0, 1, 2] and mine[3][0] == pytest.approx(-math.log(VOCAB), abs=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [3, 17])  # under one vector (a scalar row), one vector and a tail
+def test_kernel_logprobs_small_rows_and_minus_inf(ops: kernels.Kernels, vocab: int) -> None:
+    """More top tokens asked than the row has: all of them; -inf logits rank last at -inf; the chosen token alone."""
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[1, 1:] = float("-inf")
+    full = logits.log_softmax(dim=-1)
+    everything, only_one, chosen = ops.logprobs(logits, [0, 1, 0], [2, 0, 1], [vocab + 5, 2, 0])
+    assert sorted(everything) == list(range(vocab))
+    assert all(abs(v - full[0, t].item()) < 1e-5 for t, v in everything.items())
+    assert only_one == {0: pytest.approx(0.0, abs=1e-6), 1: float("-inf")}
+    assert chosen == {1: pytest.approx(full[0, 1].item(), abs=1e-5)}
+
+
+def test_sampler_widens_bf16_logits_for_all_but_a_draw(ops: kernels.Kernels) -> None:
+    """Given a bf16 model's logits, the Sampler with the kernels draws from them as they are only where nothing else
+    reads them; a mask, a bias, suppressed tokens, a penalty or logprobs get them as float32. Either way it samples
+    what the float32 logits would give, with the kernels and without."""
+    vocab = 300
+    params = [SP(top_k=20, logprobs=2), SP(top_p=0.8, logit_bias={7: 5.0}), SP(repetition_penalty=1.3),
+              SP(temperature=0), SP(min_p=0.2)]  # fmt: skip
+    bitmask = torch.full((len(params), (vocab + 31) // 32), -1, dtype=torch.int32)
+    bitmask[4, :4] = 0
+    logits = (torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
+    n = len(params)
+    for rows, mask in ((list(range(n)), bitmask), ([2, 3, 4], None), ([3, 4], None)):
+        ps = [params[r] for r in rows]
+
+        def batch(ps: list[SP] = ps, rows: list[int] = rows, mask: torch.Tensor | None = mask) -> SamplingBatch:
+            m = None if mask is None else mask[rows]
+            return SamplingBatch.build(
+                ps, [[1, 2]] * len(ps), [[3]] * len(ps), [None] * len(ps), [[9]] * len(ps), bitmask=m
+            )
+
+        outs = [Sampler(5, ops)(logits[rows], batch()), Sampler(5, ops)(logits[rows].float(), batch()),
+                Sampler(5)(logits[rows].float(), batch())]  # fmt: skip
+        assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids, rows
+        assert outs[0].logprobs == outs[1].logprobs
+    assert not _batch([SP(top_k=20, logprobs=2)]).plain and _batch([SP(top_k=20), SP(temperature=0)]).plain
 
 
 def test_kernel_rejects_mismatched_rows(ops: kernels.Kernels) -> None:

@@ -55,10 +55,10 @@ inline RowLogprobs logprobs_row(const T* x, int64_t n, int64_t token, int64_t to
   i = 0;
   while (i + W <= n) {
     vf acc = splat(0.f);
-    for (const int64_t end = std::min(n - W, i + 256 * W); i <= end; i += W) {  // float lanes, 256 vectors at most
+    for (const int64_t end = std::min(n - W, i + 255 * W); i <= end; i += W) {  // float lanes, 256 vectors at most
       const vf v = load_row(x + i);
       acc += exp_neg(v - vm);
-      if ((int64_t)heap.size() < top || any_lane(v > splat(heap.empty() ? -INFINITY : heap.front().first)))
+      if (top > 0 && ((int64_t)heap.size() < top || any_lane(v > splat(heap.front().first))))
         for (int j = 0; j < W; ++j) offer(i + j, get_row(x + i + j));
     }
     for (int j = 0; j < W; ++j) sum += acc[j];
