@@ -22,7 +22,7 @@ from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.models import CausalLM
 from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.outputs import Logprobs
-from tokenmill.sampling import Sampler, SamplingBatch, plain, reads_logits, topk_logprobs
+from tokenmill.sampling import Sampler, SamplingBatch, plain, reads_logits
 from tokenmill.types import ModelInput, RunnerOutput, SequenceInput
 
 
@@ -124,9 +124,7 @@ class ModelRunner:
             scores = self.model.compute_logits(hidden[row : row + plp.count])  # [count, V]
             if not self.sample:  # a tensor-parallel worker: its share of a vocab-parallel head, nothing more
                 continue
-            logprobs = scores.log_softmax(dim=-1)
-            targets = torch.tensor(plp.target_token_ids, device=self.device)
-            out.prompt_logprobs[s.request_id] = topk_logprobs(logprobs, targets, [plp.num_top] * plp.count)
+            out.prompt_logprobs[s.request_id] = self.sampler.logprobs_at(scores, plp.target_token_ids, plp.num_top)
         if sampling:
             argmax = None  # [R] int64: the logits' argmax, where the decode stack took it
             logits: torch.Tensor | None  # [R, V] float32, or None where sampling reads only the argmax

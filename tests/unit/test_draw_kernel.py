@@ -248,6 +248,16 @@ def test_sampler_widens_bf16_logits_for_all_but_a_draw(ops: kernels.Kernels) -> 
     assert not _batch([SP(top_k=20, logprobs=2)]).plain and _batch([SP(top_k=20), SP(temperature=0)]).plain
 
 
+def test_prompt_logprobs_alike_with_and_without_the_kernels(ops: kernels.Kernels) -> None:
+    """A prompt's logprobs (Sampler.logprobs_at: each position's target and top tokens) with the kernel and with
+    torch's log_softmax: the same tokens, values to 1e-5."""
+    scores = torch.randn(9, 500, generator=torch.Generator().manual_seed(4)) * 3
+    targets = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    mine, theirs = Sampler(0, ops).logprobs_at(scores, targets, 2), Sampler(0).logprobs_at(scores, targets, 2)
+    for a, b in zip(mine, theirs, strict=True):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+
+
 def test_kernel_rejects_mismatched_rows(ops: kernels.Kernels) -> None:
     with pytest.raises(ValueError, match="one temperature"):
         ops.draw(torch.zeros(2, 8), [SP()], [0.5])

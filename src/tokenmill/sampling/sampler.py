@@ -388,6 +388,14 @@ class Sampler:
                 u[i : i + 1].uniform_(generator=gen)
         return u
 
+    def logprobs_at(self, scores: torch.Tensor, token_ids: list[int], num_top: int) -> list[dict[int, float]]:
+        """scores [N, V] (a prompt's logits) -> each row's {token: logprob} at token_ids[n] and at its num_top most
+        likely tokens: on the CPU by the kernel, without writing the [N, V] log-softmax."""
+        if (ops := self._kernels(scores)) is not None:
+            return ops.logprobs(scores, range(len(token_ids)), token_ids, [num_top] * len(token_ids))
+        tokens = torch.tensor(token_ids, dtype=torch.int64, device=scores.device)
+        return topk_logprobs(scores.log_softmax(dim=-1), tokens, [num_top] * len(token_ids))
+
     def _logprobs(self, raw: torch.Tensor, token_ids: list[int], batch: SamplingBatch) -> list[dict[int, float] | None]:
         wanted = [i for i, k in enumerate(batch.num_logprobs) if k is not None]
         out: list[dict[int, float] | None] = [None] * len(batch.num_logprobs)
