@@ -22,7 +22,7 @@ from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.models import CausalLM
 from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.outputs import Logprobs
-from tokenmill.sampling import Sampler, SamplingBatch, plain, reads_logits
+from tokenmill.sampling import Sampler, SamplingBatch, plain
 from tokenmill.types import ModelInput, RunnerOutput, SequenceInput
 
 
@@ -150,13 +150,11 @@ class ModelRunner:
         params, suppressed = [r.params for r in rows], [i for r in rows for i in r.suppressed_token_ids]
         if len(rows) < len(batch.sequences) or any(r.draft_token_ids for r in rows):  # a prompt's chunk; drafts
             return "float32"
-        if not reads_logits(params, suppressed, bool(batch.grammar_rows)):
+        if not plain(params, suppressed, bool(batch.grammar_rows)):  # logprobs, penalties, biases, a grammar
+            return "float32"
+        if not any(p.temperature > 0 for p in params):  # reads_logits: only the argmax
             return "argmax"
-        return (
-            "model"
-            if self.sampler.ops is not None and plain(params, suppressed, bool(batch.grammar_rows))
-            else "float32"
-        )
+        return "model" if self.sampler.ops is not None else "float32"
 
     def _sample(
         self,

@@ -25,6 +25,11 @@ def panel_bytes(format_id: int, k: int) -> int:
     return (k // BLOCK) * (2 * PANEL + per_k * PANEL)
 
 
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.device.type != "cpu":
+        raise ValueError("logits must be a float32 or bfloat16 CPU tensor [B, V]")
+
+
 class Kernels:
     """One compiled variant (`level`: one of isa.LEVELS)."""
 
@@ -130,8 +135,7 @@ class Kernels:
         drawing row never draws a NaN, and where some logits are +inf (a penalty's overflow) draws among those alone
         (the torch path's softmax makes such rows NaN). `filtered` [B, V] float32 (tests): each drawing row's values
         after the filters, over the temperature, -inf where dropped."""
-        if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.device.type != "cpu":
-            raise ValueError("logits must be a float32 or bfloat16 CPU tensor [B, V]")
+        _check_logits(logits)
         if filtered is not None and (filtered.shape != logits.shape or filtered.dtype != torch.float32
                                      or not filtered.is_contiguous()):  # fmt: skip
             raise ValueError(f"filtered must be a contiguous float32 {tuple(logits.shape)} tensor")
@@ -146,8 +150,7 @@ class Kernels:
     ) -> list[dict[int, float]]:
         """Rows `rows` of logits [B, V] (float32 or bfloat16): each one's {token: logprob} at token_ids[r] and at its
         num_top[r] most likely tokens (ties: the lower id), as sampling.topk_logprobs over torch's log_softmax."""
-        if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.device.type != "cpu":
-            raise ValueError("logits must be a float32 or bfloat16 CPU tensor [B, V]")
+        _check_logits(logits)
         logits = logits.contiguous()
         out = []
         for token, (chosen, top) in zip(token_ids, self.module.logprobs_lists(

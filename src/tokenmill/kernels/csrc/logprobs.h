@@ -16,25 +16,25 @@
 #include <utility>
 #include <vector>
 
-#include "sample.h"  // load_row, get_row, any_lane
+#include "fused.h"   // Act
+#include "sample.h"  // any_lane
 
 namespace tmk {
 
 // a row's chosen token's logprob, and its most likely tokens' (id, logprob), most likely first
 using RowLogprobs = std::pair<float, std::vector<std::pair<int64_t, float>>>;
 
-template <typename T>
-inline RowLogprobs logprobs_row(const T* x, int64_t n, int64_t token, int64_t top,
+inline RowLogprobs logprobs_row(const Act& x, int64_t n, int64_t token, int64_t top,
                                 std::vector<std::pair<float, int64_t>>& heap) {
   vf most = splat(-INFINITY);
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    const vf v = load_row(x + i);
+    const vf v = x.getv(i);
     most = v > most ? v : most;
   }
   float m = -INFINITY;
   for (int j = 0; j < W; ++j) m = std::max(m, most[j]);
-  for (; i < n; ++i) m = std::max(m, get_row(x + i));
+  for (; i < n; ++i) m = std::max(m, x.get(i));
   // the heap's top is its worst entry: the least value, of equal values the higher id (it came later)
   const auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
@@ -56,21 +56,21 @@ inline RowLogprobs logprobs_row(const T* x, int64_t n, int64_t token, int64_t to
   while (i + W <= n) {
     vf acc = splat(0.f);
     for (const int64_t end = std::min(n - W, i + 255 * W); i <= end; i += W) {  // float lanes, 256 vectors at most
-      const vf v = load_row(x + i);
+      const vf v = x.getv(i);
       acc += exp_neg(v - vm);
       if (top > 0 && ((int64_t)heap.size() < top || any_lane(v > splat(heap.front().first))))
-        for (int j = 0; j < W; ++j) offer(i + j, get_row(x + i + j));
+        for (int j = 0; j < W; ++j) offer(i + j, x.get(i + j));
     }
     for (int j = 0; j < W; ++j) sum += acc[j];
   }
   for (; i < n; ++i) {
-    const float v = get_row(x + i);
+    const float v = x.get(i);
     sum += std::exp(v - m);
     offer(i, v);
   }
   const float log_sum = (float)std::log(sum);
   std::sort(heap.begin(), heap.end(), better);
-  RowLogprobs out{(get_row(x + token) - m) - log_sum, {}};
+  RowLogprobs out{(x.get(token) - m) - log_sum, {}};
   out.second.reserve(heap.size());
   for (const auto& [v, at] : heap) out.second.emplace_back(at, (v - m) - log_sum);
   return out;
@@ -91,8 +91,8 @@ inline std::vector<RowLogprobs> logprobs_lists(uintptr_t logits, bool bf16, int6
     thread_local std::vector<std::pair<float, int64_t>> heap;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t top = std::min(num_top[r], V);
-      if (bf16) out[r] = logprobs_row((const uint16_t*)logits + rows[r] * V, V, tokens[r], top, heap);
-      else out[r] = logprobs_row((const float*)logits + rows[r] * V, V, tokens[r], top, heap);
+      const Act row{(void*)((const char*)logits + rows[r] * V * (bf16 ? 2 : 4)), bf16};
+      out[r] = logprobs_row(row, V, tokens[r], top, heap);
     }
   });
   return out;

@@ -23,11 +23,10 @@
 #include <cstdint>
 #include <functional>
 #include <stdexcept>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "fused.h"  // argmax_row
+#include "fused.h"  // Act, argmax_row
 #include "simd.h"
 
 namespace tmk {
@@ -45,10 +44,9 @@ struct DrawScratch {
   std::vector<float> x, w, heap;      // [V]: the scaled logits, their weights; the top-k heap (or a copy of x)
   std::vector<int32_t> bin;           // [V]: each value's top-p bin
   std::vector<double> mass;           // per top-p bin, then per draw block
-  std::vector<std::pair<float, float>> boundary;  // the values (and weights) of the bin where the nucleus ends
+  std::vector<std::pair<float, double>> ranked;  // (value, weight) where the nucleus ends, most likely first
   std::vector<int64_t> kept;          // a top-k's tokens, in vocabulary order (draw_kept)
   std::vector<double> kept_w;         // ... and their weights
-  std::vector<std::pair<float, double>> ranked;  // ... as (value, weight), most likely first
 };
 
 constexpr int64_t kHeapMax = 1024;     // the largest k kept in a heap
@@ -56,17 +54,6 @@ constexpr int kBins = 1024;            // top-p bins
 constexpr float kBinsPerUnit = 32.f;   // bins per unit of (max - x)
 constexpr int64_t kBlock = 256;        // values per block of the draw's sums
 constexpr int64_t kKeptMax = 4096;     // the most tokens a top-k keeps for draw_kept (more: ties with the k-th)
-
-// a row of logits, float32 or bfloat16 (uint16_t), read as float32 (widening bf16 is exact)
-inline vf load_row(const float* p) { return load(p); }
-inline vf load_row(const uint16_t* p) { return load_bf16(p); }
-inline float get_row(const float* p) { return *p; }
-inline float get_row(const uint16_t* p) {
-  const uint32_t bits = (uint32_t)*p << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 // whether any lane of a comparison's mask is set: one test where the ISA has one (lane by lane, GCC extracts each)
 inline bool any_lane(vi mask) {
@@ -104,6 +91,18 @@ inline float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float
   return heap.front();
 }
 
+// Where a nucleus ends among `ranked` (value, weight) pairs, whose larger values weigh `acc` (< target): sorted
+// most likely first, a value's tokens join while the mass before them is under `target`; the last value joined.
+inline float nucleus_end(std::vector<std::pair<float, double>>& ranked, double acc, double target, float none) {
+  std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
+  float last = ranked.empty() ? none : ranked[0].first;
+  for (size_t j = 0; j < ranked.size() && acc < target;) {
+    last = ranked[j].first;
+    for (; j < ranked.size() && ranked[j].first == last; ++j) acc += ranked[j].second;
+  }
+  return last;
+}
+
 // The nucleus's last value: the least x whose larger values weigh less than top_p of the kept total, among x >=
 // `kept` (top-k's floor); `top` is x's largest. Fills s.w with the kept weights (0 elsewhere) and s.bin.
 inline float nucleus_floor(const float* x, int64_t n, float top, float kept, float top_p, DrawScratch& s) {
@@ -135,16 +134,10 @@ inline float nucleus_floor(const float* x, int64_t n, float top, float kept, flo
   double acc = 0;
   int b = 0;
   while (b < kBins - 1 && acc + mass[b] < target) acc += mass[b++];
-  s.boundary.clear();
+  s.ranked.clear();
   for (i = 0; i < n; ++i)
-    if (bin[i] == b && w[i] > 0.f) s.boundary.emplace_back(x[i], w[i]);
-  std::sort(s.boundary.begin(), s.boundary.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
-  float floor = s.boundary.empty() ? kept : s.boundary[0].first;
-  for (size_t j = 0; j < s.boundary.size() && acc < target;) {  // a value's tokens join while the mass before < target
-    floor = s.boundary[j].first;
-    for (; j < s.boundary.size() && s.boundary[j].first == floor; ++j) acc += s.boundary[j].second;
-  }
-  return floor;
+    if (bin[i] == b && w[i] > 0.f) s.ranked.emplace_back(x[i], w[i]);
+  return nucleus_end(s.ranked, acc, target, kept);
 }
 
 // The index of the first weight whose running sum passes u times the total (weights >= 0, at least one > 0).
@@ -194,18 +187,10 @@ inline int64_t draw_kept(const float* x, int64_t n, float top, float kth, const 
   double total = 0;
   for (size_t j = 0; j < m; ++j) total += s.kept_w[j] = std::exp((double)x[s.kept[j]] - (double)top);
   float floor = kth;
-  if (r.top_p < 1.f) {  // the nucleus among them: most likely first, a value's tokens join while the mass before < target
+  if (r.top_p < 1.f) {  // the nucleus among them
     s.ranked.resize(m);
     for (size_t j = 0; j < m; ++j) s.ranked[j] = {x[s.kept[j]], s.kept_w[j]};
-    std::sort(s.ranked.begin(), s.ranked.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
-    const double target = (double)r.top_p * total;
-    double acc = 0;
-    float last = s.ranked[0].first;
-    for (size_t j = 0; j < m && acc < target;) {
-      last = s.ranked[j].first;
-      for (; j < m && s.ranked[j].first == last; ++j) acc += s.ranked[j].second;
-    }
-    floor = std::max(floor, last);
+    floor = std::max(floor, nucleus_end(s.ranked, 0.0, (double)r.top_p * total, kth));
   }
   if (r.min_p > 0.f) floor = std::max(floor, top + std::log(r.min_p));
   if (filtered) std::fill(filtered, filtered + n, -INFINITY);
@@ -228,14 +213,13 @@ inline int64_t draw_kept(const float* x, int64_t n, float top, float kth, const 
 
 // One row's token. `filtered` (or null): the row's values after the filters (over the temperature; -inf where
 // dropped), for tests.
-template <typename T>
-inline int64_t draw_row(const T* logits, int64_t n, const DrawRule& r, float* filtered, DrawScratch& s) {
+inline int64_t draw_row(const Act& logits, int64_t n, const DrawRule& r, float* filtered, DrawScratch& s) {
   s.x.resize(n), s.w.resize(n), s.bin.resize(n);
   float* x = s.x.data();
   float* w = s.w.data();
   const auto argmax = [&] {  // a greedy row's token, as torch.argmax over the logits as float32
-    if constexpr (std::is_same_v<T, float>) return argmax_row(logits, n);
-    for (int64_t i = 0; i < n; ++i) x[i] = get_row(logits + i);
+    if (!logits.bf16) return argmax_row((const float*)logits.ptr, n);
+    for (int64_t i = 0; i < n; ++i) x[i] = logits.get(i);
     return argmax_row(x, n);
   };
   if (!(r.temperature > 0)) return argmax();
@@ -243,7 +227,7 @@ inline int64_t draw_row(const T* logits, int64_t n, const DrawRule& r, float* fi
   vf most = ninf;
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    vf v = load_row(logits + i) / t;
+    vf v = logits.getv(i) / t;
     v = v == v ? v : ninf;  // a NaN is never drawn
     store(x + i, v);
     most = v > most ? v : most;
@@ -251,7 +235,7 @@ inline int64_t draw_row(const T* logits, int64_t n, const DrawRule& r, float* fi
   float top = -INFINITY;
   for (int j = 0; j < W; ++j) top = std::max(top, most[j]);
   for (; i < n; ++i) {
-    const float v = get_row(logits + i) / r.temperature;
+    const float v = logits.get(i) / r.temperature;
     x[i] = v == v ? v : -INFINITY;
     top = std::max(top, x[i]);
   }
@@ -288,14 +272,15 @@ inline int64_t draw_row(const T* logits, int64_t n, const DrawRule& r, float* fi
 
 // logits [B, V] (float32 or bfloat16) -> tokens [B]; rows in parallel, each on one thread (a row of 152k takes
 // well under a millisecond: splitting one would cost more in waking threads than it saves).
-template <typename T>
-inline std::vector<int64_t> draw_rows(const T* logits, int64_t B, int64_t V, const std::vector<DrawRule>& rules,
-                                      float* filtered) {
+inline std::vector<int64_t> draw_rows(const char* logits, bool bf16, int64_t B, int64_t V,
+                                      const std::vector<DrawRule>& rules, float* filtered) {
   std::vector<int64_t> out(B);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     thread_local DrawScratch scratch;
-    for (int64_t b = begin; b < end; ++b)
-      out[b] = draw_row(logits + b * V, V, rules[b], filtered ? filtered + b * V : nullptr, scratch);
+    for (int64_t b = begin; b < end; ++b) {
+      const Act row{(void*)(logits + b * V * (bf16 ? 2 : 4)), bf16};
+      out[b] = draw_row(row, V, rules[b], filtered ? filtered + b * V : nullptr, scratch);
+    }
   });
   return out;
 }
@@ -313,8 +298,7 @@ inline std::vector<int64_t> draw_lists(uintptr_t logits, bool bf16, int64_t B, i
   std::vector<DrawRule> rules(rows);
   for (size_t b = 0; b < rows; ++b)
     rules[b] = {(float)temperature[b], (float)top_p[b], (float)min_p[b], top_k[b], u[b]};
-  if (bf16) return draw_rows((const uint16_t*)logits, B, V, rules, (float*)filtered);
-  return draw_rows((const float*)logits, B, V, rules, (float*)filtered);
+  return draw_rows((const char*)logits, bf16, B, V, rules, (float*)filtered);
 }
 
 }  // namespace tmk
