@@ -33,6 +33,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
 from tokenmill.types import EngineRequest
 
 
@@ -105,10 +106,14 @@ class LabelledStack:
         with record_function("decode_stack"):
             return self.stack.run_sequences(*args)
 
+    def greedy(self, *args: Any) -> Any:  # a decode run: several steps in one call
+        with record_function("decode_stack"):
+            return self.stack.greedy(*args)
+
 
 def print_stages(runs: list[list[tuple[str, int | None, float, float]]], wall: float) -> None:
     """Milliseconds per step in each kind of the stack's stages (summed over the layers), against the step's wall
-    time (`wall`, seconds)."""
+    time (`wall`, seconds; a decode run's steps are each one of its tokens)."""
     kinds: dict[str, float] = {}
     for run in runs:
         for kind, _, start, end in run:
@@ -128,16 +133,22 @@ def print_stages(runs: list[list[tuple[str, int | None, float, float]]], wall: f
 
 def add_stages_to_trace(path: str, runs: list[list[tuple[str, int | None, float, float]]]) -> bool:
     """Nest each profiled run's stages under its `decode_stack` slice in the Chrome trace at `path` (aligned at
-    the slice's start); False where the slices and the runs do not pair up."""
+    the slice's start; a decode run's steps one after another); False where the slices and the runs do not pair
+    up."""
     with open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     calls = sorted((e for e in events if e.get("name") == "decode_stack" and e.get("ph") == "X"), key=lambda e: e["ts"])
-    if len(calls) != len(runs):
+    if not calls or len(runs) % len(calls):
         return False
-    for call, run in zip(calls, runs, strict=True):
+    per_call = len(runs) // len(calls)  # the steps of a decode run, each its own native run
+    offset = 0.0
+    for i, run in enumerate(runs):
+        call = calls[i // per_call]
+        offset = 0.0 if i % per_call == 0 else offset + runs[i - 1][-1][3]
         for kind, layer, start, end in run:
-            at = {"pid": call["pid"], "tid": call["tid"], "ts": call["ts"] + start * 1e6, "dur": (end - start) * 1e6}
+            at = {"pid": call["pid"], "tid": call["tid"], "ts": call["ts"] + (offset + start) * 1e6,
+                  "dur": (end - start) * 1e6}  # fmt: skip
             events.append({"name": kind, "ph": "X", "cat": "decode_stack", **at, "args": {"layer": layer}})
     with open(path, "w") as f:
         json.dump(trace, f)
@@ -188,15 +199,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quantization", default="none")
     p.add_argument("--no-cpu-kernels", action="store_true", help="the pure-torch path, for comparison")
+    p.add_argument("--num-scheduler-steps", type=int, default=EngineConfig.num_scheduler_steps,
+                   help="greedy decode steps in one call where they apply (1: one step a call)")  # fmt: skip
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the profiled steps here")
     p.add_argument("--prefill", action="store_true", help="profile one prefill step of --batch prompts instead")
     a = p.parse_args()
     llm = LLM(a.model, dtype=a.dtype, threads=a.threads, quantization=a.quantization, enable_prefix_caching=False,
-              cpu_kernels=not a.no_cpu_kernels)  # fmt: skip
+              cpu_kernels=not a.no_cpu_kernels, num_scheduler_steps=a.num_scheduler_steps)  # fmt: skip
     if a.prefill:
         return profile_prefill(llm, a)
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=3 * a.steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3 * a.steps * a.num_scheduler_steps + 8, ignore_eos=True)
     for i in range(a.batch):
         prompt = list(range(300 + i, 300 + i + a.prompt_tokens))
         engine.add_request(EngineRequest(f"r{i}", prompt, params, engine.validate(prompt, params)))
@@ -205,10 +218,11 @@ def main() -> None:
     stack = engine.runner.decode_stack  # None: the steps run on the modules
     if stack is not None:
         stack.profile(True)  # its own stage clock: ~250 clock reads a step
-    start = time.perf_counter()
+    start, generated = time.perf_counter(), engine.stats.generation_tokens
     for _ in range(a.steps):
         engine.step()
-    wall = (time.perf_counter() - start) / a.steps
+    steps = (engine.stats.generation_tokens - generated) / a.batch  # a decode run's tokens are steps each
+    wall = (time.perf_counter() - start) / steps
     unprofiled_runs = stack.stage_runs() if stack is not None else []
     undo = label_modules(llm.loaded.model)
     if stack is not None:
@@ -232,7 +246,8 @@ def main() -> None:
         print(f"trace: {a.trace}")
     if stack is not None:
         stack.profile(False)
-    print(f"batch {a.batch}: unprofiled wall time per decode step {wall * 1000:.1f} ms over {a.steps} steps")
+    print(f"batch {a.batch}: unprofiled wall time per decode step {wall * 1000:.1f} ms over {steps:.0f} steps "
+          f"({a.steps} engine steps)")  # fmt: skip
 
 
 if __name__ == "__main__":

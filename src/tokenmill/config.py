@@ -205,6 +205,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # greedy decode steps taken in one call of the CPU decode stack while few sequences run, none waits and each
+    # decodes greedily with nothing else reading its logits (scheduler.py); 1: one step a call
+    num_scheduler_steps: int = 4
     # paged KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -250,6 +253,7 @@ class EngineConfig:
             "max_model_len",
             "max_num_seqs",
             "max_num_batched_tokens",
+            "num_scheduler_steps",
             "block_size",
             "num_kv_blocks",
             "threads",

@@ -29,7 +29,7 @@ def peak_rss_mb() -> float:
 class StepStats:
     batch_size: int  # requests that computed tokens this step
     num_tokens: int  # tokens computed (prefill chunks + decodes)
-    num_decode_tokens: int  # of which single-token decodes
+    num_decode_tokens: int  # of which single-token decodes (a decode run's steps each)
     kv_usage: float  # fraction of KV blocks in use after the step (0 for the baselines)
     duration_s: float
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 # token id -> log-probability; holds the sampled (or prompt) token plus the top-k
@@ -65,6 +66,14 @@ class RequestMetrics:
         """The decode steps' durations: gaps between the distinct times tokens appeared (a speculative step's
         accepted drafts appear with its token, which itl_ms counts as gaps of 0)."""
         return [(b - a) * 1000 for a, b in itertools.pairwise(sorted(set(self.token_times)))]
+
+    @property
+    def token_ms(self) -> list[float]:
+        """One entry per generated token after the first: its step's duration over the tokens that step gave (a
+        decode run, or a verification's kept drafts, gives several at once)."""
+        counts = Counter(self.token_times)
+        times = sorted(counts)
+        return [(b - a) * 1000 / counts[b] for a, b in itertools.pairwise(times) for _ in range(counts[b])]
 
     @property
     def decode_tokens_per_sec(self) -> float | None:

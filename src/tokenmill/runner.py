@@ -77,9 +77,18 @@ class ModelRunner:
         """Everything this runner needs is running (a tensor-parallel runner: every worker)."""
         return True
 
+    @property
+    def runs_decode_steps(self) -> bool:
+        """It can run a decode of several greedy steps in one call (`SequenceInput.num_steps`): the decode stack
+        holds the LM head and reads the embedding itself, and no CUDA graph replaces it."""
+        stack = self.decode_stack
+        return stack is not None and stack.greedy_ready and self.graphs is None and self.sample
+
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> RunnerOutput:
         self.check_fault(batch)
+        if batch.sequences and batch.sequences[0].num_steps > 1:
+            return self._decode_run(batch)
         runs, rows_of = _split_drafts(batch.sequences)
         # one-token sequences first: a backend may attend to them in one batched call
         seqs = [s for s in runs if s.num_new_tokens == 1]
@@ -140,6 +149,19 @@ class ModelRunner:
                 argmax = None if all_argmax is None else all_argmax[sample_rows]
             if self.sample:
                 self._sample(sampling, logits, out, batch, argmax)
+        return out
+
+    def _decode_run(self, batch: ModelInput) -> RunnerOutput:
+        """A step of `num_steps` greedy decode steps for every sequence (one token each, greedy, nothing but the
+        argmax read: the scheduler's decode runs), in one call of the decode stack, which feeds each step's argmax
+        to the next. The slots of every position are in the block tables."""
+        seqs, stack = batch.sequences, self.decode_stack
+        assert stack is not None and all(s.num_new_tokens == 1 and s.num_steps > 1 for s in seqs)
+        runs = stack.greedy([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_table for s in seqs],
+                            [s.num_steps for s in seqs])  # fmt: skip
+        out = RunnerOutput()
+        for s, tokens in zip(seqs, runs):
+            out.sampled[s.request_id] = [(t, None) for t in tokens]
         return out
 
     def _logits_wanted(self, batch: ModelInput) -> Literal["argmax", "model", "float32"]:

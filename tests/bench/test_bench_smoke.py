@@ -82,9 +82,9 @@ def test_latency(model: Path, tmp_path: Path) -> None:
     # the memory probed before the warmup trial and after the last: the trials are judged against their mean
     assert len(s["probes_gb_per_sec"]) == 2 and min(s["probes_gb_per_sec"]) > 0
     assert s["read_bandwidth_gb_per_sec"] == pytest.approx(sum(s["probes_gb_per_sec"]) / 2)
-    assert s["step_ms"]["n"] == 2 * 3  # every decode step of the measured trials: 4 tokens, 3 steps after the first
-    assert 0 < s["step_ms"]["p50"] <= s["step_ms"]["p90"]
-    assert {len(r["step_ms"]) for r in rows} == {3}
+    assert s["token_ms"]["n"] == 2 * 3  # every decode token of the measured trials: 4 tokens, 3 after the first
+    assert 0 < s["token_ms"]["p50"] <= s["token_ms"]["p90"]
+    assert {len(r["token_ms"]) for r in rows} == {3}
 
 
 def test_latency_draws_with_the_sampling_asked_for(model: Path, tmp_path: Path) -> None:
@@ -297,8 +297,10 @@ def test_compare_runs_every_backend_on_one_gguf(model: Path, tmp_path: Path) -> 
 
 def test_profile_decode_puts_the_stack_stages_in_its_table_and_trace(model: Path, tmp_path: Path) -> None:
     """scripts/profile_decode.py on a model whose decode steps run through the decode stack: the stage table, and a
-    Chrome trace whose `decode_stack` slices each hold every stage of every layer, inside the slice."""
+    Chrome trace whose `decode_stack` slices each hold every stage of every layer of each step of its decode run,
+    inside the slice."""
     from tokenmill import kernels
+    from tokenmill.config import EngineConfig
 
     if kernels.active() is None:
         pytest.skip("no compiled CPU kernels here: the decode steps run on the modules, with no stack to profile")
@@ -315,10 +317,11 @@ def test_profile_decode_puts_the_stack_stages_in_its_table_and_trace(model: Path
     slices = sorted((e for e in events if e.get("name") == "decode_stack"), key=lambda e: e["ts"])
     stages = [e for e in events if e.get("cat") == "decode_stack"]
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    assert len(slices) == 3 and len(stages) == 3 * (10 * layers + 2)
+    runs = EngineConfig.num_scheduler_steps  # each engine step a decode run of this many steps, in one slice
+    assert len(slices) == 3 and len(stages) == 3 * runs * (10 * layers + 2)
     for s in slices:
         inside = [e for e in stages if s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1]
-        assert len(inside) == 10 * layers + 2
+        assert len(inside) == runs * (10 * layers + 2)
 
 
 def test_profile_decode_prefill_groups_one_prefill_step_by_module(model: Path) -> None:

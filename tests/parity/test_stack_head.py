@@ -59,7 +59,10 @@ class Runs:
 
 
 def _llm(make_checkpoint: Callable[..., Path], dtype: str) -> LLM:
-    return LLM(str(make_checkpoint("qwen2", **SPREAD, vocab_size=VOCAB)), dtype=dtype, device="cpu")
+    """One step a call (no decode runs): these tests watch each step's head outputs (test_decode_runs.py checks
+    that runs give the same tokens)."""
+    folder = make_checkpoint("qwen2", **SPREAD, vocab_size=VOCAB)
+    return LLM(str(folder), dtype=dtype, device="cpu", num_scheduler_steps=1)
 
 
 def _generate(llm: LLM, logprobs: int | None = None) -> list[list[int]]:

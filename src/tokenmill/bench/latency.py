@@ -1,6 +1,7 @@
 """Single-stream latency, the llama-bench equivalent: prompt processing (pp N) and text generation (tg N)
 tokens/s with their std over trials, achieved weight-read bandwidth (weight bytes x tg tok/s), peak RSS, and the
-decode step's p50 and p90 over every step of the trials (with the share of the probe at the p50 step).
+p50 and p90 over every decode token of the trials of its step's time over the tokens that step gave (a decode run
+gives several: `num_scheduler_steps`), with the share of the probe at the p50.
 
 Prefix caching is off so every trial really computes its prompt; prompts are random token ids (seeded).
 """
@@ -74,7 +75,7 @@ def _trial(
         "prefill_ms": m.prefill_ms,
         "pp_tokens_per_sec": prompt_tokens / (m.prefill_ms / 1000),
         "tg_tokens_per_sec": m.decode_tokens_per_sec or 0.0,
-        "step_ms": m.step_ms,
+        "token_ms": m.token_ms,
     }
 
 
@@ -107,16 +108,16 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path
     wbytes = weight_bytes(llm)
     pp = summarize([r["pp_tokens_per_sec"] for r in measured])
     tg = summarize([r["tg_tokens_per_sec"] for r in measured])
-    # every decode step of the trials: on a shared host a phase of slow steps (another tenant, a lost core) moves
-    # the mean, and the median step shows what the code does when it has the machine
-    steps = summarize([t for r in measured for t in r["step_ms"]])
+    # every decode token of the trials: on a shared host a phase of slow steps (another tenant, a lost core) moves
+    # the mean, and the median shows what the code does when it has the machine
+    steps = summarize([t for r in measured for t in r["token_ms"]])
     summary = {
         "backend": "tokenmill",
         f"pp{args.prompt_tokens}_tokens_per_sec": pp,
         f"tg{args.gen_tokens}_tokens_per_sec": tg,
         "weight_bytes": wbytes,
         "achieved_gb_per_sec": wbytes * tg["mean"] / 1e9,
-        "step_ms": steps if steps["n"] else None,
+        "token_ms": steps if steps["n"] else None,
         "read_bandwidth_gb_per_sec": probe,
         "probes_gb_per_sec": probes,
         "kernels": _kernel_path(llm),
@@ -152,7 +153,7 @@ def _report(args: argparse.Namespace, config: dict[str, Any], summary: dict[str,
         f"| achieved GB/s (weights x tg) | {summary['achieved_gb_per_sec']:.2f} | |\n"
         f"| read bandwidth probe GB/s (before / after the trials) | {probe:.1f} ({before:.1f} / {after:.1f}) | |\n"
         f"| achieved / probe | {wbytes * tg['mean'] / 1e9 / probe:.0%} | |\n"
-        f"{_step_rows(summary['step_ms'], wbytes, probe)}"
+        f"{_step_rows(summary['token_ms'], wbytes, probe)}"
         f"| peak RSS MB | {summary['peak_rss_mb']:.0f} | |\n\n"
         f"{args.repeat} trials after {args.warmup} warmup (excluded); CPU kernels: {summary['kernels']}. "
         f"Command: `{command}`\n"
@@ -160,12 +161,12 @@ def _report(args: argparse.Namespace, config: dict[str, Any], summary: dict[str,
 
 
 def _step_rows(steps: dict[str, float] | None, wbytes: int, probe: float) -> str:
-    """The report's rows for the decode steps' p50 and p90 (none with fewer than two tokens a trial)."""
+    """The report's rows for the decode tokens' p50 and p90 (none with fewer than two tokens a trial)."""
     if not steps or not steps["n"]:
         return ""
     share = wbytes / (steps["p50"] / 1000) / 1e9 / probe
-    return (f"| decode step ms: p50 / p90 of {steps['n']} | {steps['p50']:.2f} / {steps['p90']:.2f} | |\n"
-            f"| achieved / probe at the p50 step | {share:.0%} | |\n")  # fmt: skip
+    return (f"| decode ms a token: p50 / p90 of {steps['n']} | {steps['p50']:.2f} / {steps['p90']:.2f} | |\n"
+            f"| achieved / probe at the p50 | {share:.0%} | |\n")  # fmt: skip
 
 
 def _kernel_path(llm: LLM) -> str:

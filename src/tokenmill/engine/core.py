@@ -26,6 +26,7 @@ from tokenmill.kv_cache import KVCacheManager, KVManager, UnpagedKVManager
 from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
 from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.runner import ModelRunner
+from tokenmill.sampling import plain
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.spec_decode import DraftRequest, Proposer, make_proposer
@@ -57,8 +58,10 @@ class EngineCore:
         eos_token_ids: frozenset[int],
         proposer: Proposer | None = None,
         spec_off_above: int | None = None,  # no drafts while more sequences than this run
+        num_scheduler_steps: int = 1,  # greedy decode steps in one call, where the runner can (Request.decode_run)
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
+        self.num_steps = num_scheduler_steps if runner.runs_decode_steps else 1
         self.proposer, self.spec_off_above = proposer, spec_off_above  # speculative decoding (spec_decode/)
         self.kv: KVManager = scheduler.kv
         self.output = OutputProcessor(tokenizer)
@@ -97,7 +100,7 @@ class EngineCore:
             runner.graphs = DecodeGraphs.build(loaded.model, backend, cfg.max_num_seqs, max_len, cfg.enforce_eager)
         proposer = make_proposer(loaded, cfg, max_len)
         return cls(runner, scheduler, loaded.tokenizer, model_cfg.vocab_size, max_len, loaded.eos_token_ids,
-                   proposer, cfg.speculative_disable_by_batch_size)  # fmt: skip
+                   proposer, cfg.speculative_disable_by_batch_size, cfg.num_scheduler_steps)  # fmt: skip
 
     # -- what the callers see ---------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -209,12 +212,13 @@ class EngineCore:
             so = replace(so, scheduled=[s for s in so.scheduled if s.request_id not in failed])
         outputs = self.update_from_output(so, result, start) + self._fail(failed)
         self._propose()
+        self._plan_decode_runs()
         self.stats.record(
             StepStats(
                 batch_size=len(so.scheduled),
                 num_tokens=so.num_batched_tokens,
                 num_decode_tokens=sum(
-                    1 for s, r in zip(so.scheduled, batch) if r.output_token_ids and s.num_new_tokens == 1
+                    s.num_steps for s, r in zip(so.scheduled, batch) if r.output_token_ids and s.num_new_tokens == 1
                 ),
                 kv_usage=self.kv.usage,
                 duration_s=time.perf_counter() - start,
@@ -288,6 +292,7 @@ class EngineCore:
             max_num_tokens=req.num_prompt_tokens + req.max_tokens,
             sampling=sampling,
             prompt_logprobs=prompt_logprobs,
+            num_steps=s.num_steps,
         )
 
     def update_from_output(
@@ -297,7 +302,7 @@ class EngineCore:
         now = time.perf_counter()
         for request_id in so.preempted:
             req = self._seqs[request_id]
-            req.num_computed_tokens = 0
+            req.num_computed_tokens, req.decode_run = 0, 0
             req.metrics.num_preemptions += 1
         for request_id, num_cached in so.num_cached_tokens.items():
             req = self._seqs[request_id]
@@ -309,7 +314,8 @@ class EngineCore:
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or scheduled_at or now
             new_tokens = result.sampled.get(req.request_id, [])
             num_drafts = len(s.spec_token_ids)
-            accepted = max(len(new_tokens) - 1, 0) if num_drafts else 0  # kept drafts: their keys/values stand
+            # kept drafts, and a decode run's tokens before its last: their keys/values stand
+            accepted = max(len(new_tokens) - 1, 0) if num_drafts or s.num_steps > 1 else 0
             computed = s.num_computed_tokens + s.num_new_tokens - num_drafts + accepted
             req.num_computed_tokens = computed if retains_kv else 0
             if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:
@@ -400,6 +406,21 @@ class EngineCore:
         drafts = self.proposer.propose_batch(asks) if asks else {}
         for req in running:  # every running sequence: none keeps last step's drafts
             req.spec_token_ids = drafts.get(req.request_id, [])
+
+    def _plan_decode_runs(self) -> None:
+        """How many greedy decode steps each running sequence may take in one call next step (`decode_run`; the
+        scheduler decides whether the step takes them): a greedy decode whose logits nothing but the argmax reads
+        (no logprobs, penalty, bias, grammar, drafts or min_tokens still to reach), within its output budget and
+        the context. Its tokens are the ones single steps would give: the same kernels over the same batch."""
+        if self.num_steps < 2:
+            return
+        for req in self.scheduler.running:
+            p, num_out = req.params, len(req.output_token_ids)
+            left = min(req.max_tokens - num_out, self.max_model_len - req.num_tokens)
+            greedy = p.temperature == 0 and plain([p], [], self.structured.has(req.request_id))
+            decoding = not req.spec_token_ids and req.num_computed_tokens == req.num_tokens - 1
+            runs = greedy and decoding and not req.finished and num_out >= p.min_tokens and left > 0
+            req.decode_run = min(self.num_steps, left) if runs else 0
 
     def _release(self, req: Request) -> None:
         req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()

@@ -126,6 +126,10 @@ class TensorParallelRunner(ModelRunner):
             raise RuntimeError(f"tensor-parallel workers did not start: {e}") from None
         self.closed = False
 
+    @property
+    def runs_decode_steps(self) -> bool:
+        return False  # the workers run one step per broadcast
+
     def execute(self, batch: ModelInput) -> RunnerOutput:
         self.check_fault(batch)  # before the broadcast: an injected fault must not leave the workers waiting
         dead = [w.name for w in self.workers if not w.is_alive()]

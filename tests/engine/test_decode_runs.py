@@ -1,0 +1,128 @@
+"""Decode runs (`num_scheduler_steps`): several greedy decode steps in one call of the decode stack. Greedy output
+is token for token what one step a call gives, stops inside a run end the sequence where they should, runs are
+only taken where the scheduler's rules allow them, and the KV pool comes back whole."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests import target
+from tokenmill import LLM, SamplingParams
+from tokenmill.scheduler import MAX_SEQS_FOR_RUNS
+
+PROMPTS = [[5 + i, 17, 33 + 2 * i, 9, 100 + i] for i in range(6)]
+
+pytestmark = pytest.mark.skipif(target.DEVICE != "cpu", reason="decode runs belong to the CPU decode stack")
+
+
+@pytest.fixture(scope="module", params=[("qwen2", "float32", "none"), ("llama", "bfloat16", "int4")])
+def llms(request: pytest.FixtureRequest, make_checkpoint: Callable[..., Path]) -> dict[int, LLM]:
+    arch, dtype, quantization = request.param
+    folder = make_checkpoint(arch, initializer_range=0.1)
+    built = {k: LLM(str(folder), dtype=dtype, quantization=quantization, num_scheduler_steps=k) for k in (1, 3, 4)}
+    if not built[4].engine.runner.runs_decode_steps:
+        pytest.skip("this build has no decode stack (no compiler, or --no-cpu-kernels): every step is one step")
+    return built
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list[list[int]], int]:
+    """(each request's tokens, the engine steps it took); checks that every KV block came back."""
+    steps = llm.engine.stats.num_steps
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    kv = llm.engine.kv
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks  # every block back, the runs' lookahead slots included
+    return [list(o.outputs[0].token_ids) for o in outs], llm.engine.stats.num_steps - steps
+
+
+def test_runs_give_the_tokens_single_steps_give(llms: dict[int, LLM]) -> None:
+    """One to four sequences of different lengths (runs shrink to the shortest budget), then six (more than the
+    runs' limit): the same greedy tokens with runs of 3 and 4 as with one step a call, in fewer steps."""
+    for n in (1, 2, MAX_SEQS_FOR_RUNS, MAX_SEQS_FOR_RUNS + 2):
+        lengths = [9 + 5 * i if n <= MAX_SEQS_FOR_RUNS else 9 for i in range(n)]  # too many: all to the end
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths]
+        single, single_steps = _generate(llms[1], PROMPTS[:n], params)
+        for k in (3, 4):
+            tokens, steps = _generate(llms[k], PROMPTS[:n], params)
+            assert tokens == single, (n, k)
+            if n <= MAX_SEQS_FOR_RUNS:
+                assert steps < single_steps
+            else:
+                assert steps == single_steps  # too many sequences for runs: one step a call
+
+
+def test_a_stop_inside_a_run_ends_the_sequence_there(llms: dict[int, LLM]) -> None:
+    """A stop token met in the middle of a run ends the output with it (stop_reason set); the tokens the run
+    computed after it are dropped, as are those after a stop string."""
+    free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full, _ = _generate(llms[1], PROMPTS[:1], [free])
+    stop = full[0][6]
+    first = full[0].index(stop)
+    at_stop = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    for k in (1, 4):
+        outs = llms[k].generate([{"prompt_token_ids": PROMPTS[0]}], at_stop)
+        assert list(outs[0].outputs[0].token_ids) == full[0][: first + 1]
+        assert outs[0].outputs[0].stop_reason == stop and outs[0].outputs[0].finish_reason == "stop"
+    text = llms[1].generate([{"prompt_token_ids": PROMPTS[0]}], free)[0].outputs[0].text
+    middle = len(text) // 2
+    needle = next(text[i : i + 2] for i in range(middle, len(text) - 1) if text[i : i + 2].strip())
+    by_string = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[needle])
+    want = llms[1].generate([{"prompt_token_ids": PROMPTS[0]}], by_string)[0].outputs[0]
+    got = llms[4].generate([{"prompt_token_ids": PROMPTS[0]}], by_string)[0].outputs[0]
+    assert want.finish_reason == "stop" and len(want.token_ids) < 20
+    assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids), "stop")
+
+
+def test_runs_only_for_greedy_rows_that_read_nothing_but_the_argmax(llms: dict[int, LLM]) -> None:
+    """A drawn row, logprobs or a penalty in the batch, or min_tokens still to reach: one step a call for every
+    sequence, and the same tokens as without runs."""
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    others = [
+        SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3),
+    ]
+    for other in others:
+        want, single_steps = _generate(llms[1], PROMPTS[:2], [greedy, other])
+        got, steps = _generate(llms[4], PROMPTS[:2], [greedy, other])
+        assert got == want and steps == single_steps, other
+    # min_tokens: one step a call until it is reached, then runs
+    late = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, ignore_eos=True)
+    want, single_steps = _generate(llms[1], PROMPTS[:1], [late])
+    got, steps = _generate(llms[4], PROMPTS[:1], [late])
+    assert got == want and 6 < steps < single_steps
+
+
+def test_no_run_while_a_request_waits(make_checkpoint: Callable[..., Path]) -> None:
+    """One sequence at a time (`max_num_seqs` 1) and two requests of 10 tokens: the first decodes one step a call
+    while the second waits (a prefill and 9 steps); the second, alone, runs (a prefill and runs of 4, 4 and 1)."""
+    folder = make_checkpoint("qwen2", initializer_range=0.1)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    got = {}
+    for k in (1, 4):
+        llm = LLM(str(folder), dtype="float32", max_num_seqs=1, num_scheduler_steps=k)
+        if not llm.engine.runner.runs_decode_steps:
+            pytest.skip("this build has no decode stack (no compiler): every step is one step")
+        got[k] = _generate(llm, PROMPTS[:2], [params, params])
+        computed = [step.num_tokens for step in llm.engine.stats.recent_steps]
+        # each step computes a prompt, one token or a run's: nothing is computed twice
+        assert computed == [5] + [1] * 9 + [5] + ([1] * 9 if k == 1 else [4, 4, 1])
+    assert got[4][0] == got[1][0]
+    assert (got[1][1], got[4][1]) == (20, 10 + 4)
+
+
+def test_runs_stop_at_the_context_end(make_checkpoint: Callable[..., Path]) -> None:
+    """A sequence without max_tokens ends at `max_model_len` ("length"), 11 tokens after a 5-token prompt: runs of
+    4, 4 and 2, with the tokens one step a call gives."""
+    folder = make_checkpoint("qwen2", initializer_range=0.1)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    got = {}
+    for k in (1, 4):
+        llm = LLM(str(folder), dtype="float32", max_model_len=16, num_scheduler_steps=k)
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)[0].outputs[0]
+        got[k] = (list(out.token_ids), out.finish_reason)
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert got[4] == got[1] and len(got[1][0]) == 16 - len(PROMPTS[0]) and got[1][1] == "length"
