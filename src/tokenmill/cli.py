@@ -48,7 +48,7 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps, beside running decodes",
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before",
     "scheduling_policy": "fcfs (arrival order) or priority (the request's priority, then arrival)",
-    "num_scheduler_steps": "greedy decode steps in one call while few sequences run and none waits (1: off)",
+    "num_scheduler_steps": "decode steps in one call while few sequences run and none waits (1: off)",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV blocks in the pool (default: from --kv-cache-memory-gb or the free memory)",
     "kv_cache_memory_gb": "memory for the KV pool in GB (default: a share of the free memory)",

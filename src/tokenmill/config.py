@@ -205,8 +205,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
-    # greedy decode steps taken in one call of the CPU decode stack while few sequences run, none waits and each
-    # decodes greedily with nothing else reading its logits (scheduler.py); 1: one step a call
+    # decode steps taken in one call of the CPU decode stack while few sequences run, none waits and nothing but a
+    # draw or the argmax reads each one's logits (scheduler.py); 1: one step a call
     num_scheduler_steps: int = 4
     # paged KV cache
     block_size: int = 16

@@ -79,8 +79,9 @@ class ModelRunner:
 
     @property
     def runs_decode_steps(self) -> bool:
-        """It can run a decode of several greedy steps in one call (`SequenceInput.num_steps`): the decode stack
-        holds the LM head and reads the embedding itself, and no CUDA graph replaces it."""
+        """It can run a decode of several steps in one call (`SequenceInput.num_steps`), greedy or drawn: the decode
+        stack holds the LM head and reads the embedding itself, and no CUDA graph replaces it (the stack runs only
+        with the CPU kernels, whose draw the sampler uses too)."""
         stack = self.decode_stack
         return stack is not None and stack.greedy_ready and self.graphs is None and self.sample
 
@@ -152,13 +153,21 @@ class ModelRunner:
         return out
 
     def _decode_run(self, batch: ModelInput) -> RunnerOutput:
-        """A step of `num_steps` greedy decode steps for every sequence (one token each, greedy, nothing but the
-        argmax read: the scheduler's decode runs), in one call of the decode stack, which feeds each step's argmax
-        to the next. The slots of every position are in the block tables."""
+        """A step of `num_steps` decode steps for every sequence (one token each, whose logits nothing but a draw or
+        the argmax reads: the scheduler's decode runs), in one call of the decode stack, which feeds each step's
+        token to the next. Where a row draws, every step takes one uniform number per row, as `Sampler.__call__`
+        does (a seeded row's from its own generator), and draws as its kernel does: the tokens single steps would
+        give. The slots of every position are in the block tables."""
         seqs, stack = batch.sequences, self.decode_stack
-        assert stack is not None and all(s.num_new_tokens == 1 and s.num_steps > 1 for s in seqs)
+        assert stack is not None and all(s.num_new_tokens == 1 and s.sampling is not None for s in seqs)
+        rounds = seqs[0].num_steps
+        params = [s.sampling.params for s in seqs if s.sampling is not None]
+        draws = None
+        if any(p.temperature > 0 for p in params):
+            generators = [self._generator(s) for s in seqs]
+            draws = (params, [self.sampler.uniforms(generators) for _ in range(rounds)])
         runs = stack.greedy([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_table for s in seqs],
-                            [s.num_steps for s in seqs])  # fmt: skip
+                            [rounds] * len(seqs), draws)  # fmt: skip
         out = RunnerOutput()
         for s, tokens in zip(seqs, runs):
             out.sampled[s.request_id] = [(t, None) for t in tokens]

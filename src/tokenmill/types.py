@@ -60,7 +60,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed to follow the known tokens
     spec_misses: int = 0  # verification rounds in a row that kept no draft
     spec_skip: int = 0  # steps to go without drafts (after misses: 2, 4, ... 64)
-    # greedy decode steps this sequence may take in one call next step (0: it may not; scheduler._decode_runs)
+    # decode steps this sequence may take in one call next step (0: it may not; scheduler._decode_runs)
     decode_run: int = 0
 
     @property
@@ -108,7 +108,7 @@ class ScheduledRequest:
     num_new_tokens: int  # computed this step (the drafts included)
     block_table: list[int]  # the request's KV block ids after this step's allocation ([] without paging)
     spec_token_ids: tuple[int, ...] = ()  # drafts computed after the request's known tokens, verified this step
-    num_steps: int = 1  # > 1: a decode that runs this many greedy steps, each fed the last one's token
+    num_steps: int = 1  # > 1: a decode that runs this many steps in one call, each fed the last one's token
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class SequenceInput:
     max_num_tokens: int  # the most tokens this sequence can ever hold (prompt + output budget)
     sampling: SamplingInput | None  # set when this step reaches the sequence's last known token
     prompt_logprobs: PromptLogprobsInput | None = None
-    num_steps: int = 1  # > 1: decode greedily this many steps in one call, each fed the last one's argmax
+    num_steps: int = 1  # > 1: decode this many steps in one call, each fed the last one's token
 
     @property
     def num_new_tokens(self) -> int:

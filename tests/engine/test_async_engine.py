@@ -88,11 +88,12 @@ def test_closing_a_stream_aborts_within_a_step(engine: AsyncEngine) -> None:
 
 def test_explicit_abort_ends_stream_with_abort(engine: AsyncEngine) -> None:
     async def main() -> RequestOutput:
-        final = None
+        final, aborted = None, False
         async for out in engine.generate("Hello", SamplingParams(max_tokens=400, ignore_eos=True), request_id="r1"):
             final = out
-            if len(out.outputs[0].token_ids) == 2:
+            if len(out.outputs[0].token_ids) >= 2 and not aborted:  # a decode run brings several tokens at once
                 engine.abort("r1")
+                aborted = True
         assert final is not None
         return final
 

@@ -76,14 +76,35 @@ def test_a_stop_inside_a_run_ends_the_sequence_there(llms: dict[int, LLM]) -> No
     assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids), "stop")
 
 
-def test_runs_only_for_greedy_rows_that_read_nothing_but_the_argmax(llms: dict[int, LLM]) -> None:
-    """A drawn row, logprobs or a penalty in the batch, or min_tokens still to reach: one step a call for every
+def test_drawn_runs_give_the_tokens_single_steps_give(make_checkpoint: Callable[..., Path]) -> None:
+    """Rows that draw (temperature, top-k, top-p, min-p; seeded and not) beside a greedy one: every step of a run
+    takes the uniform numbers a single step would, and draws as the sampler's kernel does: the same tokens, in
+    fewer steps. Fresh engines, so that the unseeded row's generator starts alike in both."""
+    folder = make_checkpoint("llama", initializer_range=0.1)
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.7, min_p=0.05, seed=1, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+    ]
+    got = {}
+    for k in (1, 4):
+        llm = LLM(str(folder), dtype="bfloat16", num_scheduler_steps=k)
+        if not llm.engine.runner.runs_decode_steps:
+            pytest.skip("this build has no decode stack (no compiler): every step is one step")
+        got[k] = _generate(llm, PROMPTS[:4], params)
+    assert got[4][0] == got[1][0] and got[4][1] < got[1][1]
+    assert len({tuple(t) for t in got[1][0]}) == 4  # the rows differ: the draws were not all the argmax
+
+
+def test_runs_only_for_rows_that_read_nothing_but_a_draw_or_the_argmax(llms: dict[int, LLM]) -> None:
+    """Logprobs, a penalty or a logit bias in the batch, or min_tokens still to reach: one step a call for every
     sequence, and the same tokens as without runs."""
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     others = [
-        SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1),
         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True, logit_bias={7: 2.0}),
     ]
     for other in others:
         want, single_steps = _generate(llms[1], PROMPTS[:2], [greedy, other])

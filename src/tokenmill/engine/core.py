@@ -408,18 +408,19 @@ class EngineCore:
             req.spec_token_ids = drafts.get(req.request_id, [])
 
     def _plan_decode_runs(self) -> None:
-        """How many greedy decode steps each running sequence may take in one call next step (`decode_run`; the
-        scheduler decides whether the step takes them): a greedy decode whose logits nothing but the argmax reads
-        (no logprobs, penalty, bias, grammar, drafts or min_tokens still to reach), within its output budget and
-        the context. Its tokens are the ones single steps would give: the same kernels over the same batch."""
+        """How many decode steps each running sequence may take in one call next step (`decode_run`; the scheduler
+        decides whether the step takes them): a decode whose logits nothing but a draw or the argmax reads (no
+        logprobs, penalty, bias, grammar, drafts or min_tokens still to reach), within its output budget and the
+        context. Its tokens are the ones single steps would give: the same kernels over the same batch, and the
+        same uniform numbers for its draws."""
         if self.num_steps < 2:
             return
         for req in self.scheduler.running:
             p, num_out = req.params, len(req.output_token_ids)
             left = min(req.max_tokens - num_out, self.max_model_len - req.num_tokens)
-            greedy = p.temperature == 0 and plain([p], [], self.structured.has(req.request_id))
+            only_draws = plain([p], [], self.structured.has(req.request_id))
             decoding = not req.spec_token_ids and req.num_computed_tokens == req.num_tokens - 1
-            runs = greedy and decoding and not req.finished and num_out >= p.min_tokens and left > 0
+            runs = only_draws and decoding and not req.finished and num_out >= p.min_tokens and left > 0
             req.decode_run = min(self.num_steps, left) if runs else 0
 
     def _release(self, req: Request) -> None:

@@ -21,6 +21,7 @@ from tokenmill.attention import KVBackend, PagedKVCache
 from tokenmill.attention.paged import PagedMetadata
 from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from tokenmill.models.linear import KernelLinear
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.types import SequenceInput
 
 
@@ -107,12 +108,20 @@ class DecodeStack:
         return self.vocab_size is not None and self.plain_embedding
 
     def greedy(
-        self, feeds: list[list[int]], starts: list[int], tables: list[list[int]], rounds: list[int]
+        self,
+        feeds: list[list[int]],
+        starts: list[int],
+        tables: list[list[int]],
+        rounds: list[int],
+        draws: tuple[list[SamplingParams], list[list[float]]] | None = None,
     ) -> list[list[int]]:
         """Greedy decoding in one native call, as a draft model proposes: row b feeds the tokens feeds[b] at
         positions starts[b].. (its catch-up; the last one's argmax is its first draft), then each draft back, and
         gets its rounds[b] >= 1 drafts. The caller has allocated the slots of every position fed, the drafts'
-        included, in tables[b]."""
+        included, in tables[b].
+
+        `draws` (params [B], uniforms [R][B]; every row the same rounds): each round's token is drawn instead, as
+        `Kernels.draw` draws a step's from the logits in the model's dtype (a greedy row's: the argmax)."""
         order = sorted(range(len(feeds)), key=lambda b: -rounds[b])  # the rows of chain round r are a prefix
         n, r_max, bs = len(order), rounds[order[0]], self.kv.block_size
         fed = [feeds[b] for b in order]
@@ -142,10 +151,16 @@ class DecodeStack:
         rows = max(len(feed_tok), n)
         out = torch.empty(rows, self.decoder.norm.weight.shape[0], dtype=self.kv.dtype)  # [rows, D] scratch
         logits = torch.empty(rows, self.vocab_size or 0, dtype=self.kv.dtype)  # [rows, V] scratch
-        self.native.run_greedy(self.decoder.embed_tokens.weight.data_ptr(), tokens.data_ptr(), active.data_ptr(),
+        params, u = draws if draws is not None else ([], [])
+        if draws is not None and (len(set(rounds)) != 1 or len(params) != n or len(u) != r_max):
+            raise ValueError("draws: every row the same rounds, one params per row and one uniform per row and round")
+        self.native.run_rounds(self.decoder.embed_tokens.weight.data_ptr(), tokens.data_ptr(), active.data_ptr(),
                                r_max, len(feed_tok), feed_tok.data_ptr(), seq_t.data_ptr(), last_t.data_ptr(),
                                cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), width,
-                               lens.data_ptr(), n, bs, out.data_ptr(), logits.data_ptr())  # fmt: skip
+                               lens.data_ptr(), n, bs, out.data_ptr(), logits.data_ptr(),
+                               [p.temperature for p in params], [max(p.top_k, 0) for p in params],
+                               [p.top_p for p in params], [p.min_p for p in params],
+                               [x for row in u for x in row])  # fmt: skip
         drafts = tokens.tolist()
         result: list[list[int]] = [[] for _ in order]
         for i, b in enumerate(order):

@@ -362,7 +362,7 @@ class Sampler:
             logits = _biased(logits, batch.logit_bias)
         logits = apply_penalties(logits, batch)
         if batch.sampled and (ops := self._kernels(logits)) is not None:  # every row (greedy: argmax) in one call
-            token_ids = ops.draw(logits, batch.params, self._uniforms(batch.generators).tolist())
+            token_ids = ops.draw(logits, batch.params, self.uniforms(batch.generators))
             return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(raw, token_ids, batch))
         greedy = not batch.sampled or any(p.temperature <= 0 for p in batch.params)  # some row takes the argmax
         tokens = argmax if argmax is not None and logits is raw else self._argmax(logits) if greedy else None  # [B]
@@ -378,6 +378,10 @@ class Sampler:
         if self._cdf is None or self._cdf.numel() < probs.numel() or self._cdf.device != probs.device:
             self._cdf = torch.empty(probs.numel(), dtype=torch.float64, device=probs.device)
         return self._cdf
+
+    def uniforms(self, generators: list[torch.Generator | None]) -> list[float]:
+        """The uniform numbers a step that draws takes, one per row (a decode run's steps each take theirs)."""
+        return self._uniforms(generators).tolist()
 
     def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:  # -> [B] float64 in [0, 1)
         """One uniform number per row: a seeded row's from its own generator, the others' from the sampler's. Drawn

@@ -370,7 +370,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run_ids", &tmk::DecodeStack::run_ids, "run() from token ids and positions (embedding, rotary tables)",
            nogil())
       .def("run_lists", run_lists, "run_ids() from lists (no tensor built for the step's inputs)", nogil())
-      .def("run_greedy", &tmk::DecodeStack::run_greedy, "greedy decoding rounds through the stack and head", nogil())
+      .def("run_rounds", &tmk::DecodeStack::run_rounds, "decoding rounds through the stack and head (greedy, or draws)",
+           nogil())
       .def("set_profile", &tmk::DecodeStack::set_profile, "time every stage of every run from now on (or stop)")
       .def("marks", &tmk::DecodeStack::marks, "each profiled run's stage boundaries, seconds from its start")
       .def("stage_of", &tmk::DecodeStack::stage_of, "stage i's kind and layer (-1: after the last layer)");
