@@ -162,12 +162,20 @@ class ModelRunner:
         assert stack is not None and all(s.num_new_tokens == 1 and s.sampling is not None for s in seqs)
         rounds = seqs[0].num_steps
         params = [s.sampling.params for s in seqs if s.sampling is not None]
-        draws = None
+        draws, states = None, []
         if any(p.temperature > 0 for p in params):
             generators = [self._generator(s) for s in seqs]
+            # the numbers are taken before the model runs (a single step takes them after): put them back if it fails
+            used = [self.sampler.default_generator, *dict.fromkeys(g for g in generators if g is not None)]
+            states = [(g, g.get_state()) for g in used]
             draws = (params, [self.sampler.uniforms(generators) for _ in range(rounds)])
-        runs = stack.greedy([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_table for s in seqs],
-                            [rounds] * len(seqs), draws)  # fmt: skip
+        try:
+            runs = stack.greedy([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_table for s in seqs],
+                                [rounds] * len(seqs), draws)  # fmt: skip
+        except Exception:
+            for g, state in states:
+                g.set_state(state)
+            raise
         out = RunnerOutput()
         for s, tokens in zip(seqs, runs):
             out.sampled[s.request_id] = [(t, None) for t in tokens]

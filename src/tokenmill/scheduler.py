@@ -67,11 +67,15 @@ class Scheduler:
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:
-        """Forget a finished or aborted request and release its blocks."""
+        """Forget a finished or aborted request and release its blocks, first registering for the prefix cache the
+        full blocks its computed tokens fill (a decode run's last ones were allocated as lookahead, unhashed)."""
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        computed = min(req.num_computed_tokens, req.num_tokens)  # a stop inside a run drops the tokens after it
+        if computed and self.kv.block_table(req.request_id):  # not yet released (an n > 1 sample may be, early)
+            self.kv.allocate_slots(req.request_id, req.all_token_ids, computed, 0)
         self.kv.free(req.request_id)
 
     def has_unfinished(self) -> bool:

@@ -147,3 +147,32 @@ def test_runs_stop_at_the_context_end(make_checkpoint: Callable[..., Path]) -> N
         got[k] = (list(out.token_ids), out.finish_reason)
         assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
     assert got[4] == got[1] and len(got[1][0]) == 16 - len(PROMPTS[0]) and got[1][1] == "length"
+
+
+def test_a_runs_last_blocks_serve_the_prefix_cache(make_checkpoint: Callable[..., Path]) -> None:
+    """A 5-token prompt and 28 tokens out: the last run (of 3) fills the second block of 16, which it had as
+    lookahead. Released, its full blocks are registered as single steps register them, so a follow-up prompt of
+    the whole conversation finds both blocks cached."""
+    folder = make_checkpoint("qwen2", initializer_range=0.1)
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+    cached = {}
+    for k in (1, 4):
+        llm = LLM(str(folder), dtype="float32", block_size=16, num_scheduler_steps=k)
+        first = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)[0].outputs[0]
+        follow = PROMPTS[0] + list(first.token_ids)
+        again = llm.generate([{"prompt_token_ids": follow}], SamplingParams(temperature=0, max_tokens=2))[0]
+        assert again.metrics is not None
+        cached[k] = again.metrics.num_cached_tokens
+        llm.engine.kv.check_integrity()
+    assert cached == {1: 32, 4: 32}
+
+
+def test_a_prompts_last_token_alone_gives_its_first_token_at_once(make_checkpoint: Callable[..., Path]) -> None:
+    """A 17-token prompt in chunks of 16: its last chunk is one token, which samples the first output token in that
+    step, as without runs (a run there would hold the first token back for 3 more steps); then runs of 4."""
+    folder = make_checkpoint("qwen2", initializer_range=0.1)
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=16, num_scheduler_steps=4)
+    prompt = [(7 * i) % 300 + 3 for i in range(17)]
+    tokens, _ = _generate(llm, [prompt], [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)])
+    assert len(tokens[0]) == 9
+    assert [step.num_tokens for step in llm.engine.stats.recent_steps] == [16, 1, 4, 4]

@@ -19,6 +19,7 @@ from itertools import count
 from tokenmill.attention import make_kv_backend
 from tokenmill.config import EngineConfig
 from tokenmill.cuda_graphs import DecodeGraphs
+from tokenmill.engine.decode_runs import decode_run_length
 from tokenmill.engine.loading import LoadedModel
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.validation import output_budget
@@ -26,7 +27,6 @@ from tokenmill.kv_cache import KVCacheManager, KVManager, UnpagedKVManager
 from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
 from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.runner import ModelRunner
-from tokenmill.sampling import plain
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.spec_decode import DraftRequest, Proposer, make_proposer
@@ -61,7 +61,7 @@ class EngineCore:
         num_scheduler_steps: int = 1,  # greedy decode steps in one call, where the runner can (Request.decode_run)
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
-        self.num_steps = num_scheduler_steps if runner.runs_decode_steps else 1
+        self.scheduler_steps = num_scheduler_steps if runner.runs_decode_steps else 1
         self.proposer, self.spec_off_above = proposer, spec_off_above  # speculative decoding (spec_decode/)
         self.kv: KVManager = scheduler.kv
         self.output = OutputProcessor(tokenizer)
@@ -206,7 +206,7 @@ class EngineCore:
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not so.scheduled:
             return self.update_from_output(so, RunnerOutput(), start)
-        batch = [self._seqs[s.request_id] for s in so.scheduled]
+        batch = {s.request_id: self._seqs[s.request_id] for s in so.scheduled}
         result, failed = self._execute(so)
         if failed:  # those requests end with their error; the rest of the step stands
             so = replace(so, scheduled=[s for s in so.scheduled if s.request_id not in failed])
@@ -218,7 +218,7 @@ class EngineCore:
                 batch_size=len(so.scheduled),
                 num_tokens=so.num_batched_tokens,
                 num_decode_tokens=sum(
-                    s.num_steps for s, r in zip(so.scheduled, batch) if r.output_token_ids and s.num_new_tokens == 1
+                    s.num_steps for s in so.scheduled if batch[s.request_id].output_token_ids and s.num_new_tokens == 1
                 ),
                 kv_usage=self.kv.usage,
                 duration_s=time.perf_counter() - start,
@@ -408,20 +408,13 @@ class EngineCore:
             req.spec_token_ids = drafts.get(req.request_id, [])
 
     def _plan_decode_runs(self) -> None:
-        """How many decode steps each running sequence may take in one call next step (`decode_run`; the scheduler
-        decides whether the step takes them): a decode whose logits nothing but a draw or the argmax reads (no
-        logprobs, penalty, bias, grammar, drafts or min_tokens still to reach), within its output budget and the
-        context. Its tokens are the ones single steps would give: the same kernels over the same batch, and the
-        same uniform numbers for its draws."""
-        if self.num_steps < 2:
+        """How many decode steps each running sequence may take in one call next step (decode_runs.py;
+        the scheduler decides whether the step takes them)."""
+        if self.scheduler_steps < 2:
             return
         for req in self.scheduler.running:
-            p, num_out = req.params, len(req.output_token_ids)
-            left = min(req.max_tokens - num_out, self.max_model_len - req.num_tokens)
-            only_draws = plain([p], [], self.structured.has(req.request_id))
-            decoding = not req.spec_token_ids and req.num_computed_tokens == req.num_tokens - 1
-            runs = only_draws and decoding and not req.finished and num_out >= p.min_tokens and left > 0
-            req.decode_run = min(self.num_steps, left) if runs else 0
+            constrained = self.structured.has(req.request_id)
+            req.decode_run = decode_run_length(req, self.scheduler_steps, self.max_model_len, constrained)
 
     def _release(self, req: Request) -> None:
         req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()

@@ -104,8 +104,10 @@ class DecodeStack:
 
     @property
     def greedy_ready(self) -> bool:
-        """`greedy` can run: the head is in the stack and the embedding is a plain table in the cache's dtype."""
-        return self.vocab_size is not None and self.plain_embedding
+        """`greedy` can run: the head is in the stack, and the embedding is a plain table in the cache's dtype with a
+        row for every token the head can give (the loop feeds them back unchecked)."""
+        vocab = self.vocab_size
+        return vocab is not None and self.plain_embedding and self.decoder.embed_tokens.weight.shape[0] >= vocab
 
     def greedy(
         self,
@@ -115,10 +117,10 @@ class DecodeStack:
         rounds: list[int],
         draws: tuple[list[SamplingParams], list[list[float]]] | None = None,
     ) -> list[list[int]]:
-        """Greedy decoding in one native call, as a draft model proposes: row b feeds the tokens feeds[b] at
-        positions starts[b].. (its catch-up; the last one's argmax is its first draft), then each draft back, and
-        gets its rounds[b] >= 1 drafts. The caller has allocated the slots of every position fed, the drafts'
-        included, in tables[b].
+        """Decoding in one native call, greedy as a draft model proposes (or drawn: `draws`): row b feeds the tokens
+        feeds[b] at positions starts[b].. (its catch-up; the last one's argmax is its first draft), then each draft
+        back, and gets its rounds[b] >= 1 drafts. The caller has allocated the slots of every position fed, the
+        drafts' included, in tables[b].
 
         `draws` (params [B], uniforms [R][B]; every row the same rounds): each round's token is drawn instead, as
         `Kernels.draw` draws a step's from the logits in the model's dtype (a greedy row's: the argmax)."""

@@ -325,6 +325,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               (uintptr_t)slots.data(), (uintptr_t)tables.data(), max_blocks, (uintptr_t)lens.data(), (int64_t)B,
               block_size, out, logits, logits32, argmax);
   };
+  // run_greedy with its draw rules from Python lists: `temperature` empty (every row greedy), or each row's
+  // temperature, top-k, top-p and min-p (float32 settings, as the sampler holds them); u [R * B]
+  const auto run_rounds = [](tmk::DecodeStack& s, uintptr_t embed, uintptr_t tokens, uintptr_t active, int64_t R,
+                             int64_t n0, uintptr_t feed_tok, uintptr_t feed_seq, uintptr_t feed_last, uintptr_t cos,
+                             uintptr_t sin, uintptr_t slots, uintptr_t tables, int64_t max_blocks, uintptr_t lens,
+                             int64_t B, int64_t block_size, uintptr_t out, uintptr_t logits,
+                             const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
+                             const std::vector<double>& top_p, const std::vector<double>& min_p,
+                             const std::vector<double>& u) {
+    const size_t n = temperature.size();
+    if (top_k.size() != n || top_p.size() != n || min_p.size() != n)
+      throw std::invalid_argument("run_rounds: one temperature, top_k, top_p and min_p per row");
+    std::vector<tmk::DrawRule> rules(n);
+    for (size_t b = 0; b < n; ++b) rules[b] = {(float)temperature[b], (float)top_p[b], (float)min_p[b], top_k[b], 0.0};
+    s.run_greedy(embed, tokens, active, R, n0, feed_tok, feed_seq, feed_last, cos, sin, slots, tables, max_blocks,
+                 lens, B, block_size, out, logits, rules, u);
+  };
   m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
   m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
   m.def("quantize_rows", &tmk::quantize_rows, "float32 rows -> their Q8_0 scales and values (the quantized linears)");
@@ -370,8 +387,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run_ids", &tmk::DecodeStack::run_ids, "run() from token ids and positions (embedding, rotary tables)",
            nogil())
       .def("run_lists", run_lists, "run_ids() from lists (no tensor built for the step's inputs)", nogil())
-      .def("run_rounds", &tmk::DecodeStack::run_rounds, "decoding rounds through the stack and head (greedy, or draws)",
-           nogil())
+      .def("run_rounds", run_rounds, "decoding rounds through the stack and head (greedy, or draws)", nogil())
       .def("set_profile", &tmk::DecodeStack::set_profile, "time every stage of every run from now on (or stop)")
       .def("marks", &tmk::DecodeStack::marks, "each profiled run's stage boundaries, seconds from its start")
       .def("stage_of", &tmk::DecodeStack::stage_of, "stage i's kind and layer (-1: after the last layer)");

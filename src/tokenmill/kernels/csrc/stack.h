@@ -191,22 +191,6 @@ class DecodeStack {
     }
   }
 
-  // run_greedy from Python lists: `temperature` empty (every row greedy), or each row's temperature, top-k, top-p
-  // and min-p (float32 settings, as the sampler holds them) and the uniforms u [R * B]
-  void run_rounds(uintptr_t embed, uintptr_t tokens, uintptr_t active, int64_t R, int64_t n0, uintptr_t feed_tok,
-                  uintptr_t feed_seq, uintptr_t feed_last, uintptr_t cos, uintptr_t sin, uintptr_t slots,
-                  uintptr_t tables, int64_t max_blocks, uintptr_t lens, int64_t B, int64_t block_size, uintptr_t out,
-                  uintptr_t logits, const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
-                  const std::vector<double>& top_p, const std::vector<double>& min_p, const std::vector<double>& u) {
-    const size_t n = temperature.size();
-    if (top_k.size() != n || top_p.size() != n || min_p.size() != n)
-      throw std::invalid_argument("run_rounds: one temperature, top_k, top_p and min_p per row");
-    std::vector<DrawRule> rules(n);
-    for (size_t b = 0; b < n; ++b) rules[b] = {(float)temperature[b], (float)top_p[b], (float)min_p[b], top_k[b], 0.0};
-    run_greedy(embed, tokens, active, R, n0, feed_tok, feed_seq, feed_last, cos, sin, slots, tables, max_blocks, lens,
-               B, block_size, out, logits, rules, u);
-  }
-
  private:
   // run() and run_ids() after the residual stream holds the embedded tokens
   void step(uintptr_t cos, uintptr_t sin, uintptr_t slot, uintptr_t tables, int64_t max_blocks, uintptr_t lens,
