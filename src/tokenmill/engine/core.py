@@ -58,7 +58,7 @@ class EngineCore:
         eos_token_ids: frozenset[int],
         proposer: Proposer | None = None,
         spec_off_above: int | None = None,  # no drafts while more sequences than this run
-        num_scheduler_steps: int = 1,  # greedy decode steps in one call, where the runner can (Request.decode_run)
+        num_scheduler_steps: int = 1,  # decode steps in one call, where the runner can (Request.decode_run)
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
         self.scheduler_steps = num_scheduler_steps if runner.runs_decode_steps else 1

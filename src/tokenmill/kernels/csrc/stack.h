@@ -168,7 +168,7 @@ class DecodeStack {
         std::memcpy(x.data() + i * row_bytes, (const char*)embed + token_of(i) * row_bytes, row_bytes);
     };
     std::vector<int64_t> best(std::max(n0, B));  // each row's argmax
-    DrawScratch scratch;
+    static thread_local DrawScratch scratch;  // grown to the vocabulary once, kept from call to call
     // row b's token of round r, from the logits row `at`
     auto pick = [&](int64_t b, int64_t r, int64_t at) {
       if (draws.empty()) return best[at];
