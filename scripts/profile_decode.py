@@ -106,9 +106,9 @@ class LabelledStack:
         with record_function("decode_stack"):
             return self.stack.run_sequences(*args)
 
-    def greedy(self, *args: Any) -> Any:  # a decode run: several steps in one call
+    def run_steps(self, *args: Any) -> Any:  # a decode run: several steps in one call
         with record_function("decode_stack"):
-            return self.stack.greedy(*args)
+            return self.stack.run_steps(*args)
 
 
 def print_stages(runs: list[list[tuple[str, int | None, float, float]]], wall: float) -> None:

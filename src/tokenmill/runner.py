@@ -154,10 +154,10 @@ class ModelRunner:
 
     def _decode_run(self, batch: ModelInput) -> RunnerOutput:
         """A step of `num_steps` decode steps for every sequence (one token each, whose logits nothing but a draw or
-        the argmax reads: the scheduler's decode runs), in one call of the decode stack, which feeds each step's
-        token to the next. Where a row draws, every step takes one uniform number per row, as `Sampler.__call__`
-        does (a seeded row's from its own generator), and draws as its kernel does: the tokens single steps would
-        give. The slots of every position are in the block tables."""
+        the argmax reads: the scheduler's decode runs), in one call of the decode stack (`run_steps`), which feeds
+        each step's token to the next. Where a row draws, every step takes one uniform number per row, as
+        `Sampler.__call__` does (a seeded row's from its own generator), and draws as its kernel does: the tokens
+        single steps would give. The slots of every position are in the block tables."""
         seqs, stack = batch.sequences, self.decode_stack
         assert stack is not None and all(s.num_new_tokens == 1 and s.sampling is not None for s in seqs)
         rounds = seqs[0].num_steps
@@ -170,8 +170,7 @@ class ModelRunner:
             states = [(g, g.get_state()) for g in used]
             draws = (params, [self.sampler.uniforms(generators) for _ in range(rounds)])
         try:
-            runs = stack.greedy([s.token_ids for s in seqs], [s.start for s in seqs], [s.block_table for s in seqs],
-                                [rounds] * len(seqs), draws)  # fmt: skip
+            runs = stack.run_steps(seqs, rounds, draws)
         except Exception:
             for g, state in states:
                 g.set_state(state)

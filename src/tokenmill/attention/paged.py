@@ -119,6 +119,18 @@ class PagedKVCache:
         width, padded = self._padded(tables, lens)
         return self._new_slots(tables, lens), lens, padded, width
 
+    def decode_run_lists(self, sequences: Sequence[SequenceInput], steps: int) -> tuple[list[int], list[int], int]:
+        """decode_lists for a decode run of `steps` steps of each sequence (one new token each, then each step's
+        token): the new slots [steps * B], step r's at [r B, (r + 1) B); the block tables [B * M] row by row, padded
+        with block 0 to the last step's longest context; and M."""
+        tables, bs = [s.block_table for s in sequences], self.block_size
+        self.zero_new_blocks(tables)
+        slots = [
+            t[p // bs] * bs + p % bs for r in range(steps) for t, s in zip(tables, sequences) for p in [s.start + r]
+        ]
+        width, padded = self._padded(tables, [s.start + steps for s in sequences])
+        return slots, padded, width
+
     def _new_slots(self, tables: list[list[int]], seq_lens: list[int]) -> list[int]:
         """Each decode's new token's cache slot: position seq_len - 1 of its table."""
         bs = self.block_size

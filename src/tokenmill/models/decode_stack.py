@@ -104,26 +104,18 @@ class DecodeStack:
 
     @property
     def greedy_ready(self) -> bool:
-        """`greedy` can run: the head is in the stack, and the embedding is a plain table in the cache's dtype with a
-        row for every token the head can give (the loop feeds them back unchecked)."""
+        """`greedy` and `run_steps` can run: the head is in the stack, and the embedding is a plain table in the
+        cache's dtype with a row for every token the head can give (`greedy` feeds them back unchecked)."""
         vocab = self.vocab_size
         return vocab is not None and self.plain_embedding and self.decoder.embed_tokens.weight.shape[0] >= vocab
 
     def greedy(
-        self,
-        feeds: list[list[int]],
-        starts: list[int],
-        tables: list[list[int]],
-        rounds: list[int],
-        draws: tuple[list[SamplingParams], list[list[float]]] | None = None,
+        self, feeds: list[list[int]], starts: list[int], tables: list[list[int]], rounds: list[int]
     ) -> list[list[int]]:
-        """Decoding in one native call, greedy as a draft model proposes (or drawn: `draws`): row b feeds the tokens
-        feeds[b] at positions starts[b].. (its catch-up; the last one's argmax is its first draft), then each draft
-        back, and gets its rounds[b] >= 1 drafts. The caller has allocated the slots of every position fed, the
-        drafts' included, in tables[b].
-
-        `draws` (params [B], uniforms [R][B]; every row the same rounds): each round's token is drawn instead, as
-        `Kernels.draw` draws a step's from the logits in the model's dtype (a greedy row's: the argmax)."""
+        """Greedy decoding in one native call, as a draft model proposes: row b feeds the tokens feeds[b] at
+        positions starts[b].. (its catch-up; the last one's argmax is its first draft), then each draft back, and
+        gets its rounds[b] >= 1 drafts. The caller has allocated the slots of every position fed, the drafts'
+        included, in tables[b]."""
         order = sorted(range(len(feeds)), key=lambda b: -rounds[b])  # the rows of chain round r are a prefix
         n, r_max, bs = len(order), rounds[order[0]], self.kv.block_size
         fed = [feeds[b] for b in order]
@@ -153,16 +145,10 @@ class DecodeStack:
         rows = max(len(feed_tok), n)
         out = torch.empty(rows, self.decoder.norm.weight.shape[0], dtype=self.kv.dtype)  # [rows, D] scratch
         logits = torch.empty(rows, self.vocab_size or 0, dtype=self.kv.dtype)  # [rows, V] scratch
-        params, u = draws if draws is not None else ([], [])
-        if draws is not None and (len(set(rounds)) != 1 or len(params) != n or len(u) != r_max):
-            raise ValueError("draws: every row the same rounds, one params per row and one uniform per row and round")
-        self.native.run_rounds(self.decoder.embed_tokens.weight.data_ptr(), tokens.data_ptr(), active.data_ptr(),
+        self.native.run_greedy(self.decoder.embed_tokens.weight.data_ptr(), tokens.data_ptr(), active.data_ptr(),
                                r_max, len(feed_tok), feed_tok.data_ptr(), seq_t.data_ptr(), last_t.data_ptr(),
                                cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), width,
-                               lens.data_ptr(), n, bs, out.data_ptr(), logits.data_ptr(),
-                               [p.temperature for p in params], [max(p.top_k, 0) for p in params],
-                               [p.top_p for p in params], [p.min_p for p in params],
-                               [x for row in u for x in row])  # fmt: skip
+                               lens.data_ptr(), n, bs, out.data_ptr(), logits.data_ptr())  # fmt: skip
         drafts = tokens.tolist()
         result: list[list[int]] = [[] for _ in order]
         for i, b in enumerate(order):
@@ -217,6 +203,31 @@ class DecodeStack:
                               0 if model_logits is None else model_logits.data_ptr(),
                               0 if wide is None else wide.data_ptr(), 0 if top is None else top.data_ptr())  # fmt: skip
         return out, model_logits if logits == "model" else wide, top
+
+    def run_steps(
+        self,
+        sequences: list[SequenceInput],
+        steps: int,
+        draws: tuple[list[SamplingParams], list[list[float]]] | None = None,
+    ) -> list[list[int]]:
+        """A decode run (runner._decode_run): `steps` decode steps of `sequences` (one new token each) in one native
+        call, each step fed the last one's tokens, from Python lists as run_sequences takes its inputs; the slots of
+        every position are in the block tables. Each token is the head's argmax, or with `draws` (params [B],
+        uniforms [steps][B]) the draw `Kernels.draw` would make from the logits in the model's dtype (a greedy
+        row's: the argmax). Returns each sequence's tokens."""
+        slots, tables, width = self.kv.decode_run_lists(sequences, steps)
+        out, logits, _, _ = self._outputs(len(sequences))  # [B, D], [B, V] model dtype (scratch)
+        assert logits is not None and self.vocab_size is not None  # greedy_ready
+        cos_table, sin_table = self.decoder.rotary.tables(max(s.start for s in sequences) + steps)  # [P, Dh] float32
+        embed = self.decoder.embed_tokens.weight  # [vocab, D]
+        params, u = draws if draws is not None else ([], [])
+        return self.native.run_steps(embed.data_ptr(), embed.shape[0], [s.token_ids[0] for s in sequences],
+                                     [s.start for s in sequences], cos_table.data_ptr(), sin_table.data_ptr(), slots,
+                                     tables, width, steps, self.kv.block_size, out.data_ptr(), logits.data_ptr(),
+                                     logits.dtype == torch.bfloat16, self.vocab_size,
+                                     [p.temperature for p in params], [max(p.top_k, 0) for p in params],
+                                     [p.top_p for p in params], [p.min_p for p in params],
+                                     [x for row in u for x in row])  # fmt: skip
 
     def _outputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """`rows` rows of run_sequences' outputs, views of buffers kept from step to step and grown to the most rows

@@ -325,22 +325,46 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               (uintptr_t)slots.data(), (uintptr_t)tables.data(), max_blocks, (uintptr_t)lens.data(), (int64_t)B,
               block_size, out, logits, logits32, argmax);
   };
-  // run_greedy with its draw rules from Python lists: `temperature` empty (every row greedy), or each row's
-  // temperature, top-k, top-p and min-p (float32 settings, as the sampler holds them); u [R * B]
-  const auto run_rounds = [](tmk::DecodeStack& s, uintptr_t embed, uintptr_t tokens, uintptr_t active, int64_t R,
-                             int64_t n0, uintptr_t feed_tok, uintptr_t feed_seq, uintptr_t feed_last, uintptr_t cos,
-                             uintptr_t sin, uintptr_t slots, uintptr_t tables, int64_t max_blocks, uintptr_t lens,
-                             int64_t B, int64_t block_size, uintptr_t out, uintptr_t logits,
-                             const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
-                             const std::vector<double>& top_p, const std::vector<double>& min_p,
-                             const std::vector<double>& u) {
-    const size_t n = temperature.size();
-    if (top_k.size() != n || top_p.size() != n || min_p.size() != n)
-      throw std::invalid_argument("run_rounds: one temperature, top_k, top_p and min_p per row");
-    std::vector<tmk::DrawRule> rules(n);
-    for (size_t b = 0; b < n; ++b) rules[b] = {(float)temperature[b], (float)top_p[b], (float)min_p[b], top_k[b], 0.0};
-    s.run_greedy(embed, tokens, active, R, n0, feed_tok, feed_seq, feed_last, cos, sin, slots, tables, max_blocks,
-                 lens, B, block_size, out, logits, rules, u);
+  // A decode run (models/decode_stack.py, run_steps): R decode steps of B rows, each a run_ids() at positions
+  // starts[b] + r fed the last step's tokens (ids: the first step's), from Python lists as run_lists takes them.
+  // A step's token is the head's argmax, or, where `temperature` holds each row's draw rule (with top_k, top_p,
+  // min_p: the sampler's float32 settings), the row's draw_row over its logits in the model's dtype (`bf16`; V
+  // columns) at u[r * B + b], as the sampler's kernel draws a step's. slots [R * B]: step r's at [r B, (r + 1) B);
+  // tables [B * max_blocks]. Returns each row's R tokens.
+  const auto run_steps = [](tmk::DecodeStack& s, uintptr_t embed, int64_t vocab, std::vector<int64_t> ids,
+                            const std::vector<int64_t>& starts, uintptr_t cos_table, uintptr_t sin_table,
+                            const std::vector<int64_t>& slots, const std::vector<int64_t>& tables, int64_t max_blocks,
+                            int64_t R, int64_t block_size, uintptr_t out, uintptr_t logits, bool bf16, int64_t V,
+                            const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
+                            const std::vector<double>& top_p, const std::vector<double>& min_p,
+                            const std::vector<double>& u) {
+    const size_t B = ids.size(), n = temperature.size();
+    if (B == 0 || R < 1 || starts.size() != B || slots.size() != B * (size_t)R || max_blocks < 1 ||
+        tables.size() != B * (size_t)max_blocks)
+      throw std::invalid_argument("run_steps: ids and starts need one entry per row (>= 1 row), slots R per row, "
+                                  "tables max_blocks per row");
+    if ((n && n != B) || top_k.size() != n || top_p.size() != n || min_p.size() != n || (n && u.size() != B * R))
+      throw std::invalid_argument("run_steps: no draw rules, or one per row and one uniform per row and step");
+    std::vector<int64_t> positions(B), lens(B), best(B);
+    std::vector<std::vector<int64_t>> tokens(B);
+    static thread_local tmk::DrawScratch scratch;  // grown to the vocabulary once, kept from call to call
+    for (int64_t r = 0; r < R; ++r) {
+      for (size_t b = 0; b < B; ++b) positions[b] = starts[b] + r, lens[b] = positions[b] + 1;
+      s.run_ids(embed, vocab, (uintptr_t)ids.data(), (uintptr_t)positions.data(), cos_table, sin_table,
+                (uintptr_t)(slots.data() + r * B), (uintptr_t)tables.data(), max_blocks, (uintptr_t)lens.data(),
+                (int64_t)B, block_size, out, logits, 0, (uintptr_t)best.data());
+      for (size_t b = 0; b < B; ++b) {
+        if (n) {
+          const tmk::DrawRule rule{(float)temperature[b], (float)top_p[b], (float)min_p[b], top_k[b], u[r * B + b]};
+          const tmk::Act row{(char*)logits + b * V * (bf16 ? 2 : 4), bf16};
+          ids[b] = tmk::draw_row(row, V, rule, nullptr, scratch);
+        } else {
+          ids[b] = best[b];
+        }
+        tokens[b].push_back(ids[b]);
+      }
+    }
+    return tokens;
   };
   m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
   m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
@@ -387,7 +411,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run_ids", &tmk::DecodeStack::run_ids, "run() from token ids and positions (embedding, rotary tables)",
            nogil())
       .def("run_lists", run_lists, "run_ids() from lists (no tensor built for the step's inputs)", nogil())
-      .def("run_rounds", run_rounds, "decoding rounds through the stack and head (greedy, or draws)", nogil())
+      .def("run_greedy", &tmk::DecodeStack::run_greedy, "greedy decoding rounds through the stack and head", nogil())
+      .def("run_steps", run_steps, "a decode run: several steps, each fed the last one's tokens (argmax or draws)",
+           nogil())
       .def("set_profile", &tmk::DecodeStack::set_profile, "time every stage of every run from now on (or stop)")
       .def("marks", &tmk::DecodeStack::marks, "each profiled run's stage boundaries, seconds from its start")
       .def("stage_of", &tmk::DecodeStack::stage_of, "stage i's kind and layer (-1: after the last layer)");

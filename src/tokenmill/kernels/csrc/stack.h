@@ -150,44 +150,32 @@ class DecodeStack {
   // embed [V, D] the embedding table (model dtype); tokens [B, R] int64; cos, sin [n0 + (R - 1) B, Dh] and
   // slots, lens [n0 + (R - 1) B] int64: the feed rows', then round r's at n0 + r B; tables [B, max_blocks];
   // out [max(n0, B), D] and logits [max(n0, B), V] scratch (model dtype). Needs the head (set_head).
-  // With `draws` (one rule per row, empty: every row greedy), each round's token is instead draw_row's over the
-  // row's logits in the model dtype, as the sampler's kernel draws a step's (sample.h), at u[r * B + b].
   void run_greedy(uintptr_t embed, uintptr_t tokens, uintptr_t active, int64_t R, int64_t n0, uintptr_t feed_tok,
                   uintptr_t feed_seq, uintptr_t feed_last, uintptr_t cos, uintptr_t sin, uintptr_t slots,
                   uintptr_t tables, int64_t max_blocks, uintptr_t lens, int64_t B, int64_t block_size, uintptr_t out,
-                  uintptr_t logits, const std::vector<DrawRule>& draws, const std::vector<double>& u) {
-    if (!draws.empty() && ((int64_t)draws.size() != B || (int64_t)u.size() != B * R))
-      throw std::invalid_argument("run_greedy: one draw rule per row and one uniform per row and round");
+                  uintptr_t logits) {
     int64_t* tok = (int64_t*)tokens;
     const int64_t *rows = (const int64_t*)active, *seq = (const int64_t*)feed_seq;
-    const int64_t row_bytes = D_ * e_, rope_bytes = Dh_ * e_, V = head_[2];
+    const int64_t row_bytes = D_ * e_, rope_bytes = Dh_ * e_;
     std::vector<char> x(std::max(n0, B) * row_bytes);
     std::vector<int64_t> feed_tables(n0 * max_blocks);  // each feed row's sequence's block table
     auto embed_rows = [&](int64_t n, auto token_of) {
       for (int64_t i = 0; i < n; ++i)
         std::memcpy(x.data() + i * row_bytes, (const char*)embed + token_of(i) * row_bytes, row_bytes);
     };
-    std::vector<int64_t> best(std::max(n0, B));  // each row's argmax
-    static thread_local DrawScratch scratch;  // grown to the vocabulary once, kept from call to call
-    // row b's token of round r, from the logits row `at`
-    auto pick = [&](int64_t b, int64_t r, int64_t at) {
-      if (draws.empty()) return best[at];
-      DrawRule rule = draws[b];
-      rule.u = u[r * B + b];
-      return draw_row(Act{(char*)logits + at * V * e_, bf16_}, V, rule, nullptr, scratch);
-    };
     embed_rows(n0, [&](int64_t i) { return ((const int64_t*)feed_tok)[i]; });
     for (int64_t i = 0; i < n0; ++i)
       std::memcpy(&feed_tables[i * max_blocks], (const int64_t*)tables + seq[i] * max_blocks, max_blocks * 8);
+    std::vector<int64_t> best(std::max(n0, B));  // each row's argmax
     run((uintptr_t)x.data(), cos, sin, slots, (uintptr_t)feed_tables.data(), max_blocks, lens, n0, block_size, out,
         logits, 0, (uintptr_t)best.data());
-    for (int64_t b = 0; b < B; ++b) tok[b * R] = pick(b, 0, ((const int64_t*)feed_last)[b]);
+    for (int64_t b = 0; b < B; ++b) tok[b * R] = best[((const int64_t*)feed_last)[b]];
     for (int64_t r = 0; r + 1 < R && rows[r] > 0; ++r) {
       const int64_t n = rows[r], at = n0 + r * B;
       embed_rows(n, [&](int64_t b) { return tok[b * R + r]; });
       run((uintptr_t)x.data(), cos + at * rope_bytes, sin + at * rope_bytes, slots + at * 8, tables, max_blocks,
           lens + at * 8, n, block_size, out, logits, 0, (uintptr_t)best.data());
-      for (int64_t b = 0; b < n; ++b) tok[b * R + r + 1] = pick(b, r + 1, b);
+      for (int64_t b = 0; b < n; ++b) tok[b * R + r + 1] = best[b];
     }
   }
 
