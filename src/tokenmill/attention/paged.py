@@ -123,11 +123,9 @@ class PagedKVCache:
         """decode_lists for a decode run of `steps` steps of each sequence (one new token each, then each step's
         token): the new slots [steps * B], step r's at [r B, (r + 1) B); the block tables [B * M] row by row, padded
         with block 0 to the last step's longest context; and M."""
-        tables, bs = [s.block_table for s in sequences], self.block_size
+        tables = [s.block_table for s in sequences]
         self.zero_new_blocks(tables)
-        slots = [
-            t[p // bs] * bs + p % bs for r in range(steps) for t, s in zip(tables, sequences) for p in [s.start + r]
-        ]
+        slots = [slot for r in range(steps) for slot in self._new_slots(tables, [s.start + r + 1 for s in sequences])]
         width, padded = self._padded(tables, [s.start + steps for s in sequences])
         return slots, padded, width
 
