@@ -200,7 +200,7 @@ def main() -> None:
     p.add_argument("--quantization", default="none")
     p.add_argument("--no-cpu-kernels", action="store_true", help="the pure-torch path, for comparison")
     p.add_argument("--num-scheduler-steps", type=int, default=EngineConfig.num_scheduler_steps,
-                   help="greedy decode steps in one call where they apply (1: one step a call)")  # fmt: skip
+                   help="decode steps in one call where they apply (1: one step a call)")  # fmt: skip
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the profiled steps here")
     p.add_argument("--prefill", action="store_true", help="profile one prefill step of --batch prompts instead")
     a = p.parse_args()

@@ -62,12 +62,6 @@ class RequestMetrics:
         return [(b - a) * 1000 for a, b in itertools.pairwise(t)]
 
     @property
-    def step_ms(self) -> list[float]:
-        """The decode steps' durations: gaps between the distinct times tokens appeared (a speculative step's
-        accepted drafts appear with its token, which itl_ms counts as gaps of 0)."""
-        return [(b - a) * 1000 for a, b in itertools.pairwise(sorted(set(self.token_times)))]
-
-    @property
     def token_ms(self) -> list[float]:
         """One entry per generated token after the first: its step's duration over the tokens that step gave (a
         decode run, or a verification's kept drafts, gives several at once)."""
