@@ -3,8 +3,8 @@ that nothing is lost, hung or leaked. Outside CI (minutes); docs/reliability.md 
 
     .venv/bin/python scripts/soak.py [MODEL] --duration 300 --max-num-seqs 8 --max-waiting-requests 16
 
-Capacity is --max-num-seqs running + --max-waiting-requests queued sequences; 2x capacity client workers loop
-over five kinds of request (all greedy, ignore_eos, so every finished request owes exactly its tokens):
+Capacity is --max-num-seqs running + --max-waiting-requests queued sequences; 2x capacity client workers (or
+--workers) loop over five kinds of request (all greedy, ignore_eos, so every finished request owes exactly its tokens):
 stream (read to the end), plain (non-streaming), n3 (n=3), long (a prompt that fills the context) and drop
 (a stream the client closes after a few chunks). Reported: completed, 503 (overload, expected), errors (any
 other failure: 5xx or transport), hung (no answer within --request-timeout), lost (a finished request
@@ -122,7 +122,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             await wait_healthy(client, proc)
             args.long_ids = await long_prompt(client, args)
             rss_start = await rss_mb(client)
-            workers = 2 * (args.max_num_seqs + args.max_waiting_requests)
+            workers = args.workers or 2 * (args.max_num_seqs + args.max_waiting_requests)
             tally: Counter[str] = Counter()
             kinds: Counter[str] = Counter()
             # a short warm-up at full load, then the measured run
@@ -162,6 +162,13 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-waiting-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="client workers (default: 2x capacity); fewer than --max-num-seqs keeps the queue empty, "
+        "so that the server's decode runs take most steps",
+    )
     p.add_argument("--request-timeout", type=float, default=120)
     p.add_argument("--port", type=int, default=8311)
     p.add_argument("--log", type=Path, default=Path("/tmp/tokenmill-soak-server.log"))

@@ -211,7 +211,7 @@ def _check_linear(ops: kernels.Kernels, fmt: str, n: int, k: int, row_counts: li
                 assert (y.float() - expected).abs().max().item() <= tol * scale, (fmt, n, k, rows, dtype)
 
 
-@pytest.mark.parametrize("path", ["tiles", "pairs", "blocked"])
+@pytest.mark.parametrize("path", ["tiles", "pairs", "blocked", "amx"])  # amx: forced on for every row count
 def test_bfloat16_outputs_are_the_sums_rounded_to_nearest_even(ops: kernels.Kernels, path: str) -> None:
     """A weight that copies x's columns makes each output an exact sum, so out = x + bias in float32, then rounded
     to bfloat16 as torch rounds, ties to even and subnormals included, bit for bit, in whole panels (stored a vector
