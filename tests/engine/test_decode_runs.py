@@ -76,6 +76,39 @@ def test_a_stop_inside_a_run_ends_the_sequence_there(llms: dict[int, LLM]) -> No
     assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids), "stop")
 
 
+def test_stop_strings_anywhere_in_a_run_end_it_as_single_steps_do(llms: dict[int, LLM]) -> None:
+    """A stop string completed at each token in turn, a run's last included, and the last token of all, where the
+    length limit ends the sequence too: runs give the single steps' text, tokens, finish and stop reason, and
+    count only the tokens they keep. Where the string and the length limit meet on one token, the string is the
+    reason (as vLLM has it). Runs of 4 after the prefill's token: tokens 2-5, 6-9, 10-12."""
+    texts = [""] + [
+        llms[1]
+        .generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+        for m in range(1, 13)
+    ]
+    tried = []
+    for m in range(2, 13):
+        # the shortest end of the text at m tokens that the text at m - 1 lacks: first completed by token m
+        ends = [texts[m][-n:] for n in range(1, 5) if n <= len(texts[m])]
+        needle = next((e for e in ends if e.strip() and "\ufffd" not in e and e not in texts[m - 1]), None)
+        if needle is None:
+            continue
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[needle])
+        got = {}
+        for k in (1, 4):
+            out = llms[k].generate([{"prompt_token_ids": PROMPTS[0]}], params)[0]
+            c, metrics = out.outputs[0], out.metrics
+            assert metrics is not None and metrics.num_generated_tokens == len(c.token_ids) == len(metrics.token_times)
+            got[k] = (c.text, list(c.token_ids), c.finish_reason, c.stop_reason)
+            assert llms[k].engine.kv.num_free_blocks == llms[k].engine.kv.num_blocks
+        assert got[4] == got[1], (m, needle)
+        assert len(got[1][1]) == m and got[1][2:] == ("stop", needle)
+        tried.append(m)
+    assert len(tried) >= 3 and {5, 9, 12} & set(tried), tried  # a run's last token among them
+
+
 def test_drawn_runs_give_the_tokens_single_steps_give(make_checkpoint: Callable[..., Path]) -> None:
     """Rows that draw (temperature, top-k, top-p, min-p; seeded and not) beside a greedy one: every step of a run
     takes the uniform numbers a single step would, and draws as the sampler's kernel does: the same tokens, in

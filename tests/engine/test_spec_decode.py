@@ -91,6 +91,26 @@ def test_stop_strings_n_and_prefix_hits_land_where_they_would(folder: Path) -> N
     assert [[c.finish_reason for c in o] for o in got] == [[c.finish_reason for c in o] for o in want]
 
 
+def test_kept_drafts_past_a_stop_string_leave_nothing_behind() -> None:
+    """Drafts kept past the token that completes a stop string are dropped with all they left: the same tokens,
+    text, logprobs, cumulative logprob and token count as without drafts, for stop strings ending at many places
+    of the output. The demo model and its draft, whose drafts are often kept."""
+    base = LLM(device=target.DEVICE)
+    spec = LLM(device=target.DEVICE, speculative_model="demo-draft", num_speculative_tokens=3)
+    prompt = ["ROMEO:"]
+    text = base.generate(prompt, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
+    for needle in sorted({text[i : i + 2] for i in range(len(text) - 1) if text[i : i + 2].strip()}):
+        params = SamplingParams(temperature=0, max_tokens=40, logprobs=1, stop=[needle])
+        want, got = base.generate(prompt, params)[0], spec.generate(prompt, params)[0]
+        w, g = want.outputs[0], got.outputs[0]
+        assert (g.text, g.token_ids, g.finish_reason, g.stop_reason) == (w.text, w.token_ids, "stop", needle)
+        assert g.logprobs is not None and len(g.logprobs) == len(g.token_ids)
+        assert g.cumulative_logprob is not None and w.cumulative_logprob is not None
+        assert abs(g.cumulative_logprob - w.cumulative_logprob) < 1e-3, needle
+        assert got.metrics is not None and got.metrics.num_generated_tokens == len(g.token_ids), needle
+    assert spec.engine.stats.spec_accepted_tokens > 0
+
+
 def test_auto_off_above_a_batch_size(folder: Path) -> None:
     busy, _ = _run(folder, PROMPTS[:4], GREEDY, **{**SPEC, "speculative_disable_by_batch_size": 3})
     assert busy.engine.stats.spec_draft_tokens == 0  # four run together, all the way

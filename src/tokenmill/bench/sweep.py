@@ -172,7 +172,9 @@ def _switches(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str, An
 
 
 def _spec_decode(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str, Any]]:
-    """tg tokens/s, draft acceptance and tokens per decode step for each k, the same greedy prompts for all."""
+    """tg tokens/s, draft acceptance and tokens per decode step for each k, the same greedy prompts for all. Single
+    decode steps throughout (`num_scheduler_steps` 1): a step is then one pass of the model in every row, where a
+    decode run would count four passes as one step in the k = 0 row (drafted rows never run)."""
     from tokenmill import LLM, SamplingParams
 
     prompts = _grounded_prompts(args, LLM(args.model, **kw).tokenizer)
@@ -181,7 +183,7 @@ def _spec_decode(args: argparse.Namespace, kw: dict[str, Any]) -> list[dict[str,
     for k in _ints(args.spec_k):
         proposer = kw.get("speculative_model") or "ngram"  # --speculative-model names a draft model instead
         spec = {"speculative_model": proposer, "num_speculative_tokens": k} if k else {"speculative_model": None}
-        llm = LLM(args.model, **{**kw, **spec, "enable_prefix_caching": False})
+        llm = LLM(args.model, **{**kw, **spec, "enable_prefix_caching": False, "num_scheduler_steps": 1})
         llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(temperature=0, max_tokens=4))  # warmup
         tg, drafted, kept, per_step = [], 0, 0, []
         for ids in prompts:

@@ -339,10 +339,8 @@ class EngineCore:
         for parent_id in parents:
             for req in self.requests[parent_id]:
                 hit = self.output.detokenize(parent_id, req.index)
-                if hit is not None:  # drop tokens generated after the one that completed the stop string
-                    del req.output_token_ids[hit.num_tokens :]
-                    if req.logprobs is not None:
-                        del req.logprobs[hit.num_tokens :]
+                if hit is not None:
+                    self._keep_tokens(req, hit.num_tokens)
                     req.finish_reason, req.stop_reason = "stop", hit.stop
         outputs = self.output.make_outputs(parents)
         for out in outputs:
@@ -374,6 +372,21 @@ class EngineCore:
                 req.finish_reason, req.stop_reason = "stop", token
         if not req.finished and (len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len):
             req.finish_reason = "length"
+
+    def _keep_tokens(self, req: Request, n: int) -> None:
+        """Drop the output tokens after the first `n` (a decode run's or kept drafts' tokens past a stop string),
+        as if they had never been appended: their logprobs, their share of the cumulative logprob and their counts
+        go too."""
+        dropped = len(req.output_token_ids) - n
+        if dropped <= 0:
+            return
+        del req.output_token_ids[n:]
+        if req.logprobs is not None:
+            del req.logprobs[n:]
+            req.cumulative_logprob = sum((lp[t] for lp, t in zip(req.logprobs, req.output_token_ids)), 0.0)
+        del req.metrics.token_times[-dropped:]
+        req.metrics.num_generated_tokens -= dropped
+        self.stats.generation_tokens -= dropped
 
     def _advance_grammar(self, req: Request, token: int) -> None:
         """Feed the sampled token to the request's grammar: the grammar's end is a stop."""

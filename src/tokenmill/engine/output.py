@@ -29,6 +29,7 @@ class SequenceText:
         self.num_tokens_seen = 0
         self.sent = 0  # characters of `text` already streamed
         self.done = False
+        self.stopped = False  # a stop string cut the text: nothing more is added
 
     def add(self, token_id: int, check_stops: bool) -> str | None:
         """Append one token's text; return the stop string it completed, if any."""
@@ -42,7 +43,7 @@ class SequenceText:
             self._append(self.detok.flush(), check_stops=False)
 
     def _append(self, delta: str, check_stops: bool) -> str | None:
-        if not delta:
+        if not delta or self.stopped:
             return None
         search_from = max(len(self.text) - self.hold_back, 0)
         self.text += delta
@@ -53,6 +54,7 @@ class SequenceText:
             return None
         idx, stop = min(found)  # the stop string that appears first in the text wins
         self.text = self.text[: idx + (len(stop) if self.include_stop else 0)]
+        self.stopped = True
         return stop
 
     def take_delta(self, finished: bool) -> str:
@@ -87,14 +89,17 @@ class OutputProcessor:
         self._groups[children[0].parent_id] = _Group(prompt, children, texts)
 
     def detokenize(self, parent_id: str, index: int) -> StopStringHit | None:
-        """Turn sample `index`'s new output tokens into text; report the first stop string they complete."""
+        """Turn sample `index`'s new output tokens into text; report the first stop string they complete, and read
+        none past it. It wins over whatever else ended the sequence at or after that token: the length limit on
+        the same token, or a stop token, the length limit or a stop string later in a decode run's or kept drafts'
+        tokens, which single steps would never have computed."""
         group = self._groups[parent_id]
         req, text = group.children[index], group.texts[index]
         new_ids = req.output_token_ids[text.num_tokens_seen :]
         for i, tok in enumerate(new_ids):
             position = text.num_tokens_seen + 1  # 1-based count of output tokens incl. this one
             stop = text.add(tok, check_stops=position > req.params.min_tokens)
-            if stop is not None and not req.finished:
+            if stop is not None:
                 return StopStringHit(len(req.output_token_ids) - len(new_ids) + i + 1, stop)
         return None
 
