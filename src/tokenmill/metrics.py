@@ -110,7 +110,15 @@ class PrometheusMetrics:
             return Histogram(name, doc, buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
 
         self.ttft = hist("tokenmill:time_to_first_token_seconds", "Time to first token.")
-        self.itl = hist("tokenmill:inter_token_latency_seconds", "Gap between consecutive output tokens.")
+        self.itl = hist(
+            "tokenmill:inter_token_latency_seconds",
+            "Gap between consecutive output tokens (0 between the tokens of a decode run or of kept drafts, which "
+            "arrive together).",
+        )
+        self.tpot = hist(
+            "tokenmill:request_time_per_output_token_seconds",
+            "Each request's time from its first token to its last, over the tokens after the first.",
+        )
         self.e2e = hist("tokenmill:e2e_request_latency_seconds", "Arrival to last token.")
         self.queue = hist("tokenmill:request_queue_time_seconds", "Arrival to first scheduled.")
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed.", **kw).labels(model_name)
@@ -138,6 +146,8 @@ class PrometheusMetrics:
             self.e2e.observe(m.last_token_time - m.arrival_time)
         for gap_ms in m.itl_ms:
             self.itl.observe(gap_ms / 1000)
+        if m.first_token_time is not None and m.last_token_time is not None and m.num_generated_tokens > 1:
+            self.tpot.observe((m.last_token_time - m.first_token_time) / (m.num_generated_tokens - 1))
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest

@@ -197,15 +197,18 @@ def test_metrics_counters_move(http: httpx.Client, llm: LLM) -> None:
     assert r.status_code == 200
     after = _metrics(http)
 
-    def delta(name: str, **labels: str) -> float:
-        return _value(after, name, **labels) - _value(before, name, **labels)
+    def delta(name: str, **labels: str) -> float:  # a labelled series appears with its first request
+        earlier = [v for (n, ls), v in before.items() if n == name and set(labels.items()) <= ls]
+        return _value(after, name, **labels) - sum(earlier)
 
     assert delta("tokenmill:prompt_tokens_total") == len(llm.tokenizer.encode(PROMPT))
     assert delta("tokenmill:generation_tokens_total") == 5
     assert delta("tokenmill:request_success_total", finished_reason="length") == 1
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert delta(f"tokenmill:{hist}_count") == 1, hist
-    assert delta("tokenmill:inter_token_latency_seconds_count") >= 1
+    assert delta("tokenmill:inter_token_latency_seconds_count") == 4  # a gap after each token but the first
+    assert delta("tokenmill:request_time_per_output_token_seconds_count") == 1
+    assert delta("tokenmill:request_time_per_output_token_seconds_sum") > 0
     assert _value(after, "tokenmill:num_requests_running") == 0
     assert _value(after, "tokenmill:num_requests_waiting") == 0
     assert 0 <= _value(after, "tokenmill:kv_cache_usage_perc") <= 1
