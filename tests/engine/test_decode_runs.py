@@ -55,17 +55,21 @@ def test_runs_give_the_tokens_single_steps_give(llms: dict[int, LLM]) -> None:
 
 
 def test_a_stop_inside_a_run_ends_the_sequence_there(llms: dict[int, LLM]) -> None:
-    """A stop token met in the middle of a run ends the output with it (stop_reason set); the tokens the run
-    computed after it are dropped, as are those after a stop string."""
+    """A stop token met anywhere in a run (its first, middle or last token, or the length limit's) ends the output
+    with it (stop_reason set, the tokens counted once); the tokens the run computed after it are dropped, as are
+    those after a stop string."""
     free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     full, _ = _generate(llms[1], PROMPTS[:1], [free])
-    stop = full[0][6]
-    first = full[0].index(stop)
-    at_stop = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop])
-    for k in (1, 4):
-        outs = llms[k].generate([{"prompt_token_ids": PROMPTS[0]}], at_stop)
-        assert list(outs[0].outputs[0].token_ids) == full[0][: first + 1]
-        assert outs[0].outputs[0].stop_reason == stop and outs[0].outputs[0].finish_reason == "stop"
+    positions = [i for i in range(1, 12) if full[0].index(full[0][i]) == i]  # tokens that first appear there
+    assert len(positions) >= 4, full[0]
+    for i in positions:
+        stop = full[0][i]
+        at_stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
+        for k in (1, 4):
+            out = llms[k].generate([{"prompt_token_ids": PROMPTS[0]}], at_stop)[0]
+            assert list(out.outputs[0].token_ids) == full[0][: i + 1], (i, k)
+            assert out.outputs[0].stop_reason == stop and out.outputs[0].finish_reason == "stop"
+            assert out.metrics is not None and out.metrics.num_generated_tokens == i + 1
     text = llms[1].generate([{"prompt_token_ids": PROMPTS[0]}], free)[0].outputs[0].text
     middle = len(text) // 2
     needle = next(text[i : i + 2] for i in range(middle, len(text) - 1) if text[i : i + 2].strip())
@@ -107,6 +111,20 @@ def test_stop_strings_anywhere_in_a_run_end_it_as_single_steps_do(llms: dict[int
         assert len(got[1][1]) == m and got[1][2:] == ("stop", needle)
         tried.append(m)
     assert len(tried) >= 3 and {5, 9, 12} & set(tried), tried  # a run's last token among them
+
+
+def test_n_samples_run_together_and_give_back_every_block(llms: dict[int, LLM]) -> None:
+    """n = 3 greedy samples of two prompts (six sequences: single steps until one prompt's samples finish, then
+    runs): the same tokens as single steps, and every block back."""
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, n=3) for m in (6, 17)]
+    want = llms[1].generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params)
+    steps = llms[4].engine.stats.num_steps
+    got = llms[4].generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert llms[4].engine.stats.num_steps - steps < 17  # the longer prompt's samples ran
+    kv = llms[4].engine.kv
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 def test_drawn_runs_give_the_tokens_single_steps_give(make_checkpoint: Callable[..., Path]) -> None:
