@@ -20,15 +20,21 @@ from __future__ import annotations
 
 import json as _json
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_TOP_K = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 INT64 = (-(2**63), 2**63 - 1)
 # A temperature below this samples as greedy (vLLM's rule): dividing logits by ~1e-45 would turn them into NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def _float32(value: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
 def _fail(name: str, value: object, allowed: str) -> None:
@@ -108,8 +114,8 @@ class SamplingParams:
             _fail("temperature", self.temperature, "values >= 0 (0 means greedy)")
         if self.temperature < GREEDY_BELOW_TEMPERATURE:
             self.temperature = 0.0
-        if not 0 < self.top_p <= 1:
-            _fail("top_p", self.top_p, "values in (0, 1]")
+        if not 0 < self.top_p <= 1 or _float32(self.top_p) == 0:  # 1e-46 is 0 in float32
+            _fail("top_p", self.top_p, "values in (0, 1] that float32 does not round to 0")
         if not -1 <= self.top_k <= MAX_TOP_K:
             _fail("top_k", self.top_k, f"-1 or 0 (disabled) or an integer in [1, {MAX_TOP_K}]")
         if not 0 <= self.min_p <= 1:
@@ -158,3 +164,5 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 _fail(name, value, "a finite number")
+            if abs(value) > FLOAT32_MAX:  # the sampler computes in float32: 1e39 would be inf there
+                _fail(name, value, f"a number float32 holds (at most {FLOAT32_MAX:.6g} in size)")

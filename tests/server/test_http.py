@@ -70,7 +70,8 @@ def test_sse_framing(http: httpx.Client, llm: LLM, path: str) -> None:
 @pytest.mark.parametrize(
     ("param", "value"),
     [("temperature", -1), ("top_p", 0), ("top_k", -5), ("n", 0), ("max_tokens", 0), ("logprobs", 99),
-     ("presence_penalty", 5), ("repetition_penalty", 0), ("seed", "abc"), ("stop_token_ids", [-1])],
+     ("presence_penalty", 5), ("repetition_penalty", 0), ("seed", "abc"), ("stop_token_ids", [-1]),
+     ("temperature", 1e39), ("top_p", 1e-46)],
 )  # fmt: skip
 def test_invalid_value_is_400_naming_it(http: httpx.Client, param: str, value: Any) -> None:
     assert_openai_error(http.post("/v1/completions", json=_body(**{param: value})), 400, param)

@@ -369,6 +369,9 @@ INVALID = [
     ({"temperature": -0.5}, "temperature", -0.5),
     ({"top_p": 0.0}, "top_p", 0.0),
     ({"top_p": 1.5}, "top_p", 1.5),
+    ({"top_p": 1e-46}, "top_p", 1e-46),  # 0 in float32: the torch path's nucleus would be empty
+    ({"temperature": 1e39}, "temperature", 1e39),  # inf in float32: every logit over it NaN or 0
+    ({"repetition_penalty": 1e39}, "repetition_penalty", 1e39),
     ({"top_k": -2}, "top_k", -2),
     ({"min_p": 1.5}, "min_p", 1.5),
     ({"repetition_penalty": 0.0}, "repetition_penalty", 0.0),
