@@ -192,6 +192,26 @@ def _value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: s
     return sum(found)
 
 
+def test_streamed_samples_end_once_and_carry_every_logprob(http: httpx.Client) -> None:
+    """n = 3 drawn samples that stop at different steps (a stop string): each choice gets exactly one chunk with a
+    finish_reason, however many steps its siblings still take; and the streamed chunks carry every token's logprob,
+    those of tokens whose text was held back (a partial character, a possible stop string) included, and the same
+    text as without streaming."""
+    body = _body(max_tokens=30, temperature=1.0, seed=5, n=3, stop=["e"], logprobs=1)
+    plain = http.post("/v1/completions", json=body).json()["choices"]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = sse_json(sse_events(r.read().decode()))
+    ends = [c["index"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+    assert sorted(ends) == [0, 1, 2]
+    lengths = {len(c["logprobs"]["tokens"]) for c in plain}
+    assert len(lengths) > 1  # the samples ended at different steps, so the check above means something
+    for want in plain:
+        got = [c for chunk in chunks for c in chunk["choices"] if c["index"] == want["index"]]
+        assert "".join(c["text"] for c in got) == want["text"]
+        streamed = [t for c in got if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        assert streamed == want["logprobs"]["tokens"]
+
+
 def test_metrics_counters_move(http: httpx.Client, llm: LLM) -> None:
     before = _metrics(http)
     r = http.post("/v1/completions", json=_body(max_tokens=5, ignore_eos=True))

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tokenmill.engine.output import SequenceText
+from tokenmill.engine.output import OutputProcessor, SequenceText
 from tokenmill.outputs import RequestMetrics
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -229,3 +229,25 @@ def test_earliest_stop_wins_within_one_delta(tok: Tokenizer) -> None:
     got = seq.add(first, check_stops=True)
     assert got == "e"
     assert seq.text == "H"
+
+
+def test_a_stop_string_in_text_held_back_at_the_end_still_stops(tok: Tokenizer) -> None:
+    """A token that ends in part of a character (its text held back until the character completes) may carry a
+    stop string before that part. When the sequence ends on it, by its length limit, the held-back text is
+    checked too: the string stops it (reason and cut), rather than reaching the output."""
+    partial = [
+        (i, text)
+        for i in range(len(tok.hf))
+        if len(text := tok.hf.decode([i])) > 1 and text.endswith("\ufffd") and text[0].isalpha()
+    ]
+    if not partial:
+        pytest.skip("this tokenizer has no token that ends in part of a character after a letter")
+    token, text = partial[0]
+    req = make_request(tok, stop=[text[0]])
+    req.max_tokens = 1
+    processor = OutputProcessor(tok)
+    processor.add_request(None, [req])
+    req.output_token_ids.append(token)
+    req.finish_reason = "length"  # what the core sets on the last token allowed
+    hit = processor.detokenize(req.parent_id, 0)
+    assert hit is not None and (hit.num_tokens, hit.stop) == (1, text[0])

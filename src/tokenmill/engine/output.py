@@ -37,10 +37,13 @@ class SequenceText:
         self.num_tokens_seen += 1
         return self._append(delta, check_stops)
 
-    def finish(self) -> None:
-        if not self.done:
-            self.done = True
-            self._append(self.detok.flush(), check_stops=False)
+    def finish(self, check_stops: bool = False) -> str | None:
+        """The sequence ended: append what the detokenizer held back (an incomplete character, and the text
+        before it in its window); return the stop string that text completes, if asked and any."""
+        if self.done:
+            return None
+        self.done = True
+        return self._append(self.detok.flush(), check_stops)
 
     def _append(self, delta: str, check_stops: bool) -> str | None:
         if not delta or self.stopped:
@@ -101,6 +104,10 @@ class OutputProcessor:
             stop = text.add(tok, check_stops=position > req.params.min_tokens)
             if stop is not None:
                 return StopStringHit(len(req.output_token_ids) - len(new_ids) + i + 1, stop)
+        if req.finished and new_ids:  # the held-back text ends with the last token, and may complete a string too
+            stop = text.finish(check_stops=len(req.output_token_ids) > req.params.min_tokens)
+            if stop is not None:
+                return StopStringHit(len(req.output_token_ids), stop)
         return None
 
     def make_outputs(self, parent_ids: list[str]) -> list[RequestOutput]:

@@ -130,6 +130,7 @@ async def stream_events(
 
     `continuous_usage` (vLLM's `continuous_usage_stats`) puts the running usage in every chunk."""
     sent: dict[int, int] = {}  # choice index -> tokens already sent (for logprob deltas)
+    ended: set[int] = set()  # choices whose last chunk is out: an n > 1 request's later steps still list them
 
     def chunk(choices: list[dict[str, Any]]) -> str:
         body = {"id": call.id, "object": call.chunk_object, "created": call.created, "model": call.model,
@@ -146,13 +147,16 @@ async def stream_events(
         async for i, out in merged(call):
             for c in out.outputs:
                 index = i * call.n + c.index
+                delta = out.new_text[c.index]
                 first, done = index not in sent, sent.get(index, 0)
+                if index in ended or not (delta or c.finish_reason or first):
+                    continue  # tokens whose text is held back keep their logprobs for the next chunk
                 lp = c.logprobs[done:] if c.logprobs is not None else None
                 ids = c.token_ids[done:]
                 sent[index] = len(c.token_ids)
-                delta = out.new_text[c.index]
-                if delta or c.finish_reason or first:
-                    yield chunk([choice(index, ids, lp, delta, c.finish_reason, first)])
+                if c.finish_reason:
+                    ended.add(index)
+                yield chunk([choice(index, ids, lp, delta, c.finish_reason, first)])
             if out.finished:
                 finals[i] = out
                 call.observe(out)
