@@ -201,8 +201,11 @@ def test_streamed_samples_end_once_and_carry_every_logprob(http: httpx.Client) -
     plain = http.post("/v1/completions", json=body).json()["choices"]
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         chunks = sse_json(sse_events(r.read().decode()))
-    ends = [c["index"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
-    assert sorted(ends) == [0, 1, 2]
+    ends = [c for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+    assert sorted(c["index"] for c in ends) == [0, 1, 2]
+    # vLLM's stop_reason: the stop string that ended a choice, in its last chunk and unstreamed alike
+    assert {c["index"]: c["stop_reason"] for c in ends} == {c["index"]: c["stop_reason"] for c in plain}
+    assert all(c["stop_reason"] == ("e" if c["finish_reason"] == "stop" else None) for c in plain)
     lengths = {len(c["logprobs"]["tokens"]) for c in plain}
     assert len(lengths) > 1  # the samples ended at different steps, so the check above means something
     for want in plain:

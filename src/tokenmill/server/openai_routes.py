@@ -97,10 +97,11 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
         call.echo_texts = await run_in_threadpool(lambda: [tok.decode(p, skip_special_tokens=False) for p in prompts])
 
     def choice(
-        index: int, ids: list[int], lp: list[Logprobs] | None, text: str, finish: str | None, first: bool
-    ) -> dict[str, Any]:
+        index: int, ids: list[int], lp: list[Logprobs] | None, text: str, finish: str | None, first: bool,
+        stop: int | str | None,
+    ) -> dict[str, Any]:  # fmt: skip
         logprobs = _completion_logprobs(tok, ids, list(lp)) if lp is not None else None
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
 
     if body.stream:
         return _stream(call, choice, body.stream_options)
@@ -118,7 +119,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
             if body.echo:
                 text = call.echo_texts[i] + text
             choices.append({"index": i * call.n + c.index, "text": text, "logprobs": lp,
-                            "finish_reason": c.finish_reason})  # fmt: skip
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
     return {"id": call.id, "object": "text_completion", "created": call.created, "model": call.model,
             "choices": choices, "usage": call.usage(completion_tokens(finals))}  # fmt: skip
 
@@ -156,8 +157,9 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     streams: dict[int, tools.ToolStream] = {}
 
     def choice(
-        index: int, ids: list[int], lp: list[Logprobs] | None, text: str, finish: str | None, first: bool
-    ) -> dict[str, Any]:
+        index: int, ids: list[int], lp: list[Logprobs] | None, text: str, finish: str | None, first: bool,
+        stop: int | str | None,
+    ) -> dict[str, Any]:  # fmt: skip
         ts = streams.setdefault(index, tools.ToolStream(plan))
         delta: dict[str, Any] = ts.feed(text, finish is not None)
         if first:
@@ -165,7 +167,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
         if ts.calls and finish == "stop":
             finish = "tool_calls"
         logprobs = _chat_logprobs(tok, ids, lp, top) if lp is not None else None
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
 
     if body.stream:
         return _stream(call, choice, body.stream_options)
@@ -179,7 +181,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
         if calls:
             message["tool_calls"] = calls
             finish = "tool_calls" if finish == "stop" else finish
-        choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
+        choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish,
+                        "stop_reason": c.stop_reason})  # fmt: skip
     return {"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
             "choices": choices, "usage": call.usage(completion_tokens(finals))}  # fmt: skip
 

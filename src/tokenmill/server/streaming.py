@@ -118,9 +118,12 @@ async def run_to_end(call: Call, raw: Request) -> dict[int, RequestOutput]:
     return finals
 
 
-# One choice of a streamed chunk (completions and chat differ in shape):
-# (index, new token ids, their logprobs or None, new text, finish reason, first chunk of this choice) -> choice
-ChoiceBuilder = Callable[[int, list[int], list[Logprobs] | None, str, str | None, bool], dict[str, Any]]
+# One choice of a streamed chunk (completions and chat differ in shape): (index, new token ids, their logprobs or
+# None, new text, finish reason, first chunk of this choice, stop reason: the stop string or token id that ended
+# it, as vLLM's `stop_reason`) -> choice
+ChoiceBuilder = Callable[
+    [int, list[int], list[Logprobs] | None, str, str | None, bool, int | str | None], dict[str, Any]
+]
 
 
 async def stream_events(
@@ -143,7 +146,7 @@ async def stream_events(
     try:
         for i, text in enumerate(call.echo_texts):
             for j in range(call.n):
-                yield chunk([choice(i * call.n + j, [], None, text, None, True)])
+                yield chunk([choice(i * call.n + j, [], None, text, None, True, None)])
         async for i, out in merged(call):
             for c in out.outputs:
                 index = i * call.n + c.index
@@ -156,7 +159,7 @@ async def stream_events(
                 sent[index] = len(c.token_ids)
                 if c.finish_reason:
                     ended.add(index)
-                yield chunk([choice(index, ids, lp, delta, c.finish_reason, first)])
+                yield chunk([choice(index, ids, lp, delta, c.finish_reason, first, c.stop_reason)])
             if out.finished:
                 finals[i] = out
                 call.observe(out)
