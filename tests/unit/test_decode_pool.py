@@ -1,6 +1,6 @@
 """The decode stack's work pool (kernels/csrc/pool.h): when it rests its helper threads because other work competes
-for the cores. The verdict is a function of each program's wall time and the calling thread's CPU time in it, so
-it is checked on given times, not on a loaded machine."""
+for the cores (the verdict is a function of each program's wall time and the calling thread's CPU time in it, so
+it is checked on given times, not on a loaded machine), and what a chunk that throws leaves behind."""
 
 from __future__ import annotations
 
@@ -42,3 +42,16 @@ def test_programs_too_short_to_measure_say_nothing(ops: kernels.Kernels) -> None
     short = (150e-6, 10e-6)
     assert rests(ops, [STARVED, short, STARVED]) == [False, False, True]
     assert rests(ops, [short] * 40) == [False] * 40
+
+
+def test_a_chunk_that_throws_fails_its_program_and_nothing_after(ops: kernels.Kernels) -> None:
+    """Chunk k of a program's second stage throws, on whichever thread claims it (the caller or a helper, 1 or 3
+    helpers): run() rethrows it once the stage is drained, no later stage runs, and the pool's next program runs
+    whole, as if nothing had happened."""
+    chunks, full = 64, 64 * 65 // 2  # each stage's sum when every chunk c adds c + 1
+    for helpers in (1, 3):
+        for k in (0, 5, 31, 63):
+            sums, error = ops.module.pool_selftest(helpers, 4, chunks, k)
+            assert error == f"pool selftest: chunk {k} threw"
+            assert sums[0] == full and sums[1] <= full - (k + 1) and sums[2:] == [0, 0]
+            assert ops.module.pool_selftest(helpers, 4, chunks, -1) == ([full] * 4, "")

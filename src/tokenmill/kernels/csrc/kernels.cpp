@@ -395,6 +395,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return rests;
       },
       "the decode pool's verdict after each of these programs (wall, caller CPU seconds): rest the helpers (tests)");
+  m.def("pool_selftest", &tmk::pool_selftest, "a decode pool program whose chunk throws, then its sums (tests)",
+        nogil());
   m.def("argmax_rows", &tmk::argmax_rows, "each row's argmax (the first maximum, or the first NaN), as torch");
   m.def("apply_bitmask", &tmk::apply_bitmask, "logits whose grammar bit is clear -> -inf, in place");
   m.def("draw_lists", &tmk::draw_lists, "each row's token: temperature, top-k, top-p, min-p, a draw at u", nogil());

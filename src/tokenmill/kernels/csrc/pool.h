@@ -16,6 +16,11 @@
 // The cursor packs {program epoch, stage, next chunk}: a claim is a compare-and-swap on it, so a helper holding a
 // stale view (an older program or stage) can never claim a chunk that is not the current one.
 //
+// A chunk that throws (a small buffer's bad_alloc) would end the process on a helper thread and, on the caller, leave
+// helpers running the stage after run() had unwound. So every chunk runs under a catch: the first exception is
+// kept, the stage's other chunks are claimed and skipped, and run() drains that stage, goes idle as after any
+// program, and rethrows it to its caller.
+//
 // One pool per helper count serves every program in the process (`Pool::shared`): a target model's decode stack
 // and its draft's take turns on the same helpers, where a pool each would leave one pool's helper spinning on a
 // core while the other pool works. Programs own their stages; the pool runs one program at a time, and a program
@@ -27,10 +32,14 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -117,9 +126,22 @@ class Pool {
         else std::this_thread::yield();  // ... and may be off its core: let it run
       }
       if (marks) marks[s + 1] = now(CLOCK_MONOTONIC);
+      if (failed_.load(std::memory_order_acquire)) break;  // a chunk threw: no later stage runs
     }
     cursor_.store(kIdle, std::memory_order_seq_cst);
-    while (inside_.load(std::memory_order_seq_cst) > 0) TM_PAUSE();  // a helper between its cursor read and claim
+    for (int spins = 0; inside_.load(std::memory_order_seq_cst) > 0; ++spins) {  // a helper between cursor and claim
+      if (spins < 4096) TM_PAUSE();
+      else std::this_thread::yield();
+    }
+    if (failed_.load(std::memory_order_acquire)) {
+      std::exception_ptr error;
+      {
+        std::lock_guard<std::mutex> lock(error_mutex_);
+        std::swap(error, error_);
+      }
+      failed_.store(false, std::memory_order_relaxed);
+      std::rethrow_exception(error);
+    }
     const double wall = now(CLOCK_MONOTONIC) - wall0, cpu = now(CLOCK_THREAD_CPUTIME_ID) - cpu0;
     if (helpers > 0 && contention_.starved_again(wall, cpu)) quiet_after_ = wall0 + wall + 0.5;  // see the top
   }
@@ -150,7 +172,15 @@ class Pool {
       if (stage >= count_.load(std::memory_order_seq_cst) || chunk >= stages[stage].n.load(std::memory_order_relaxed))
         return false;
       if (cursor_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) {
-        stages[stage].fn(chunk);
+        if (!failed_.load(std::memory_order_acquire)) {
+          try {
+            stages[stage].fn(chunk);
+          } catch (...) {  // kept for run() to rethrow; the chunk counts as done either way
+            std::lock_guard<std::mutex> lock(error_mutex_);
+            if (!error_) error_ = std::current_exception();
+            failed_.store(true, std::memory_order_release);
+          }
+        }
         done_.fetch_add(1, std::memory_order_release);
         return true;
       }
@@ -186,6 +216,9 @@ class Pool {
   std::atomic<int> sleepers_{0};
   std::atomic<int> inside_{0};  // helpers inside claim()
   std::atomic<int> active_{0};  // helpers [0, active_) take part in the current program
+  std::atomic<bool> failed_{false};  // a chunk of the current program threw; error_ holds the first exception
+  std::exception_ptr error_;
+  std::mutex error_mutex_;
   uint64_t epoch_ = 0;
   double quiet_after_ = 0;  // the helpers rest until this time (CLOCK_MONOTONIC seconds)
   Contention contention_;
@@ -207,5 +240,30 @@ class Program {
   Pool& pool_;
   std::unique_ptr<Stage[]> stages_;
 };
+
+// (tests) A program of `count` stages of `chunks` chunks on the pool of `helpers` helpers: chunk c of stage s adds
+// c + 1 to sums[s] (atomically), except chunk `throw_at` of stage 1, which throws std::runtime_error. Returns the
+// sums and the message of what run() threw ("" when nothing).
+inline std::pair<std::vector<int64_t>, std::string> pool_selftest(int helpers, int64_t count, int64_t chunks,
+                                                                  int64_t throw_at) {
+  std::vector<std::atomic<int64_t>> sums(count);
+  Program program(helpers, count);
+  for (int64_t s = 0; s < count; ++s) {
+    program.set_stage(s, [&sums, s, throw_at](int64_t c) {
+      if (s == 1 && c == throw_at) throw std::runtime_error("pool selftest: chunk " + std::to_string(c) + " threw");
+      sums[s].fetch_add(c + 1, std::memory_order_relaxed);
+    });
+    program.set_chunks(s, chunks);
+  }
+  std::string error;
+  try {
+    program.run(count);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::vector<int64_t> out;
+  for (const auto& v : sums) out.push_back(v.load());
+  return {out, error};
+}
 
 }  // namespace tmk

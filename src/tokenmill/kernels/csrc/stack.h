@@ -192,6 +192,9 @@ class DecodeStack {
     silu_parts_ = B < threads_ ? std::max<int64_t>(1, std::min<int64_t>(threads_, I_ / QK)) : 1;
     // attention: each row's splits (attention.h), one task each
     split_offsets(lens_, B, 0, split_first_);
+    // each (row, KV head)'s count of finished splits starts at 0 (it is back at 0 after every layer, unless a step
+    // failed inside attention)
+    for (int64_t i = 0; i < B * Hkv_; ++i) splits_done_[i].store(0, std::memory_order_relaxed);
     part_acc_.resize(split_first_[B] * H_ * Dh_), part_ml_.resize(split_first_[B] * H_ * 2);
     // one row: each attention task ropes its own copy of its KV head's queries, and the split that holds the new
     // token also its key, which it writes to the cache with the value, where the rope stage would (that stage then
