@@ -295,6 +295,24 @@ def test_a_draft_with_another_tokenizer_is_refused(folder: Path, tmp_path: Path)
         LLM(str(folder), dtype="float32", device=target.DEVICE, speculative_model=str(other))
 
 
+def test_tokens_past_the_drafts_vocabulary_get_no_drafts(make_checkpoint: Callable[..., Path], draft: Path) -> None:
+    """A target whose vocabulary is padded past the draft's (the same tokenizer, a wider embedding) can take token
+    ids the draft has no row for: a sequence holding one gets no drafts (its native catch-up would read past the
+    draft's embedding), the others still do, and the output is the target's alone."""
+    wide = make_checkpoint("llama", vocab_size=400, initializer_range=0.1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    past, plain = [5, 17, 390, 9, 395], PROMPTS[0]  # 390, 395: the target's rows, past the draft's 384
+    want = LLM(str(wide), dtype="float32", device=target.DEVICE).generate(
+        [{"prompt_token_ids": p} for p in (past, plain)], params
+    )
+    llm = LLM(str(wide), dtype="float32", device=target.DEVICE, speculative_model=str(draft), num_speculative_tokens=3)
+    got = [llm.generate([{"prompt_token_ids": past}], params)[0]]
+    assert llm.engine.stats.spec_draft_tokens == 0
+    got += llm.generate([{"prompt_token_ids": plain}], params)
+    assert llm.engine.stats.spec_draft_tokens > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 def test_the_demo_model_ships_its_draft() -> None:
     """`--speculative-model demo-draft` needs no download, keeps drafts, and changes no greedy token."""
     params = SamplingParams(temperature=0, max_tokens=40)

@@ -37,9 +37,10 @@ class _State:
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, kv: KVManager, num_tokens: int, max_num_tokens: int) -> None:
+    def __init__(self, runner: ModelRunner, kv: KVManager, num_tokens: int, max_num_tokens: int, vocab: int) -> None:
         self.runner, self.kv = runner, kv
         self.num_tokens, self.max_num_tokens = num_tokens, max_num_tokens  # drafts per round, the draft's context
+        self.vocab = vocab  # the draft's embedding rows: a target padded wider can give tokens past them
         self._states: dict[str, _State] = {}
 
     def release(self, request_id: str) -> None:
@@ -106,6 +107,9 @@ class DraftProposer:
                 break
             keep += 1
         keep = min(keep, len(r.token_ids) - 1)  # at least the newest token is computed: its logits give draft 1
+        if max(r.token_ids[keep:]) >= self.vocab:  # a token the draft has no embedding for: no drafts for this one
+            self.release(r.request_id)
+            return None
         if not self.kv.allocate_slots(r.request_id, r.token_ids, keep, len(r.token_ids) - keep,
                                       num_lookahead_tokens=want - 1):  # fmt: skip
             self.release(r.request_id)  # the draft's pool is full: no drafts for this one
@@ -144,4 +148,4 @@ def build_draft_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -
     backend = make_kv_backend(draft_cfg, draft.config, draft.dtype, draft.device, max_len, draft.ops)
     kv = KVCacheManager(backend.num_blocks, cfg.block_size, enable_prefix_caching=False)
     runner = ModelRunner(draft.model, draft.device, backend, cfg.seed)
-    return DraftProposer(runner, kv, cfg.num_speculative_tokens, max_len)
+    return DraftProposer(runner, kv, cfg.num_speculative_tokens, max_len, draft.config.vocab_size)
