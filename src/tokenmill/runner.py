@@ -113,7 +113,7 @@ class ModelRunner:
         all_logits = all_argmax = None  # [T, V] float32 and [T] int64, where one call computed every row's
         hidden: torch.Tensor | None = None  # [T, D]: none where a graph gave the logits (a decode-only step)
         stack = self.decode_stack
-        if self.graphs is not None and self.graphs.applies(seqs, num_decodes):
+        if self.graphs is not None and not prompt_rows and self.graphs.applies(seqs, num_decodes):  # (no hidden)
             all_logits = self.graphs.logits(seqs)  # [B, V]
         elif stack is not None and num_decodes == len(seqs) and stack.plain_embedding:  # no tensor for the inputs
             # [B, D], [B, V] (None where sampling reads only the argmax), [B]

@@ -110,3 +110,23 @@ def test_a_graph_that_cannot_be_recorded_falls_back_to_eager_steps(
     assert graphs.buckets and all(b.graph is None for b in graphs.buckets.values())
     kv = llm.engine.kv
     assert not llm.engine.has_unfinished() and kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_one_token_prompt_chunk_with_prompt_logprobs_takes_no_graph(make_checkpoint: Callable[..., Path]) -> None:
+    """A budget of 2 tokens a step cuts a prompt into one-token chunks beside another's decode: such a step has one
+    new token per sequence, as a graph's does, but its prompt logprobs need the hidden states a graph does not
+    give. It runs eagerly, with the prompt logprobs of an engine without graphs."""
+    folder = make_checkpoint("llama")
+    params = [
+        SamplingParams(temperature=0, max_tokens=2),
+        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
+    ]
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": list(range(10, 30))}]
+    want = _llm(folder, max_num_batched_tokens=2).generate(prompts, params)
+    llm = _llm(folder, max_num_batched_tokens=2)
+    _graphs(llm)
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].finish_reason for o in got] == ["length", "length"]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got[1].prompt_logprobs or [], want[1].prompt_logprobs or [], strict=True):
+        assert (g is None) == (w is None) and (g is None or g.keys() == w.keys())
