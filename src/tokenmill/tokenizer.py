@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,16 @@ from tokenmill.errors import ModelLoadError
 
 # How many earlier tokens to re-decode with each new one, so word boundaries and spaces come out right.
 _CONTEXT_TOKENS = 5
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte (byte-level BPE pieces are written in it) -> the byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+_BYTE_OF = _byte_alphabet()
 
 
 class Tokenizer:
@@ -56,6 +67,26 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, part of a character included (its decoded text would end in U+FFFD
+        there): a byte-level BPE's piece through GPT-2's byte alphabet, a SentencePiece byte piece (<0xE3>) as
+        that byte and another piece with its word-start mark as a space; else (special tokens) its text."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self._byte_level and all(c in _BYTE_OF for c in piece):
+                return bytes(_BYTE_OF[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            if not self._byte_level and token_id not in self.hf.all_special_ids:
+                return piece.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        """The pieces are written in GPT-2's byte alphabet (GPT-2, Llama 3, Qwen and most BPEs since)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        return backend is not None and "ByteLevel" in type(backend.decoder).__name__ + str(backend.decoder)
 
     def decode_stream(self, context: list[int], skip_special_tokens: bool) -> tuple[Any, Any] | None:
         """(the Rust tokenizer, a `tokenizers` DecodeStream primed with the token ids `context`), or None where

@@ -106,6 +106,8 @@ def test_completion_logprobs_match_engine(client: openai.OpenAI, server: Server,
         # greedy: the sampled token is the most likely one (>=: distinct tokens decoding to the same string, like
         # two partial UTF-8 bytes shown as U+FFFD, share one key in this dict)
         assert got >= max(top.values()) - 1e-4
+        # ... and the shared key keeps the likeliest value: at least the sampled token's own
+        assert max(top.values()) >= got - 1e-4
 
 
 def test_chat_logprobs(client: openai.OpenAI, server: Server, llm: LLM) -> None:
@@ -118,6 +120,10 @@ def test_chat_logprobs(client: openai.OpenAI, server: Server, llm: LLM) -> None:
     for entry in content:
         assert isinstance(entry.token, str) and 1 <= len(entry.top_logprobs) <= 2
         assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-4)
+    # each token's own bytes, parts of characters included: together they decode to the reply's text (a random
+    # model's bytes need not be UTF-8, so both sides replace what is not)
+    raw = bytes(b for c in content for b in c.bytes or [])
+    assert raw.decode(errors="replace") == llm.tokenizer.decode(expected.token_ids)
 
 
 def test_chat_equals_offline_chat(client: openai.OpenAI, server: Server, llm: LLM) -> None:

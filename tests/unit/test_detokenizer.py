@@ -251,3 +251,19 @@ def test_a_stop_string_in_text_held_back_at_the_end_still_stops(tok: Tokenizer) 
     req.finish_reason = "length"  # what the core sets on the last token allowed
     hit = processor.detokenize(req.parent_id, 0)
     assert hit is not None and (hit.num_tokens, hit.stop) == (1, text[0])
+
+
+def test_each_tokens_own_bytes_and_top_logprobs_that_decode_alike(tok: Tokenizer) -> None:
+    """A token's bytes (chat logprobs' `bytes`) are its own, part of a character included, so a text's tokens give
+    back its bytes; tokens that decode alike (parts of characters all read U+FFFD) share one key of a completion's
+    top_logprobs, which keeps the likeliest value."""
+    from tokenmill.server.openai_routes import _top_by_text
+
+    text = "Say: wörld — ünïcode ✓ 日本語"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    partial = [i for i in range(len(tok.hf)) if tok.hf.decode([i]) == "\ufffd"][:2]
+    assert len(partial) == 2, "the test tokenizer has byte tokens"
+    a, b = partial
+    assert tok.token_bytes(a) != tok.token_bytes(b) and len(tok.token_bytes(a)) == 1
+    assert _top_by_text(tok, {a: -0.1, b: -2.5}) == _top_by_text(tok, {b: -2.5, a: -0.1}) == {"\ufffd": -0.1}

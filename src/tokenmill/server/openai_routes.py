@@ -240,16 +240,24 @@ def _completion_logprobs(tok: Tokenizer, token_ids: list[int], entries: list[Log
         text = _token_str(tok, tid)
         tokens.append(text)
         values.append(entry[tid] if entry else None)
-        tops.append({_token_str(tok, t): lp for t, lp in entry.items()} if entry else None)
+        tops.append(_top_by_text(tok, entry) if entry else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _top_by_text(tok: Tokenizer, entry: Logprobs) -> dict[str, float]:
+    """{token text: logprob}, most likely first. Tokens that decode alike (parts of characters all read U+FFFD)
+    share a key: it keeps the likeliest one's value, not whichever came last."""
+    tops: dict[str, float] = {}
+    for t, lp in sorted(entry.items(), key=lambda kv: -kv[1]):
+        tops.setdefault(_token_str(tok, t), lp)
+    return tops
+
+
 def _chat_logprobs(tok: Tokenizer, token_ids: list[int], entries: list[Logprobs], top: int) -> dict[str, Any]:
-    def item(t: int, lp: float) -> dict[str, Any]:
-        s = _token_str(tok, t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+    def item(t: int, lp: float) -> dict[str, Any]:  # bytes: the token's own, where its text is part of a character
+        return {"token": _token_str(tok, t), "logprob": lp, "bytes": list(tok.token_bytes(t))}
 
     content = []
     for tid, entry in zip(token_ids, entries):
