@@ -267,3 +267,19 @@ def test_each_tokens_own_bytes_and_top_logprobs_that_decode_alike(tok: Tokenizer
     a, b = partial
     assert tok.token_bytes(a) != tok.token_bytes(b) and len(tok.token_bytes(a)) == 1
     assert _top_by_text(tok, {a: -0.1, b: -2.5}) == _top_by_text(tok, {b: -2.5, a: -0.1}) == {"\ufffd": -0.1}
+
+
+def test_logprobs_json_has_no_infinity_or_nan(tok: Tokenizer) -> None:
+    """A logit the model set to -inf has logprob -inf, and a broken model's NaN gives NaN: JSON holds neither (a
+    non-streaming response would fail to encode, a stream would send invalid JSON), so both read vLLM's -9999."""
+    import json
+
+    from tokenmill.server.openai_routes import _chat_logprobs, _completion_logprobs
+
+    entries = [{5: -0.5, 6: float("-inf")}, {7: float("nan"), 8: -1.0}]
+    completion = _completion_logprobs(tok, [6, 7], list(entries))
+    chat = _chat_logprobs(tok, [6, 7], entries, 2)
+    for body in (completion, chat):
+        json.dumps(body, allow_nan=False)  # raises on inf or NaN
+    assert completion["token_logprobs"] == [-9999.0, -9999.0]
+    assert [[t["logprob"] for t in c["top_logprobs"]] for c in chat["content"]] == [[-0.5, -9999.0], [-1.0, -9999.0]]

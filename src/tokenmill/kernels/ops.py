@@ -149,7 +149,8 @@ class Kernels:
         self, logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int], num_top: Sequence[int]
     ) -> list[dict[int, float]]:
         """Rows `rows` of logits [B, V] (float32 or bfloat16): each one's {token: logprob} at token_ids[r] and at its
-        num_top[r] most likely tokens (ties: the lower id), as sampling.topk_logprobs over torch's log_softmax."""
+        num_top[r] most likely tokens, as sampling.topk_logprobs over torch's log_softmax, within 1e-4; where tokens
+        tie at the last place, this takes the lower ids, and torch.topk any of them."""
         _check_logits(logits)
         logits = logits.contiguous()
         out = []

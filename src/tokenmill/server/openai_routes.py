@@ -233,13 +233,20 @@ def _token_str(tok: Tokenizer, token_id: int) -> str:
     return tok.decode([token_id], skip_special_tokens=False)
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf (a logit the model set to -inf) and no NaN (a broken model's)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN fails the comparison too
+
+
 def _completion_logprobs(tok: Tokenizer, token_ids: list[int], entries: list[Logprobs | None]) -> dict[str, Any]:
     tokens, values, tops, offsets = [], [], [], []
     offset = 0
     for tid, entry in zip(token_ids, entries):
         text = _token_str(tok, tid)
         tokens.append(text)
-        values.append(entry[tid] if entry else None)
+        values.append(_finite(entry[tid]) if entry else None)
         tops.append(_top_by_text(tok, entry) if entry else None)
         offsets.append(offset)
         offset += len(text)
@@ -250,17 +257,17 @@ def _top_by_text(tok: Tokenizer, entry: Logprobs) -> dict[str, float]:
     """{token text: logprob}, most likely first. Tokens that decode alike (parts of characters all read U+FFFD)
     share a key: it keeps the likeliest one's value, not whichever came last."""
     tops: dict[str, float] = {}
-    for t, lp in sorted(entry.items(), key=lambda kv: -kv[1]):
-        tops.setdefault(_token_str(tok, t), lp)
+    for t, lp in sorted(entry.items(), key=lambda kv: -_finite(kv[1])):
+        tops.setdefault(_token_str(tok, t), _finite(lp))
     return tops
 
 
 def _chat_logprobs(tok: Tokenizer, token_ids: list[int], entries: list[Logprobs], top: int) -> dict[str, Any]:
     def item(t: int, lp: float) -> dict[str, Any]:  # bytes: the token's own, where its text is part of a character
-        return {"token": _token_str(tok, t), "logprob": lp, "bytes": list(tok.token_bytes(t))}
+        return {"token": _token_str(tok, t), "logprob": _finite(lp), "bytes": list(tok.token_bytes(t))}
 
     content = []
     for tid, entry in zip(token_ids, entries):
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        ranked = sorted(entry.items(), key=lambda kv: -_finite(kv[1]))[:top]
         content.append({**item(tid, entry[tid]), "top_logprobs": [item(t, lp) for t, lp in ranked]})
     return {"content": content}
