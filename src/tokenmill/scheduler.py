@@ -158,6 +158,7 @@ class Scheduler:
             num_cached, blocks = self._cached_prefix(req)
             num_new = req.num_tokens - num_cached
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
+                self.kv.free(req.request_id)  # drop what a fork may have shared (its next try forks again)
                 break  # the whole prompt must fit in one step; wait for a lighter step
             num_new = min(num_new, plan.budget)
             if not self.kv.allocate_slots(req.request_id, req.all_token_ids, num_cached, num_new, blocks):

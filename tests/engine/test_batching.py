@@ -140,6 +140,30 @@ def test_priority_policy_runs_urgent_requests_first(folder: Path) -> None:
     assert order == [3, 1, 2, 0]
 
 
+def test_a_sample_that_must_wait_for_a_whole_prompt_step_gives_back_its_fork(folder: Path) -> None:
+    """Without chunked prefill, an n = 2 request's second sample forks the first's prompt blocks, then finds the
+    step's budget taken by a more urgent prompt and waits: the fork goes back with it, so its next try forks
+    again (it once raised "already has blocks" and stopped the engine), and both samples finish alike."""
+    llm = _llm(folder, enable_chunked_prefill=False, scheduling_policy="priority", max_model_len=64,
+               max_num_batched_tokens=64)  # fmt: skip
+    engine = llm.engine
+    shared = [(7 * i) % 300 + 3 for i in range(47)]
+    pair = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
+    engine.add_request(EngineRequest("pair", shared, pair, engine.validate(shared, pair), priority=1))
+    engine.step()  # the first sample's prompt; the second waits for it
+    urgent = [(11 * i) % 300 + 3 for i in range(52)]
+    short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request(EngineRequest("urgent", urgent, short, engine.validate(urgent, short), priority=0))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    done = {o.request_id: o for o in outs if o.finished}
+    assert sorted(done) == ["pair", "urgent"]
+    first, second = done["pair"].outputs
+    assert first.token_ids == second.token_ids and len(first.token_ids) == 10
+    assert_pool_full(engine)
+
+
 def test_requests_that_can_never_fit_are_rejected(folder: Path) -> None:
     llm = _llm(folder, num_kv_blocks=4, block_size=8)
     with pytest.raises(ValueError, match="needs 5 KV blocks .* the whole pool has 4"):
