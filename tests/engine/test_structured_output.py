@@ -193,6 +193,45 @@ def test_bad_grammars_are_one_clear_error(tiny: LLM) -> None:
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_a_grammar_that_ends_on_the_last_token_allowed_is_a_stop(tiny: LLM) -> None:
+    """`a{3}` in exactly 3 tokens ends where the grammar ends: "stop", as EOS in the last slot is, not "length"."""
+    so = StructuredOutputsParams(regex="a{3}")
+    for max_tokens in (3, 4):
+        out = tiny.generate(["hello"], SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so))
+        assert (out[0].outputs[0].text, out[0].outputs[0].finish_reason) == ("aaa", "stop"), max_tokens
+
+
+def test_a_grammar_no_output_matches_is_refused(tiny: LLM) -> None:
+    """A regex whose language is empty is refused when it compiles (once a request that ended in "error")."""
+    with pytest.raises(ValueError, match="invalid regex: no output matches it"):
+        tiny.generate(["hello"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a&&b]")))
+
+
+def test_required_tool_calls_keep_each_tools_own_references(tiny: LLM) -> None:
+    """tool_choice="required" puts every tool's parameters in one array schema; a tool's "#/$defs/..." and a
+    recursive "#" still mean its own schema (pydantic writes such tools), not the array's."""
+    from tokenmill.server import tools
+    from tokenmill.server.protocol import ChatCompletionRequest
+
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    typed = {"$defs": {"I": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/I"}}}
+    functions = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in (("f", tree), ("g", typed))]
+    request = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], tools=functions, tool_choice="required"
+    )
+    constraint = tools.constraint(tools.plan(request, "auto", ""), parallel=True)
+    assert constraint is not None
+    manager = tiny.engine.structured
+    grammar = manager.compile(constraint)
+    texts = {'[{"name": "f", "parameters": {"kids": [{}]}}]': True, '[{"name": "g", "parameters": {"a": 5}}]': True,
+             '[{"name": "f", "parameters": {"kids": [[{"name": "f", "parameters": {}}]]}}]': False}  # fmt: skip
+    for text, valid in texts.items():
+        manager.add("t", grammar)
+        ok = all(manager.accept("t", t) for t in tiny.tokenizer.encode(text, add_special_tokens=False))
+        assert (ok and manager.finished("t")) == valid, text
+        manager.remove("t")
+
+
 def test_apply_bitmask_matches_a_boolean_mask() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 70, generator=gen)

@@ -393,8 +393,8 @@ class EngineCore:
         if not self.structured.accept(req.request_id, token):  # the mask allowed it, so only a backend fault
             log.error("request %s: the grammar refused token %d it had allowed", req.request_id, token)
             req.finish_reason = req.finish_reason or "error"
-        elif not req.finished and self.structured.finished(req.request_id):
-            req.finish_reason = "stop"
+        elif req.finish_reason in (None, "length") and self.structured.finished(req.request_id):
+            req.finish_reason = "stop"  # the grammar's end on the last token allowed is its end, as EOS there is
 
     def _propose(self) -> None:
         """Drafts for every running sequence that decodes next step (none above `spec_off_above` sequences, the

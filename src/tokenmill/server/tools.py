@@ -68,8 +68,12 @@ def constraint(p: ToolPlan, parallel: bool) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(json=_parameters(tool))
     if p.mode != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in p.tools]  # fmt: skip
+    # each tool's parameters under an $id of its own, so that their "#..." references resolve in them, not in the
+    # array around them (a tool's $defs, or a recursive "#")
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                               "parameters": {"$id": f"urn:tokenmill:tool:{i}", **_parameters(t)}},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for i, t in enumerate(p.tools)]  # fmt: skip
     array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel:
         array["maxItems"] = 1

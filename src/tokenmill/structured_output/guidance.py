@@ -14,6 +14,7 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import llguidance.torch
+import numpy as np
 import torch
 
 # JSON as OpenAI and vLLM produce it: compact separators with one space, no free whitespace runs
@@ -45,6 +46,7 @@ class GuidanceGrammar:
 class GuidanceBackend:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
+        self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
 
     def compile(self, kind: str, text: str) -> GuidanceGrammar:
         try:
@@ -60,7 +62,19 @@ class GuidanceBackend:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {_NAMES[kind]}: {matcher.get_error()}")
+        if self._matches_nothing(matcher):
+            raise ValueError(f"invalid {_NAMES[kind]}: no output matches it")
         return GuidanceGrammar(matcher)
+
+    def _matches_nothing(self, matcher: llguidance.LLMatcher) -> bool:
+        """The grammar's language is empty (the regex [a&&b]): before any token it is not accepting, and it allows
+        no token but EOS, which it would then refuse (the request would end in "error")."""
+        if matcher.is_accepting():
+            return False
+        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)  # [1, words] int32
+        llguidance.torch.fill_next_token_bitmask(matcher.deep_copy(), bitmask, 0)
+        allowed = np.unpackbits(bitmask[0].view(torch.uint8).numpy(), bitorder="little")[: self.vocab_size]
+        return set(np.flatnonzero(allowed).tolist()) <= set(self.eos_token_ids)
 
 
 _NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
