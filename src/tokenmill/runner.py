@@ -6,7 +6,7 @@ about who runs or why: it reads the batch description the engine core built and 
 Test hook: with `TOKENMILL_TEST_FAULT_TOKEN=ID` in the environment, a step that computes a sequence whose first
 token is ID raises (`InjectedFault`), as a kernel failing on one request's input would; with
 `TOKENMILL_TEST_FAULT_FATAL=1` too, it raises what the engine loop does not survive (`InjectedFatalFault`).
-The reliability tests use both.
+The reliability tests use both; in-process tests may also set `fault_request`, a sequence id that raises alike.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class ModelRunner:
         fault = os.environ.get("TOKENMILL_TEST_FAULT_TOKEN", "")
         self.fault_token: int | None = int(fault) if fault.isdigit() else None
         self.fault_fatal = os.environ.get("TOKENMILL_TEST_FAULT_FATAL") == "1"
+        self.fault_request: str | None = None
 
     def release(self, request_id: str) -> None:
         """Forget a finished request: its KV storage (where the backend keeps any) and its random generator."""
@@ -64,8 +65,10 @@ class ModelRunner:
 
     def check_fault(self, batch: ModelInput) -> None:
         """The test hook (see the top)."""
-        if self.fault_token is not None and any(
-            s.start == 0 and s.token_ids[0] == self.fault_token for s in batch.sequences
+        if any(
+            (self.fault_token is not None and s.start == 0 and s.token_ids[0] == self.fault_token)
+            or s.request_id == self.fault_request
+            for s in batch.sequences
         ):
             raise (InjectedFatalFault if self.fault_fatal else InjectedFault)(f"injected fault at {self.fault_token}")
 

@@ -77,6 +77,14 @@ class Scheduler:
             self.kv.allocate_slots(req.request_id, req.all_token_ids, computed, 0)
         self.kv.free(req.request_id)
 
+    def requeue(self, req: Request) -> None:
+        """Send a running request back to the front of the waiting queue with no blocks, as a preemption does
+        (to be recomputed): its step read blocks that a failed sequence never wrote."""
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        self.waiting.insert(0, req)
+        self.num_preemptions += 1
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -187,6 +187,30 @@ def test_a_failure_inside_the_engine_ends_only_its_request(folder: Path, alone: 
     assert _run(llm, PROMPTS[:2], PARAMS[:2]) == alone[:2]  # and the engine serves on
 
 
+def test_a_failed_prompt_leaves_no_unwritten_block_to_the_prefix_cache(folder: Path) -> None:
+    """A prompt's full blocks are registered for the prefix cache when its step is scheduled. When that step fails
+    for it, they were never written: no later request may take them (it would attend to garbage), nor one
+    admitted in the same step right after it, which is recomputed instead. Both get what a cache-less engine
+    gives."""
+    fails = [5] + [(7 * i) % 300 + 3 for i in range(40)]  # the first request: it trips the runner's test hook
+    same_step = fails[:16] + [(11 * i) % 300 + 3 for i in range(20)]  # shares its first block of 16
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = _llm(folder, enable_prefix_caching=False)
+    want = _run(plain, [same_step, fails], [params] * 2)
+    llm = _llm(folder, enable_prefix_caching=True)
+    llm.engine.runner.fault_request = "0"  # the first request id LLM.generate gives
+    outs = llm.generate([{"prompt_token_ids": p} for p in (fails, same_step)], params)
+    assert outs[0].error is not None and outs[1].error is None
+    assert outs[1].outputs[0].token_ids == want[0]
+    assert outs[1].metrics is not None and outs[1].metrics.num_preemptions == 1  # recomputed, not served garbage
+    assert_pool_full(llm.engine)
+    llm.engine.runner.fault_request = None
+    again = llm.generate([{"prompt_token_ids": fails}], params)[0]  # the same prompt, now without the fault
+    assert again.outputs[0].token_ids == want[1]
+    assert again.metrics is not None and again.metrics.num_cached_tokens <= 16  # at most the block B rewrote
+    assert_pool_full(llm.engine)
+
+
 def test_touch_kv_cache_makes_the_pool_resident_at_start(folder: Path) -> None:
     """The pool is torch.empty (pages arrive as blocks are first used) unless --touch-kv-cache writes it all."""
     import psutil

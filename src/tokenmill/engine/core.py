@@ -208,8 +208,9 @@ class EngineCore:
             return self.update_from_output(so, RunnerOutput(), start)
         batch = {s.request_id: self._seqs[s.request_id] for s in so.scheduled}
         result, failed = self._execute(so)
-        if failed:  # those requests end with their error; the rest of the step stands
-            so = replace(so, scheduled=[s for s in so.scheduled if s.request_id not in failed])
+        if failed:  # those requests end with their error; the rest of the step stands, but for what they broke
+            gone = set(failed) | self._unwind_failed(so, failed, result)
+            so = replace(so, scheduled=[s for s in so.scheduled if s.request_id not in gone])
         outputs = self.update_from_output(so, result, start) + self._fail(failed)
         self._propose()
         self._plan_decode_runs()
@@ -244,6 +245,32 @@ class EngineCore:
             merged.sampled.update(result.sampled)
             merged.prompt_logprobs.update(result.prompt_logprobs)
         return merged, failed
+
+    def _unwind_failed(self, so: SchedulerOutput, failed: dict[str, str], result: RunnerOutput) -> set[str]:
+        """A failed sequence's blocks from its first token of this step on were hashed when scheduled but never
+        written: they lose their hashes. A sequence of the same step that read one of them (a prefix hit on a
+        prompt admitted just before it) computed from garbage: its result is dropped, its own new blocks lose
+        their hashes too, and it is requeued to be recomputed, as after a preemption. Returns those requeued."""
+        bs = self.kv.block_size if isinstance(self.kv, KVCacheManager) else 0
+        broken: set[int] = set()
+        for s in so.scheduled:
+            if s.request_id in failed:
+                self.kv.forget_from(s.request_id, s.num_computed_tokens)
+                broken.update(s.block_table[s.num_computed_tokens // bs :] if bs else ())
+        failed_parents = {self._seqs[rid].parent_id for rid in failed}
+        requeued = set()
+        for s in so.scheduled:
+            req = self._seqs[s.request_id]
+            if s.request_id in failed or req.parent_id in failed_parents or not broken & set(s.block_table):
+                continue
+            self.kv.forget_from(s.request_id, s.num_computed_tokens)
+            result.sampled.pop(s.request_id, None)
+            result.prompt_logprobs.pop(s.request_id, None)
+            self.scheduler.requeue(req)
+            req.num_computed_tokens, req.decode_run = 0, 0
+            req.metrics.num_preemptions += 1
+            requeued.add(s.request_id)
+        return requeued
 
     def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
         """End the user requests whose sequences failed: every sample, with the error, blocks released."""

@@ -104,6 +104,10 @@ class BlockPool:
         self._block_hashes = [None] * self.num_blocks
         return True
 
+    def forget(self, block_id: int) -> None:
+        """Drop the block's hash (its contents were never written: a failed step), so no prefix lookup finds it."""
+        self._evict_hash(block_id)
+
     def _evict_hash(self, block_id: int) -> None:
         block_hash = self._block_hashes[block_id]
         if block_hash is not None:

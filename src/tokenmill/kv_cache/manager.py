@@ -194,6 +194,17 @@ class KVCacheManager:
         )
         return num_shared_blocks * self.block_size
 
+    def forget_from(self, request_id: str, num_tokens: int) -> None:
+        """The request's KV from token `num_tokens` on was never written (its step failed): the blocks holding it
+        lose their hashes, so that no prefix lookup takes them, this request's own next try included."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        first = num_tokens // self.block_size
+        for block_id in req.block_ids[first:]:
+            self.block_pool.forget(block_id)
+        del req.block_hashes[first:]
+
     def free(self, request_id: str) -> None:
         """Drop the request's references (unknown id: no-op). Freed blocks join the free queue tail in reverse
         table order, so a sequence's last blocks are evicted first; cached ones stay reusable until evicted."""

@@ -33,6 +33,9 @@ class UnpagedKVManager:
     def fork(self, src_id: str, dst_id: str, num_tokens: int) -> int:
         return 0
 
+    def forget_from(self, request_id: str, num_tokens: int) -> None:
+        pass
+
     def free(self, request_id: str) -> None:
         pass
 
