@@ -108,6 +108,9 @@ class Scheduler:
                 continue
             # drafts ride along when every known token fits; they take budget and unhashed lookahead slots
             drafts = req.spec_token_ids[: plan.budget - num_new] if num_new == remaining else []
+            if drafts and not self.kv.allocate_slots(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                                                     num_new, num_lookahead_tokens=len(drafts)):  # fmt: skip
+                drafts = []  # no room for their slots: no drafts this step, rather than preempt anyone for them
             if not self._allocate_running(req, num_new, plan, len(drafts)):
                 continue
             plan.scheduled.append((req, req.num_computed_tokens, num_new, drafts))

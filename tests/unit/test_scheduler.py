@@ -139,3 +139,19 @@ def test_prefix_hit_starts_at_the_cached_tokens() -> None:
     assert plan(out) == [("twin", 2)] and out.scheduled[0].num_computed_tokens == 8
     assert out.num_cached_tokens == {"twin": 8}
     kv.check_integrity()
+
+
+def test_drafts_that_do_not_fit_are_dropped_rather_than_preempting() -> None:
+    """Drafts are optional: when the pool has room for a running request's next token but not for its drafts'
+    lookahead slots, the step verifies no drafts, and nobody (least of all the request itself, the newest one,
+    which preemption would take first) is preempted for them."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(4, 4))
+    for rid in ("a", "b"):
+        sched.add(make_request(rid, 6, max_tokens=16))
+    for _ in range(2):  # both prompts in, then a decode: each holds 2 blocks of 4, the pool's 4 are all taken
+        fake_run(sched, sched.schedule())
+    b = next(r for r in sched.running if r.request_id == "b")
+    b.spec_token_ids = [3, 4, 5]  # b at 7 tokens: its 8th fits its last block, drafts would need a third
+    out = sched.schedule()
+    assert out.preempted == [] and sched.num_preemptions == 0
+    assert {s.request_id: (s.num_new_tokens, s.spec_token_ids) for s in out.scheduled} == {"a": (1, ()), "b": (1, ())}
