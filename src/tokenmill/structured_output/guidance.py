@@ -74,7 +74,8 @@ class GuidanceBackend:
         bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)  # [1, words] int32
         llguidance.torch.fill_next_token_bitmask(matcher.deep_copy(), bitmask, 0)
         allowed = np.unpackbits(bitmask[0].view(torch.uint8).numpy(), bitorder="little")[: self.vocab_size]
-        return set(np.flatnonzero(allowed).tolist()) <= set(self.eos_token_ids)
+        ids = np.flatnonzero(allowed)  # most grammars allow many tokens: the count settles it before any set
+        return len(ids) <= len(self.eos_token_ids) and set(ids.tolist()) <= set(self.eos_token_ids)
 
 
 _NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
