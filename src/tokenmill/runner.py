@@ -65,12 +65,11 @@ class ModelRunner:
 
     def check_fault(self, batch: ModelInput) -> None:
         """The test hook (see the top)."""
-        if any(
-            (self.fault_token is not None and s.start == 0 and s.token_ids[0] == self.fault_token)
-            or s.request_id == self.fault_request
-            for s in batch.sequences
-        ):
-            raise (InjectedFatalFault if self.fault_fatal else InjectedFault)(f"injected fault at {self.fault_token}")
+        for s in batch.sequences:
+            if (self.fault_token is not None and s.start == 0 and s.token_ids[0] == self.fault_token) or (
+                s.request_id == self.fault_request
+            ):
+                raise (InjectedFatalFault if self.fault_fatal else InjectedFault)(f"injected fault in {s.request_id}")
 
     def close(self) -> None:
         """Release what outlives a step (a tensor-parallel runner's worker processes)."""

@@ -78,8 +78,8 @@ class Scheduler:
         self.kv.free(req.request_id)
 
     def requeue(self, req: Request) -> None:
-        """Send a running request back to the front of the waiting queue with no blocks, as a preemption does
-        (to be recomputed): its step read blocks that a failed sequence never wrote."""
+        """Send a running request back to the front of the waiting queue with no blocks, to be recomputed: a
+        preemption, or after a step that read blocks a failed sequence never wrote (EngineCore._unwind_failed)."""
         self.running.remove(req)
         self.kv.free(req.request_id)
         self.waiting.insert(0, req)
@@ -152,10 +152,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request, plan: _Plan) -> None:
-        self.running.remove(req)
-        self.kv.free(req.request_id)
-        self.num_preemptions += 1
-        self.waiting.insert(0, req)
+        self.requeue(req)
         plan.preempted.append(req.request_id)
         # a victim already scheduled this step must not run: its blocks are gone
         plan.scheduled = [s for s in plan.scheduled if s[0] is not req]

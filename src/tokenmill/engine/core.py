@@ -251,12 +251,8 @@ class EngineCore:
         written: they lose their hashes. A sequence of the same step that read one of them (a prefix hit on a
         prompt admitted just before it) computed from garbage: its result is dropped, its own new blocks lose
         their hashes too, and it is requeued to be recomputed, as after a preemption. Returns those requeued."""
-        bs = self.kv.block_size if isinstance(self.kv, KVCacheManager) else 0
-        broken: set[int] = set()
-        for s in so.scheduled:
-            if s.request_id in failed:
-                self.kv.forget_from(s.request_id, s.num_computed_tokens)
-                broken.update(s.block_table[s.num_computed_tokens // bs :] if bs else ())
+        broken = {b for s in so.scheduled if s.request_id in failed
+                  for b in self.kv.forget_from(s.request_id, s.num_computed_tokens)}  # fmt: skip
         failed_parents = {self._seqs[rid].parent_id for rid in failed}
         requeued = set()
         for s in so.scheduled:
@@ -267,10 +263,15 @@ class EngineCore:
             result.sampled.pop(s.request_id, None)
             result.prompt_logprobs.pop(s.request_id, None)
             self.scheduler.requeue(req)
-            req.num_computed_tokens, req.decode_run = 0, 0
-            req.metrics.num_preemptions += 1
+            self._recompute(req)
             requeued.add(s.request_id)
         return requeued
+
+    @staticmethod
+    def _recompute(req: Request) -> None:
+        """A requeued (preempted) request starts over: nothing of it is computed."""
+        req.num_computed_tokens, req.decode_run = 0, 0
+        req.metrics.num_preemptions += 1
 
     def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
         """End the user requests whose sequences failed: every sample, with the error, blocks released."""
@@ -328,9 +329,7 @@ class EngineCore:
         """Apply one step to request state: the only place requests change while they run."""
         now = time.perf_counter()
         for request_id in so.preempted:
-            req = self._seqs[request_id]
-            req.num_computed_tokens, req.decode_run = 0, 0
-            req.metrics.num_preemptions += 1
+            self._recompute(self._seqs[request_id])
         for request_id, num_cached in so.num_cached_tokens.items():
             req = self._seqs[request_id]
             if req.metrics.num_preemptions == 0 and req.index == 0:

@@ -194,16 +194,18 @@ class KVCacheManager:
         )
         return num_shared_blocks * self.block_size
 
-    def forget_from(self, request_id: str, num_tokens: int) -> None:
+    def forget_from(self, request_id: str, num_tokens: int) -> list[int]:
         """The request's KV from token `num_tokens` on was never written (its step failed): the blocks holding it
-        lose their hashes, so that no prefix lookup takes them, this request's own next try included."""
+        lose their hashes, so that no prefix lookup takes them, this request's own next try included. Returns
+        those blocks."""
         req = self._requests.get(request_id)
         if req is None:
-            return
+            return []
         first = num_tokens // self.block_size
         for block_id in req.block_ids[first:]:
             self.block_pool.forget(block_id)
         del req.block_hashes[first:]
+        return req.block_ids[first:]
 
     def free(self, request_id: str) -> None:
         """Drop the request's references (unknown id: no-op). Freed blocks join the free queue tail in reverse

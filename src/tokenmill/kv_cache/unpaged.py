@@ -33,8 +33,8 @@ class UnpagedKVManager:
     def fork(self, src_id: str, dst_id: str, num_tokens: int) -> int:
         return 0
 
-    def forget_from(self, request_id: str, num_tokens: int) -> None:
-        pass
+    def forget_from(self, request_id: str, num_tokens: int) -> list[int]:
+        return []
 
     def free(self, request_id: str) -> None:
         pass
