@@ -7,11 +7,14 @@ Test hook: with `TOKENMILL_TEST_FAULT_TOKEN=ID` in the environment, a step that 
 token is ID raises (`InjectedFault`), as a kernel failing on one request's input would; with
 `TOKENMILL_TEST_FAULT_FATAL=1` too, it raises what the engine loop does not survive (`InjectedFatalFault`).
 The reliability tests use both; in-process tests may also set `fault_request`, a sequence id that raises alike.
+With `TOKENMILL_TEST_STEP_DELAY_S=S`, every step first sleeps S seconds: a lower bound on how long a request takes,
+so a test can hold requests open past a deadline on any CPU, however fast.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Literal
 
 import torch
@@ -48,6 +51,7 @@ class ModelRunner:
         self.fault_token: int | None = int(fault) if fault.isdigit() else None
         self.fault_fatal = os.environ.get("TOKENMILL_TEST_FAULT_FATAL") == "1"
         self.fault_request: str | None = None
+        self.step_delay_s = float(os.environ.get("TOKENMILL_TEST_STEP_DELAY_S") or 0)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request: its KV storage (where the backend keeps any) and its random generator."""
@@ -64,7 +68,9 @@ class ModelRunner:
         return gen
 
     def check_fault(self, batch: ModelInput) -> None:
-        """The test hook (see the top)."""
+        """The test hooks (see the top)."""
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         for s in batch.sequences:
             if (self.fault_token is not None and s.start == 0 and s.token_ids[0] == self.fault_token) or (
                 s.request_id == self.fault_request
