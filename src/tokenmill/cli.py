@@ -256,14 +256,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from tokenmill.engine.loading import default_model_ref
+    from tokenmill.assembly.model import default_model_ref
     from tokenmill.server.launch import serve
     from tokenmill.weights import resolve_model
 
     cfg = EngineConfig(model=a.model, seed=a.seed, **_engine_kwargs(a))
     path = resolve_model(cfg.model or default_model_ref(), cfg.revision)  # fail fast, before the port opens
     _check_architecture(path)
-    from tokenmill.parallel.workers import env_rank, run_env_worker
+    from tokenmill.tensor_parallel.workers import env_rank, run_env_worker
 
     if (env_rank(cfg) or 0) > 0:  # torchrun's rank > 0: a tensor-parallel worker for rank 0's server
         run_env_worker(replace(cfg, model=str(path)))
@@ -273,7 +273,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def _check_architecture(path: Any) -> None:
-    from tokenmill.engine.loading import read_json
+    from tokenmill.assembly.model import read_json
     from tokenmill.models import family_for
     from tokenmill.weights.gguf_checkpoint import is_gguf
 

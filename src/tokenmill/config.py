@@ -220,7 +220,7 @@ class EngineConfig:
     compile: bool = False
     enforce_eager: bool = False  # CUDA: no graphs; every decode step launches its kernels one by one
     threads: int | None = None
-    # scale-out: ranks that split every layer (parallel/tensor.py); rank 0 is this process
+    # scale-out: ranks that split every layer (models/sharding.py); rank 0 is this process
     tensor_parallel_size: int = 1
     # speculative decoding (spec_decode/): "ngram" (prompt lookup), or a draft model with the same tokenizer (a
     # folder, hub id or .gguf; "demo-draft": the built-in demo model's); off when None

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.assembly.model import LoadedModel
 from tokenmill.attention import causal
-from tokenmill.engine.loading import LoadedModel
 
 
 @dataclass

@@ -19,13 +19,12 @@ from typing import Literal
 
 import torch
 
-from tokenmill import spec_decode
 from tokenmill.attention import KVBackend
 from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.models import CausalLM
 from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.outputs import Logprobs
-from tokenmill.sampling import Sampler, SamplingBatch, plain
+from tokenmill.sampling import Sampler, SamplingBatch, drafts, plain
 from tokenmill.types import ModelInput, RunnerOutput, SequenceInput
 
 
@@ -211,7 +210,8 @@ class ModelRunner:
         argmax: torch.Tensor | None = None,
     ) -> None:
         """Sample every row (a sequence's last known token, then one row per draft), then keep each sequence's
-        drafts while they equal the target's own samples (spec_decode/ says why that is lossless)."""
+        drafts while they equal the target's own samples (sampling/drafts.py; spec_decode/ says why that is
+        lossless)."""
         params, prompts, outputs, generators, suppressed, mask_rows = [], [], [], [], [], []
         for s in sampling:
             inp = s.sampling
@@ -232,17 +232,17 @@ class ModelRunner:
         result = self.sampler(logits, params_batch, argmax)
         row = 0
         for s in sampling:
-            drafts = s.sampling.draft_token_ids if s.sampling is not None else ()
+            proposed = s.sampling.draft_token_ids if s.sampling is not None else ()
             kept: list[tuple[int, Logprobs | None]] = []
-            for j in range(len(drafts) + 1):
+            for j in range(len(proposed) + 1):
                 token, logprobs = result.token_ids[row + j], result.logprobs[row + j]
-                if j < len(drafts) and spec_decode.keeps(token, drafts[j]):
-                    kept.append((drafts[j], logprobs))  # the next row was computed after this draft
+                if j < len(proposed) and drafts.accepts_draft(token, proposed[j]):
+                    kept.append((proposed[j], logprobs))  # the next row was computed after this draft
                     continue
                 kept.append((token, logprobs))  # the target's own token ends the run
                 break
             out.sampled[s.request_id] = kept
-            row += len(drafts) + 1
+            row += len(proposed) + 1
 
 
 def _num_drafts(s: SequenceInput) -> int:

@@ -73,17 +73,34 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         computed = min(req.num_computed_tokens, req.num_tokens)  # a stop inside a run drops the tokens after it
-        if computed and self.kv.block_table(req.request_id):  # not yet released (an n > 1 sample may be, early)
-            self.kv.allocate_slots(req.request_id, req.all_token_ids, computed, 0)
+        self.kv.cache_computed(req.request_id, req.all_token_ids, computed)
         self.kv.free(req.request_id)
 
     def requeue(self, req: Request) -> None:
         """Send a running request back to the front of the waiting queue with no blocks, to be recomputed: a
-        preemption, or after a step that read blocks a failed sequence never wrote (EngineCore._unwind_failed)."""
+        preemption, or after a step that read blocks a failed sequence never wrote (`unwind_failed`)."""
         self.running.remove(req)
         self.kv.free(req.request_id)
         self.waiting.insert(0, req)
         self.num_preemptions += 1
+
+    def unwind_failed(self, so: SchedulerOutput, failed: set[str], spared: set[str]) -> list[Request]:
+        """After a step in which the sequences `failed` failed: their blocks from their first token of the step on
+        were hashed when scheduled but never written, so they lose their hashes. A sequence of the step that read
+        one of them (a prefix hit on a prompt admitted just before it), unless `spared` (one that ends anyway),
+        computed from garbage: its own new blocks lose their hashes too, and it is requeued to be recomputed, as
+        after a preemption. Returns those requeued, for the core to reset."""
+        broken = {b for s in so.scheduled if s.request_id in failed
+                  for b in self.kv.forget_from(s.request_id, s.num_computed_tokens)}  # fmt: skip
+        requeued = []
+        for s in so.scheduled:
+            req = self._running_by_id(s.request_id)
+            if req is None or s.request_id in failed | spared or not broken & set(s.block_table):
+                continue
+            self.kv.forget_from(s.request_id, s.num_computed_tokens)
+            self.requeue(req)
+            requeued.append(req)
+        return requeued
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

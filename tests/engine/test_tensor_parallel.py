@@ -15,8 +15,8 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import ConfigError
-from tokenmill.parallel.shm import ShmAllReduce
-from tokenmill.parallel.workers import TensorParallelError, worker_pids
+from tokenmill.tensor_parallel.shm import ShmAllReduce
+from tokenmill.tensor_parallel.workers import TensorParallelError, worker_pids
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5, prompt_logprobs=5)
@@ -105,7 +105,7 @@ def _shm_rank(rank: int, port: int, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from tokenmill.parallel.shm import MAX_ELEMS, ShmAllReduce
+    from tokenmill.tensor_parallel.shm import MAX_ELEMS, ShmAllReduce
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))  # fmt: skip
@@ -127,7 +127,7 @@ def test_the_shared_memory_all_reduce_sums_like_gloo() -> None:
     import multiprocessing as mp
 
     from tests.server.helpers import free_port
-    from tokenmill.parallel.shm import MAX_ELEMS
+    from tokenmill.tensor_parallel.shm import MAX_ELEMS
 
     ctx = mp.get_context("spawn")
     results = ctx.Manager().dict()

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.assembly.model import DEMO_MODEL
 from tokenmill.attention import causal
-from tokenmill.engine.loading import DEMO_MODEL
 
 DRAFT_MODEL = DEMO_MODEL.parent / "demo-draft"
 GOLDEN_PROMPT = "ROMEO:"

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests import target
+from tokenmill.assembly.model import LoadedModel, load
 from tokenmill.attention import causal
 from tokenmill.config import EngineConfig
-from tokenmill.engine.loading import LoadedModel, load
 from tokenmill.models.linear import packing_unsupported
 from tokenmill.quality import Score, compare, score
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.server.helpers import Server, running
-from tokenmill.engine.loading import DEMO_MODEL
+from tokenmill.assembly.model import DEMO_MODEL
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)

@@ -97,7 +97,8 @@ def test_placed_weights_give_the_same_outputs_from_one_region_in_module_order() 
     order, a weight two modules share once; the outputs do not change by a bit."""
     import mmap
 
-    from tokenmill.kernels.placement import ALIGN, place_weights
+    from tokenmill.kernels.placement import ALIGN
+    from tokenmill.models.linear import place_weights
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 96, bias=False), nn.Linear(96, 32))

@@ -188,7 +188,7 @@ def test_gpt2_options_we_do_not_compute_are_refused(make_checkpoint: Callable[..
 
 
 def test_the_demo_model_loads_by_the_name_the_server_gives_it() -> None:
-    from tokenmill.engine.loading import DEMO_MODEL
+    from tokenmill.assembly.model import DEMO_MODEL
     from tokenmill.weights import resolve_model
 
     assert resolve_model("tokenmill-demo") == DEMO_MODEL == resolve_model("demo")

@@ -192,7 +192,7 @@ def _summarize_backend(backend: str, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_compare(args: argparse.Namespace) -> Path:
-    from tokenmill.engine.loading import default_model_ref
+    from tokenmill.assembly.model import default_model_ref
     from tokenmill.tokenizer import Tokenizer
     from tokenmill.weights import resolve_model
 

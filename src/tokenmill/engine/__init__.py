@@ -1,1 +1,1 @@
-"""The engine: the step loop (`core`), output processing (`output`), loading, and the offline `LLM` API."""
+"""The engine: the step loop (`core`), output processing (`output`), the async facade and the offline `LLM` API."""

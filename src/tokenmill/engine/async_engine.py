@@ -29,9 +29,9 @@ from tokenmill.tokenizer import Tokenizer
 from tokenmill.types import EngineRequest
 
 if TYPE_CHECKING:  # NOTE: the core pulls in torch; this module stays importable without it (the server's door)
+    from tokenmill.assembly.model import LoadedModel
     from tokenmill.config import EngineConfig
     from tokenmill.engine.core import EngineCore
-    from tokenmill.engine.loading import LoadedModel
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -126,11 +126,11 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> AsyncEngine:
         """Load the model `cfg` names and start the loop thread."""
-        from tokenmill.engine.core import EngineCore
-        from tokenmill.engine.loading import load
+        from tokenmill.assembly import load
+        from tokenmill.engine.build import build_engine_core
 
         loaded = load(cfg)
-        engine = cls(EngineCore.build(loaded, cfg), loaded)
+        engine = cls(build_engine_core(loaded, cfg), loaded)
         engine.start()
         return engine
 

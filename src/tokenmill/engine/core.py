@@ -16,20 +16,16 @@ import time
 from dataclasses import replace
 from itertools import count
 
-from tokenmill.attention import make_kv_backend
-from tokenmill.config import EngineConfig
-from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.engine.decode_runs import decode_run_length
-from tokenmill.engine.loading import LoadedModel
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.validation import output_budget
-from tokenmill.kv_cache import KVCacheManager, KVManager, UnpagedKVManager
+from tokenmill.kv_cache import KVManager
 from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
 from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig
-from tokenmill.spec_decode import DraftRequest, Proposer, make_proposer
+from tokenmill.scheduler import Scheduler
+from tokenmill.spec_decode import DraftRequest, Proposer
 from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.types import (
@@ -73,34 +69,6 @@ class EngineCore:
         self.stats = EngineStats()
         self._ids = count()
         self._arrivals = count()
-
-    @classmethod
-    def build(cls, loaded: LoadedModel, cfg: EngineConfig) -> EngineCore:
-        """Wire a loaded model into KV backend + KV manager + runner + scheduler as `cfg` says.
-
-        After `make_kv_backend` resolves `cfg.kv_cache`, everything asks the backend's attributes."""
-        max_len, model_cfg = loaded.max_model_len, loaded.config
-        backend = make_kv_backend(cfg, model_cfg, loaded.dtype, loaded.device, max_len, loaded.ops)
-        kv: KVManager = (
-            KVCacheManager(backend.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-            if backend.uses_blocks
-            else UnpagedKVManager()
-        )
-        chunked = cfg.enable_chunked_prefill and backend.retains_kv  # recompute keeps no partial prefill
-        budget = cfg.max_num_batched_tokens if chunked else max(cfg.max_num_batched_tokens, max_len)
-        scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, budget, chunked, cfg.scheduling_policy, cfg.batching), kv
-        )
-        if cfg.tensor_parallel_size > 1:
-            from tokenmill.parallel.workers import TensorParallelRunner
-
-            runner: ModelRunner = TensorParallelRunner(loaded.model, loaded.device, backend, cfg.seed, cfg)
-        else:
-            runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed)
-            runner.graphs = DecodeGraphs.build(loaded.model, backend, cfg.max_num_seqs, max_len, cfg.enforce_eager)
-        proposer = make_proposer(loaded, cfg, max_len)
-        return cls(runner, scheduler, loaded.tokenizer, model_cfg.vocab_size, max_len, loaded.eos_token_ids,
-                   proposer, cfg.speculative_disable_by_batch_size, cfg.num_scheduler_steps)  # fmt: skip
 
     # -- what the callers see ---------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -247,25 +215,16 @@ class EngineCore:
         return merged, failed
 
     def _unwind_failed(self, so: SchedulerOutput, failed: dict[str, str], result: RunnerOutput) -> set[str]:
-        """A failed sequence's blocks from its first token of this step on were hashed when scheduled but never
-        written: they lose their hashes. A sequence of the same step that read one of them (a prefix hit on a
-        prompt admitted just before it) computed from garbage: its result is dropped, its own new blocks lose
-        their hashes too, and it is requeued to be recomputed, as after a preemption. Returns those requeued."""
-        broken = {b for s in so.scheduled if s.request_id in failed
-                  for b in self.kv.forget_from(s.request_id, s.num_computed_tokens)}  # fmt: skip
+        """The sequences of the step that read blocks a failed one never wrote start over (Scheduler.unwind_failed):
+        their results are dropped. Returns their ids."""
         failed_parents = {self._seqs[rid].parent_id for rid in failed}
-        requeued = set()
-        for s in so.scheduled:
-            req = self._seqs[s.request_id]
-            if s.request_id in failed or req.parent_id in failed_parents or not broken & set(s.block_table):
-                continue
-            self.kv.forget_from(s.request_id, s.num_computed_tokens)
-            result.sampled.pop(s.request_id, None)
-            result.prompt_logprobs.pop(s.request_id, None)
-            self.scheduler.requeue(req)
+        siblings = {r.request_id for p in failed_parents for r in self.requests[p]}  # they end with the failure
+        requeued = self.scheduler.unwind_failed(so, set(failed), siblings)
+        for req in requeued:
+            result.sampled.pop(req.request_id, None)
+            result.prompt_logprobs.pop(req.request_id, None)
             self._recompute(req)
-            requeued.add(s.request_id)
-        return requeued
+        return {req.request_id for req in requeued}
 
     @staticmethod
     def _recompute(req: Request) -> None:

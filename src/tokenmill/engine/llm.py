@@ -10,9 +10,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from tokenmill.assembly import LoadedModel, load
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core import EngineCore
-from tokenmill.engine.loading import LoadedModel, load
+from tokenmill.engine.build import build_engine_core
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.types import EngineRequest
@@ -26,7 +26,7 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_kwargs)
         self.loaded: LoadedModel = load(self.config)
         self.tokenizer = self.loaded.tokenizer
-        self.engine = EngineCore.build(self.loaded, self.config)
+        self.engine = build_engine_core(self.loaded, self.config)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (they also end with this process)."""

@@ -17,7 +17,6 @@ import logging
 import mmap
 
 import torch
-from torch import nn
 
 log = logging.getLogger("tokenmill.kernels")
 
@@ -43,22 +42,17 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     return whole[start : start + nbytes]
 
 
-def place_weights(model: nn.Module) -> int:
-    """Move every kernel linear's packed weight (its `data` buffer) into one huge-page region, in module order;
-    returns the bytes moved (0 where nothing moved)."""
-    from tokenmill.models.linear import KernelLinear
-
-    linears = [m for m in model.modules() if isinstance(m, KernelLinear) and m.data.device.type == "cpu"]
-    weights = list({m.data.data_ptr(): m.data for m in linears}.values())  # a weight two modules share, once
-    sizes = [-(-w.numel() // ALIGN) * ALIGN for w in weights]
+def place_buffers(buffers: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Copy `buffers` into one huge-page region, in order, each on a cache line: {old data_ptr: its copy}, or {}
+    where no region could be had (the buffers then stay where they are). A buffer listed twice is copied once."""
+    unique = list({b.data_ptr(): b for b in buffers}.values())
+    sizes = [-(-b.numel() // ALIGN) * ALIGN for b in unique]
     region = huge_page_buffer(sum(sizes))
     if region is None:
-        return 0
+        return {}
     placed: dict[int, torch.Tensor] = {}
     offset = 0
-    for weight, size in zip(weights, sizes, strict=True):
-        placed[weight.data_ptr()] = region[offset : offset + weight.numel()].copy_(weight)
+    for buffer, size in zip(unique, sizes, strict=True):
+        placed[buffer.data_ptr()] = region[offset : offset + buffer.numel()].copy_(buffer)
         offset += size
-    for module in linears:
-        module.data = placed[module.data.data_ptr()]  # the buffer now views the region; the loaded one is freed
-    return offset
+    return placed

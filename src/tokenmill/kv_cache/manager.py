@@ -194,6 +194,21 @@ class KVCacheManager:
         )
         return num_shared_blocks * self.block_size
 
+    def cache_computed(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register for the prefix cache the full blocks that the request's first `num_computed_tokens` tokens fill
+        and that allocation left unhashed (lookahead slots a decode run or kept drafts wrote). No-op for an
+        unknown request or without prefix caching."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        if num_computed_tokens > min(len(token_ids), len(req.block_ids) * self.block_size):
+            raise ValueError(f"request {request_id!r}: {num_computed_tokens} computed tokens, but it has "
+                             f"{len(token_ids)} token ids in {len(req.block_ids)} blocks")  # fmt: skip
+        new_hashes = self._hash_new_full_blocks(req.block_hashes, token_ids, num_computed_tokens)
+        for i, block_hash in enumerate(new_hashes, start=len(req.block_hashes)):
+            self.block_pool.cache_block(req.block_ids[i], block_hash)
+        req.block_hashes.extend(new_hashes)
+
     def forget_from(self, request_id: str, num_tokens: int) -> list[int]:
         """The request's KV from token `num_tokens` on was never written (its step failed): the blocks holding it
         lose their hashes, so that no prefix lookup takes them, this request's own next try included. Returns

@@ -33,6 +33,9 @@ class UnpagedKVManager:
     def fork(self, src_id: str, dst_id: str, num_tokens: int) -> int:
         return 0
 
+    def cache_computed(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        pass
+
     def forget_from(self, request_id: str, num_tokens: int) -> list[int]:
         return []
 

@@ -31,6 +31,7 @@ from torch import nn
 from tokenmill.config import QUANTIZATION_MODES
 from tokenmill.kernels import Kernels, formats
 from tokenmill.kernels.isa import cpu_flags
+from tokenmill.kernels.placement import ALIGN, place_buffers
 
 # Rows above which a bf16 product goes to oneDNN where it has a native bf16 GEMM. Elsewhere the kernel's blocked
 # GEMM beats unpacking to float32 for torch's sgemm at every size (Zen 3 AVX2: 1.1-1.6x, docs/benchmark-log.md).
@@ -221,3 +222,13 @@ def weight_bytes(model: nn.Module) -> int:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
     return total
+
+
+def place_weights(model: nn.Module) -> int:
+    """Move every kernel linear's packed weight (its `data` buffer) into one huge-page region, in module order
+    (kernels/placement.py says why); returns the bytes moved (0 where nothing moved)."""
+    linears = [m for m in model.modules() if isinstance(m, KernelLinear) and m.data.device.type == "cpu"]
+    placed = place_buffers([m.data for m in linears])
+    for module in linears:
+        module.data = placed.get(module.data.data_ptr(), module.data)  # the loaded buffer is freed once unused
+    return sum(-(-t.numel() // ALIGN) * ALIGN for t in placed.values())

@@ -1,1 +1,1 @@
-"""Scale-out: tensor parallelism over torch.distributed (tensor.py: the sharding rules; workers.py: the ranks)."""
+"""Scale-out by replicas: whole engines on Ray actors behind one router (ray_engine.py, replicas.py)."""

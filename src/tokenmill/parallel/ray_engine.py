@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
+from tokenmill.assembly import kv_manager, load_front
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import RequestFailedError
-from tokenmill.engine.loading import load_front
 from tokenmill.engine.validation import output_budget
-from tokenmill.kv_cache import KVCacheManager, KVManager, UnpagedKVManager
+from tokenmill.kv_cache import KVManager
 from tokenmill.metrics import EngineSnapshot
 from tokenmill.outputs import RequestOutput
 from tokenmill.parallel.replicas import Replica, Router
@@ -126,7 +126,7 @@ class RayEngine:
         self.description = f"{size} Ray replicas of: {first['description']}"
         self.pids = [int(i["pid"]) for i in infos]
         blocks, block_size = int(first["num_blocks"]), int(first["block_size"])  # the same pool on every replica
-        self._kv: KVManager = KVCacheManager(blocks, block_size, False) if blocks else UnpagedKVManager()
+        self._kv: KVManager = kv_manager(blocks, block_size, prefix_caching=False)
         self.router = Router(size)
         self.errored: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None

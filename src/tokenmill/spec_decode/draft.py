@@ -24,8 +24,8 @@ from tokenmill.spec_decode.request import DraftRequest
 from tokenmill.types import ModelInput, SamplingInput, SequenceInput
 
 if TYPE_CHECKING:
+    from tokenmill.assembly.model import LoadedModel
     from tokenmill.config import EngineConfig
-    from tokenmill.engine.loading import LoadedModel
 
 GREEDY = SamplingParams(temperature=0.0)
 SPLIT_MAX = 16  # catch-ups of up to this many tokens run as one-token rows (a decode step), longer as a prefill
@@ -132,20 +132,18 @@ class DraftProposer:
 def build_draft_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -> DraftProposer:
     """A draft model (`cfg.speculative_model`) with the target's tokenizer, its own paged KV pool sized for the
     sequences that draft (`speculative_disable_by_batch_size`), and its own runner."""
-    from tokenmill.attention import make_kv_backend
-    from tokenmill.engine.loading import DEMO_DRAFT, load
-    from tokenmill.kv_cache import KVCacheManager
+    from tokenmill.assembly import build_parts
+    from tokenmill.assembly.model import DEMO_DRAFT, load
 
     ref = str(DEMO_DRAFT) if cfg.speculative_model == "demo-draft" else cfg.speculative_model
     draft_cfg = replace(cfg, model=ref, speculative_model=None, quantization=cfg.speculative_model_quantization,
                         max_model_len=None, kv_cache="paged", num_kv_blocks=None, kv_cache_memory_gb=None,
-                        max_num_seqs=cfg.speculative_disable_by_batch_size, touch_kv_cache=False)  # fmt: skip
+                        max_num_seqs=cfg.speculative_disable_by_batch_size, touch_kv_cache=False,
+                        enable_prefix_caching=False, enforce_eager=True)  # fmt: skip
     draft = load(draft_cfg)
     max_len = min(max_len, draft.max_model_len)  # a draft with a shorter context drafts for shorter sequences
     if draft.tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab():
         raise ValueError(f"speculative_model={cfg.speculative_model!r} has another tokenizer than the model; "
                          "a draft model must share the target's vocabulary")  # fmt: skip
-    backend = make_kv_backend(draft_cfg, draft.config, draft.dtype, draft.device, max_len, draft.ops)
-    kv = KVCacheManager(backend.num_blocks, cfg.block_size, enable_prefix_caching=False)
-    runner = ModelRunner(draft.model, draft.device, backend, cfg.seed)
-    return DraftProposer(runner, kv, cfg.num_speculative_tokens, max_len, draft.config.vocab_size)
+    parts = build_parts(draft, draft_cfg, max_len)
+    return DraftProposer(parts.runner, parts.kv, cfg.num_speculative_tokens, max_len, draft.config.vocab_size)

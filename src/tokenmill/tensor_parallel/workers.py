@@ -31,9 +31,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tokenmill.config import EngineConfig
-from tokenmill.parallel.shm import ShmAllReduce
-from tokenmill.parallel.tensor import use_reducer
+from tokenmill.models.sharding import use_reducer
 from tokenmill.runner import ModelRunner
+from tokenmill.tensor_parallel.shm import ShmAllReduce
 from tokenmill.types import ModelInput, RunnerOutput
 
 log = logging.getLogger("tokenmill.parallel")
@@ -74,8 +74,7 @@ def run_env_worker(cfg: EngineConfig) -> None:
 
 def _worker(rank: int, size: int, init_method: str, cfg: EngineConfig) -> None:
     """A worker rank: load this rank's shard, then run every step rank 0 broadcasts, until an empty one."""
-    from tokenmill.attention import make_kv_backend
-    from tokenmill.engine.loading import load
+    from tokenmill.assembly import build_parts, load
 
     torch.set_num_threads(cfg.threads or 1)
     _init(rank, size, init_method, cfg.device)
@@ -86,9 +85,9 @@ def _worker(rank: int, size: int, init_method: str, cfg: EngineConfig) -> None:
         parent = mp.parent_process()
         use_reducer(ShmAllReduce(rank, size, shm_name, lambda: parent is None or parent.is_alive()))
     loaded = load(cfg, rank=rank)
-    kv_cfg = replace(cfg, num_kv_blocks=num_blocks, kv_cache_memory_gb=None)
-    backend = make_kv_backend(kv_cfg, loaded.config, loaded.dtype, loaded.device, loaded.max_model_len, loaded.ops)
-    runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed, sample=False)
+    # rank 0's pool, eagerly: a CUDA graph would record the all-reduces of one step
+    kv_cfg = replace(cfg, num_kv_blocks=num_blocks, kv_cache_memory_gb=None, enforce_eager=True)
+    runner = build_parts(loaded, kv_cfg, sample=False).runner
     dist.barrier()  # loaded: rank 0 may start
     while True:
         message: list[Any] = [None]

@@ -14,12 +14,11 @@ from tokenmill.config import DTYPES, EngineConfig, ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.kernels import Kernels
 from tokenmill.kernels import active as active_kernels
-from tokenmill.kernels.placement import place_weights
 from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
-from tokenmill.models.linear import FORMAT_OF_QUANTIZATION, prepare_linears
-from tokenmill.parallel.tensor import Shard, check_shardable, split_head, wrap_row_parallel
+from tokenmill.models.linear import FORMAT_OF_QUANTIZATION, place_weights, prepare_linears
+from tokenmill.models.sharding import Shard, check_shardable, split_head, wrap_row_parallel
 from tokenmill.progress import progress
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
