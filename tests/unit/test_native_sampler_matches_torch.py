@@ -128,7 +128,7 @@ def test_kernel_nucleus_near_one_as_float64_finds_it(ops: kernels.Kernels, top_p
         assert torch.equal(torch.isfinite(filtered[0]), x >= last), seed
 
 
-def test_kernel_draw_ends_and_tiny_weights(ops: kernels.Kernels) -> None:
+def test_kernel_draws_the_ends_of_u_and_reaches_tiny_weights(ops: kernels.Kernels) -> None:
     """u = 0 draws the first kept token; u just under 1 the last; a NaN or a dropped token never. 1000 tokens of
     1e-8 after one of 0.75 are reachable (the sums are float64)."""
     row = torch.full((1, 40), float("-inf"))
@@ -146,7 +146,7 @@ def test_kernel_draw_ends_and_tiny_weights(ops: kernels.Kernels) -> None:
 
 
 @pytest.mark.parametrize("vocab", [5, 37, 600])  # under one vector, a tail after whole vectors, several blocks
-def test_kernel_inf_and_nan_logits(ops: kernels.Kernels, vocab: int) -> None:
+def test_kernel_never_draws_nan_and_draws_inf_alone(ops: kernels.Kernels, vocab: int) -> None:
     """A NaN is never drawn; +inf logits (a tiny repetition penalty over a positive logit) are drawn alone, each
     alike, whatever the filters and wherever they lie (the last value, a tail past the vectors)."""
     row = torch.randn(1, vocab, generator=torch.Generator().manual_seed(vocab))
@@ -209,7 +209,7 @@ def test_kernel_logprobs_equal_torchs(ops: kernels.Kernels, dtype: torch.dtype) 
 
 
 @pytest.mark.parametrize("vocab", [3, 17])  # under one vector (a scalar row), one vector and a tail
-def test_kernel_logprobs_small_rows_and_minus_inf(ops: kernels.Kernels, vocab: int) -> None:
+def test_kernel_logprobs_of_short_rows_rank_minus_inf_last(ops: kernels.Kernels, vocab: int) -> None:
     """More top tokens asked than the row has: all of them; -inf logits rank last at -inf; the chosen token alone."""
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(vocab))
     logits[1, 1:] = float("-inf")

@@ -12,7 +12,7 @@ DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
-def test_rmsnorm_with_and_without_residual(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
+def test_rmsnorm_equals_torch_with_and_without_residual(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
     from tokenmill.models.layers import RMSNorm
 
     norm = RMSNorm(200, 1e-6).to(dtype)
@@ -26,7 +26,9 @@ def test_rmsnorm_with_and_without_residual(ops: kernels.Kernels, dtype: torch.dt
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
-def test_rope_in_place_on_fused_rows(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
+def test_rope_in_place_on_fused_rows_equals_torch_and_leaves_v(
+    ops: kernels.Kernels, dtype: torch.dtype, tol: float
+) -> None:
     from tokenmill.config import RopeConfig
     from tokenmill.models.layers import RotaryEmbedding, apply_rotary
 
@@ -43,7 +45,7 @@ def test_rope_in_place_on_fused_rows(ops: kernels.Kernels, dtype: torch.dtype, t
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
-def test_silu_mul(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
+def test_silu_mul_equals_torch_at_its_extremes(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
     gate_up = (torch.randn(6, 2 * 70) * 3).to(dtype)
     gate_up[0, :5] = torch.tensor([-100.0, 100.0, 0.0, -88.0, 30.0])  # exp's clamp, 0, both signs' far ends
     gate_up[1, 3] = float("nan")  # a NaN gate stays a NaN (the bf16 rounding's slow path)
@@ -70,7 +72,7 @@ def test_argmax_equals_torch(ops: kernels.Kernels, v: int) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
-def test_kv_write_from_strided_rows(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
+def test_kv_write_puts_strided_rows_in_their_slots(ops: kernels.Kernels, dtype: torch.dtype, tol: float) -> None:
     qkv = torch.randn(3, (2 + 2 * 2) * 16).to(dtype)
     k, v = qkv[:, 32:64].view(3, 2, 16), qkv[:, 64:].view(3, 2, 16)
     cache = torch.zeros(2, 20, 2, 16, dtype=dtype)

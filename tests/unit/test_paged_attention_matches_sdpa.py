@@ -34,7 +34,7 @@ def reference(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, ctx: in
     ("heads", "kv_heads", "head_dim"), [(4, 4, 32), (8, 2, 64), (6, 1, 40), (18, 2, 64), (4, 2, 96)]
 )
 @pytest.mark.parametrize("window", [None, 6, 13])  # 6: starts mid-block; 13: one sequence exactly its length
-def test_decode_attention_over_paged_blocks(
+def test_decode_attention_over_paged_blocks_equals_sdpa(
     ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int, window: int | None
 ) -> None:
     block_size, num_blocks = 4, 40
@@ -54,7 +54,7 @@ def test_decode_attention_over_paged_blocks(
 @pytest.mark.parametrize("block_size", [16, 48, 256])  # 48: blocks that straddle splits; 256: a split inside a block
 # 30: scores past e^88 (each split's own largest is taken out), whose float32 rounding is 30x larger too
 @pytest.mark.parametrize("spread", [1.0, 30.0])
-def test_decode_attention_over_several_splits(
+def test_decode_attention_over_several_splits_equals_sdpa_alone_and_batched(
     ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int, block_size: int,
     spread: float,
 ) -> None:  # fmt: skip
@@ -83,7 +83,7 @@ def test_decode_attention_over_several_splits(
 # (2, 2, 32): one head per KV head, so a task takes 96 tokens
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(2, 2, 32), (14, 2, 64), (6, 1, 80), (8, 2, 128)])
 @pytest.mark.parametrize("window", [None, 5, 70])  # 5: inside one key block; 70: longer than a block of 64
-def test_prefill_attention_over_paged_blocks(
+def test_prefill_attention_over_paged_blocks_equals_sdpa(
     ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int, window: int | None
 ) -> None:
     """Fresh prompts and chunks after a cached context, in one call: one token; a few; 130 fresh ones (several task

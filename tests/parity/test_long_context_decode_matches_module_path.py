@@ -19,7 +19,7 @@ from tokenmill import LLM, SamplingParams
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 0.05)])
-def test_contexts_of_several_splits_alone_and_in_a_batch(
+def test_contexts_of_several_splits_match_the_module_path_alone_and_batched(
     make_checkpoint: Callable[..., Path], arch: str, dtype: str, tol: float
 ) -> None:
     # head_dim 32: AVX-512 BF16's attention path where the CPU has it (the portable one otherwise)
