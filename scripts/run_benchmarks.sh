@@ -14,12 +14,12 @@
 #    (AMX off: llama.cpp's AMX Q8_0 matmul segfaults on batches > 1 on these Xeons, llama.cpp issue #20824.
 #    -DGGML_AVX_VNNI=ON only where /proc/cpuinfo lists avx_vnni: a Zen 4 has AVX512_VNNI but not the VEX form, and a
 #    build with it dies of an illegal instruction on Q8_0/Q4_0.)
-#    The AVX2 code on an AVX-512 machine (docs/benchmark-log.md, fifth Zen 4 sitting): a second build into another
+#    The AVX2 code on an AVX-512 machine (docs/archive/benchmark-log-2026-11.md, fifth Zen 4 sitting): a second build into another
 #    directory (LLAMA_BIN) with LLAMA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 #      -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX512_VNNI=OFF
 #      -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF", and tokenmill under
 #      TOKENMILL_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2.
-#    The AVX-VNNI code (Intel client cores; docs/benchmark-log.md, fourth Xeon sitting): the same with -DGGML_AVX_VNNI=ON,
+#    The AVX-VNNI code (Intel client cores; docs/archive/benchmark-log-2026-11.md, fourth Xeon sitting): the same with -DGGML_AVX_VNNI=ON,
 #      and tokenmill under TOKENMILL_ISA=avxvnni ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2_VNNI.
 #  - `transformers serve` needs: .venv/bin/pip install accelerate
 # ONLY=kernels runs section 4 alone (issue 14's sitting: every format against llama.cpp, one stream and 16, and tg after
