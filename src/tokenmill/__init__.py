@@ -6,10 +6,10 @@ import os
 from typing import TYPE_CHECKING, Any
 
 # OpenMP workers that spin after every parallel region fight the engine's own threads and every other process
-# for the cores: on a busy 2-core machine that cost 2-4x (docs/archive/benchmark-log-2026-11.md, the Zen 3 sitting's "Fixed
-# overhead per step"). Set before torch loads its OpenMP runtime, which reads it once; a value set by the user wins.
-# TOKENMILL_OMP_DEFAULT=0 leaves it alone: `bench compare` runs its peers (llama.cpp, transformers) in the
-# environment their own users have.
+# for the cores: on a busy 2-core machine that cost 2-4x (docs/archive/benchmark-log-2026-11.md, the Zen 3
+# sitting's "Fixed overhead per step"). Set before torch loads its OpenMP runtime, which reads it once; a value
+# set by the user wins. TOKENMILL_OMP_DEFAULT=0 leaves it alone: `bench compare` runs its peers (llama.cpp,
+# transformers) in the environment their own users have.
 USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 if os.environ.get("TOKENMILL_OMP_DEFAULT") != "0":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -34,7 +34,7 @@ from tokenmill.kernels.isa import cpu_flags
 from tokenmill.kernels.placement import ALIGN, place_buffers
 
 # Rows above which a bf16 product goes to oneDNN where it has a native bf16 GEMM. Elsewhere the kernel's blocked
-# GEMM beats unpacking to float32 for torch's sgemm at every size (Zen 3 AVX2: 1.1-1.6x, docs/archive/benchmark-log-2026-11.md).
+# GEMM beats unpacking to float32 for torch's sgemm at every size (Zen 3 AVX2: 1.1-1.6x, docs/archive/).
 KERNEL_MAX_ROWS = 64
 FORMAT_OF_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0"}
 
