@@ -1,4 +1,5 @@
-"""The model runner: turns a `ModelInput` into one flattened batch, runs the model once, samples.
+"""The model runner: turns a `ModelInput` into one flattened batch, runs it on the first forward path that supports
+the step's plan (forward/), samples.
 
 It owns the step's tensors, the per-request random generators and the KV backend it was given, and nothing
 about who runs or why: it reads the batch description the engine core built and never a `Request`.
@@ -15,17 +16,26 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Literal
 
 import torch
 
 from tokenmill.attention import KVBackend
 from tokenmill.cuda_graphs import DecodeGraphs
+from tokenmill.forward import (
+    DecodeRunPath,
+    ForwardPath,
+    GraphsPath,
+    ModulesPath,
+    Rows,
+    StackListsPath,
+    StackMetadataPath,
+    flatten,
+)
 from tokenmill.models import CausalLM
 from tokenmill.models.decode_stack import DecodeStack
 from tokenmill.outputs import Logprobs
-from tokenmill.sampling import Sampler, SamplingBatch, drafts, plain
-from tokenmill.types import ModelInput, RunnerOutput, SequenceInput
+from tokenmill.sampling import Sampler, SamplingBatch, drafts
+from tokenmill.types import ModelInput, RunnerOutput, SequenceInput, StepPlan
 
 
 class InjectedFault(RuntimeError):
@@ -42,15 +52,56 @@ class ModelRunner:
     ) -> None:
         self.model, self.device, self.kv = model, device, kv
         self.sample = sample  # False: compute only (a tensor-parallel worker; rank 0 samples)
-        self.decode_stack = DecodeStack.build(model, kv)  # decode-only steps in one kernel call, where it fits
-        self.graphs: DecodeGraphs | None = None  # decode-only steps as CUDA graph replays (set by the engine)
         self.sampler = Sampler(seed, getattr(kv, "ops", None))
         self._generators: dict[str, torch.Generator] = {}
+        self._graphs: DecodeGraphs | None = None
+        self._stack = DecodeStack.build(model, kv)  # decode-only steps in one kernel call, where it fits
+        self._set_paths()
         fault = os.environ.get("TOKENMILL_TEST_FAULT_TOKEN", "")
         self.fault_token: int | None = int(fault) if fault.isdigit() else None
         self.fault_fatal = os.environ.get("TOKENMILL_TEST_FAULT_FATAL") == "1"
         self.fault_request: str | None = None
         self.step_delay_s = float(os.environ.get("TOKENMILL_TEST_STEP_DELAY_S") or 0)
+
+    # -- the forward paths: the first of `paths` that supports a step's plan computes it --------------------------
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """Decode-only steps as CUDA graph replays (the assembly sets them on a GPU)."""
+        return self._graphs
+
+    @graphs.setter
+    def graphs(self, graphs: DecodeGraphs | None) -> None:
+        self._graphs = graphs
+        self._set_paths()
+
+    @property
+    def decode_stack(self) -> DecodeStack | None:
+        """The fused decode stack over this model and cache, where it fits (None: the modules compute every step)."""
+        return self._stack
+
+    @decode_stack.setter
+    def decode_stack(self, stack: DecodeStack | None) -> None:
+        self._stack = stack
+        self._set_paths()
+
+    def _set_paths(self) -> None:
+        stack = self._stack
+        paths: list[ForwardPath] = [] if self._graphs is None else [GraphsPath(self._graphs)]
+        if stack is not None:
+            paths += [StackListsPath(stack), StackMetadataPath(stack, self.device)]
+        self.paths: list[ForwardPath] = [*paths, ModulesPath(self.model, self.kv, self.device)]
+        # decode runs sample inside the stack with the CPU kernels' draw, which a CUDA graph or a worker cannot
+        runs = stack is not None and stack.greedy_ready and self._graphs is None and self.sample
+        self.run_path = DecodeRunPath(stack) if runs and stack is not None else None
+
+    def path_for(self, plan: StepPlan, rows: Rows) -> ForwardPath:
+        """The one rule: the first path that supports the plan (the modules support every step)."""
+        return next(p for p in self.paths if p.supports(plan, rows))
+
+    @property
+    def runs_decode_steps(self) -> bool:
+        """It can run a decode of several steps in one call (`StepPlan.num_steps`), greedy or drawn."""
+        return self.run_path is not None
 
     def release(self, request_id: str) -> None:
         """Forget a finished request: its KV storage (where the backend keeps any) and its random generator."""
@@ -84,55 +135,25 @@ class ModelRunner:
         """Everything this runner needs is running (a tensor-parallel runner: every worker)."""
         return True
 
-    @property
-    def runs_decode_steps(self) -> bool:
-        """It can run a decode of several steps in one call (`SequenceInput.num_steps`), greedy or drawn: the decode
-        stack holds the LM head and reads the embedding itself, and no CUDA graph replaces it (the stack runs only
-        with the CPU kernels, whose draw the sampler uses too)."""
-        stack = self.decode_stack
-        return stack is not None and stack.greedy_ready and self.graphs is None and self.sample
-
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> RunnerOutput:
         self.check_fault(batch)
-        if batch.sequences and batch.sequences[0].num_steps > 1:
+        plan = batch.plan
+        if plan.num_steps > 1:
             return self._decode_run(batch)
         runs, rows_of = _split_drafts(batch.sequences)
-        # one-token sequences first: a backend may attend to them in one batched call
-        seqs = [s for s in runs if s.num_new_tokens == 1]
-        num_decodes = len(seqs)
-        seqs += [s for s in runs if s.num_new_tokens != 1]
-        input_ids: list[int] = []
-        positions: list[int] = []
+        rows = flatten(runs)
         flat_rows: dict[tuple[str, int], int] = {}  # (request id, j) -> flattened row sampling its position j
         prompt_rows: list[tuple[SequenceInput, int]] = []  # (sequence, flat index of its first scored position)
-        for s in seqs:
-            offset = len(input_ids)
-            input_ids += s.token_ids
-            positions += range(s.start, s.seq_len)
+        for s, offset in zip(rows.sequences, rows.offsets, strict=True):
             for j, row in rows_of.get(id(s), ()):  # the rows of this run that sample (see _split_drafts)
                 flat_rows[s.request_id, j] = offset + row
             if s.prompt_logprobs is not None:
                 prompt_rows.append((s, offset + s.prompt_logprobs.first - s.start))
         sampling = [s for s in batch.sequences if s.sampling is not None]
         sample_rows = [flat_rows[s.request_id, j] for s in sampling for j in range(_num_drafts(s) + 1)]
-
-        all_logits = all_argmax = None  # [T, V] float32 and [T] int64, where one call computed every row's
-        hidden: torch.Tensor | None = None  # [T, D]: none where a graph gave the logits (a decode-only step)
-        stack = self.decode_stack
-        if self.graphs is not None and not prompt_rows and self.graphs.applies(seqs, num_decodes):  # (no hidden)
-            all_logits = self.graphs.logits(seqs)  # [B, V]
-        elif stack is not None and num_decodes == len(seqs) and stack.plain_embedding:  # no tensor for the inputs
-            # [B, D], [B, V] (None where sampling reads only the argmax), [B]
-            hidden, all_logits, all_argmax = stack.run_sequences(seqs, input_ids, positions, self._logits_wanted(batch))
-        else:
-            meta = self.kv.prepare(seqs, num_decodes)
-            tokens = torch.tensor(input_ids + positions, dtype=torch.int64, device=self.device)  # one op, not two
-            ids_t, pos_t = tokens[: len(input_ids)], tokens[len(input_ids) :]  # [T] each
-            if stack is not None and stack.applies(meta):
-                hidden, all_logits, all_argmax = stack(ids_t, pos_t, meta)  # [B, D], [B, V], [B]
-            else:
-                hidden = self.model(ids_t, pos_t, self.kv, meta)  # [T, D]
+        computed = self.path_for(plan, rows).forward(plan, rows)
+        hidden, all_logits, all_argmax = computed.hidden, computed.logits, computed.argmax
 
         out = RunnerOutput()
         for s, row in prompt_rows:
@@ -143,7 +164,7 @@ class ModelRunner:
                 continue
             out.prompt_logprobs[s.request_id] = self.sampler.logprobs_at(scores, plp.target_token_ids, plp.num_top)
         if sampling:
-            argmax = None  # [R] int64: the logits' argmax, where the decode stack took it
+            argmax = None  # [R] int64: the logits' argmax, where the path took it
             logits: torch.Tensor | None  # [R, V] float32, or None where sampling reads only the argmax
             if all_logits is None and all_argmax is not None and sample_rows == list(range(len(all_argmax))):
                 logits, argmax = None, all_argmax
@@ -160,24 +181,22 @@ class ModelRunner:
         return out
 
     def _decode_run(self, batch: ModelInput) -> RunnerOutput:
-        """A step of `num_steps` decode steps for every sequence (one token each, whose logits nothing but a draw or
-        the argmax reads: the scheduler's decode runs), in one call of the decode stack (`run_steps`), which feeds
-        each step's token to the next. Where a row draws, every step takes one uniform number per row, as
-        `Sampler.__call__` does (a seeded row's from its own generator), and draws as its kernel does: the tokens
-        single steps would give. The slots of every position are in the block tables."""
-        seqs, stack = batch.sequences, self.decode_stack
-        assert stack is not None and all(s.num_new_tokens == 1 and s.sampling is not None for s in seqs)
-        rounds = seqs[0].num_steps
+        """A decode run (`DecodeRunPath`): `plan.num_steps` decode steps for every sequence in one call, each fed
+        the last one's token. Where a row draws, every step takes one uniform number per row, as `Sampler.__call__`
+        does (a seeded row's from its own generator), and draws as its kernel does: the tokens single steps would
+        give. The slots of every position are in the block tables."""
+        seqs, plan, path = batch.sequences, batch.plan, self.run_path
+        assert path is not None and path.supports(plan, flatten(seqs)), "a decode run this runner cannot take"
         params = [s.sampling.params for s in seqs if s.sampling is not None]
         draws, states = None, []
-        if any(p.temperature > 0 for p in params):
+        if plan.draws:
             generators = [self._generator(s) for s in seqs]
             # the numbers are taken before the model runs (a single step takes them after): put them back if it fails
             used = [self.sampler.default_generator, *dict.fromkeys(g for g in generators if g is not None)]
             states = [(g, g.get_state()) for g in used]
-            draws = (params, [self.sampler.uniforms(generators) for _ in range(rounds)])
+            draws = (params, [self.sampler.uniforms(generators) for _ in range(plan.num_steps)])
         try:
-            runs = stack.run_steps(seqs, rounds, draws)
+            runs = path.run(seqs, plan.num_steps, draws)
         except Exception:
             for g, state in states:
                 g.set_state(state)
@@ -186,20 +205,6 @@ class ModelRunner:
         for s, tokens in zip(seqs, runs):
             out.sampled[s.request_id] = [(t, None) for t in tokens]
         return out
-
-    def _logits_wanted(self, batch: ModelInput) -> Literal["argmax", "model", "float32"]:
-        """What this step's sampling reads of its rows' logits (sampling.reads_logits, sampling.plain): only their
-        argmax; the logits in the model's dtype (every row samples, and only draws read them, by the CPU kernels);
-        or the logits as float32."""
-        rows = [s.sampling for s in batch.sequences if s.sampling is not None]
-        params, suppressed = [r.params for r in rows], [i for r in rows for i in r.suppressed_token_ids]
-        if len(rows) < len(batch.sequences) or any(r.draft_token_ids for r in rows):  # a prompt's chunk; drafts
-            return "float32"
-        if not plain(params, suppressed, bool(batch.grammar_rows)):  # logprobs, penalties, biases, a grammar
-            return "float32"
-        if not any(p.temperature > 0 for p in params):  # reads_logits: only the argmax
-            return "argmax"
-        return "model" if self.sampler.ops is not None else "float32"
 
     def _sample(
         self,
@@ -228,7 +233,8 @@ class ModelRunner:
         if batch.grammar_rows:  # rows of free sequences allow every token
             ones = torch.full((1, batch.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
             bitmask = torch.cat([ones, batch.grammar_bitmask])[torch.tensor(mask_rows) + 1]  # [R, W]
-        params_batch = SamplingBatch.build(params, prompts, outputs, generators, suppressed, self.device, bitmask)
+        params_batch = SamplingBatch.build(params, prompts, outputs, generators, suppressed, self.device, bitmask,
+                                           batch.plan.logits)  # fmt: skip
         result = self.sampler(logits, params_batch, argmax)
         row = 0
         for s in sampling:

@@ -137,10 +137,10 @@ class Scheduler:
         steps = self._decode_runs(plan)
         table = self.kv.block_table
         scheduled = [
-            ScheduledRequest(req.request_id, start, num_new + len(drafts), table(req.request_id), tuple(drafts), steps)
+            ScheduledRequest(req.request_id, start, num_new + len(drafts), table(req.request_id), tuple(drafts))
             for req, start, num_new, drafts in plan.scheduled
         ]
-        return SchedulerOutput(scheduled, plan.preempted, plan.num_cached_tokens)
+        return SchedulerOutput(scheduled, plan.preempted, plan.num_cached_tokens, steps)
 
     def _decode_runs(self, plan: _Plan) -> int:
         """The decode steps every scheduled sequence takes this step: the least `decode_run` among them where

@@ -5,7 +5,8 @@ Who writes what (one writer each):
   The scheduler and the output processor read it.
 - `SchedulerOutput` is the scheduler's decision for one step: who runs, from which token, how many tokens.
 - `ModelInput` is the core's description of that batch for the runner; the runner never sees a `Request`.
-  Its one tensor is the grammar bitmask of constrained sequences (structured_output/).
+  Its one tensor is the grammar bitmask of constrained sequences (structured_output/). Its `StepPlan` (made by
+  step_plan.py alone) says what the step computes and what its sampling reads.
 - `RunnerOutput` is what the runner computed: sampled tokens and prompt logprobs, by request id.
 
 One `Request` is one sequence being generated. A user request with `n > 1` becomes n Requests sharing a
@@ -15,6 +16,7 @@ One `Request` is one sequence being generated. A user request with `n > 1` becom
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any
 
 from tokenmill.outputs import Logprobs, RequestMetrics
@@ -108,7 +110,6 @@ class ScheduledRequest:
     num_new_tokens: int  # computed this step (the drafts included)
     block_table: list[int]  # the request's KV block ids after this step's allocation ([] without paging)
     spec_token_ids: tuple[int, ...] = ()  # drafts computed after the request's known tokens, verified this step
-    num_steps: int = 1  # > 1: a decode that runs this many steps in one call, each fed the last one's token
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,12 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # lost their KV blocks: recomputed from 0 when readmitted
     num_cached_tokens: dict[str, int] = field(default_factory=dict)  # admitted now -> tokens found computed
+    num_steps: int = 1  # > 1: a decode run: every scheduled sequence decodes this many steps in one call
 
     @property
     def num_batched_tokens(self) -> int:
         """Tokens computed this step: a decode run's steps each compute one."""
-        return sum(s.num_new_tokens + s.num_steps - 1 for s in self.scheduled)
+        return sum(s.num_new_tokens + self.num_steps - 1 for s in self.scheduled)
 
 
 # -- core -> runner -------------------------------------------------------------------------------------------
@@ -158,7 +160,6 @@ class SequenceInput:
     max_num_tokens: int  # the most tokens this sequence can ever hold (prompt + output budget)
     sampling: SamplingInput | None  # set when this step reaches the sequence's last known token
     prompt_logprobs: PromptLogprobsInput | None = None
-    num_steps: int = 1  # > 1: decode this many steps in one call, each fed the last one's token
 
     @property
     def num_new_tokens(self) -> int:
@@ -170,9 +171,31 @@ class SequenceInput:
         return self.start + len(self.token_ids)
 
 
+class LogitsRead(IntEnum):
+    """What sampling reads of a row's logits, least first: a step reads the most that any of its rows does."""
+
+    ARGMAX = 0  # only their argmax (greedy, and nothing else reads them)
+    DRAW = 1  # a draw (temperature, top-k, top-p, min-p) and nothing else: the CPU kernels draw in the model's dtype
+    FULL = 2  # float32 logits: logprobs, a penalty, a logit bias, suppressed tokens, a grammar, drafts, no sampling
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step computes and what its sampling reads, decided once (step_plan.plan_step) and read by the runner's
+    choice of forward path, the decode stack's logits and the sampler."""
+
+    num_steps: int = 1  # > 1: a decode run: that many decode steps in one call, each fed the last one's tokens
+    logits: LogitsRead = LogitsRead.FULL  # what the step's sampling reads of its rows' logits
+    draws: bool = False  # some row draws (temperature > 0): the step takes a uniform number per row
+    drafts: bool = False  # some sequence verifies drafts (a row per draft after its known token)
+    decode_only: bool = False  # every sequence computes one known token (and its drafts), each its own row
+    prompt_logprobs: bool = False  # some sequence scores prompt positions: the hidden states of its rows are read
+
+
 @dataclass(frozen=True)
 class ModelInput:
     sequences: list[SequenceInput]
+    plan: StepPlan
     # structured output: row i of the bitmask ([R, W] int32, the one tensor in these contracts) holds the tokens
     # the sequence grammar_rows maps to row i may sample; those sequences carry no drafts
     grammar_bitmask: Any = None

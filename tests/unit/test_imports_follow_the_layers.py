@@ -28,10 +28,11 @@ def test_module_does_not_import_torch(module: str) -> None:
 LAYERS = [
     ["errors", "progress", "sampling_params", "outputs"],
     ["types", "kv_cache"],
-    ["config", "tokenizer", "kernels", "metrics", "structured_output"],
+    ["config", "tokenizer", "kernels", "metrics", "structured_output", "step_plan"],
     ["attention", "sampling", "scheduler"],
     ["models"],
     ["weights", "make_model", "cuda_graphs"],
+    ["forward"],  # the forward paths a runner chooses among
     ["runner"],
     ["assembly"],  # loads a model and wires its KV backend, KV manager and runner
     ["spec_decode", "tensor_parallel"],

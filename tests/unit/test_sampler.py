@@ -12,10 +12,11 @@ from tokenmill.sampling.sampler import (
     SamplingBatch,
     apply_filters,
     apply_penalties,
-    reads_logits,
     topk_logprobs,
 )
 from tokenmill.sampling_params import SamplingParams as SP
+from tokenmill.step_plan import row_reads
+from tokenmill.types import LogitsRead
 
 
 def make_batch(
@@ -68,12 +69,12 @@ def test_greedy_picks_argmax() -> None:
      (SP(temperature=0), [3], False), (SP(temperature=0), [], True)],
 )  # fmt: skip
 def test_what_reads_the_logits_beyond_their_argmax(params: SP, suppressed: list[int], grammar: bool) -> None:
-    """The decode stack skips its float32 logits where sampling reads only the argmax (reads_logits): each of a
-    draw, logprobs, a bias, a penalty, suppressed tokens and a grammar reads them, alone in a batch of greedy rows,
-    and without any of them the sampler returns the argmax it is handed, with logits=None."""
+    """The decode stack skips its float32 logits where the step's plan reads only the argmax (step_plan.row_reads):
+    each of a draw, logprobs, a bias, a penalty, suppressed tokens and a grammar reads them, alone in a batch of
+    greedy rows, and without any of them the sampler returns the argmax it is handed, with logits=None."""
     greedy = SP(temperature=0)
-    assert not reads_logits([greedy, greedy], [[], []], False)
-    assert reads_logits([greedy, params], [[], suppressed], grammar)
+    assert row_reads(greedy, [], False) == LogitsRead.ARGMAX
+    assert row_reads(params, suppressed, grammar) > LogitsRead.ARGMAX
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     top = logits.argmax(-1)
     out = Sampler(0)(None, make_batch([greedy, greedy]), top)

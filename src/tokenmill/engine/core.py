@@ -26,6 +26,7 @@ from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import DraftRequest, Proposer
+from tokenmill.step_plan import model_input
 from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.types import (
@@ -186,9 +187,8 @@ class EngineCore:
             StepStats(
                 batch_size=len(so.scheduled),
                 num_tokens=so.num_batched_tokens,
-                num_decode_tokens=sum(
-                    s.num_steps for s in so.scheduled if batch[s.request_id].output_token_ids and s.num_new_tokens == 1
-                ),
+                num_decode_tokens=so.num_steps
+                * sum(1 for s in so.scheduled if batch[s.request_id].output_token_ids and s.num_new_tokens == 1),
                 kv_usage=self.kv.usage,
                 duration_s=time.perf_counter() - start,
             )
@@ -250,8 +250,9 @@ class EngineCore:
         seqs = [self._sequence_input(self._seqs[s.request_id], s) for s in so.scheduled]
         constrained = [s.request_id for s in seqs if s.sampling is not None and self.structured.has(s.request_id)]
         if not constrained:
-            return ModelInput(seqs)
-        return ModelInput(seqs, self.structured.bitmask(constrained), {rid: i for i, rid in enumerate(constrained)})
+            return model_input(seqs, so.num_steps)
+        rows = {rid: i for i, rid in enumerate(constrained)}
+        return model_input(seqs, so.num_steps, self.structured.bitmask(constrained), rows)
 
     def _sequence_input(self, req: Request, s: ScheduledRequest) -> SequenceInput:
         drafts = list(s.spec_token_ids)
@@ -279,7 +280,6 @@ class EngineCore:
             max_num_tokens=req.num_prompt_tokens + req.max_tokens,
             sampling=sampling,
             prompt_logprobs=prompt_logprobs,
-            num_steps=s.num_steps,
         )
 
     def update_from_output(
@@ -300,7 +300,7 @@ class EngineCore:
             new_tokens = result.sampled.get(req.request_id, [])
             num_drafts = len(s.spec_token_ids)
             # kept drafts, and a decode run's tokens before its last: their keys/values stand
-            accepted = max(len(new_tokens) - 1, 0) if num_drafts or s.num_steps > 1 else 0
+            accepted = max(len(new_tokens) - 1, 0) if num_drafts or so.num_steps > 1 else 0
             computed = s.num_computed_tokens + s.num_new_tokens - num_drafts + accepted
             req.num_computed_tokens = computed if retains_kv else 0
             if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:

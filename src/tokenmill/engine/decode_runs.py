@@ -3,8 +3,8 @@ core sets after each step). The scheduler (`Scheduler._decode_runs`) decides whe
 
 from __future__ import annotations
 
-from tokenmill.sampling import plain
-from tokenmill.types import Request
+from tokenmill.step_plan import row_reads
+from tokenmill.types import LogitsRead, Request
 
 
 def decode_run_length(req: Request, steps: int, max_model_len: int, constrained: bool) -> int:
@@ -16,7 +16,7 @@ def decode_run_length(req: Request, steps: int, max_model_len: int, constrained:
     a row of its run stops early, from the same distribution."""
     p, num_out = req.params, len(req.output_token_ids)
     left = min(req.max_tokens - num_out, max_model_len - req.num_tokens)
-    only_draws = plain([p], [], constrained)
+    only_draws = row_reads(p, [], constrained) <= LogitsRead.DRAW
     # past the first token: a prompt's last chunk of one token samples its first at once
     decoding = num_out > 0 and not req.spec_token_ids and req.num_computed_tokens == req.num_tokens - 1
     runs = only_draws and decoding and not req.finished and num_out >= p.min_tokens and left > 0

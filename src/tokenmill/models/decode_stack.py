@@ -12,7 +12,7 @@ It applies to the Llama-shaped stack of `layers.py` (Llama, Mistral, Qwen2, Qwen
 from __future__ import annotations
 
 import itertools
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from tokenmill.attention.paged import PagedMetadata
 from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from tokenmill.models.linear import KernelLinear
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.types import SequenceInput
+from tokenmill.types import LogitsRead, SequenceInput
 
 
 def _linear_spec(m: nn.Module, in_features: int) -> tuple[int, int, int, int, int] | None:
@@ -180,21 +180,20 @@ class DecodeStack:
         sequences: list[SequenceInput],
         input_ids: list[int],
         positions: list[int],
-        logits: Literal["argmax", "model", "float32"] = "float32",
+        reads: LogitsRead = LogitsRead.FULL,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """A decode-only step of `sequences` (one new token each: input_ids, positions [B]) from Python lists, with
         no torch op on the way: after a step's weights have streamed through the caches, each torch op's first
         call runs cold code, 20-60 us (Xeon), where a one-row step of Qwen2.5-0.5B in int4 is ~10 ms. Returns
         what `__call__` does, in buffers that the next call overwrites. Needs `plain_embedding`.
 
-        `logits`: what the caller reads of them (runner._logits_wanted). Unless "float32", a bf16 model's logits
-        are not widened into a float32 copy (at 16 rows 9.7 MB of writes a step; Zen 4, bf16 16-row steps alternated
-        in one process: 1.016x and 1.023x without it), and what comes back in its place is None ("argmax") or the
-        logits in the model's dtype ("model")."""
+        `reads`: what the step's plan reads of the logits. Below FULL, a bf16 model's logits are not widened into a
+        float32 copy (at 16 rows that copy is megabytes of writes a step), and what comes back in its place is None
+        (ARGMAX) or the logits in the model's dtype (DRAW, which the CPU kernels draw from)."""
         slots, lens, tables, width = self.kv.decode_lists(sequences)
         rows = len(input_ids)
         out, model_logits, wide, top = self._outputs(rows)
-        if logits != "float32" and wide is not model_logits:
+        if reads < LogitsRead.FULL and wide is not model_logits:
             wide = None
         cos_table, sin_table = self.decoder.rotary.tables(max(lens))  # [positions, Dh] float32
         embed = self.decoder.embed_tokens.weight  # [vocab, D]
@@ -202,7 +201,7 @@ class DecodeStack:
                               sin_table.data_ptr(), slots, tables, width, lens, self.kv.block_size, out.data_ptr(),
                               0 if model_logits is None else model_logits.data_ptr(),
                               0 if wide is None else wide.data_ptr(), 0 if top is None else top.data_ptr())  # fmt: skip
-        return out, model_logits if logits == "model" else wide, top
+        return out, model_logits if reads == LogitsRead.DRAW else wide, top
 
     def run_steps(
         self,

@@ -11,10 +11,10 @@ one row (Zen 4, 2 threads), the exponential race this replaced drew 152k exponen
 sorted the row (~12-25 ms).
 
 On the CPU the logits after the masks, biases and penalties go to one kernel call instead (kernels/csrc/sample.h:
-the same rules, tested against this code; a bf16 model's logits as they are where nothing else reads them,
-`plain`), and the logprobs asked for to another (logprobs.h): 0.07-0.4 ms a row of 152k where the torch ops took
-0.5-17 ms. The kernel's top-p sums in float64 where this code's running sums are float32, so a nucleus within ~1e-6
-of the whole row may keep a few tokens more or fewer here.
+the same rules, tested against this code; a bf16 model's logits as they are where the step's plan says nothing
+but a draw reads them), and the logprobs asked for to another (logprobs.h): 0.07-0.4 ms a row of 152k where the
+torch ops took 0.5-17 ms. The kernel's top-p sums in float64 where this code's running sums are float32, so a
+nucleus within ~1e-6 of the whole row may keep a few tokens more or fewer here.
 """
 
 from __future__ import annotations
@@ -27,28 +27,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step_plan import penalizes
+from tokenmill.types import LogitsRead
 
 if TYPE_CHECKING:
     from tokenmill.kernels.ops import Kernels
-
-
-def _penalizes(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1 or bool(p.presence_penalty) or bool(p.frequency_penalty)
-
-
-def reads_logits(params: Sequence[SamplingParams], suppressed_token_ids: Sequence[list[int]], grammar: bool) -> bool:
-    """Whether sampling these rows reads their logits, rather than only each row's argmax: a draw, logprobs, a
-    penalty, a logit bias, suppressed tokens or a grammar. `Sampler.__call__` takes the argmax alone otherwise."""
-    return any(p.temperature > 0 for p in params) or not plain(params, suppressed_token_ids, grammar)
-
-
-def plain(params: Sequence[SamplingParams], suppressed_token_ids: Sequence[list[int]], grammar: bool) -> bool:
-    """Whether nothing but a draw or the argmax reads these rows' logits: no logprobs, penalty, logit bias, suppressed
-    token or grammar. Then the CPU kernels draw from logits in the model's dtype (bfloat16: no float32 copy);
-    `Sampler.__call__` widens them otherwise."""
-    return not grammar and not any(suppressed_token_ids) and not any(
-        p.logprobs is not None or p.logit_bias or _penalizes(p) for p in params
-    )  # fmt: skip
 
 
 @dataclass
@@ -70,7 +53,7 @@ class SamplingBatch:
     penalized: bool = True  # some row has a repetition, presence or frequency penalty
     sampled: bool = True  # some row draws (temperature > 0)
     min_p_rows: bool = True  # some row has a min-p
-    plain: bool = False  # nothing but a draw or the argmax reads the logits (`plain`)
+    reads: LogitsRead = LogitsRead.FULL  # what the step's plan says sampling reads of the logits (types.StepPlan)
 
     @classmethod
     def build(
@@ -82,6 +65,7 @@ class SamplingBatch:
         suppressed_token_ids: Sequence[list[int]],
         device: torch.device | str = "cpu",
         bitmask: torch.Tensor | None = None,
+        reads: LogitsRead = LogitsRead.FULL,
     ) -> SamplingBatch:
         return cls(
             params=list(params),
@@ -93,10 +77,10 @@ class SamplingBatch:
             device=device,
             bitmask=None if bitmask is None else bitmask.to(device),
             logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
-            penalized=any(_penalizes(p) for p in params),
+            penalized=any(penalizes(p) for p in params),
             sampled=any(p.temperature > 0 for p in params),
             min_p_rows=any(p.min_p > 0 for p in params),
-            plain=plain(params, suppressed_token_ids, bitmask is not None),
+            reads=reads,
         )
 
     @cached_property
@@ -338,17 +322,18 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor | None, batch: SamplingBatch, argmax: torch.Tensor | None = None
     ) -> SamplerOutput:
-        """logits [B, V] (float32, or the model's dtype where `plain`) -> each row's token. `argmax` [B] int64,
-        where the caller has it: the logits' own argmax (as torch.argmax), taken instead of another pass over them
-        where no mask, bias or penalty changes the logits; with it, logits may be None where no row reads them
-        (`reads_logits`)."""
-        if logits is None:  # the caller kept only the argmax (reads_logits: False for every row)
-            # the batch's own flags, not reads_logits again: the runner has just asked that of the same rows
+        """logits [B, V] (float32, or the model's dtype where the plan reads them for a draw at most) -> each row's
+        token. `argmax` [B] int64, where the caller has it: the logits' own argmax (as torch.argmax), taken instead
+        of another pass over them where no mask, bias or penalty changes the logits; with it, logits may be None
+        where the plan reads only the argmax."""
+        if logits is None:  # the caller kept only the argmax (the plan's LogitsRead.ARGMAX)
+            # the batch's own flags: a row that reads its logits must have been handed them
             reads = batch.sampled or batch.penalized or batch.logit_bias is not None or batch.bitmask is not None
             assert argmax is not None and not reads and not any(batch.suppressed_token_ids)
             assert all(n is None for n in batch.num_logprobs)
             return SamplerOutput(token_ids=argmax.tolist(), logprobs=[None] * len(batch.params))
-        if logits.dtype != torch.float32 and not (batch.sampled and batch.plain and self._kernels(logits) is not None):
+        draw_only = batch.reads <= LogitsRead.DRAW
+        if logits.dtype != torch.float32 and not (batch.sampled and draw_only and self._kernels(logits) is not None):
             logits = logits.float()  # [B, V]: only the draw kernel reads the model's dtype
         raw = logits
         if batch.bitmask is not None:

@@ -21,7 +21,8 @@ from tokenmill.kv_cache import KVManager
 from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.request import DraftRequest
-from tokenmill.types import ModelInput, SamplingInput, SequenceInput
+from tokenmill.step_plan import model_input
+from tokenmill.types import SamplingInput, SequenceInput
 
 if TYPE_CHECKING:
     from tokenmill.assembly.model import LoadedModel
@@ -70,7 +71,7 @@ class DraftProposer:
             else:  # a few tokens go as one-token rows, so the round is a decode step
                 steps += [self._input(rid, [t], keep + j, sample=j == len(new) - 1) for j, t in enumerate(new)]
         if steps:
-            for rid, out in self.runner.execute(ModelInput(steps)).sampled.items():
+            for rid, out in self.runner.execute(model_input(steps)).sampled.items():
                 drafts[rid].append(out[0][0])
         if native and stack is not None:  # every other round, and the catch-ups, in one native call
             for rid in drafts:
@@ -90,7 +91,7 @@ class DraftProposer:
         more = [self._feed(rid, d[0]) for rid, d in drafts.items() if d and want[rid] > 1]
         while more:  # one batched draft forward per draft position
             next_steps = []
-            for rid, out in self.runner.execute(ModelInput(more)).sampled.items():
+            for rid, out in self.runner.execute(model_input(more)).sampled.items():
                 drafts[rid].append(out[0][0])
                 if len(drafts[rid]) < want[rid]:
                     next_steps.append(self._feed(rid, out[0][0]))

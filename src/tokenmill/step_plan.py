@@ -1,0 +1,59 @@
+"""A step's plan, made in one place: `plan_step` turns the batch the scheduler chose (as the core's
+`SequenceInput`s, with the decode-run length it granted) and the batch's sampling settings into a `StepPlan`, which
+rides in the `ModelInput`. Nothing after it decides these again: the runner picks its forward path by the plan,
+the decode stack computes the logits it names, and the sampler takes them as it says.
+
+`row_reads` is the rule for one row. The core also asks it which sequences may take a decode run
+(engine/decode_runs.py): only those whose logits nothing but a draw or the argmax reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.types import LogitsRead, ModelInput, SequenceInput, StepPlan
+
+
+def penalizes(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
+def row_reads(params: SamplingParams, suppressed_token_ids: Sequence[int], constrained: bool) -> LogitsRead:
+    """What sampling one row reads of its logits: float32 logits for logprobs, a penalty, a logit bias, suppressed
+    tokens or a grammar; else a draw, or only the argmax."""
+    if constrained or suppressed_token_ids or params.logprobs is not None or params.logit_bias or penalizes(params):
+        return LogitsRead.FULL
+    return LogitsRead.DRAW if params.temperature > 0 else LogitsRead.ARGMAX
+
+
+def plan_step(sequences: Sequence[SequenceInput], constrained: Collection[str], num_steps: int = 1) -> StepPlan:
+    """The plan of a step computing `sequences`, of which those with ids in `constrained` sample under a grammar;
+    `num_steps` > 1: the scheduler granted a decode run of that many steps."""
+    rows = [s.sampling for s in sequences if s.sampling is not None]
+    drafts = any(r.draft_token_ids for r in rows)
+    reads = [row_reads(s.sampling.params, ids, s.request_id in constrained)
+             for s in sequences if s.sampling is not None
+             for ids in s.sampling.suppressed_token_ids or [[]]]  # fmt: skip
+    logits = max(reads, default=LogitsRead.FULL)
+    if len(rows) < len(sequences) or drafts:  # a prompt's chunk that samples nothing, or drafts to verify
+        logits = LogitsRead.FULL
+    decode_only = all(s.num_new_tokens == 1 + (len(s.sampling.draft_token_ids) if s.sampling else 0) for s in sequences)
+    return StepPlan(
+        num_steps=num_steps,
+        logits=logits,
+        draws=any(r.params.temperature > 0 for r in rows),
+        drafts=drafts,
+        decode_only=bool(sequences) and decode_only,
+        prompt_logprobs=any(s.prompt_logprobs is not None for s in sequences),
+    )
+
+
+def model_input(
+    sequences: list[SequenceInput], num_steps: int = 1, grammar_bitmask: object = None,
+    grammar_rows: dict[str, int] | None = None,
+) -> ModelInput:  # fmt: skip
+    """The runner's input for `sequences`, with its plan (constrained sequences: `grammar_rows`, rows of the
+    bitmask [R, W] int32)."""
+    rows = grammar_rows or {}
+    return ModelInput(sequences, plan_step(sequences, rows, num_steps), grammar_bitmask, rows)
