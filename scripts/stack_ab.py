@@ -42,13 +42,11 @@ class TensorInputs:
     """A stack that the runner feeds through `__call__` (prepare's tensors), never `run_sequences`."""
 
     plain_embedding = False
+    greedy_ready = False  # no decode runs either: each step is one call
 
     def __init__(self, stack: DecodeStack | None) -> None:
         assert stack is not None
-        self.stack = stack
-
-    def applies(self, meta: Any) -> bool:
-        return self.stack.applies(meta)
+        self.stack, self.kv = stack, stack.kv
 
     def __call__(self, *args: Any) -> Any:
         return self.stack(*args)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention import PagedKVCache
+from tokenmill.attention import KVBackend, PagedKVCache
 from tokenmill.models import CausalLM
 from tokenmill.types import SequenceInput
 
@@ -46,12 +46,13 @@ class DecodeGraphs:
 
     @classmethod
     def build(
-        cls, model: CausalLM, kv: object, max_num_seqs: int, max_model_len: int, enforce_eager: bool
+        cls, model: CausalLM, kv: KVBackend, max_num_seqs: int, max_model_len: int, enforce_eager: bool
     ) -> DecodeGraphs | None:
         """Graphs for a model on a GPU over the paged pool, unless `enforce_eager`; None elsewhere."""
-        if enforce_eager or not isinstance(kv, PagedKVCache) or kv.device.type != "cuda" or kv.spare_slot is None:
+        pool = kv.paged
+        if enforce_eager or pool is None or pool.device.type != "cuda" or pool.spare_slot is None:
             return None
-        return cls(model, kv, max_num_seqs, max_model_len, record=True)
+        return cls(model, pool, max_num_seqs, max_model_len, record=True)
 
     def applies(self, seqs: Sequence[SequenceInput], num_decodes: int) -> bool:
         """A decode-only step (every sequence one new token) of a size some bucket holds."""

@@ -7,8 +7,9 @@ calls, made in this order:
 - `write(layer, k, v, meta)` in each attention layer: store the batch's new keys and values;
 - `attend(layer, q, k, v, meta)` right after: each sequence's new queries attend to its whole context.
 `release(request_id)` forgets a finished request. The runner and the core never ask which backend is in use;
-the facts they need are attributes: `retains_kv` (False: every step recomputes the whole context) and
-`uses_blocks` with `num_blocks` (the scheduler must account for that many KV blocks).
+the facts they need are attributes: `retains_kv` (False: every step recomputes the whole context),
+`uses_blocks` with `num_blocks` (the scheduler must account for that many KV blocks) and `paged` (the block
+pool as tensors, which the decode stack and CUDA graphs read and write in place; None where there is none).
 
 The batch is "token-centric": sequence b contributes `query_start_loc[b+1] - query_start_loc[b]` new tokens
 and, after this step, has `seq_lens[b]` tokens of context (cached + new). A prefill, a prefill chunk and a
@@ -20,12 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.types import SequenceInput
+
+if TYPE_CHECKING:
+    from tokenmill.attention.paged import PagedKVCache
 
 
 @dataclass
@@ -51,6 +55,11 @@ class KVBackend(Protocol):
     retains_kv: bool
     uses_blocks: bool
     num_blocks: int  # blocks in the pool when `uses_blocks`, else 0
+
+    @property
+    def paged(self) -> PagedKVCache | None:
+        """The block pool, for the forward paths that read it in place; None: this backend keeps none."""
+        ...
 
     def prepare(self, sequences: Sequence[SequenceInput], num_decodes: int) -> Any:
         """This step's metadata. The first `num_decodes` sequences have one new token each."""

@@ -23,6 +23,7 @@ class ContiguousKVCache:
     retains_kv = True
     uses_blocks = False
     num_blocks = 0
+    paged = None  # no block pool: the decode stack and CUDA graphs do not apply
 
     def __init__(
         self,

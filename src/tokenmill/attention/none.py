@@ -15,6 +15,7 @@ class NoKVCache:
     retains_kv = False
     uses_blocks = False
     num_blocks = 0
+    paged = None  # no block pool: the decode stack and CUDA graphs do not apply
 
     def __init__(self, windows: Sequence[int | None] = ()) -> None:
         self.windows = list(windows)  # per layer attention window (None: whole context); empty: none anywhere

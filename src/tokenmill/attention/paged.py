@@ -72,6 +72,11 @@ class PagedKVCache:
         if self.spare_slot is not None:
             self.cache[:, :, self.spare_slot :].zero_()
 
+    @property
+    def paged(self) -> PagedKVCache:
+        """This backend is a block pool that the decode stack and CUDA graphs read and write in place."""
+        return self
+
     def touch(self) -> None:
         """Zero the whole pool now: its pages become resident, so the process's memory use is known at start
         (the pool is otherwise `torch.empty`, and pages fill in as blocks are first used)."""
@@ -89,7 +94,7 @@ class PagedKVCache:
         tables = [s.block_table for s in sequences]
         self.zero_new_blocks(tables)
         # decodes: the new token's slot by arithmetic; the context is read as whole blocks in one gather
-        slots = self._new_slots(tables[:num_decodes], meta.seq_lens)
+        slots = new_slots(tables[:num_decodes], meta.seq_lens, self.block_size)
         meta.context_slots = [None] * num_decodes
         if num_decodes and self.ops is not None:  # the fused kernels: slots, lens and tables in one tensor
             slot_t, meta.decode_lens, meta.decode_block_tables = self._decode_inputs(tables[:num_decodes], slots, meta)
@@ -109,30 +114,6 @@ class PagedKVCache:
         if self.ops is not None and len(sequences) > num_decodes:
             meta.prefill_block_tables, meta.prefill_seqs = self._prefill_tables(sequences[num_decodes:], meta)
         return meta
-
-    def decode_lists(self, sequences: Sequence[SequenceInput]) -> tuple[list[int], list[int], list[int], int]:
-        """A decode-only step's inputs for the fused decode stack, as plain lists (it takes them without a tensor;
-        models/decode_stack.py): each sequence's new slot [B], its context length [B], the block tables [B * M]
-        row by row, padded with block 0, and M."""
-        tables, lens = [s.block_table for s in sequences], [s.seq_len for s in sequences]
-        self.zero_new_blocks(tables)
-        width, padded = self._padded(tables, lens)
-        return self._new_slots(tables, lens), lens, padded, width
-
-    def decode_run_lists(self, sequences: Sequence[SequenceInput], steps: int) -> tuple[list[int], list[int], int]:
-        """decode_lists for a decode run of `steps` steps of each sequence (one new token each, then each step's
-        token): the new slots [steps * B], step r's at [r B, (r + 1) B); the block tables [B * M] row by row, padded
-        with block 0 to the last step's longest context; and M."""
-        tables = [s.block_table for s in sequences]
-        self.zero_new_blocks(tables)
-        slots = [slot for r in range(steps) for slot in self._new_slots(tables, [s.start + r + 1 for s in sequences])]
-        width, padded = self._padded(tables, [s.start + steps for s in sequences])
-        return slots, padded, width
-
-    def _new_slots(self, tables: list[list[int]], seq_lens: list[int]) -> list[int]:
-        """Each decode's new token's cache slot: position seq_len - 1 of its table."""
-        bs = self.block_size
-        return [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, seq_lens)]
 
     def _prefill_tables(
         self, prefills: Sequence[SequenceInput], meta: PagedMetadata
@@ -159,22 +140,16 @@ class PagedKVCache:
         """The fused kernels' decode inputs as views of one int64 tensor (each torch op costs more than its work
         here): the new tokens' slots [B], the context lengths [B], block tables [B, M] padded with block 0."""
         lens = meta.seq_lens[: len(tables)]
-        width, padded = self._padded(tables, lens)
+        width, padded = padded_tables(tables, lens, self.block_size)
         values = torch.tensor(slots + lens + padded, dtype=torch.int64, device=self.device)  # [B + B + B * M]
         b = len(tables)
         return values[:b], values[b : 2 * b], values[2 * b :].view(b, width)
-
-    def _padded(self, tables: list[list[int]], seq_lens: list[int]) -> tuple[int, list[int]]:
-        """The decodes' block tables cut or padded with block 0 to the longest context's blocks: (width M, the
-        [B * M] ids row by row)."""
-        width = max(-(-n // self.block_size) for n in seq_lens[: len(tables)])
-        return width, [b for t in tables for b in t[:width] + [0] * (width - len(t[:width]))]
 
     def _decode_tables(
         self, tables: list[list[int]], seq_lens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block tables [B, M] padded with block 0, the padding bias for SDPA, lens."""
-        width, padded = self._padded(tables, seq_lens)
+        width, padded = padded_tables(tables, seq_lens, self.block_size)
         block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device).view(len(tables), width)  # [B, M]
         lens = torch.tensor(seq_lens[: len(tables)], dtype=torch.int64, device=self.device)  # [B]
         return block_tables, self._padding_bias(lens, width), lens
@@ -265,6 +240,18 @@ class PagedKVCache:
 
     def release(self, request_id: str) -> None:
         pass  # the KV manager frees the blocks; their slots are simply overwritten later
+
+
+def new_slots(tables: list[list[int]], seq_lens: list[int], block_size: int) -> list[int]:
+    """Each decode's new token's cache slot: position seq_len - 1 of its table."""
+    return [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, seq_lens)]
+
+
+def padded_tables(tables: list[list[int]], seq_lens: list[int], block_size: int) -> tuple[int, list[int]]:
+    """Decodes' block tables cut or padded with block 0 to the longest context's blocks: (width M, the [B * M] ids
+    row by row)."""
+    width = max(-(-n // block_size) for n in seq_lens[: len(tables)])
+    return width, [b for t in tables for b in t[:width] + [0] * (width - len(t[:width]))]
 
 
 def plan_num_blocks(

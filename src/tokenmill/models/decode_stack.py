@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention import KVBackend, PagedKVCache
-from tokenmill.attention.paged import PagedMetadata
+from tokenmill.attention.paged import PagedMetadata, new_slots, padded_tables
 from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from tokenmill.models.linear import KernelLinear
 from tokenmill.sampling_params import SamplingParams
@@ -69,10 +69,10 @@ class DecodeStack:
     @staticmethod
     def build(model: CausalLM, kv: KVBackend) -> DecodeStack | None:
         """The stack for `model` over `kv`, or None when a layer, the cache or a weight does not fit."""
-        decoder = model.decoder()
-        if not isinstance(kv, PagedKVCache) or kv.ops is None or type(decoder) is not DecoderModel:
+        decoder, pool = model.decoder(), kv.paged  # the block pool, which the stack reads and writes in place
+        if pool is None or pool.ops is None or type(decoder) is not DecoderModel:
             return None
-        if any(w is not None for w in kv.windows):  # sliding-window layers take the modules' attention
+        if any(w is not None for w in pool.windows):  # sliding-window layers take the modules' attention
             return None
         layers = [layer for layer in decoder.layers if type(layer) is DecoderLayer]
         if not layers or len(layers) != len(decoder.layers):
@@ -85,22 +85,22 @@ class DecodeStack:
             first.head_dim,
             mlp.intermediate_size,
         )
-        final = _norm(decoder.norm, kv.dtype)
+        final = _norm(decoder.norm, pool.dtype)
         if final is None:
             return None
-        native = kv.ops.module.DecodeStack(kv.dtype == torch.bfloat16, *dims, decoder.norm.eps, kv.cache.shape[2],
+        native = pool.ops.module.DecodeStack(pool.dtype == torch.bfloat16, *dims, decoder.norm.eps, pool.cache.shape[2],
                                            final, len(layers), torch.get_num_threads())  # fmt: skip
         for index, layer in enumerate(layers):
-            spec = _layer_spec(layer, dims, kv.dtype)
+            spec = _layer_spec(layer, dims, pool.dtype)
             if spec is None or layer.self_attn.layer_idx != index:
                 return None
-            native.add_layer(*spec[:4], kv.cache[index].data_ptr(), *spec[4:])
+            native.add_layer(*spec[:4], pool.cache[index].data_ptr(), *spec[4:])
         # the LM head joins the stack when logits are the head's output as is (a family may post-process them)
         plain_logits = type(model).compute_logits is CausalLM.compute_logits
         head = _linear_spec(model.lm_head, dims[0]) if plain_logits else None
         if head is not None:
             native.set_head(head)
-        return DecodeStack(native, decoder, kv, None if head is None else head[2])
+        return DecodeStack(native, decoder, pool, None if head is None else head[2])
 
     @property
     def greedy_ready(self) -> bool:
@@ -170,11 +170,6 @@ class DecodeStack:
                          for i, (kind, layer) in enumerate(stages)])  # fmt: skip
         return runs
 
-    @staticmethod
-    def applies(meta: Any) -> bool:
-        """Every sequence of the step decodes one token over the paged cache."""
-        return isinstance(meta, PagedMetadata) and meta.num_decodes == meta.num_seqs and meta.decode_lens is not None
-
     def run_sequences(
         self,
         sequences: list[SequenceInput],
@@ -190,7 +185,7 @@ class DecodeStack:
         `reads`: what the step's plan reads of the logits. Below FULL, a bf16 model's logits are not widened into a
         float32 copy (at 16 rows that copy is megabytes of writes a step), and what comes back in its place is None
         (ARGMAX) or the logits in the model's dtype (DRAW, which the CPU kernels draw from)."""
-        slots, lens, tables, width = self.kv.decode_lists(sequences)
+        slots, lens, tables, width = self._decode_lists(sequences)
         rows = len(input_ids)
         out, model_logits, wide, top = self._outputs(rows)
         if reads < LogitsRead.FULL and wide is not model_logits:
@@ -214,7 +209,7 @@ class DecodeStack:
         every position are in the block tables. Each token is the head's argmax, or with `draws` (params [B],
         uniforms [steps][B]) the draw `Kernels.draw` would make from the logits in the model's dtype (a greedy
         row's: the argmax). Returns each sequence's tokens."""
-        slots, tables, width = self.kv.decode_run_lists(sequences, steps)
+        slots, tables, width = self._decode_run_lists(sequences, steps)
         out, logits, _, _ = self._outputs(len(sequences))  # [B, D], [B, V] model dtype (scratch)
         assert logits is not None and self.vocab_size is not None  # greedy_ready
         cos_table, sin_table = self.decoder.rotary.tables(max(s.start for s in sequences) + steps)  # [P, Dh] float32
@@ -227,6 +222,24 @@ class DecodeStack:
                                      [p.temperature for p in params], [max(p.top_k, 0) for p in params],
                                      [p.top_p for p in params], [p.min_p for p in params],
                                      [x for row in u for x in row])  # fmt: skip
+
+    def _decode_lists(self, sequences: list[SequenceInput]) -> tuple[list[int], list[int], list[int], int]:
+        """A decode-only step's inputs as plain lists: each sequence's new slot [B], its context length [B], the
+        block tables [B * M] row by row, padded with block 0, and M."""
+        tables, lens = [s.block_table for s in sequences], [s.seq_len for s in sequences]
+        self.kv.zero_new_blocks(tables)
+        width, padded = padded_tables(tables, lens, self.kv.block_size)
+        return new_slots(tables, lens, self.kv.block_size), lens, padded, width
+
+    def _decode_run_lists(self, sequences: list[SequenceInput], steps: int) -> tuple[list[int], list[int], int]:
+        """_decode_lists for a decode run of `steps` steps of each sequence (one new token each, then each step's
+        token): the new slots [steps * B], step r's at [r B, (r + 1) B); the block tables [B * M] row by row, padded
+        with block 0 to the last step's longest context; and M."""
+        tables, bs = [s.block_table for s in sequences], self.kv.block_size
+        self.kv.zero_new_blocks(tables)
+        slots = [slot for r in range(steps) for slot in new_slots(tables, [s.start + r + 1 for s in sequences], bs)]
+        width, padded = padded_tables(tables, [s.start + steps for s in sequences], bs)
+        return slots, padded, width
 
     def _outputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """`rows` rows of run_sequences' outputs, views of buffers kept from step to step and grown to the most rows
