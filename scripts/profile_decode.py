@@ -98,17 +98,17 @@ class LabelledStack:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stack, name)
 
-    def __call__(self, *args: Any) -> Any:
+    def step_from_metadata(self, *args: Any) -> Any:
         with record_function("decode_stack"):
-            return self.stack(*args)
+            return self.stack.step_from_metadata(*args)
 
-    def run_sequences(self, *args: Any) -> Any:
+    def step(self, *args: Any) -> Any:
         with record_function("decode_stack"):
-            return self.stack.run_sequences(*args)
+            return self.stack.step(*args)
 
-    def run_steps(self, *args: Any) -> Any:  # a decode run: several steps in one call
+    def decode_run(self, *args: Any) -> Any:  # a decode run: several steps in one call
         with record_function("decode_stack"):
-            return self.stack.run_steps(*args)
+            return self.stack.decode_run(*args)
 
 
 def print_stages(runs: list[list[tuple[str, int | None, float, float]]], wall: float) -> None:

@@ -11,7 +11,7 @@ symbols: every module in the process would share the first one's pool, and a tre
 would crash.
 
 With `--tensor-inputs`, each tree also runs as "<tree> (tensor inputs)": the step's inputs built as tensors by
-the KV cache's `prepare` and fed through `DecodeStack.__call__`, the path before `run_sequences` took lists.
+the KV cache's `prepare` and fed through `DecodeStack.step_from_metadata`, the path before `step` took lists.
 
 With `--probe`, each turn starts with a short read of 128 MB (the memory's bandwidth at that moment, GB/s), and each
 tree's steps are also split by it: turns whose probe read above the midpoint of the probes' 10th and 90th
@@ -39,7 +39,7 @@ from tokenmill.types import EngineRequest
 
 
 class TensorInputs:
-    """A stack that the runner feeds through `__call__` (prepare's tensors), never `run_sequences`."""
+    """A stack that the runner feeds through `step_from_metadata` (prepare's tensors), never `step`."""
 
     plain_embedding = False
     greedy_ready = False  # no decode runs either: each step is one call
@@ -48,8 +48,8 @@ class TensorInputs:
         assert stack is not None
         self.stack, self.kv = stack, stack.kv
 
-    def __call__(self, *args: Any) -> Any:
-        return self.stack(*args)
+    def step_from_metadata(self, *args: Any) -> Any:
+        return self.stack.step_from_metadata(*args)
 
 
 def _tree_cflags(plain: Callable[[str], list[str]], define: str, level: str) -> list[str]:

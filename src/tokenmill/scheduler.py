@@ -16,7 +16,7 @@ prefill chunk, a decode and a prefix-cache hit are all "compute the next k token
 `batching="static"` admits nothing while anything runs: the whole batch drains first (the baseline).
 
 3. Decode runs (`num_scheduler_steps`, as vLLM's multi-step scheduling): when every scheduled sequence decodes
-   with nothing but a draw or the argmax reading its logits and may take several steps (`Request.decode_run`,
+   with nothing but a draw or the argmax reading its logits and may take several steps (`Request.multi_step_limit`,
    which the core sets), at most `MAX_SEQS_FOR_RUNS` run, none waits and each gets the slots of its run without
    preempting anyone, the step decodes that many tokens for each in one call. A newcomer waits for the run's end.
 """
@@ -143,10 +143,10 @@ class Scheduler:
         return SchedulerOutput(scheduled, plan.preempted, plan.num_cached_tokens, steps)
 
     def _decode_runs(self, plan: _Plan) -> int:
-        """The decode steps every scheduled sequence takes this step: the least `decode_run` among them where
+        """The decode steps every scheduled sequence takes this step: the least `multi_step_limit` among them where
         all may take several (see the top), else 1. The slots of a run are taken here; where one sequence cannot
         have them, the step is a plain one (the slots taken stay with their sequences, for their next steps)."""
-        runs = [req.decode_run for req, _, _, _ in plan.scheduled]
+        runs = [req.multi_step_limit for req, _, _, _ in plan.scheduled]
         run = min(runs, default=0)
         if run < 2 or self.waiting or len(runs) > MAX_SEQS_FOR_RUNS or plan.preempted:
             return 1

@@ -3,8 +3,9 @@
 rides in the `ModelInput`. Nothing after it decides these again: the runner picks its forward path by the plan,
 the decode stack computes the logits it names, and the sampler takes them as it says.
 
-`row_reads` is the rule for one row. The core also asks it which sequences may take a decode run
-(engine/decode_runs.py): only those whose logits nothing but a draw or the argmax reads.
+`row_reads` is the rule for one row. `run_steps_allowed` applies it to say how many decode steps a sequence may take
+in one call next step (the core sets it as `Request.multi_step_limit` after each step); the scheduler grants the
+least of them when every sequence of a step may run and their KV slots fit, and `plan_step` records what it granted.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.types import LogitsRead, ModelInput, SequenceInput, StepPlan
+from tokenmill.types import LogitsRead, ModelInput, Request, SequenceInput, StepPlan
 
 
 def penalizes(p: SamplingParams) -> bool:
@@ -25,6 +26,22 @@ def row_reads(params: SamplingParams, suppressed_token_ids: Sequence[int], const
     if constrained or suppressed_token_ids or params.logprobs is not None or params.logit_bias or penalizes(params):
         return LogitsRead.FULL
     return LogitsRead.DRAW if params.temperature > 0 else LogitsRead.ARGMAX
+
+
+def run_steps_allowed(req: Request, steps: int, max_model_len: int, constrained: bool) -> int:
+    """The decode steps `req` may take in one call next step (0: none): up to `steps` for a decode past its first
+    token whose logits nothing but a draw or the argmax reads (no logprobs, penalty, bias, grammar (`constrained`),
+    drafts or min_tokens still to reach), within its output budget and the context. A greedy or seeded row's tokens
+    are then the ones single steps would give (the same kernels over the same batch, the same uniform numbers); an
+    unseeded row's draws take the sampler's numbers in another order once a row of its run stops early, from the
+    same distribution."""
+    p, num_out = req.params, len(req.output_token_ids)
+    left = min(req.max_tokens - num_out, max_model_len - req.num_tokens)
+    only_draws = row_reads(p, [], constrained) <= LogitsRead.DRAW
+    # past the first token: a prompt's last chunk of one token samples its first at once
+    decoding = num_out > 0 and not req.spec_token_ids and req.num_computed_tokens == req.num_tokens - 1
+    runs = only_draws and decoding and not req.finished and num_out >= p.min_tokens and left > 0
+    return min(steps, left) if runs else 0
 
 
 def plan_step(sequences: Sequence[SequenceInput], constrained: Collection[str], num_steps: int = 1) -> StepPlan:

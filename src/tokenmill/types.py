@@ -63,7 +63,7 @@ class Request:
     spec_misses: int = 0  # verification rounds in a row that kept no draft
     spec_skip: int = 0  # steps to go without drafts (after misses: 2, 4, ... 64)
     # decode steps this sequence may take in one call next step (0: it may not; scheduler._decode_runs)
-    decode_run: int = 0
+    multi_step_limit: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

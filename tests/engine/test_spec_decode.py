@@ -263,14 +263,14 @@ def test_a_bfloat16_model_as_its_own_draft_keeps_every_draft(folder: Path) -> No
     if stack is None or not stack.greedy_ready:
         pytest.skip("the draft runs without the decode stack here (no CPU kernels): its native rounds do not apply")
     calls = 0
-    native_greedy = stack.greedy
+    native_greedy = stack.greedy_drafts
 
     def counted(*args: Any) -> list[list[int]]:
         nonlocal calls
         calls += 1
         return native_greedy(*args)
 
-    stack.greedy = counted  # type: ignore[method-assign]
+    stack.greedy_drafts = counted  # type: ignore[method-assign]
     got = llm.generate(prompts, params)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
     stats = llm.engine.stats

@@ -227,7 +227,7 @@ def test_the_stacks_list_inputs_must_agree_in_length(
 
 
 def test_the_stacks_buffers_follow_the_batch_as_it_shrinks_and_grows(make_checkpoint: Callable[..., Path]) -> None:
-    """run_sequences writes into buffers kept from step to step, grown to the most rows seen: batches that shrink as
+    """step writes into buffers kept from step to step, grown to the most rows seen: batches that shrink as
     requests finish, then a larger one, decode the same tokens as the tensor path (run), which allocates afresh."""
     llm = _llm(make_checkpoint, "bfloat16")
     runs = Runs(llm)

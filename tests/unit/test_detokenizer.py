@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tokenmill.engine.output import OutputProcessor, SequenceText
+from tokenmill.engine.output_processor import OutputProcessor, SequenceText
 from tokenmill.outputs import RequestMetrics
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -16,8 +16,7 @@ import time
 from dataclasses import replace
 from itertools import count
 
-from tokenmill.engine.decode_runs import decode_run_length
-from tokenmill.engine.output import OutputProcessor
+from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.validation import output_budget
 from tokenmill.kv_cache import KVManager
 from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
@@ -26,7 +25,7 @@ from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import DraftRequest, Proposer
-from tokenmill.step_plan import model_input
+from tokenmill.step_plan import model_input, run_steps_allowed
 from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.types import (
@@ -55,7 +54,7 @@ class EngineCore:
         eos_token_ids: frozenset[int],
         proposer: Proposer | None = None,
         spec_off_above: int | None = None,  # no drafts while more sequences than this run
-        num_scheduler_steps: int = 1,  # decode steps in one call, where the runner can (Request.decode_run)
+        num_scheduler_steps: int = 1,  # decode steps in one call, where the runner can (Request.multi_step_limit)
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
         self.scheduler_steps = num_scheduler_steps if runner.runs_decode_steps else 1
@@ -229,7 +228,7 @@ class EngineCore:
     @staticmethod
     def _recompute(req: Request) -> None:
         """A requeued (preempted) request starts over: nothing of it is computed."""
-        req.num_computed_tokens, req.decode_run = 0, 0
+        req.num_computed_tokens, req.multi_step_limit = 0, 0
         req.metrics.num_preemptions += 1
 
     def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
@@ -406,13 +405,13 @@ class EngineCore:
             req.spec_token_ids = drafts.get(req.request_id, [])
 
     def _plan_decode_runs(self) -> None:
-        """How many decode steps each running sequence may take in one call next step (decode_runs.py;
+        """How many decode steps each running sequence may take in one call next step (step_plan.run_steps_allowed;
         the scheduler decides whether the step takes them)."""
         if self.scheduler_steps < 2:
             return
         for req in self.scheduler.running:
             constrained = self.structured.has(req.request_id)
-            req.decode_run = decode_run_length(req, self.scheduler_steps, self.max_model_len, constrained)
+            req.multi_step_limit = run_steps_allowed(req, self.scheduler_steps, self.max_model_len, constrained)
 
     def _release(self, req: Request) -> None:
         req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()

@@ -25,7 +25,7 @@ class StackListsPath:
 
     def forward(self, plan: StepPlan, rows: Rows) -> Forward:
         # [B, D], [B, V] (None where the plan reads only the argmax), [B]
-        hidden, logits, argmax = self.stack.run_sequences(rows.sequences, rows.input_ids, rows.positions, plan.logits)
+        hidden, logits, argmax = self.stack.step(rows.sequences, rows.input_ids, rows.positions, plan.logits)
         return Forward(hidden, logits, argmax)
 
 
@@ -43,13 +43,13 @@ class StackMetadataPath:
     def forward(self, plan: StepPlan, rows: Rows) -> Forward:
         meta = self.stack.kv.prepare(rows.sequences, rows.num_decodes)
         ids_t, pos_t = token_tensors(rows, self.device)
-        hidden, logits, argmax = self.stack(ids_t, pos_t, meta)  # [B, D], [B, V] float32, [B]
+        hidden, logits, argmax = self.stack.step_from_metadata(ids_t, pos_t, meta)  # [B, D], [B, V] float32, [B]
         return Forward(hidden, logits, argmax)
 
 
 class DecodeRunPath:
     """A decode run (`plan.num_steps` > 1): that many decode steps of every sequence in one native call, each token
-    the head's argmax or the draw the sampler's kernel would make (decode_stack.run_steps)."""
+    the head's argmax or the draw the sampler's kernel would make (DecodeStack.decode_run)."""
 
     name = "decode_run"
 
@@ -63,4 +63,4 @@ class DecodeRunPath:
         self, sequences: list[SequenceInput], steps: int, draws: tuple[list[SamplingParams], list[list[float]]] | None
     ) -> list[list[int]]:
         """Each sequence's `steps` tokens; `draws`: the rows' params [B] and each step's uniforms [steps][B]."""
-        return self.stack.run_steps(sequences, steps, draws)
+        return self.stack.decode_run(sequences, steps, draws)

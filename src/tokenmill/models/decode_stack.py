@@ -61,7 +61,7 @@ class DecodeStack:
         self.plain_embedding = (
             type(embed) is nn.Embedding and embed.weight.dtype == kv.dtype and embed.weight.is_contiguous()
         )
-        # run_sequences' outputs: buffers for the most rows so far, and their views by row count
+        # step's outputs: buffers for the most rows so far, and their views by row count
         self._full: tuple[torch.Tensor | None, ...] = ()
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = {}
         self._capacity = 0
@@ -104,12 +104,12 @@ class DecodeStack:
 
     @property
     def greedy_ready(self) -> bool:
-        """`greedy` and `run_steps` can run: the head is in the stack, and the embedding is a plain table in the
-        cache's dtype with a row for every token the head can give (`greedy` feeds them back unchecked)."""
+        """`greedy_drafts` and `decode_run` can run: the head is in the stack, and the embedding is a plain table in the
+        cache's dtype with a row for every token the head can give (`greedy_drafts` feeds them back unchecked)."""
         vocab = self.vocab_size
         return vocab is not None and self.plain_embedding and self.decoder.embed_tokens.weight.shape[0] >= vocab
 
-    def greedy(
+    def greedy_drafts(
         self, feeds: list[list[int]], starts: list[int], tables: list[list[int]], rounds: list[int]
     ) -> list[list[int]]:
         """Greedy decoding in one native call, as a draft model proposes: row b feeds the tokens feeds[b] at
@@ -170,7 +170,7 @@ class DecodeStack:
                          for i, (kind, layer) in enumerate(stages)])  # fmt: skip
         return runs
 
-    def run_sequences(
+    def step(
         self,
         sequences: list[SequenceInput],
         input_ids: list[int],
@@ -180,7 +180,7 @@ class DecodeStack:
         """A decode-only step of `sequences` (one new token each: input_ids, positions [B]) from Python lists, with
         no torch op on the way: after a step's weights have streamed through the caches, each torch op's first
         call runs cold code, 20-60 us (Xeon), where a one-row step of Qwen2.5-0.5B in int4 is ~10 ms. Returns
-        what `__call__` does, in buffers that the next call overwrites. Needs `plain_embedding`.
+        what `step_from_metadata` does, in buffers that the next call overwrites. Needs `plain_embedding`.
 
         `reads`: what the step's plan reads of the logits. Below FULL, a bf16 model's logits are not widened into a
         float32 copy (at 16 rows that copy is megabytes of writes a step), and what comes back in its place is None
@@ -198,14 +198,14 @@ class DecodeStack:
                               0 if wide is None else wide.data_ptr(), 0 if top is None else top.data_ptr())  # fmt: skip
         return out, model_logits if reads == LogitsRead.DRAW else wide, top
 
-    def run_steps(
+    def decode_run(
         self,
         sequences: list[SequenceInput],
         steps: int,
         draws: tuple[list[SamplingParams], list[list[float]]] | None = None,
     ) -> list[list[int]]:
         """A decode run (runner._decode_run): `steps` decode steps of `sequences` (one new token each) in one native
-        call, each step fed the last one's tokens, from Python lists as run_sequences takes its inputs; the slots of
+        call, each step fed the last one's tokens, from Python lists as step takes its inputs; the slots of
         every position are in the block tables. Each token is the head's argmax, or with `draws` (params [B],
         uniforms [steps][B]) the draw `Kernels.draw` would make from the logits in the model's dtype (a greedy
         row's: the argmax). Returns each sequence's tokens."""
@@ -242,7 +242,7 @@ class DecodeStack:
         return slots, padded, width
 
     def _outputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """`rows` rows of run_sequences' outputs, views of buffers kept from step to step and grown to the most rows
+        """`rows` rows of step's outputs, views of buffers kept from step to step and grown to the most rows
         seen: out [B, D] and the logits [B, V] (model dtype), those as float32 [B, V] (the logits themselves for a
         float32 model) and their argmax [B] int64 (None, None, None without the head)."""
         if rows not in self._views:
@@ -256,7 +256,7 @@ class DecodeStack:
             self._views[rows] = tuple(None if t is None else t[:rows] for t in self._full)  # type: ignore[assignment]
         return self._views[rows]
 
-    def __call__(
+    def step_from_metadata(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """input_ids, positions [B] -> ([B, D] what the decoder's forward returns for them, [B, V] float32 what

@@ -1,11 +1,11 @@
 """Draft-model proposer: a smaller model with the target's tokenizer guesses the next k tokens, greedily.
 
 The draft keeps its own paged KV pool and KV manager (its layers and heads differ from the target's) and its
-own runner. Per request it remembers the tokens whose keys are in its cache (`fed`). Each round it:
-1. keeps the longest prefix of `fed` that the request still has (rejected drafts fall away; their slots are
+own runner. Per request it remembers the tokens whose keys are in its cache (`cached_token_ids`). Each round it:
+1. keeps the longest prefix of `cached_token_ids` that the request still has (rejected drafts fall away; their slots are
    simply overwritten), and computes the rest of the request's tokens, sampling draft 1;
 2. feeds each draft back to get the next one, k - 1 more one-token steps, batched over the requests.
-Where the draft runs on the decode stack, both are one native call (`DecodeStack.greedy`; a prompt's catch-up
+Where the draft runs on the decode stack, both are one native call (`DecodeStack.greedy_drafts`; a prompt's catch-up
 is a prefill on the runner first); elsewhere each is a runner step.
 Drafting greedily makes the proposal deterministic, so the runner's rule (keep a draft while it equals the
 target's own sample) stays lossless (spec_decode/__init__.py).
@@ -34,7 +34,7 @@ SPLIT_MAX = 16  # catch-ups of up to this many tokens run as one-token rows (a d
 
 @dataclass
 class _State:
-    fed: list[int] = field(default_factory=list)  # tokens whose keys and values are in the draft's cache
+    cached_token_ids: list[int] = field(default_factory=list)  # tokens whose keys and values are in the draft's cache
 
 
 class DraftProposer:
@@ -76,17 +76,19 @@ class DraftProposer:
         if native and stack is not None:  # every other round, and the catch-ups, in one native call
             for rid in drafts:
                 if len(drafts[rid]) == 1 and want[rid] > 1:  # after a prefill: feed draft 1 back
-                    feeds[rid] = ([drafts[rid][0]], len(self._states[rid].fed))
+                    feeds[rid] = ([drafts[rid][0]], len(self._states[rid].cached_token_ids))
             if feeds:
                 rids = list(feeds)
                 rounds = [want[rid] - len(drafts[rid]) for rid in rids]
                 tables = [self.kv.block_table(rid) for rid in rids]
-                rest = stack.greedy([feeds[rid][0] for rid in rids], [feeds[rid][1] for rid in rids], tables, rounds)
+                rest = stack.greedy_drafts(
+                    [feeds[rid][0] for rid in rids], [feeds[rid][1] for rid in rids], tables, rounds
+                )
                 for rid, tokens in zip(rids, rest):
                     drafts[rid] += tokens
             for rid, d in drafts.items():
                 if rid in self._states:
-                    self._states[rid].fed += d[:-1]  # the last draft is not fed back
+                    self._states[rid].cached_token_ids += d[:-1]  # the last draft is not fed back
             return drafts
         more = [self._feed(rid, d[0]) for rid, d in drafts.items() if d and want[rid] > 1]
         while more:  # one batched draft forward per draft position
@@ -103,7 +105,7 @@ class DraftProposer:
         has not computed; the last of them samples draft 1. None when the draft's pool is full."""
         state = self._states.setdefault(r.request_id, _State())
         keep = 0
-        for a, b in zip(state.fed, r.token_ids):
+        for a, b in zip(state.cached_token_ids, r.token_ids):
             if a != b:
                 break
             keep += 1
@@ -115,13 +117,13 @@ class DraftProposer:
                                       num_lookahead_tokens=want - 1):  # fmt: skip
             self.release(r.request_id)  # the draft's pool is full: no drafts for this one
             return None
-        state.fed = list(r.token_ids)
+        state.cached_token_ids = list(r.token_ids)
         return keep, r.token_ids[keep:]
 
     def _feed(self, request_id: str, token: int) -> SequenceInput:
         state = self._states[request_id]
-        start = len(state.fed)
-        state.fed.append(token)
+        start = len(state.cached_token_ids)
+        state.cached_token_ids.append(token)
         return self._input(request_id, [token], start)
 
     def _input(self, request_id: str, token_ids: list[int], start: int, sample: bool = True) -> SequenceInput:
