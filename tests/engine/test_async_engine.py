@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -71,16 +73,41 @@ def test_concurrent_streams_equal_offline_generate(folder: Path, engine: AsyncEn
     assert _pool_full(engine)
 
 
+@contextlib.contextmanager
+def _held_after(engine: AsyncEngine, steps: int) -> Iterator[threading.Event]:
+    """The engine's loop stops before its step number `steps + 1` until the event is set (or 60 s pass): what
+    the test does meanwhile lands before the request can finish, on any CPU."""
+    runner = engine.core.runner
+    original = runner.execute
+    release, count = threading.Event(), [0]
+
+    def held(batch: ModelInput) -> RunnerOutput:
+        count[0] += 1
+        if count[0] > steps:
+            release.wait(60)
+        return original(batch)
+
+    runner.execute = held  # type: ignore[method-assign]
+    try:
+        yield release
+    finally:
+        release.set()
+        runner.execute = original  # type: ignore[method-assign]
+
+
 def test_closing_a_stream_aborts_within_a_step(engine: AsyncEngine) -> None:
     async def main() -> None:
-        stream = engine.generate("Hello", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
-        seen = 0
-        async for _ in stream:  # type: ignore[attr-defined]
-            seen += 1
-            if seen == 3:
-                break
-        await stream.aclose()  # type: ignore[attr-defined]
-        await _wait_until(lambda: _pool_full(engine))
+        # 3 steps give at least 3 outputs; the 4th waits until the stream is closed (400 tokens raced the close)
+        with _held_after(engine, 3) as release:
+            stream = engine.generate("Hello", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+            seen = 0
+            async for _ in stream:  # type: ignore[attr-defined]
+                seen += 1
+                if seen == 3:
+                    break
+            await stream.aclose()  # type: ignore[attr-defined]
+            release.set()
+            await _wait_until(lambda: _pool_full(engine))
         assert engine.core.stats.num_aborted >= 1
 
     asyncio.run(main())
@@ -89,11 +116,15 @@ def test_closing_a_stream_aborts_within_a_step(engine: AsyncEngine) -> None:
 def test_explicit_abort_ends_stream_with_abort(engine: AsyncEngine) -> None:
     async def main() -> RequestOutput:
         final, aborted = None, False
-        async for out in engine.generate("Hello", SamplingParams(max_tokens=400, ignore_eos=True), request_id="r1"):
-            final = out
-            if len(out.outputs[0].token_ids) >= 2 and not aborted:  # a decode run brings several tokens at once
-                engine.abort("r1")
-                aborted = True
+        # 2 steps give at least 2 tokens; the 3rd waits for the abort (400 tokens raced it)
+        with _held_after(engine, 2) as release:
+            params = SamplingParams(max_tokens=400, ignore_eos=True)
+            async for out in engine.generate("Hello", params, request_id="r1"):
+                final = out
+                if len(out.outputs[0].token_ids) >= 2 and not aborted:  # a decode run brings several tokens at once
+                    engine.abort("r1")
+                    aborted = True
+                    release.set()
         assert final is not None
         return final
 

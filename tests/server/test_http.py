@@ -16,9 +16,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.helpers import Server, assert_openai_error, offline, offline_chat, sse_events, sse_json
+from tests.server.hold import Hold
 from tokenmill import LLM
 
 SERVED_MODEL_NAME = "tiny"
+HOLD_TOKEN = 8  # a prompt starting with it is held mid-request (tests/server/hold.py); no text prompt here does
 PROMPT = "To be, or not to be"
 MESSAGES = [{"role": "user", "content": "Hello world!"}]
 
@@ -272,48 +274,52 @@ def test_stats_snapshot(http: httpx.Client) -> None:
     assert 0 <= stats["prefix_cache_hit_rate"] <= 1
 
 
-def test_disconnect_aborts_and_frees_kv(http: httpx.Client) -> None:
+def test_disconnect_aborts_and_frees_kv(http: httpx.Client, hold: Hold) -> None:
     baseline = _stats(http)["kv_blocks_used"]
     generated_before = _value(_metrics(http), "tokenmill:generation_tokens_total")
     max_tokens = 480  # with a 512-token context: far more than what streams before the client hangs up
-    body = _body(max_tokens=max_tokens, ignore_eos=True, stream=True)
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        seen = 0
-        for line in r.iter_lines():
-            seen += line.startswith("data: ")
-            if seen == 3:
-                break
-    # the response is closed: the server must abort the request within an engine step and free its blocks
-    deadline = time.monotonic() + 10
-    while (stats := _stats(http))["running"] != 0 or stats["kv_blocks_used"] != baseline:
-        assert time.monotonic() < deadline, f"request not aborted 10 s after the disconnect: {stats}"
-        time.sleep(0.05)  # bounded polling
+    # the engine is held after the request's first tokens until the server aborts it (tests/server/hold.py), so the
+    # request is unfinished when the client leaves however fast this CPU is (an unheld one raced the client)
+    body = _body(prompt=[HOLD_TOKEN, 30, 31], max_tokens=max_tokens, ignore_eos=True, stream=True)
+    try:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept: a dropped line iterator closes the response
+            assert next(line for line in lines if line.startswith("data: "))
+            hold.wait_held()
+        # the response is closed: the server must abort the request within an engine step and free its blocks
+        deadline = time.monotonic() + 10
+        while (stats := _stats(http))["running"] != 0 or stats["kv_blocks_used"] != baseline:
+            assert time.monotonic() < deadline, f"request not aborted 10 s after the disconnect: {stats}"
+            time.sleep(0.05)  # bounded polling
+    finally:
+        hold.release()  # a no-op once the abort ended the hold
     generated = _value(_metrics(http), "tokenmill:generation_tokens_total") - generated_before
     assert generated < max_tokens, "the request ran to completion instead of being aborted"
     assert http.get("/health").status_code == 200
 
 
-def test_non_streaming_disconnect_aborts_too(server: Server, http: httpx.Client) -> None:
+def test_non_streaming_disconnect_aborts_too(server: Server, http: httpx.Client, hold: Hold) -> None:
     before = _stats(http)
     baseline = before["kv_blocks_used"]
-    # 8 choices of 480 tokens: several hundred steps, so the request is still running when the client leaves
-    # (the server looks for a gone client every 0.1 s); the client leaves as soon as /stats shows it running,
-    # however fast this CPU is (a fixed client timeout raced a fast one)
-    payload = json.dumps(_body(max_tokens=480, ignore_eos=True, n=8)).encode()
+    # 8 choices of 480 tokens; the engine is held after their first tokens until the server aborts them
+    # (tests/server/hold.py; the server looks for a gone client every 0.1 s), and the client leaves once it is
+    # held: the request is still running when the client leaves and when the server notices, on any CPU
+    payload = json.dumps(_body(prompt=[HOLD_TOKEN, 40, 41], max_tokens=480, ignore_eos=True, n=8)).encode()
     url = httpx.URL(server.url)
     head = f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
-    with socket.create_connection((url.host, url.port)) as client:
-        client.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    try:
+        with socket.create_connection((url.host, url.port)) as client:
+            client.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            hold.wait_held()
+            assert _stats(http)["running"] != 0
+        # the connection is closed: the server must abort the request and free its blocks
         deadline = time.monotonic() + 10
-        while _stats(http)["running"] == 0:
-            assert time.monotonic() < deadline, "the request did not start within 10 s"
-            time.sleep(0.002)  # bounded polling
-    # the connection is closed: the server must abort the request and free its blocks
-    deadline = time.monotonic() + 10
-    while (stats := _stats(http))["running"] != 0 or stats["kv_blocks_used"] != baseline:
-        assert time.monotonic() < deadline, f"request not aborted 10 s after the disconnect: {stats}"
-        time.sleep(0.05)  # bounded polling
+        while (stats := _stats(http))["running"] != 0 or stats["kv_blocks_used"] != baseline:
+            assert time.monotonic() < deadline, f"request not aborted 10 s after the disconnect: {stats}"
+            time.sleep(0.05)  # bounded polling
+    finally:
+        hold.release()  # a no-op once the abort ended the hold
     assert stats["aborted_requests"] == before["aborted_requests"] + 1
     assert stats["completed_requests"] == before["completed_requests"]
 

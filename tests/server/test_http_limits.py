@@ -10,11 +10,13 @@ import httpx
 import pytest
 
 from tests.server.helpers import Server, assert_openai_error
+from tests.server.hold import Hold
 
 KEY = "sekret-key"
 SERVER_FLAGS = ("--api-key", KEY, "--max-waiting-requests", "1", "--max-num-seqs", "1")
 SERVED_MODEL_NAME = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+HOLD_TOKEN = 8  # a prompt starting with it is held mid-request (tests/server/hold.py)
 COMPLETION = {"model": SERVED_MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
 CHAT = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
 
@@ -58,19 +60,32 @@ def test_right_key_is_served(http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200  # probes need no key
 
 
-def test_full_waiting_queue_is_503_with_retry_after(server: Server, http: httpx.Client) -> None:
-    # one running (--max-num-seqs 1) + one waiting (--max-waiting-requests 1): of 6 long requests sent at once,
-    # some must be refused at once instead of queued
+def test_full_waiting_queue_is_503_with_retry_after(server: Server, http: httpx.Client, hold: Hold) -> None:
+    # one running (--max-num-seqs 1) + one waiting (--max-waiting-requests 1): of 5 long requests sent at once
+    # beside the running one, exactly one is queued and the others are refused at once instead of queued. The
+    # running one is held mid-request until they are answered (tests/server/hold.py): unheld, it raced them
     long = {**COMPLETION, "max_tokens": 200, "ignore_eos": True}
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=AUTH) as client:
-            return await asyncio.gather(*(client.post("/v1/completions", json=long) for _ in range(6)))
+            running = asyncio.create_task(client.post("/v1/completions", json={**long, "prompt": [HOLD_TOKEN, 20]}))
+            await asyncio.to_thread(hold.wait_held)
+            rest = [asyncio.create_task(client.post("/v1/completions", json=long)) for _ in range(5)]
+            refused = []
+            for answered in asyncio.as_completed(rest):  # the refusals come while the engine is still held
+                refused.append(await answered)
+                if len(refused) == 4:
+                    break
+            assert hold.is_held and all(r.status_code == 503 for r in refused), [r.status_code for r in refused]
+            hold.release()
+            return [await running, *await asyncio.gather(*rest)]
 
-    responses = asyncio.run(main())
+    try:
+        responses = asyncio.run(main())
+    finally:
+        hold.release()
     statuses = sorted(r.status_code for r in responses)
-    assert set(statuses) == {200, 503}, statuses
-    assert 1 <= statuses.count(200) <= 5
+    assert statuses == [200, 200, 503, 503, 503, 503], statuses
     for r in responses:
         if r.status_code == 503:
             assert_openai_error(r, 503)

@@ -15,9 +15,11 @@ import openai
 import psutil
 
 from tests.server.helpers import Server, free_port, offline, running
+from tests.server.hold import Hold
 from tokenmill import LLM
 
 SERVER_FLAGS = ("--tensor-parallel-size", "2", "--threads", "1")
+HOLD_TOKEN = 8  # a prompt starting with it is held mid-request on rank 0 (tests/server/hold.py)
 
 
 def _worker(server: Server) -> psutil.Process:
@@ -27,7 +29,14 @@ def _worker(server: Server) -> psutil.Process:
     )
 
 
-def test_two_ranks_serve_and_a_dead_rank_ends_the_server(server: Server, llm: LLM) -> None:
+def _dead(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_two_ranks_serve_and_a_dead_rank_ends_the_server(server: Server, llm: LLM, hold: Hold) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=60, max_retries=0)
     prompts = [[11, 12, 13], [20, 21, 22, 23]]
     got = client.completions.create(model=server.model, prompt=prompts, max_tokens=12, temperature=0)
@@ -35,11 +44,20 @@ def test_two_ranks_serve_and_a_dead_rank_ends_the_server(server: Server, llm: LL
         offline(llm, {"prompt_token_ids": p}, 12, ignore_eos=False).text for p in prompts
     ]
 
-    body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # held on rank 0 after its first tokens (tests/server/hold.py) until the worker is dead: unheld, a fast CPU
+    # could finish the 400 tokens before the kill, and the stream would end without an error
+    body = {"model": server.model, "prompt": [HOLD_TOKEN, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))  # the stream is running
-        _worker(server).send_signal(signal.SIGKILL)
+        hold.wait_held()
+        worker = _worker(server)
+        worker.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not _dead(worker):  # dead before the held step goes on
+            assert time.monotonic() < deadline, "the worker survived SIGKILL for 30 s"
+            time.sleep(0.01)
+        hold.release()
         rest = [line for line in lines if line.startswith("data:")]
     assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]", rest[-3:]
     start = time.monotonic()
