@@ -3,7 +3,6 @@ every row's argmax, both made by the head's own chunks while their columns are i
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ VOCAB = 390
 
 
 class Runs:
-    """Wraps a stack's native half: each decode step's rows, logits (model dtype), float32 logits and argmax."""
+    """Wraps a stack's checked native calls: each decode step's logits (model dtype), float32 logits and argmax."""
 
     def __init__(self, llm: LLM) -> None:
         _skip_without_stack(llm)
@@ -28,34 +27,23 @@ class Runs:
         assert self.stack is not None and self.stack.vocab_size == VOCAB
         self.native = self.stack.native
         self.steps: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # wide None: not asked for
-        self.stack.native = self
+        self.stack.native = self  # type: ignore[assignment]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.native, name)
 
-    def run(self, *args: Any) -> None:  # (x, cos, sin, slot, tables, max_blocks, lens, B, block_size, out, ...)
-        self.native.run(*args)
-        self.record(args[7], *args[10:])
+    def step_tensors(self, *args: Any) -> None:  # (..., out, logits, wide, top)
+        self.native.step_tensors(*args)
+        self.record(*args[-3:])
 
-    def run_ids(self, *args: Any) -> None:  # (embed, its rows, ids, positions, cos and sin tables, then as run)
-        self.native.run_ids(*args)
-        self.record(args[10], *args[13:])
+    def step_lists(self, *args: Any) -> None:  # (..., out, logits, wide, top)
+        self.native.step_lists(*args)
+        self.record(*args[-3:])
 
-    def run_lists(self, *args: Any) -> None:  # as run_ids, with lists for ids, positions, slots, tables, lens
-        self.native.run_lists(*args)
-        self.record(len(args[2]), *args[12:])
-
-    def record(self, rows: int, logits_ptr: int, wide_ptr: int, top_ptr: int) -> None:
-        v, bf16 = VOCAB, self.stack.kv.dtype == torch.bfloat16
-
-        def at(ptr: int, ctype: Any, dtype: torch.dtype, n: int) -> torch.Tensor:  # a copy of n values at ptr
-            return torch.frombuffer((ctype * n).from_address(ptr), dtype=dtype).clone()
-
-        logits = at(logits_ptr, ctypes.c_uint16 if bf16 else ctypes.c_float,
-                    torch.bfloat16 if bf16 else torch.float32, rows * v).view(rows, v)  # fmt: skip
-        wide = at(wide_ptr, ctypes.c_float, torch.float32, rows * v).view(rows, v) if bf16 and wide_ptr else None
+    def record(self, logits: torch.Tensor, wide: torch.Tensor | None, top: torch.Tensor) -> None:
+        bf16 = self.stack.kv.dtype == torch.bfloat16
         wide = logits if not bf16 else wide
-        self.steps.append((logits, wide, at(top_ptr, ctypes.c_int64, torch.int64, rows)))
+        self.steps.append((logits.clone(), None if wide is None else wide.clone(), top.clone()))
 
 
 def _llm(make_checkpoint: Callable[..., Path], dtype: str) -> LLM:
@@ -173,7 +161,7 @@ def test_the_stack_embeds_and_rotates_as_torch_does(
     make_checkpoint: Callable[..., Path], dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over a plain embedding the stack gathers the token rows and the rotary tables' rows itself, from the step's
-    inputs as lists (run_lists); the logits are the same bits as from torch's gathers and conversions (run), step
+    inputs as lists (step_lists); the logits are the same bits as from torch's gathers and conversions, step
     by step."""
     llm = _llm(make_checkpoint, dtype)
     runs = Runs(llm)
@@ -188,8 +176,8 @@ def test_the_stack_embeds_and_rotates_as_torch_does(
 
 
 def test_the_stack_refuses_a_token_id_outside_the_embedding(make_checkpoint: Callable[..., Path]) -> None:
-    """run_ids reads embedding rows by id: one past the table raises IndexError, as torch's embedding would,
-    before anything runs, and the engine decodes on afterwards."""
+    """The native run_ids reads embedding rows by id: one past the table raises IndexError, as torch's embedding
+    would, before anything runs, and the engine decodes on afterwards."""
     llm = _llm(make_checkpoint, "float32")
     _skip_without_stack(llm)
     stack = llm.engine.runner.decode_stack
@@ -198,10 +186,10 @@ def test_the_stack_refuses_a_token_id_outside_the_embedding(make_checkpoint: Cal
     for bad in (VOCAB, -1):
         ids = torch.tensor([3, bad], dtype=torch.int64)
         with pytest.raises(IndexError, match=f"token id {bad} is not in the embedding's {VOCAB} rows"):
-            stack.native.run_ids(embed.data_ptr(), VOCAB, ids.data_ptr(), *[0] * 7, 2, 16, 0, 0, 0, 0)
+            stack.native.native.run_ids(embed.data_ptr(), VOCAB, ids.data_ptr(), *[0] * 7, 2, 16, 0, 0, 0, 0)
         with pytest.raises(IndexError, match=f"token id {bad} is not in the embedding's {VOCAB} rows"):
-            stack.native.run_lists(embed.data_ptr(), VOCAB, [3, bad], [0, 0], 0, 0, [0, 1], [1, 1], 1, [1, 1], 16,
-                                   0, 0, 0, 0)  # fmt: skip
+            stack.native.native.run_lists(embed.data_ptr(), VOCAB, [3, bad], [0, 0], 0, 0, [0, 1], [1, 1], 1, [1, 1],
+                                          16, 0, 0, 0, 0)  # fmt: skip
     assert all(len(tokens) == 6 for tokens in _generate(llm))
 
 
@@ -213,8 +201,8 @@ def test_the_stack_refuses_a_token_id_outside_the_embedding(make_checkpoint: Cal
 def test_the_stacks_list_inputs_must_agree_in_length(
     make_checkpoint: Callable[..., Path], lists: tuple[list[int], ...]
 ) -> None:
-    """run_lists takes ids, positions, slots [B], tables [B * max_blocks] and lens [B] as lists: lengths that do not
-    agree (or no row) raise ValueError before anything runs, and the engine decodes on afterwards."""
+    """The native run_lists takes ids, positions, slots [B], tables [B * max_blocks] and lens [B] as lists: lengths
+    that do not agree (or no row) raise ValueError before anything runs, and the engine decodes on afterwards."""
     llm = _llm(make_checkpoint, "float32")
     _skip_without_stack(llm)
     stack = llm.engine.runner.decode_stack
@@ -222,7 +210,9 @@ def test_the_stacks_list_inputs_must_agree_in_length(
     ids, positions, slots, tables, lens = lists
     embed = stack.decoder.embed_tokens.weight
     with pytest.raises(ValueError, match="one entry per row"):
-        stack.native.run_lists(embed.data_ptr(), VOCAB, ids, positions, 0, 0, slots, tables, 1, lens, 16, 0, 0, 0, 0)
+        stack.native.native.run_lists(
+            embed.data_ptr(), VOCAB, ids, positions, 0, 0, slots, tables, 1, lens, 16, 0, 0, 0, 0
+        )
     assert all(len(tokens) == 6 for tokens in _generate(llm))
 
 
@@ -246,3 +236,31 @@ def test_the_stacks_buffers_follow_the_batch_as_it_shrinks_and_grows(make_checkp
     assert runs.stack._capacity == 5
     runs.stack.plain_embedding = False  # run(): the rows gathered by torch, outputs allocated each step
     assert generate() == own
+
+
+def test_the_checked_calls_refuse_what_would_read_or_write_outside(make_checkpoint: Callable[..., Path]) -> None:
+    """kernels/stack_ops.py checks a step before any pointer crosses: a token id past the embedding, a position
+    past the rotary tables, a slot or block id past the pool, and a buffer of the wrong shape are each a ValueError,
+    and the engine decodes on afterwards."""
+    llm = _llm(make_checkpoint, "float32")
+    _skip_without_stack(llm)
+    stack = llm.engine.runner.decode_stack
+    assert stack is not None
+    native, pool = stack.native, stack.kv
+    embed, (cos, sin) = stack.decoder.embed_tokens.weight, stack.decoder.rotary.tables(8)
+    d, slots_in_pool = embed.shape[1], pool.cache.shape[2]
+    out, logits = torch.empty(2, d), torch.empty(2, VOCAB)
+
+    def step(ids: list[int], positions: list[int], slots: list[int], tables: list[int], buf: torch.Tensor) -> None:
+        native.step_lists(embed, ids, positions, cos, sin, slots, tables, 1, [1, 1], pool.block_size, buf, logits,
+                          None, None)  # fmt: skip
+
+    cases = [(([3, VOCAB], [0, 0], [0, 1], [0, 0], out), "token ids"),
+             (([3, 4], [0, cos.shape[0]], [0, 1], [0, 0], out), "positions"),
+             (([3, 4], [0, 0], [0, slots_in_pool], [0, 0], out), "slots"),
+             (([3, 4], [0, 0], [0, 1], [0, slots_in_pool // pool.block_size], out), "block ids"),
+             (([3, 4], [0, 0], [0, 1], [0, 0], torch.empty(2, d + 1)), "out must be")]  # fmt: skip
+    for args, what in cases:
+        with pytest.raises(ValueError, match=what):
+            step(*args)
+    assert all(len(tokens) == 6 for tokens in _generate(llm))

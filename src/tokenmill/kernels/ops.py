@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.kernels.formats import BLOCK, FORMATS, PANEL
+from tokenmill.kernels.stack_ops import NativeStack, StackShape
 
 if TYPE_CHECKING:
     from tokenmill.sampling_params import SamplingParams
@@ -36,7 +37,7 @@ class Kernels:
     def __init__(self, module: ModuleType, level: str) -> None:
         self.module, self.level, self.lanes = module, level, int(module.lanes)
 
-    def _check_weight(self, packed: torch.Tensor, format_id: int, n: int, k: int) -> None:
+    def check_weight(self, packed: torch.Tensor, format_id: int, n: int, k: int) -> None:
         if packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.device.type != "cpu":
             raise ValueError("packed weights must be a contiguous uint8 CPU tensor")
         if packed.numel() != -(-n // PANEL) * panel_bytes(format_id, k):
@@ -48,7 +49,7 @@ class Kernels:
         """x [M, K'] (bfloat16 or float32, K' <= k) @ packed^T (+ bias, float32 [n]) -> [M, n] in x's dtype."""
         if x.dim() != 2 or x.shape[1] > k or x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu":
             raise ValueError(f"x must be a [M, <= {k}] bfloat16/float32 CPU tensor, got {tuple(x.shape)} {x.dtype}")
-        self._check_weight(packed, format_id, n, k)
+        self.check_weight(packed, format_id, n, k)
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(f"bias must be a contiguous float32 [{n}] tensor")
         x = x.contiguous()
@@ -61,7 +62,7 @@ class Kernels:
 
     def unpack(self, packed: torch.Tensor, format_id: int, n: int, k: int) -> torch.Tensor:
         """The packed weight as float32 [n, k] (k the packed, padded width)."""
-        self._check_weight(packed, format_id, n, k)
+        self.check_weight(packed, format_id, n, k)
         out = torch.empty(n, k, dtype=torch.float32)
         self.module.unpack(packed.data_ptr(), format_id, n, k, out.data_ptr())
         return out
@@ -76,6 +77,13 @@ class Kernels:
         d = torch.empty(x.shape[0], x.shape[1] // BLOCK, dtype=torch.float32)
         self.module.quantize_rows(x.data_ptr(), x.shape[0], x.shape[1], d.data_ptr(), q.data_ptr())
         return q, d
+
+    def decode_stack(
+        self, dtype: torch.dtype, shape: StackShape, eps: float, cache: torch.Tensor, final_norm: torch.Tensor,
+        num_layers: int, threads: int,
+    ) -> NativeStack:  # fmt: skip
+        """A native decode stack over the KV pool `cache` [L, 2, slots, Hkv, Dh], behind checked calls."""
+        return NativeStack(self, dtype, shape, eps, cache, final_norm, num_layers, threads)
 
     # -- the fused decode ops (fused.h). Callers pass contiguous CPU tensors of one dtype (bf16 or float32). ----
     def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

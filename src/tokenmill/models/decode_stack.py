@@ -19,26 +19,28 @@ from torch import nn
 
 from tokenmill.attention import KVBackend, PagedKVCache
 from tokenmill.attention.paged import PagedMetadata, new_slots, padded_tables
+from tokenmill.kernels.stack_ops import NativeStack, StackLinear, StackShape
 from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from tokenmill.models.linear import KernelLinear
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.types import LogitsRead, SequenceInput
 
 
-def _linear_spec(m: nn.Module, in_features: int) -> tuple[int, int, int, int, int] | None:
+def _linear_spec(m: nn.Module, in_features: int) -> StackLinear | None:
     if type(m) is not KernelLinear or m.ops is None or m.in_features != in_features:
         return None
-    return (m.data.data_ptr(), m.format_id, m.out_features, m.padded_in, 0 if m.bias is None else m.bias.data_ptr())
+    return StackLinear(m.data, m.format_id, m.out_features, m.padded_in, m.bias)
 
 
-def _norm(m: nn.Module | None, dtype: torch.dtype) -> int | None:
+def _norm(m: nn.Module | None, dtype: torch.dtype) -> torch.Tensor | None:
     if type(m) is not RMSNorm or m.weight.dtype != dtype or not m.weight.is_contiguous():
         return None
-    return int(m.weight.data_ptr())
+    return m.weight
 
 
 def _layer_spec(layer: DecoderLayer, dims: tuple[int, ...], dtype: torch.dtype) -> list[Any] | None:
-    """[input norm, post norm, q norm, k norm, qkv, o, gate_up, down] for the kernel, or None if it does not fit."""
+    """[[input norm, post norm, q norm, k norm], [qkv, o, gate_up, down]] for the kernel, or None if it does not
+    fit."""
     d, h, hkv, dh, i = dims
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not Attention or type(mlp) is not GatedMLP or mlp.act != "silu":
@@ -46,15 +48,16 @@ def _layer_spec(layer: DecoderLayer, dims: tuple[int, ...], dtype: torch.dtype) 
     if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size) != (h, hkv, dh, i):
         return None
     norms = [_norm(layer.input_layernorm, dtype), _norm(layer.post_attention_layernorm, dtype)]
-    qk = [0, 0] if attn.q_norm is None else [_norm(attn.q_norm, dtype), _norm(attn.k_norm, dtype)]
+    qk = [None, None] if attn.q_norm is None else [_norm(attn.q_norm, dtype), _norm(attn.k_norm, dtype)]
     specs = [_linear_spec(attn.qkv_proj, d), _linear_spec(attn.o_proj, h * dh), _linear_spec(mlp.gate_up_proj, d),
              _linear_spec(mlp.down_proj, i)]  # fmt: skip
-    parts = [*norms, *qk, *specs]
-    return None if any(p is None for p in parts) else parts
+    if any(p is None for p in [*norms, *specs]) or (attn.q_norm is not None and None in qk):
+        return None
+    return [[*norms, *qk], specs]
 
 
 class DecodeStack:
-    def __init__(self, native: Any, decoder: DecoderModel, kv: PagedKVCache, vocab_size: int | None) -> None:
+    def __init__(self, native: NativeStack, decoder: DecoderModel, kv: PagedKVCache, vocab_size: int | None) -> None:
         self.native, self.decoder, self.kv, self.vocab_size = native, decoder, kv, vocab_size  # None: no head
         embed = decoder.embed_tokens
         # the embedding is a plain table in the cache's dtype, which the stack can read rows of itself
@@ -88,19 +91,19 @@ class DecodeStack:
         final = _norm(decoder.norm, pool.dtype)
         if final is None:
             return None
-        native = pool.ops.module.DecodeStack(pool.dtype == torch.bfloat16, *dims, decoder.norm.eps, pool.cache.shape[2],
-                                           final, len(layers), torch.get_num_threads())  # fmt: skip
+        native = pool.ops.decode_stack(pool.dtype, StackShape(*dims), decoder.norm.eps, pool.cache, final, len(layers),
+                                       torch.get_num_threads())  # fmt: skip
         for index, layer in enumerate(layers):
             spec = _layer_spec(layer, dims, pool.dtype)
             if spec is None or layer.self_attn.layer_idx != index:
                 return None
-            native.add_layer(*spec[:4], pool.cache[index].data_ptr(), *spec[4:])
+            native.add_layer(*spec)
         # the LM head joins the stack when logits are the head's output as is (a family may post-process them)
         plain_logits = type(model).compute_logits is CausalLM.compute_logits
         head = _linear_spec(model.lm_head, dims[0]) if plain_logits else None
         if head is not None:
             native.set_head(head)
-        return DecodeStack(native, decoder, pool, None if head is None else head[2])
+        return DecodeStack(native, decoder, pool, None if head is None else head.n)
 
     @property
     def greedy_ready(self) -> bool:
@@ -145,10 +148,8 @@ class DecodeStack:
         rows = max(len(feed_tok), n)
         out = torch.empty(rows, self.decoder.norm.weight.shape[0], dtype=self.kv.dtype)  # [rows, D] scratch
         logits = torch.empty(rows, self.vocab_size or 0, dtype=self.kv.dtype)  # [rows, V] scratch
-        self.native.run_greedy(self.decoder.embed_tokens.weight.data_ptr(), tokens.data_ptr(), active.data_ptr(),
-                               r_max, len(feed_tok), feed_tok.data_ptr(), seq_t.data_ptr(), last_t.data_ptr(),
-                               cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), width,
-                               lens.data_ptr(), n, bs, out.data_ptr(), logits.data_ptr())  # fmt: skip
+        self.native.greedy(self.decoder.embed_tokens.weight, tokens, active, feed_tok, seq_t, last_t, cos, sin, slots,
+                           block_tables, lens, bs, out, logits)  # fmt: skip
         drafts = tokens.tolist()
         result: list[list[int]] = [[] for _ in order]
         for i, b in enumerate(order):
@@ -163,12 +164,7 @@ class DecodeStack:
     def stage_runs(self) -> list[list[tuple[str, int | None, float, float]]]:
         """The profiled runs' stages, each as (what it does, its layer or None, start, end): seconds from the run's
         start, as the calling thread saw them (a stage ends when its last chunk is done, on whichever thread)."""
-        runs = []
-        for marks in self.native.marks():
-            stages = [self.native.stage_of(i) for i in range(len(marks) - 1)]
-            runs.append([(kind, None if layer < 0 else layer, marks[i], marks[i + 1])
-                         for i, (kind, layer) in enumerate(stages)])  # fmt: skip
-        return runs
+        return self.native.stage_runs()
 
     def step(
         self,
@@ -192,10 +188,8 @@ class DecodeStack:
             wide = None
         cos_table, sin_table = self.decoder.rotary.tables(max(lens))  # [positions, Dh] float32
         embed = self.decoder.embed_tokens.weight  # [vocab, D]
-        self.native.run_lists(embed.data_ptr(), embed.shape[0], input_ids, positions, cos_table.data_ptr(),
-                              sin_table.data_ptr(), slots, tables, width, lens, self.kv.block_size, out.data_ptr(),
-                              0 if model_logits is None else model_logits.data_ptr(),
-                              0 if wide is None else wide.data_ptr(), 0 if top is None else top.data_ptr())  # fmt: skip
+        self.native.step_lists(embed, input_ids, positions, cos_table, sin_table, slots, tables, width, lens,
+                               self.kv.block_size, out, model_logits, wide, top)  # fmt: skip
         return out, model_logits if reads == LogitsRead.DRAW else wide, top
 
     def decode_run(
@@ -214,14 +208,9 @@ class DecodeStack:
         assert logits is not None and self.vocab_size is not None  # greedy_ready
         cos_table, sin_table = self.decoder.rotary.tables(max(s.start for s in sequences) + steps)  # [P, Dh] float32
         embed = self.decoder.embed_tokens.weight  # [vocab, D]
-        params, u = draws if draws is not None else ([], [])
-        return self.native.run_steps(embed.data_ptr(), embed.shape[0], [s.token_ids[0] for s in sequences],
-                                     [s.start for s in sequences], cos_table.data_ptr(), sin_table.data_ptr(), slots,
-                                     tables, width, steps, self.kv.block_size, out.data_ptr(), logits.data_ptr(),
-                                     logits.dtype == torch.bfloat16, self.vocab_size,
-                                     [p.temperature for p in params], [max(p.top_k, 0) for p in params],
-                                     [p.top_p for p in params], [p.min_p for p in params],
-                                     [x for row in u for x in row])  # fmt: skip
+        starts = [s.start for s in sequences]
+        return self.native.decode_run(embed, [s.token_ids[0] for s in sequences], starts, cos_table, sin_table, slots,
+                                      tables, width, steps, self.kv.block_size, out, logits, draws)  # fmt: skip
 
     def _decode_lists(self, sequences: list[SequenceInput]) -> tuple[list[int], list[int], list[int], int]:
         """A decode-only step's inputs as plain lists: each sequence's new slot [B], its context length [B], the
@@ -270,17 +259,13 @@ class DecodeStack:
         # a bf16 model's logits come back widened to float32 as well, by the head's own chunks
         wide = logits if logits is None or logits.dtype == torch.float32 else torch.empty(logits.shape)  # [B, V]
         top = None if logits is None else torch.empty(rows, dtype=torch.int64)  # [B]
-        rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows, self.kv.block_size, out.data_ptr(),
-                 0 if logits is None else logits.data_ptr(), 0 if wide is None else wide.data_ptr(),
-                 0 if top is None else top.data_ptr())  # fmt: skip
         if self.plain_embedding:  # the stack gathers the rows of the embedding and rotary tables itself
             cos_table, sin_table = self.decoder.rotary.tables(max(meta.seq_lens))  # [positions, Dh] float32
-            embed = self.decoder.embed_tokens.weight  # [vocab, D]
-            self.native.run_ids(embed.data_ptr(), embed.shape[0], input_ids.data_ptr(),
-                                positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), slots.data_ptr(),
-                                *rest)  # fmt: skip
+            self.native.step_tensors(self.decoder.embed_tokens.weight, input_ids, positions, cos_table, sin_table,
+                                     slots, tables, lens, self.kv.block_size, out, logits, wide, top)  # fmt: skip
             return out, wide, top
         x = self.decoder.embed_tokens(input_ids)  # [B, D]
         cos, sin = self.decoder.rotary(positions, dtype)  # [B, Dh] each
-        self.native.run(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), *rest)
+        self.native.step_tensors(None, x, positions, cos, sin, slots, tables, lens, self.kv.block_size, out, logits,
+                                 wide, top)  # fmt: skip
         return out, wide, top

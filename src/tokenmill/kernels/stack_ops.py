@@ -1,0 +1,232 @@
+"""The native decode stack (csrc stack.h) behind checked calls: tensors and lists in, and every check of shape,
+dtype, layout and range made here, before a pointer crosses. `Kernels.decode_stack` makes one.
+
+The stack keeps raw pointers to what it was given once (norms, packed weights, the KV pool); this object keeps
+those tensors alive as long as it lives. Per step it checks what could make the C++ read or write out of bounds:
+token ids against the embedding's rows, positions against the rotary tables, slots and block ids against the
+pool, and every buffer's shape and dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from tokenmill.kernels.ops import Kernels
+
+
+@dataclass(frozen=True)
+class StackLinear:
+    """A packed linear the stack multiplies by: its weight (uint8 panels), format, [n, k] and bias (float32 [n])."""
+
+    weight: torch.Tensor
+    format_id: int
+    n: int
+    k: int
+    bias: torch.Tensor | None = None
+
+    def spec(self) -> tuple[int, int, int, int, int]:
+        return (self.weight.data_ptr(), self.format_id, self.n, self.k, _ptr(self.bias))
+
+
+@dataclass(frozen=True)
+class StackShape:
+    d: int  # hidden size
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _check(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if t is None:
+        return
+    if t.shape != shape or t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous CPU {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+
+
+def _in_range(values: Sequence[int], end: int, name: str) -> None:
+    if values and (min(values) < 0 or max(values) >= end):
+        raise ValueError(f"{name} must lie in [0, {end}), got {min(values)}..{max(values)}")
+
+
+class NativeStack:
+    def __init__(
+        self, ops: Kernels, dtype: torch.dtype, shape: StackShape, eps: float, cache: torch.Tensor,
+        final_norm: torch.Tensor, num_layers: int, threads: int,
+    ) -> None:  # fmt: skip
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the decode stack computes in bfloat16 or float32, not {dtype}")
+        if cache.dim() != 5 or cache.shape[1] != 2 or cache.shape[3:] != (shape.kv_heads, shape.head_dim):
+            raise ValueError(f"the KV pool must be [L, 2, slots, {shape.kv_heads}, {shape.head_dim}]")
+        _check(final_norm, "the final norm", (shape.d,), dtype)
+        self.ops, self.dtype, self.shape, self.cache = ops, dtype, shape, cache
+        self.num_slots = cache.shape[2]
+        self.native = ops.module.DecodeStack(dtype == torch.bfloat16, shape.d, shape.heads, shape.kv_heads,
+                                             shape.head_dim, shape.intermediate, eps, self.num_slots,
+                                             final_norm.data_ptr(), num_layers, threads)  # fmt: skip
+        self.num_layers, self.vocab = num_layers, 0  # vocab: the head's rows (0: no head)
+        self._alive: list[torch.Tensor | None] = [final_norm]  # what the native stack points at
+
+    def _linear(self, lin: StackLinear, n: int | None, k: int) -> tuple[int, int, int, int, int]:
+        self.ops.check_weight(lin.weight, lin.format_id, lin.n, lin.k)
+        if (n is not None and lin.n != n) or lin.k < k:
+            raise ValueError(f"a stack linear must be [{n}, >= {k}], got [{lin.n}, {lin.k}]")
+        _check(lin.bias, "a linear's bias", (lin.n,), torch.float32)
+        self._alive += [lin.weight, lin.bias]
+        return lin.spec()
+
+    def add_layer(self, norms: Sequence[torch.Tensor | None], linears: Sequence[StackLinear]) -> None:
+        """Layer l's [input norm, post-attention norm, q norm, k norm] (None: no q/k norm) and [qkv, o, gate_up,
+        down], over the pool's layer l."""
+        s, layer = self.shape, self.native.num_layers()
+        if layer >= self.num_layers:
+            raise ValueError(f"the stack was made for {self.num_layers} layers")
+        for i, norm in enumerate(norms):
+            _check(norm, "a norm", (s.d if i < 2 else s.head_dim,), self.dtype)
+        if norms[0] is None or norms[1] is None or (norms[2] is None) != (norms[3] is None):
+            raise ValueError("a layer needs its two norms, and a q norm exactly where it has a k norm")
+        q = (s.heads + 2 * s.kv_heads) * s.head_dim
+        shapes = [(q, s.d), (s.d, s.heads * s.head_dim), (2 * s.intermediate, s.d), (s.d, s.intermediate)]
+        specs = [self._linear(lin, n, k) for lin, (n, k) in zip(linears, shapes, strict=True)]
+        self._alive += list(norms)
+        self.native.add_layer(*(_ptr(n) for n in norms), self.cache[layer].data_ptr(), *specs)
+
+    def set_head(self, head: StackLinear) -> None:
+        self.native.set_head(self._linear(head, None, self.shape.d))
+        self.vocab = head.n
+
+    # -- per step ---------------------------------------------------------------------------------------------
+    def _check_step(
+        self, embed: torch.Tensor | None, ids: Sequence[int], rows: int, positions: Sequence[int],
+        tables: Sequence[int], slots: Sequence[int], block_size: int,
+    ) -> None:  # fmt: skip
+        """Token ids within the embedding, positions within the rotary tables' `rows`, slots and the block tables'
+        ids (flat) within the pool."""
+        if embed is not None:
+            _check(embed, "the embedding", (embed.shape[0], self.shape.d), self.dtype)
+            _in_range(ids, embed.shape[0], "token ids")
+        _in_range(positions, rows, "positions (the rotary tables' rows)")
+        _in_range(slots, self.num_slots, "slots")
+        _in_range(tables, self.num_slots // block_size, "block ids")
+
+    def _check_outputs(self, rows: int, out: torch.Tensor, logits: torch.Tensor | None, wide: torch.Tensor | None,
+                       top: torch.Tensor | None) -> None:  # fmt: skip
+        _check(out, "out", (rows, self.shape.d), self.dtype)
+        if (logits is not None or wide is not None or top is not None) and not self.vocab:
+            raise ValueError("logits asked of a stack without its head")
+        _check(logits, "logits", (rows, self.vocab), self.dtype)
+        _check(wide, "float32 logits", (rows, self.vocab), torch.float32)
+        _check(top, "argmax", (rows,), torch.int64)
+
+    def _check_rotary(self, cos: torch.Tensor, sin: torch.Tensor, rows: int | None = None) -> int:
+        """The rotary tables' rows (float32 [P, Dh] or, per row, the model's dtype [rows, Dh])."""
+        for t in (cos, sin):
+            bad_rows = rows is not None and t.shape[0] != rows
+            if t.dim() != 2 or t.shape[1] != self.shape.head_dim or not t.is_contiguous() or bad_rows:
+                raise ValueError(f"rotary tables must be contiguous [P, {self.shape.head_dim}], got {list(t.shape)}")
+        return int(cos.shape[0])
+
+    def step_lists(
+        self, embed: torch.Tensor, ids: list[int], positions: list[int], cos: torch.Tensor, sin: torch.Tensor,
+        slots: list[int], tables: list[int], width: int, lens: list[int], block_size: int, out: torch.Tensor,
+        logits: torch.Tensor | None, wide: torch.Tensor | None, top: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        """One decode step of len(ids) rows from lists: embedding rows, rotary rows, new slots, tables [B * width]."""
+        self._check_step(embed, ids, self._check_rotary(cos, sin), positions, tables, slots, block_size)
+        self._check_outputs(len(ids), out, logits, wide, top)
+        self.native.run_lists(embed.data_ptr(), embed.shape[0], ids, positions, cos.data_ptr(), sin.data_ptr(), slots,
+                              tables, width, lens, block_size, out.data_ptr(), _ptr(logits), _ptr(wide),
+                              _ptr(top))  # fmt: skip
+
+    def step_tensors(
+        self, embed: torch.Tensor | None, ids: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int,
+        out: torch.Tensor, logits: torch.Tensor | None, wide: torch.Tensor | None, top: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        """One decode step over int64 tensors: with `embed`, token ids and positions into the rotary tables;
+        without it, `ids` are the embedded rows [B, D] and cos/sin are each row's [B, Dh]."""
+        rows = ids.shape[0]
+        for t, name in ((slots, "slots"), (lens, "lens"), (tables, "block tables")):
+            if t.dtype != torch.int64 or not t.is_contiguous() or t.shape[0] != rows:
+                raise ValueError(f"{name} must be contiguous int64 with a row per sequence")
+        self._check_outputs(rows, out, logits, wide, top)
+        table_list = tables.view(-1).tolist()
+        bs = block_size
+        if embed is not None:
+            self._check_step(embed, ids.tolist(), self._check_rotary(cos, sin), positions.tolist(), table_list,
+                             slots.tolist(), bs)  # fmt: skip
+            self.native.run_ids(embed.data_ptr(), embed.shape[0], ids.data_ptr(), positions.data_ptr(), cos.data_ptr(),
+                                sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                                rows, bs, out.data_ptr(), _ptr(logits), _ptr(wide), _ptr(top))  # fmt: skip
+            return
+        _check(ids, "the embedded rows", (rows, self.shape.d), self.dtype)
+        self._check_rotary(cos, sin, rows)
+        self._check_step(None, [], rows, [], table_list, slots.tolist(), bs)
+        self.native.run(ids.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                        tables.shape[1], lens.data_ptr(), rows, bs, out.data_ptr(), _ptr(logits), _ptr(wide),
+                        _ptr(top))  # fmt: skip
+
+    def decode_run(
+        self, embed: torch.Tensor, ids: list[int], starts: list[int], cos: torch.Tensor, sin: torch.Tensor,
+        slots: list[int], tables: list[int], width: int, steps: int, block_size: int, out: torch.Tensor,
+        logits: torch.Tensor, draws: tuple[list[Any], list[list[float]]] | None,
+    ) -> list[list[int]]:  # fmt: skip
+        """`steps` decode steps of len(ids) rows, each fed the last one's tokens: the head's argmax, or with `draws`
+        (params [B], uniforms [steps][B]) the kernel's draw. Returns each row's tokens."""
+        rows = len(ids)
+        positions = [p + r for p in starts for r in (0, steps - 1)]
+        self._check_step(embed, ids, self._check_rotary(cos, sin), positions, tables, slots, block_size)
+        self._check_outputs(rows, out, logits, None, None)
+        if not self.vocab:
+            raise ValueError("a decode run needs the stack's head")
+        params, u = draws if draws is not None else ([], [])
+        return self.native.run_steps(embed.data_ptr(), embed.shape[0], ids, starts, cos.data_ptr(), sin.data_ptr(),
+                                     slots, tables, width, steps, block_size, out.data_ptr(), logits.data_ptr(),
+                                     logits.dtype == torch.bfloat16, self.vocab, [p.temperature for p in params],
+                                     [max(p.top_k, 0) for p in params], [p.top_p for p in params],
+                                     [p.min_p for p in params], [x for row in u for x in row])  # fmt: skip
+
+    def greedy(
+        self, embed: torch.Tensor, tokens: torch.Tensor, active: torch.Tensor, feed: torch.Tensor,
+        feed_seq: torch.Tensor, feed_last: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+        tables: torch.Tensor, lens: torch.Tensor, block_size: int, out: torch.Tensor, logits: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Greedy rounds (a draft model's): rows feed `feed` (their catch-up, rows `feed_seq`, each row's last at
+        `feed_last`), then each round's argmax back while `active` rows remain; tokens [B, R] gets the drafts."""
+        rows, rounds = tokens.shape
+        n0, positions = feed.shape[0], slots.shape[0]
+        self._check_rotary(cos, sin, positions)
+        _check(tables, "block tables", (rows, tables.shape[1]), torch.int64)
+        for t, name, size in ((active, "active", rounds), (feed_seq, "feed rows", n0), (feed_last, "last feeds", rows),
+                              (lens, "lens", positions)):  # fmt: skip
+            _check(t, name, (size,), torch.int64)
+        # (the rounds after the catch-up feed back the head's argmax: the caller's embedding covers the head's rows)
+        self._check_step(embed, feed.tolist(), positions, [], tables.view(-1).tolist(), slots.tolist(), block_size)
+        scratch = max(n0, rows)
+        self._check_outputs(scratch, out, logits, None, None)
+        self.native.run_greedy(embed.data_ptr(), tokens.data_ptr(), active.data_ptr(), rounds, n0, feed.data_ptr(),
+                               feed_seq.data_ptr(), feed_last.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                               slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows, block_size,
+                               out.data_ptr(), logits.data_ptr())  # fmt: skip
+
+    # -- profiling --------------------------------------------------------------------------------------------
+    def set_profile(self, on: bool) -> None:
+        self.native.set_profile(on)
+
+    def stage_runs(self) -> list[list[tuple[str, int | None, float, float]]]:
+        """The profiled runs' stages as (kind, layer or None, start, end), seconds from the run's start."""
+        runs = []
+        for marks in self.native.marks():
+            stages = [self.native.stage_of(i) for i in range(len(marks) - 1)]
+            runs.append([(kind, None if layer < 0 else layer, marks[i], marks[i + 1])
+                         for i, (kind, layer) in enumerate(stages)])  # fmt: skip
+        return runs
