@@ -17,6 +17,7 @@ from dataclasses import replace
 from itertools import count
 
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.sequence_input import sequence_input
 from tokenmill.engine.validation import output_budget
 from tokenmill.kv_cache import KVManager
 from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
@@ -31,13 +32,9 @@ from tokenmill.tokenizer import Tokenizer
 from tokenmill.types import (
     EngineRequest,
     ModelInput,
-    PromptLogprobsInput,
     Request,
     RunnerOutput,
-    SamplingInput,
-    ScheduledRequest,
     SchedulerOutput,
-    SequenceInput,
 )
 
 log = logging.getLogger("tokenmill.engine")
@@ -246,40 +243,12 @@ class EngineCore:
         return outputs
 
     def _model_input(self, so: SchedulerOutput) -> ModelInput:
-        seqs = [self._sequence_input(self._seqs[s.request_id], s) for s in so.scheduled]
+        seqs = [sequence_input(self._seqs[s.request_id], s) for s in so.scheduled]
         constrained = [s.request_id for s in seqs if s.sampling is not None and self.structured.has(s.request_id)]
         if not constrained:
             return model_input(seqs, so.num_steps)
         rows = {rid: i for i, rid in enumerate(constrained)}
         return model_input(seqs, so.num_steps, self.structured.bitmask(constrained), rows)
-
-    def _sequence_input(self, req: Request, s: ScheduledRequest) -> SequenceInput:
-        drafts = list(s.spec_token_ids)
-        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens - len(drafts)  # known tokens
-        sampling = None
-        if end == req.num_tokens:
-            num_out, min_tokens = len(req.output_token_ids), req.params.min_tokens
-            stop = req.stop_ids_active() if num_out < min_tokens else []
-            suppressed = [stop if num_out + j < min_tokens else [] for j in range(len(drafts) + 1)]
-            sampling = SamplingInput(req.params, req.seed, req.prompt_token_ids, req.output_token_ids, suppressed,
-                                     tuple(drafts))  # fmt: skip
-        prompt_logprobs = None
-        if req.prompt_logprobs is not None:
-            # position p scores prompt token p+1; skip positions already scored (recompute mode)
-            first = max(start, len(req.prompt_logprobs) - 1)
-            num = min(end, req.num_prompt_tokens - 1) - first
-            if num > 0:
-                targets = req.prompt_token_ids[first + 1 : first + 1 + num]
-                prompt_logprobs = PromptLogprobsInput(first, num, req.params.prompt_logprobs or 0, targets)
-        return SequenceInput(
-            request_id=req.request_id,
-            token_ids=req.token_ids_between(start, end) + drafts,
-            start=start,
-            block_table=s.block_table,
-            max_num_tokens=req.num_prompt_tokens + req.max_tokens,
-            sampling=sampling,
-            prompt_logprobs=prompt_logprobs,
-        )
 
     def update_from_output(
         self, so: SchedulerOutput, result: RunnerOutput, scheduled_at: float | None = None
