@@ -2,25 +2,17 @@
 the step's plan (forward/), samples.
 
 It owns the step's tensors, the per-request random generators and the KV backend it was given, and nothing
-about who runs or why: it reads the batch description the engine core built and never a `Request`.
-
-Test hook: with `TOKENMILL_TEST_FAULT_TOKEN=ID` in the environment, a step that computes a sequence whose first
-token is ID raises (`InjectedFault`), as a kernel failing on one request's input would; with
-`TOKENMILL_TEST_FAULT_FATAL=1` too, it raises what the engine loop does not survive (`InjectedFatalFault`).
-The reliability tests use both; in-process tests may also set `fault_request`, a sequence id that raises alike.
-With `TOKENMILL_TEST_STEP_DELAY_S=S`, every step first sleeps S seconds: a lower bound on how long a request takes,
-so a test can hold requests open past a deadline on any CPU, however fast.
+about who runs or why: it reads the batch description the engine core built and never a `Request`. Before each
+step it runs the test hooks the environment sets (fault_hooks.py).
 """
 
 from __future__ import annotations
-
-import os
-import time
 
 import torch
 
 from tokenmill.attention import KVBackend
 from tokenmill.cuda_graphs import DecodeGraphs
+from tokenmill.fault_hooks import StepHooks
 from tokenmill.forward import (
     DecodeRunPath,
     ForwardPath,
@@ -38,14 +30,6 @@ from tokenmill.sampling import Sampler, SamplingBatch, drafts
 from tokenmill.types import ModelInput, RunnerOutput, SequenceInput, StepPlan
 
 
-class InjectedFault(RuntimeError):
-    """A failure the test hook caused, confined to the requests holding the fault token."""
-
-
-class InjectedFatalFault(BaseException):
-    """A failure the test hook caused that the engine loop must not survive."""
-
-
 class ModelRunner:
     def __init__(
         self, model: CausalLM, device: torch.device, kv: KVBackend, seed: int = 0, sample: bool = True
@@ -57,11 +41,7 @@ class ModelRunner:
         self._graphs: DecodeGraphs | None = None
         self._stack = DecodeStack.build(model, kv)  # decode-only steps in one kernel call, where it fits
         self._set_paths()
-        fault = os.environ.get("TOKENMILL_TEST_FAULT_TOKEN", "")
-        self.fault_token: int | None = int(fault) if fault.isdigit() else None
-        self.fault_fatal = os.environ.get("TOKENMILL_TEST_FAULT_FATAL") == "1"
-        self.fault_request: str | None = None
-        self.step_delay_s = float(os.environ.get("TOKENMILL_TEST_STEP_DELAY_S") or 0)
+        self.hooks = StepHooks()  # the test hooks of the environment (fault_hooks.py); `compute` skips them
 
     # -- the forward paths: the first of `paths` that supports a step's plan computes it --------------------------
     @property
@@ -117,16 +97,6 @@ class ModelRunner:
             gen = self._generators[seq.request_id] = torch.Generator().manual_seed(seed)
         return gen
 
-    def check_fault(self, batch: ModelInput) -> None:
-        """The test hooks (see the top)."""
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
-        for s in batch.sequences:
-            if (self.fault_token is not None and s.start == 0 and s.token_ids[0] == self.fault_token) or (
-                s.request_id == self.fault_request
-            ):
-                raise (InjectedFatalFault if self.fault_fatal else InjectedFault)(f"injected fault in {s.request_id}")
-
     def close(self) -> None:
         """Release what outlives a step (a tensor-parallel runner's worker processes)."""
 
@@ -135,9 +105,13 @@ class ModelRunner:
         """Everything this runner needs is running (a tensor-parallel runner: every worker)."""
         return True
 
-    @torch.inference_mode()
     def execute(self, batch: ModelInput) -> RunnerOutput:
-        self.check_fault(batch)
+        self.hooks.before_step(batch)
+        return self.compute(batch)
+
+    @torch.inference_mode()
+    def compute(self, batch: ModelInput) -> RunnerOutput:
+        """The step itself (`execute` runs the test hooks first)."""
         plan = batch.plan
         if plan.num_steps > 1:
             return self._decode_run(batch)

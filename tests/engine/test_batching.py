@@ -174,7 +174,7 @@ def test_requests_that_can_never_fit_are_rejected(folder: Path) -> None:
 
 def test_a_failure_inside_the_engine_ends_only_its_request(folder: Path, alone: list[list[int]]) -> None:
     llm = _llm(folder)
-    llm.engine.runner.fault_token = 5  # the runner raises on a sequence whose first token is 5 (its test hook)
+    llm.engine.runner.hooks.fault_token = 5  # the runner raises on a sequence whose first token is 5 (its test hook)
     bad = SamplingParams(temperature=0, max_tokens=4, n=2, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in [*PROMPTS[:3], [5, 6, 7]]], [*PARAMS[:3], bad])
     assert [o.outputs[0].token_ids for o in outs[:3]] == alone[:3]
@@ -183,7 +183,7 @@ def test_a_failure_inside_the_engine_ends_only_its_request(folder: Path, alone: 
     assert [c.finish_reason for c in failed.outputs] == ["error", "error"]
     assert llm.engine.stats.num_failed == 1
     assert_pool_full(llm.engine)
-    llm.engine.runner.fault_token = None
+    llm.engine.runner.hooks.fault_token = None
     assert _run(llm, PROMPTS[:2], PARAMS[:2]) == alone[:2]  # and the engine serves on
 
 
@@ -198,13 +198,13 @@ def test_a_failed_prompt_leaves_no_unwritten_block_to_the_prefix_cache(folder: P
     plain = _llm(folder, enable_prefix_caching=False)
     want = _run(plain, [same_step, fails], [params] * 2)
     llm = _llm(folder, enable_prefix_caching=True)
-    llm.engine.runner.fault_request = "0"  # the first request id LLM.generate gives
+    llm.engine.runner.hooks.fault_request = "0"  # the first request id LLM.generate gives
     outs = llm.generate([{"prompt_token_ids": p} for p in (fails, same_step)], params)
     assert outs[0].error is not None and outs[1].error is None
     assert outs[1].outputs[0].token_ids == want[0]
     assert outs[1].metrics is not None and outs[1].metrics.num_preemptions == 1  # recomputed, not served garbage
     assert_pool_full(llm.engine)
-    llm.engine.runner.fault_request = None
+    llm.engine.runner.hooks.fault_request = None
     again = llm.generate([{"prompt_token_ids": fails}], params)[0]  # the same prompt, now without the fault
     assert again.outputs[0].token_ids == want[1]
     assert again.metrics is not None and again.metrics.num_cached_tokens <= 16  # at most the block B rewrote

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.server.helpers import Server, running
-from tests.server.hold import HOLD_LAUNCHER, Hold, hold_env
+from tests.server.hold import Hold, hold_env
 from tokenmill import LLM
 
 
@@ -22,23 +22,22 @@ def server(
     request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     """One server per module; a module may set SERVER_FLAGS (extra CLI flags), SERVER_ENV and SERVED_MODEL_NAME,
-    and HOLD_TOKEN: the server runs under tests/server/hold.py, which holds the engine on a request whose prompt
-    starts with that token id (the module's tests then use the `hold` fixture)."""
+    and HOLD_TOKEN: the engine holds a request whose prompt starts with that token id (fault_hooks.py; the module's
+    tests use the `hold` fixture)."""
     flags = getattr(request.module, "SERVER_FLAGS", ())
     name = getattr(request.module, "SERVED_MODEL_NAME", None)
     env = getattr(request.module, "SERVER_ENV", None)
     token = getattr(request.module, "HOLD_TOKEN", None)
-    launcher = None
     if token is not None:
-        env, launcher = {**(env or {}), **hold_env(token, request.getfixturevalue("hold").folder)}, HOLD_LAUNCHER
+        env = {**(env or {}), **hold_env(token, request.getfixturevalue("hold").folder)}
     folder = tmp_path_factory.mktemp("server")
-    with running(checkpoint, folder, *flags, served_name=name, env=env, launcher=launcher) as s:
+    with running(checkpoint, folder, *flags, served_name=name, env=env) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def hold(tmp_path_factory: pytest.TempPathFactory) -> Hold:
-    """The test's handle on the module server's hold (see tests/server/hold.py; the module sets HOLD_TOKEN)."""
+    """The test's handle on the module server's hold (tests/server/hold.py; the module sets HOLD_TOKEN)."""
     return Hold(tmp_path_factory.mktemp("hold"))
 
 

@@ -16,11 +16,13 @@ import psutil
 import pytest
 
 from tests.server.helpers import Server, offline
+from tests.server.hold import Hold
 from tokenmill import LLM
 
 pytest.importorskip("ray", reason="Ray is not installed: pip install 'tokenmill[ray]' to run the data-parallel tests")
 
 SERVER_FLAGS = ("--data-parallel-size", "2", "--threads", "1")
+HOLD_TOKEN = 8  # a prompt starting with it is held mid-request on its replica (tests/server/hold.py)
 
 
 def _read_per_replica(server: Server, metric: str) -> dict[str, float]:
@@ -93,16 +95,20 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(server: Server) 
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
-def test_a_disconnect_aborts_the_request_on_its_replica(server: Server) -> None:
+def test_a_disconnect_aborts_the_request_on_its_replica(server: Server, hold: Hold) -> None:
     def aborted() -> int:
         return int(httpx.get(f"{server.url}/stats", timeout=10).json()["aborted_requests"])
 
     before = aborted()  # no earlier test aborts a request: a stale poll reads the same
-    body = {"model": server.model, "prompt": [40, 41], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    # its replica holds it after its first tokens until the abort arrives: no CPU finishes it first
+    body = {"model": server.model, "prompt": [HOLD_TOKEN, 40, 41], "max_tokens": 500, "ignore_eos": True,
+            "stream": True}  # fmt: skip
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200, r.read()
-        first = next(line for line in r.iter_lines() if line.startswith("data:"))
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response early
+        first = next(line for line in lines if line.startswith("data:"))
         assert '"text"' in first, first
+        hold.wait_held()
     deadline = time.monotonic() + 10  # the client left after one chunk: its replica aborts the request
     while aborted() != before + 1:
         assert time.monotonic() < deadline, "the request was not aborted on its replica"

@@ -28,7 +28,7 @@ def test_module_does_not_import_torch(module: str) -> None:
 LAYERS = [
     ["errors", "progress", "sampling_params", "outputs"],
     ["types", "kv_cache"],
-    ["config", "tokenizer", "kernels", "metrics", "structured_output", "step_plan"],
+    ["config", "tokenizer", "kernels", "metrics", "structured_output", "step_plan", "fault_hooks"],
     ["attention", "sampling", "scheduler"],
     ["models"],
     ["weights", "make_model", "cuda_graphs"],

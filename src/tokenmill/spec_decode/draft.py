@@ -71,7 +71,7 @@ class DraftProposer:
             else:  # a few tokens go as one-token rows, so the round is a decode step
                 steps += [self._input(rid, [t], keep + j, sample=j == len(new) - 1) for j, t in enumerate(new)]
         if steps:
-            for rid, out in self.runner.execute(model_input(steps)).sampled.items():
+            for rid, out in self.runner.compute(model_input(steps)).sampled.items():
                 drafts[rid].append(out[0][0])
         if native and stack is not None:  # every other round, and the catch-ups, in one native call
             for rid in drafts:
@@ -93,7 +93,7 @@ class DraftProposer:
         more = [self._feed(rid, d[0]) for rid, d in drafts.items() if d and want[rid] > 1]
         while more:  # one batched draft forward per draft position
             next_steps = []
-            for rid, out in self.runner.execute(model_input(more)).sampled.items():
+            for rid, out in self.runner.compute(model_input(more)).sampled.items():
                 drafts[rid].append(out[0][0])
                 if len(drafts[rid]) < want[rid]:
                     next_steps.append(self._feed(rid, out[0][0]))

@@ -94,7 +94,7 @@ def _worker(rank: int, size: int, init_method: str, cfg: EngineConfig) -> None:
         dist.broadcast_object_list(message, src=0)
         if message[0] is None:
             break
-        runner.execute(message[0])
+        runner.compute(message[0])
     dist.destroy_process_group()
 
 
@@ -130,13 +130,13 @@ class TensorParallelRunner(ModelRunner):
         return False  # the workers run one step per broadcast
 
     def execute(self, batch: ModelInput) -> RunnerOutput:
-        self.check_fault(batch)  # before the broadcast: an injected fault must not leave the workers waiting
+        self.hooks.before_step(batch)  # before the broadcast: an injected fault must not leave the workers waiting
         dead = [w.name for w in self.workers if not w.is_alive()]
         if dead:
             raise TensorParallelError(f"tensor-parallel rank(s) {', '.join(dead)} exited")
         try:
             dist.broadcast_object_list([replace(batch, grammar_bitmask=None, grammar_rows={})], src=0)
-            return super().execute(batch)
+            return self.compute(batch)
         except Exception as e:  # a collective failed (a rank died), or rank 0 failed mid-step: ranks are out of step
             raise TensorParallelError(f"tensor-parallel step failed: {type(e).__name__}: {e}") from None
 
