@@ -6,16 +6,14 @@
 // The layers' weights, norms and KV tensors are registered once (`add_layer`: raw pointers the Python side keeps
 // alive); scratch activations live here and are reused from step to step.
 //
-// Threads: a step is a program of stages (pool.h), ten per layer. Row stages (norms, RoPE + KV write, SiLU*mul)
+// Threads: a step is a program of stages (stack/pool.h), ten per layer. Row stages (norms, RoPE + KV write, SiLU*mul)
 // take one chunk per sequence; a linear takes chunks of output panels; attention one chunk per (sequence, split of
-// its context, KV head) (attention.h: splits of kSplit positions), the last split of a (sequence, KV head) to
+// its context, KV head) (attention/common.h: splits of kSplit positions), the last split of a (sequence, KV head) to
 // finish merging them. With fewer sequences than threads a row's SiLU takes one chunk per thread, and with one
 // sequence each attention chunk ropes its own queries, the split holding the new token also its KV head's key, which
 // it writes with the value (the RoPE stage gets no chunks).
 // Each stage also leaves its output in float32 rows (`xq`), ready for the next linear; attention chunks do so for
 // their own heads' columns where those are whole quantization blocks (the o_input stage then gets no chunks).
-//
-// Included by kernels.cpp after the functions it calls.
 #pragma once
 
 #include <algorithm>
@@ -29,7 +27,12 @@
 #include <utility>
 #include <vector>
 
-#include "pool.h"
+#include "attention/decode.h"
+#include "linear/format.h"
+#include "linear/linear.h"
+#include "ops/fused.h"
+#include "stack/head.h"
+#include "stack/pool.h"
 
 namespace tmk {
 
@@ -90,7 +93,7 @@ class DecodeStack {
   // x [B, D] the embedded tokens; cos, sin [B, Dh]; slot [B] each new token's cache slot; tables [B, max_blocks]
   // and lens [B] the paged context (int64) -> out [B, D], the final norm's output, and logits [B, V] (the head's
   // output, in the model dtype) when `logits` is not 0; for a bf16 model, those logits also as float32 in
-  // logits32 [B, V] when it is not 0; with `argmax` (int64 [B]), also each row's argmax over the logits (head.h).
+  // logits32 [B, V] when it is not 0; with `argmax` (int64 [B]), also each row's argmax over the logits (stack/head.h).
   void run(uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t slot, uintptr_t tables, int64_t max_blocks,
            uintptr_t lens, int64_t B, int64_t block_size, uintptr_t out, uintptr_t logits, uintptr_t logits32 = 0,
            uintptr_t argmax = 0) {
@@ -190,7 +193,7 @@ class DecodeStack {
     head_out_.begin(B, head_[2], bf16_, logits_, (float*)logits32, logits ? (int64_t*)argmax : nullptr, head_chunks);
     // fewer rows than threads: each row's SiLU in parts of whole quantization blocks, one thread each
     silu_parts_ = B < threads_ ? std::max<int64_t>(1, std::min<int64_t>(threads_, I_ / QK)) : 1;
-    // attention: each row's splits (attention.h), one task each
+    // attention: each row's splits (attention/common.h), one task each
     split_offsets(lens_, B, 0, split_first_);
     // each (row, KV head)'s count of finished splits starts at 0 (it is back at 0 after every layer, unless a step
     // failed inside attention)

@@ -26,8 +26,8 @@
 #include <utility>
 #include <vector>
 
-#include "fused.h"  // Act, argmax_row
-#include "simd.h"
+#include "core/simd.h"
+#include "ops/fused.h"  // Act, argmax_row
 
 namespace tmk {
 
@@ -54,19 +54,6 @@ constexpr int kBins = 1024;            // top-p bins
 constexpr float kBinsPerUnit = 32.f;   // bins per unit of (max - x)
 constexpr int64_t kBlock = 256;        // values per block of the draw's sums
 constexpr int64_t kKeptMax = 4096;     // the most tokens a top-k keeps for draw_kept (more: ties with the k-th)
-
-// whether any lane of a comparison's mask is set: one test where the ISA has one (lane by lane, GCC extracts each)
-inline bool any_lane(vi mask) {
-#if TM_W == 16 && defined(__AVX512F__)
-  return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
-#elif TM_W == 8 && defined(__AVX2__)
-  return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
-#else
-  bool any = false;
-  for (int j = 0; j < W; ++j) any |= mask[j] != 0;
-  return any;
-#endif
-}
 
 // the k-th largest of x[0..n) (0 < k < n, ties counted; x holds no NaN)
 inline float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float>& heap) {

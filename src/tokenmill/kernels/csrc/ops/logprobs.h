@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "fused.h"   // Act
-#include "sample.h"  // any_lane
+#include "core/simd.h"
+#include "ops/fused.h"  // Act
 
 namespace tmk {
 

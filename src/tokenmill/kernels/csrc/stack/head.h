@@ -9,7 +9,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "fused.h"  // Act, argmax_row
+#include "core/simd.h"
+#include "ops/fused.h"  // Act, argmax_row
 
 namespace tmk {
 

@@ -1,16 +1,20 @@
 // The dense formats' (bf16, float32) register tiles over whole panels, for a few rows: which tile takes how many
 // rows, bf16 panels in spans of K when several tiles share them, and the output panels of a range. Many rows take
-// the blocked GEMM (blocked.h) instead; kernels.cpp's linear_range picks.
+// the blocked GEMM (linear/blocked.h) instead; linear_range (linear/linear.h) picks.
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
-#include "gemm.h"
+#include "core/simd.h"
+#include "linear/common.h"
+#include "linear/dense_tiles.h"
+#include "linear/pair_tile.h"
 
 namespace tmk {
 
-// rows of one dense tile at this vector width (what fits in the register file; 8 lanes: 6 with gemm.h's even-then-
+// rows of one dense tile at this vector width (what fits in the register file; 8 lanes: 6 with dense_tiles.h's even-then-
 // odd step for bf16, 16 rows as 6 + 6 + 4)
 constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 6 : 8);
 // rows of one bf16 pair tile: with 16 lanes a row needs one accumulator and no widened weights (Zen 4, against
@@ -62,7 +66,7 @@ void panel_spans(const uint16_t* panel, const float* x, int64_t ldx, int64_t K, 
   }
 }
 
-// the same for bf16 activation pairs (gemm.h: tile_bf16_pairs)
+// the same for bf16 activation pairs (linear/pair_tile.h: tile_bf16_pairs)
 template <int MT>
 void pair_rows(const uint16_t* panel, const uint16_t* xh, int64_t ldxh, int64_t K, int64_t rows, vf (*acc)[V]) {
   with_rows<MT>(rows, [&](auto r) {

@@ -18,11 +18,22 @@
 // with its LM head, 2 threads, builds alternated in one process: Q8_0 1 row 1.03x, 2-3 rows 1.07-1.08x; Q4_0
 // 1-3 rows 1.01-1.03x).
 //
-// Included by qdot.h, where it defines TM_Q512.
+// linear/quant.h picks this file's quant_panel where the build has AVX-512 VNNI (the avx512bf16 variant).
 #pragma once
 
-#if TM_W == 16 && TM_VNNI && defined(__AVX512BW__)
-#define TM_Q512 1
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "arch/isa.h"
+#include "core/cpu.h"
+#include "linear/format.h"
+#include "linear/qpanel.h"
+#include "linear/qrow.h"
+
+#if !TM_Q512
+#error "arch/avx512bf16/qtile512.h needs 16 lanes with AVX-512 BW and VNNI (the avx512bf16 variant)"
+#endif
 
 namespace tmk {
 
@@ -78,5 +89,16 @@ inline void qtile512(const uint8_t* panel, const QRow* x, int64_t nb, float (*su
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(sums[m], acc[m]);
 }
 
+// A panel times mc rows: the rows in the fewest tiles, of even sizes (12 rows as 6 + 6, not 8 + 4); 1-3 rows in the
+// ymm tiles on a Zen 4, the zmm ones on Intel (see the top)
+template <Format F>
+inline void quant_panel(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t mc) {
+  const int64_t tiles = (mc + MT_Q512 - 1) / MT_Q512, per = (mc + tiles - 1) / tiles;
+  for (int64_t m = 0; m < mc; m += per) {
+    const int64_t rows = std::min<int64_t>(per, mc - m);
+    if (rows < 4 && amd_avx512) qtile_rows<F, 3>(panel, x + m, nb, sums + m, rows);
+    else with_rows<MT_Q512>(rows, [&](auto r) { qtile512<F, decltype(r)::value>(panel, x + m, nb, sums + m); });
+  }
+}
+
 }  // namespace tmk
-#endif

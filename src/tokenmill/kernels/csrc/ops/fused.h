@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
-#include "simd.h"
+#include "core/simd.h"
 
 namespace tmk {
 
