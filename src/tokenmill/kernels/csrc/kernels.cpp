@@ -82,7 +82,7 @@ void unpack(uintptr_t w_ptr, int64_t format, int64_t N, int64_t K, uintptr_t out
   });
 }
 
-// -- the fused decode ops (fused.h): rows split across threads only when there are enough to pay for it -----------
+// -- the fused decode ops (ops/fused.h): rows split across threads only when there are enough to pay for it -----------
 void rmsnorm(uintptr_t x, uintptr_t residual, uintptr_t weight, bool bf16, double eps, uintptr_t out, int64_t rows,
              int64_t D) {
   const Act xa{(void*)x, bf16}, ra{(void*)residual, bf16}, wa{(void*)weight, bf16}, oa{(void*)out, bf16};
@@ -111,7 +111,7 @@ void silu_mul(uintptr_t gate_up, uintptr_t out, bool bf16, int64_t rows, int64_t
   });
 }
 
-// Every sequence's splits of each KV head as tasks, then each sequence's merge (attention.h)
+// Every sequence's splits of each KV head as tasks, then each sequence's merge (attention/decode.h)
 template <typename T>
 void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const int64_t* tab, int64_t max_blocks,
                            const int64_t* len, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size,
@@ -148,7 +148,7 @@ void decode_attention(uintptr_t q, uintptr_t cache, bool bf16, int64_t slots, ui
   else decode_attention_impl<float>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out);
 }
 
-// every prefill sequence's new tokens over its paged context (prefill_attention.h); seqs [S, 3] int64: first row
+// every prefill sequence's new tokens over its paged context (attention/prefill.h); seqs [S, 3] int64: first row
 // in q, new tokens, context length
 void prefill_attention(uintptr_t q, int64_t q_stride, uintptr_t cache, bool bf16, int64_t slots, uintptr_t tables,
                        int64_t max_blocks, int64_t block_size, uintptr_t seqs, int64_t S, int64_t H, int64_t Hkv,
@@ -230,8 +230,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   // DecodeStack::run_ids with its integer inputs as Python lists, which pybind copies into vectors before the GIL
   // is released: ids, positions, slots, lens [B] and tables [B * max_blocks]. A torch op's first call after a
-  // step's weights have streamed through the caches runs cold code, 20-60 us each (Xeon): with these inputs as
-  // tensors and the outputs allocated each step, ~0.27 ms more of an ~11 ms one-row step went outside this call.
+  // step's weights have streamed through the caches runs cold code: with these inputs as tensors and the outputs
+  // allocated each step, a visible share of a one-row step went outside this call.
   const auto run_lists = [](tmk::DecodeStack& s, uintptr_t embed, int64_t vocab, const std::vector<int64_t>& ids,
                             const std::vector<int64_t>& positions, uintptr_t cos_table, uintptr_t sin_table,
                             const std::vector<int64_t>& slots, const std::vector<int64_t>& tables, int64_t max_blocks,
@@ -342,5 +342,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stage_of", &tmk::DecodeStack::stage_of, "stage i's kind and layer (-1: after the last layer)");
   m.attr("lanes") = tmk::W;
   m.attr("panel") = tmk::P;
-  m.attr("attention_split") = tmk::kSplit;  // positions per split of decode attention (attention.h)
+  m.attr("attention_split") = tmk::kSplit;  // positions per split of decode attention (attention/common.h)
 }

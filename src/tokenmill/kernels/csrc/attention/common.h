@@ -159,9 +159,7 @@ inline void softmax_rows(float* scores, int64_t G, int64_t n, float* ml) {
 // A split's 2n cache rows (its keys, rows [0, n), then its values, [n, 2n)) asked for into L2 a fixed distance
 // ahead of where the scores and sums read them: until(i) when the rows before i are about to be read. A context's
 // blocks lie anywhere in the cache, where the hardware prefetcher does not follow them. Asked for all at once at the
-// split's start, the rows had the core wait until the last request was on its way before any arithmetic began
-// (Xeon, Qwen2.5-0.5B int4, one sequence, steps alternated with that build: 1.015-1.029x at 512 positions, 1.044x
-// at 2000; 16 sequences 0.97-1.03x, noise).
+// split's start, the rows had the core wait until the last request was on its way before any arithmetic began.
 constexpr int64_t kAskAhead = 32;  // positions
 
 template <typename RowAt>

@@ -1,6 +1,3 @@
-// Zen 4, Qwen2.5-0.5B's shapes (14 heads over 2 KV heads of 64), bf16 cache from memory, 24 layers, 2 threads, the
-// AVX-512 BF16 path against the portable one: 1 sequence at 2048 positions 5.2-5.6 -> 3.1-3.4 ms, at 512 1.12 ->
-// 0.62-0.81 ms; 16 at 256 9.5 -> 6.2-6.7 ms. A 16-row int4 decode step at 128-176 positions: 37-43 -> 34-36 ms.
 // Decode attention: one new token per sequence over its paged KV cache, for one (sequence, KV head, split of
 // kSplit positions) at a time; a sequence's splits are then merged (flash-decoding). With one sequence, the splits
 // are what the threads share: by KV head alone, a model with one or two KV heads kept one or two threads busy

@@ -6,13 +6,13 @@
 // QB x G rows. The context passes in blocks of KB positions: each block's scores are softmaxed against a running
 // maximum and sum per row, and the weighted values added to the row's running output, so no [rows, context]
 // matrix exists. Everything is float32 past the products; the output rounds to the model's dtype once.
-// - scores: a block's keys are packed as the linears' weight panels (gemm.h: 16 positions side by side at each k,
+// - scores: a block's keys are packed as the linears' weight panels (linear/format.h: 16 positions side by side at each k,
 //   bf16 in k pairs), so the same register tiles multiply them by the rows' queries: vdpbf16ps on AVX-512 BF16,
 //   FMAs elsewhere; bf16 x bf16 products are exact in float32 either way.
 // - values: widened to float32 once per block, times the float32 probabilities (not rounded to bf16: torch's
-//   SDPA keeps them in float32 too; rounded, a bf16 model's outputs were 1.4x further from the exact ones, and a
+//   SDPA keeps them in float32 too; rounded, a bf16 model's outputs moved further from the exact ones, and a
 //   random-weight model's greedy tokens left transformers' at the first token).
-// torch's SDPA, called once per sequence, took 15-18% of a bf16 prefill on a Zen 4 (docs/benchmark-log.md).
+// torch's SDPA, called once per sequence, was a large share of a bf16 prefill (docs/benchmarks.md).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -10,7 +10,7 @@
 
 namespace tmk {
 
-// This CPU is Intel's (cpuid's vendor string): the weight prefetch below, and whether gemm.h's one-row pair tile
+// This CPU is Intel's (cpuid's vendor string): the weight prefetch below, and whether the one-row bf16 pair tile
 // prefetches at all, differ by vendor because the two vendors' cores were measured to differ.
 inline const bool intel_cpu = [] {
 #if defined(__x86_64__) || defined(__i386__)
@@ -49,13 +49,9 @@ inline void prefetch_range_l2(const void* at, int64_t bytes) {
 
 // Ask for the weight line a prefetch distance past `at`, as the tiles stream their panels. On Intel into L2 only,
 // 3 KB ahead: a prefetch into L1 holds one of its few fill buffers until the line arrives, and those are what the
-// tile's own loads wait on (Xeon with AMX, ~1 GB of weights from memory, 2 threads: bf16 1 row 26.9 -> 28.3
-// GB/s, 2 rows 22.9 -> 28.4; Q8_0 1 row 24.1 -> 26.6, 4 rows 18.8 -> 22.5; Q4_0 1 row 20.4 -> 24.4; 2 KB or 4 KB
-// ahead, or prefetcht2/nta, did less). A Zen 4 too, 6 KB ahead: its tiles of 8-12 rows spend 8-12 cycles on each
-// 64-byte line, so 2 KB ahead was ~100 ns of warning, less than memory takes (decode steps of Qwen2.5-0.5B,
-// bf16, runs alternated: 16 rows 62.4-69.7 -> 57.7-59.4 ms, 4 rows 35.7 -> 28.8-32.2; 1 row and the quantized
-// formats the same within noise; 4 or 8 KB ahead did less). Other AMD cores into L1, 2 KB ahead, as measured on a Zen 3. The AMX tiles (amx.h) do not
-// prefetch: at 16 rows it cost them 27.2 -> 25.8 GB/s.
+// tile's own loads wait on. A Zen 4 too, 6 KB ahead: its tiles of 8-12 rows spend 8-12 cycles on each 64-byte
+// line, so 2 KB ahead warns less than memory takes. Other AMD cores into L1, 2 KB ahead. The AMX tiles
+// (arch/amx/) do not prefetch: it slowed them. The distances were measured, per vendor: docs/benchmarks.md.
 inline void prefetch_weights(const void* at) {
   if (intel_cpu) __builtin_prefetch((const char*)at + 3072, 0, 2);
   else if (amd_avx512) __builtin_prefetch((const char*)at + 6144, 0, 2);

@@ -28,7 +28,7 @@ constexpr int64_t KC = 256;  // k per block
 constexpr int64_t MC = 192;  // rows per block
 // rows per register tile: MT x V accumulators + V weights + 1 broadcast fit the register file
 constexpr int MT_F32 = W == 4 ? 2 : (W == 8 ? 6 : 12);
-// Rows from which the blocked path beats the tiles (Zen 3 AVX2, docs/benchmark-log.md). Tests set `blocked_rows`
+// Rows from which the blocked path beats the tiles (measured: docs/benchmarks.md). Tests set `blocked_rows`
 // (> 0) to run both paths on the same shapes.
 inline int64_t blocked_rows = 0;
 inline int64_t blocked_min_rows() { return blocked_rows > 0 ? blocked_rows : 48; }

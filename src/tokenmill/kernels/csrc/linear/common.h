@@ -10,8 +10,8 @@
 
 namespace tmk {
 
-// panels that take several register tiles run them span by span of K, SPAN_BYTES of weights a span (dense.h:
-// panel_spans; qdot.h: qpanel, its tiles of 3 or 8); tests and A/B runs turn that off
+// panels that take several register tiles run them span by span of K, SPAN_BYTES of weights a span
+// (linear/dense.h: panel_spans; linear/qpanel.h: qpanel, its tiles of 3 or 8); tests and A/B runs turn that off
 inline bool kspans = true;
 constexpr int64_t SPAN_BYTES = 8192;
 
@@ -19,8 +19,8 @@ constexpr int64_t SPAN_BYTES = 8192;
 // when it is set, else out32).
 inline void store_outputs(const float* sums, int64_t row, int64_t n0, int64_t n_valid, int64_t N, const float* bias,
                           float* out32, uint16_t* out16) {
-  if (n_valid == P) {  // a whole panel W lanes at a time, the same values: at K = 896 the scalar loop below took ~8%
-    for (int v = 0; v < V; ++v) {  // of a 16-row pair tile's time (Zen 4)
+  if (n_valid == P) {  // a whole panel W lanes at a time, the same values: the scalar loop below was a visible
+    for (int v = 0; v < V; ++v) {  // share of a many-row tile's time
       const vf y = load(sums + v * W) + (bias ? load(bias + n0 + v * W) : splat(0.f));
       if (out16) store_bf16(out16 + row * N + n0 + v * W, y);
       else store(out32 + row * N + n0 + v * W, y);
@@ -42,8 +42,7 @@ inline void load_pair(const float* panel, int64_t j, int v, vf& even, vf& odd) {
 inline vf load_weight(const float* panel, int64_t k, int v) { return load(panel + k * P + v * W); }
 
 // Ask for the weights a prefetch distance past k-pair j of a panel (the next panel's, at its end: panels lie back to
-// back; simd.h). Tiles of a few rows compute while the weights stream; without this the two barely overlap (Zen
-// 3, weights from memory: bf16 1-row 1.15x, 5 rows 1.25x, 16 rows 1.07x; float32 5 rows 1.2x).
+// back; core/cpu.h). Tiles of a few rows compute while the weights stream; without this the two barely overlap.
 template <typename T>
 inline void prefetch_ahead(const T* panel, int64_t j) {
   constexpr int64_t pair_bytes = 2 * P * sizeof(T);

@@ -23,7 +23,7 @@ namespace tmk {
 template <int MT, int S, bool Prefetch = true, typename T = uint16_t>
 inline void span_dense(const T* panel, const float* x, int64_t ldx, int64_t j0, int64_t j1, vf (*a)[MT][V]) {
   auto step = [&](int64_t j, vf (*set)[V]) {
-    // a float32 row streams fine on the hardware's prefetch alone (software prefetch: 0.9x)
+    // a float32 row streams fine on the hardware's prefetch alone (a software prefetch slowed it)
     if constexpr (Prefetch && (MT > 1 || !std::is_same_v<T, float>)) prefetch_ahead(panel, j);
     vf we[V], wo[V];
     for (int v = 0; v < V; ++v) load_pair(panel, j, v, we[v], wo[v]);
@@ -37,9 +37,9 @@ inline void span_dense(const T* panel, const float* x, int64_t ldx, int64_t j0, 
   };
   // bf16 in 8-lane builds, 4-6 rows: the pair's even k for every row, then its odd k, so that two weight vectors
   // live beside 6 rows' 12 accumulators and each row's activation is broadcast once for both. Each sum takes the
-  // same products in the same order as in `step` (even k, then odd): the same bits. One 6-row tile from L1, one
-  // thread (Xeon): 55% of the FMA peak when each vector of the pair went through every row in turn (the
-  // activations broadcast for each, each sum's two products back to back), 95% this way.
+  // same products in the same order as in `step` (even k, then odd): the same bits. Each vector of the pair through
+  // every row in turn (the activations broadcast for each, each sum's two products back to back) left the FMA
+  // units half idle.
   auto step_halves = [&](int64_t j, vf (*set)[V]) {
     if constexpr (Prefetch) prefetch_ahead(panel, j);
     for (int h = 0; h < 2; ++h) {

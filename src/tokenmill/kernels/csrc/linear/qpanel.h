@@ -28,16 +28,13 @@ inline void qtile_rows(const uint8_t* panel, const QRow* x, int64_t nb, float (*
   with_rows<MT>(rows, [&](auto r) { qtile<F, decltype(r)::value>(panel, x, 0, nb, sums, true); });
 }
 
-// A panel times mc rows in register tiles (the builds below AVX-512).
+// A panel times mc rows in register tiles (the builds without tiles of their own: arch/generic/quant_panel.h).
 //
 // The tiles of MT_Q rows (3; 8 in the avx512 build) run span by span of K (~8 KB of the panel), as the bf16 tiles
-// do (dense.h: panel_spans): every tile runs over a span before the next span starts, so its weights come from
+// do (linear/dense.h: panel_spans): every tile runs over a span before the next span starts, so its weights come from
 // memory once, for the first tile (which alone prefetches), and stay in L1 for the later tiles. Their float sums
-// wait in `sums` between spans, one block after another as in one pass: the same bits. Xeon, decode steps of
-// Qwen2.5-0.5B alternated in one process, the avx2 build (Zen 3's): int8 16 rows 1.073x, 8 rows 1.01x, 4 rows
-// 1.03x; int4 16 rows 1.01x, 4 rows 1.02x; the avx512 build's int8 at 16 rows 0.999x. Tried and not kept: the
-// tiles sharing the next span's prefetch (int8 4-8 rows 0.81-0.92x), and spans for the avxvnni build's wide tiles
-// (int8 16 rows 0.99x, 8 rows 0.97x; int4 1.01x).
+// wait in `sums` between spans, one block after another as in one pass: the same bits. Tried and not kept (slower):
+// the tiles sharing the next span's prefetch, and spans for the avxvnni build's wide tiles.
 template <Format F>
 inline void qpanel(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t mc) {
   const int64_t tiles = (mc + MT_Q - 1) / MT_Q, bb = quant_block_bytes(F);

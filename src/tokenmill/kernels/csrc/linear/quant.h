@@ -48,8 +48,9 @@
 namespace tmk {
 
 constexpr int64_t QMC = 64;  // rows per block: their quantized x (64 x K bytes) stays in L2 across the panels
+
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), x rows in the QRow layout `ldx` floats
-// apart: for each block of QMC rows, every panel passes over them in tiles of MT_Q rows. A row's blocks are summed
+// apart: for each block of QMC rows, every panel passes over them in this build's tiles (quant_panel). A row's blocks are summed
 // in the same order whatever M is, so its output does not depend on the batch.
 template <Format F>
 void linear_quant(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,

@@ -1,7 +1,7 @@
 // A decode step's whole decoder stack in one call: for each layer, residual add + RMSNorm, qkv, (q/k norm),
 // RoPE, KV write, paged attention, o, residual add + RMSNorm, gate|up, SiLU*mul, down; then the final norm.
 //
-// The functions the per-module path calls (kernels.cpp, fused.h), applied to the same rows in the same order, so
+// The functions the per-module path calls (kernels.cpp, ops/fused.h), applied to the same rows in the same order, so
 // both paths give the same numbers; what goes is Python between them: ~15 calls per layer become one per step.
 // The layers' weights, norms and KV tensors are registered once (`add_layer`: raw pointers the Python side keeps
 // alive); scratch activations live here and are reused from step to step.
@@ -105,7 +105,7 @@ class DecodeStack {
   // As run(), from token ids and positions [B] (int64): the rows of embed [V, D] (model dtype) go straight into
   // the residual stream, and cos and sin are rows of the rotary tables [positions, Dh] (float32), rounded to the
   // model dtype as torch rounds them (nearest even). Those torch ops (an embedding, two gathers, two conversions)
-  // were ~0.2 ms of a one-row step (Xeon): on their first call after a step's weights have streamed through the
+  // were a visible share of a one-row step: on their first call after a step's weights have streamed through the
   // caches, each op's code is cold. A token id outside [0, vocab) raises IndexError, as torch's embedding does,
   // before anything runs.
   void run_ids(uintptr_t embed, int64_t vocab, uintptr_t ids, uintptr_t positions, uintptr_t cos_table,
@@ -230,8 +230,7 @@ class DecodeStack {
   Act param(uintptr_t p) const { return Act{(void*)p, bf16_}; }
 
   // Output panels per chunk of linear `w`: ~1 MB of weights (long runs of sequential reads: the first few KB of each
-  // chunk wait on memory before the prefetches run ahead; Zen 4, engine decode steps alternated, bf16 at 16 rows
-  // 50.2 -> 48.0-48.5 ms against ~256 KB, int4 and one row the same within noise), but at least four chunks per
+  // chunk wait on memory before the prefetches run ahead), but at least four chunks per
   // thread, so a thread that starts late or loses its core leaves little for the others to wait on.
   int64_t per_chunk(const LinearSpec& w) const {
     const int64_t n_panels = (w[2] + P - 1) / P;
@@ -359,8 +358,7 @@ class DecodeStack {
   }
 
   // chunk c: columns [k0, k1) of row c / silu_parts_, its part c % silu_parts_ in whole blocks of QK (the last part
-  // runs to I, and its prep to the down projection's padded K). One row at 1 thread: 0.23 -> 0.16 ms a step (Xeon,
-  // int4, 24 layers of 4864).
+  // runs to I, and its prep to the down projection's padded K): one row's SiLU no longer waits on one thread.
   void silu(int64_t l, int64_t c) {
     const int64_t b = c / silu_parts_, part = c % silu_parts_, blocks = I_ / QK;
     const bool last = part + 1 == silu_parts_;
@@ -397,7 +395,7 @@ class DecodeStack {
   const uintptr_t final_norm_;
   const int64_t threads_;
   // each (row, KV head)'s merge preps its own query heads' columns of the o projection's input (the o_input stage
-  // gets no chunks): they are whole blocks of QK. A one-row step, Xeon: ~1 us a layer of stage hand-over.
+  // gets no chunks): they are whole blocks of QK. One stage hand-over a layer less.
   const bool o_parts_ = (H_ / Hkv_ * Dh_) % QK == 0;
   std::vector<LayerSpec> layers_;
   int64_t max_k_ = 0;

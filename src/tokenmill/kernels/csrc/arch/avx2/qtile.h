@@ -38,8 +38,7 @@ inline void q4_block_sums(const uint8_t* q, const QRow* x, int64_t b, __m256i (*
 #endif
   }
   // NOTE: the AVX2 build, unrolled whole, computes every product first and spills them to the stack; the avxvnni
-  // one spills its accumulators on every pass of a loop unrolled by 2 from 4 rows on (Xeon, kernel_ab.py at 8-64
-  // rows: 1.09-1.15x unrolled whole)
+  // one spills its accumulators on every pass of a loop unrolled by 2 from 4 rows on
 #if TM_WIDE
 #pragma GCC unroll 8
 #else
@@ -102,10 +101,8 @@ inline void qtile(const uint8_t* panel, const QRow* x, int64_t b0, int64_t b1, f
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // (vpmaddwd's; VNNI needs none)
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = panel + b * quant_block_bytes(F);
-    // the weights ahead, as gemm.h's prefetch_ahead (Zen 3, from memory: 1 row 1.22x, 5 rows 1.03-1.12x). Not on a
-    // Zen 4, whose AVX-512 build takes only 1-3 rows here: those stream best on the hardware's prefetch alone, as
-    // gemm.h's one-row pair tile does (int8 decode steps of Qwen2.5-0.5B, builds alternated in one process: 1 row
-    // 18.3 -> 16.7 and 17.8 -> 16.2 ms, 2 and 3 rows 0.93x; int4 1 row the same within noise, 2 rows 0.9x)
+    // the weights ahead, as linear/common.h's prefetch_ahead. Not on a Zen 4, whose AVX-512 build takes only 1-3
+    // rows here: those stream best on the hardware's prefetch alone, as the one-row bf16 pair tile does there
     if (prefetch_quant_rows && prefetch)
       for (int64_t off = 0; off < quant_block_bytes(F); off += 64) prefetch_weights(blk + off);
     const uint8_t* q = blk + 2 * P;

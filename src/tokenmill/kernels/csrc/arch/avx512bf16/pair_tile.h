@@ -21,8 +21,7 @@ inline void tile_bf16_pairs(const uint16_t* panel, const uint16_t* xh, int64_t l
   const int64_t pairs = K / 2;
   static_assert(V == 1, "one 16-channel vector per panel row");
   // Software prefetch in the one-row tile too on Intel CPUs only: one row streams best on the hardware's prefetch
-  // alone on a Zen 4 (2 threads: 1.08x), while a Xeon's is faster with it (24 layers' bf16 linears from memory at
-  // one row: 21.7 -> 24.0 GB/s).
+  // alone on a Zen 4, while a Xeon's is faster with it.
   const bool prefetch = MT > 1 || intel_cpu;
   __m512 a[S][MT];
   for (int s = 0; s < S; ++s)

@@ -9,10 +9,7 @@
 //         first, for all of a panel's blocks at once (q8_corrections), and each row's sums start at -128 times them:
 //         the tiles of 3 compute them again in every tile, with one vpdpbusd per group and half.
 //
-// Xeon (this build), the linears of Qwen2.5-0.5B with its head, 2 threads, against tiles of 3: Q4_0 8 rows 1.10x,
-// 16 rows 1.21x, 64 rows 1.17x; Q8_0 8 rows 1.10x, 16 rows 1.21x, 64 rows 1.34x (1.06x at 16 rows with the sums
-// of w in each tile). The AVX2 build keeps tiles of 3: its 16-bit sums need a register more per row (wide Q4_0
-// tiles there: 16 rows 0.9x, 64 rows 0.7x).
+// The AVX2 build keeps tiles of 3: its 16-bit sums need a register more per row, and wide tiles there were slower.
 //
 // linear/quant.h picks this file's quant_panel for the avxvnni variant.
 #pragma once
@@ -34,7 +31,7 @@
 
 namespace tmk {
 
-constexpr int MT_WIDE = 6;  // rows per wide tile (Q4_0 in tiles of 4 or 5: 16 rows 1.14x, against 1.23x for 6)
+constexpr int MT_WIDE = 6;  // rows per wide tile (4 or 5 gained less)
 
 // sums[m] += isum[m] * (d_w * d_x[m]) for one block at blk (its 16 fp16 scales first)
 template <int MT>
