@@ -24,7 +24,12 @@ from tokenmill.kernels.isa import COMPILE_FLAGS, LANES
 EMULATED = "avx2-16-lanes"
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("kernels.cpp",)
+SOURCES = ("kernels.cpp",)  # one translation unit; its headers include each other from CSRC ("arch/avx2/simd.h")
+
+
+def sources() -> list[Path]:
+    """Every file of the kernels' source tree (kernels.cpp and the headers under csrc/ and its folders), sorted."""
+    return sorted(path for path in CSRC.rglob("*") if path.is_file())
 
 
 class KernelBuildError(RuntimeError):
@@ -47,8 +52,8 @@ def build_key(level: str) -> str:
     # the sources' folder too: torch writes their paths into the folder's build.ninja, so two installs of the same
     # sources (two venvs, a clone beside a wheel) sharing one folder recompiled each time the other had loaded
     digest.update(str(CSRC.resolve()).encode())
-    for path in sorted(CSRC.iterdir()):  # every source and header: an edit to any of them is a new build
-        digest.update(path.name.encode() + path.read_bytes())
+    for path in sources():  # every source and header, in every folder: an edit to any of them is a new build
+        digest.update(path.relative_to(CSRC).as_posix().encode() + path.read_bytes())
     digest.update(" ".join(cflags(level)).encode())
     return f"{torch.__version__.replace('+', '_')}-{level}-{digest.hexdigest()[:12]}"
 

@@ -8,84 +8,28 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "amx.h"
-#include "amx_int8.h"
-#include "attention.h"
-#include "blocked.h"
-#include "dense.h"
-#include "fused.h"
-#include "gemm.h"
-#include "head.h"
-#include "prefill_attention.h"
-#include "qdot.h"
-#include "logprobs.h"
-#include "sample.h"
+#include "attention/decode.h"
+#include "attention/prefill.h"
+#include "core/simd.h"
+#include "linear/format.h"
+#include "linear/linear.h"
+#include "linear/qrow.h"
+#include "linear/type_traits.h"
+#include "ops/fused.h"
+#include "ops/logprobs.h"
+#include "ops/sample.h"
+#include "stack/pool.h"
+#include "stack/stack.h"
 
 namespace tmk {
-
-// Output panels [p_begin, p_end) for any format, x rows prepared by prep_row `ldx` floats apart: the quantized
-// formats in integers (qdot.h), the dense ones in register tiles or, from blocked_min_rows(), the blocked GEMM.
-// `xh`: the rows as the model's bfloat16 (row stride ldxh), or null; a bf16 weight's tiles multiply those pairs
-// where use_bf16_dot() (AVX-512 BF16), which needs K == the rows' width (even, no padding to read past).
-void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t N, int64_t K,
-                  const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end,
-                  const uint16_t* xh = nullptr, int64_t ldxh = 0) {
-  if (!use_bf16_dot() || ldxh != K) xh = nullptr;
-  if (amx_takes(F, M)) {
-    if (F == Q8_0) return linear_amx_q<Q8_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-    if (F == Q4_0) return linear_amx_q<Q4_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-    if (xh) return linear_amx(xh, M, ldxh, w, N, K, bias, o32, o16, p_begin, p_end);
-  }
-  // pairs beat the blocked GEMM at every M where vdpbf16ps does them (two products per lane and instruction
-  // against one FMA: Zen 4, 64-512 rows 2.1x), so a bf16 weight with pairs never takes it
-  const bool blocked = M >= blocked_min_rows() && !(F == BF16 && xh && bf16_dot_native());
-  if (F == Q8_0) linear_quant<Q8_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-  else if (F == Q4_0) linear_quant<Q4_0>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-  else if (F == BF16 && blocked) linear_blocked<BF16>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-  else if (F == BF16) linear_panels<uint16_t>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end, xh, ldxh);
-  else if (blocked) linear_blocked<F32>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end);
-  else linear_panels<float>(x, M, ldx, w, N, K, bias, o32, o16, p_begin, p_end, nullptr, 0);
-}
-
-// A bf16 weight's product over bf16 rows Kx wide takes the pair tiles and never reads the rows as float32:
-// vdpbf16ps here, the rows not padded (linear_range).
-inline bool pairs_apply(Format F, bool bf16, int64_t Kx, int64_t K) {
-  return F == BF16 && bf16 && Kx == K && use_bf16_dot() && bf16_dot_native();
-}
-
-// How many output panels one thread's chunk should take: at least ~`bytes` of weight reads (more rows, fewer).
-inline int64_t panels_per_chunk(Format F, int64_t K, int64_t M, int64_t bytes) {
-  return amx_even(F, M, std::max<int64_t>(1, bytes / (panel_bytes(F, K) * (1 + M / 8))));
-}
-
-// One activation row (bfloat16 or float32, Kx wide) as the kernels read it, in `dst` (room for K floats): float32,
-// zero-padded to K; for Q8_0 / Q4_0 weights, quantized to the QRow layout (qdot.h). Only its values [k0, k1)
-// where k1 >= 0 (multiples of QK: the row in parts, by threads).
-inline void prep_row(const void* src, bool bf16, int64_t Kx, int64_t K, Format F, float* dst, int64_t k0 = 0,
-                     int64_t k1 = -1) {
-  thread_local std::vector<float> staged;
-  if (k1 < 0) k1 = K;
-  const bool quant = F == Q8_0 || F == Q4_0;
-  float* f = dst;
-  if (quant) staged.resize(K), f = staged.data();
-  const int64_t kx = std::min(std::max(Kx, k0), k1);  // [k0, kx) from src, [kx, k1) padding
-  if (bf16) {
-    const uint16_t* s = (const uint16_t*)src;
-    for (int64_t k = k0; k < kx; ++k) {
-      uint32_t bits = (uint32_t)s[k] << 16;
-      std::memcpy(&f[k], &bits, 4);
-    }
-  } else {
-    std::memcpy(f + k0, (const float*)src + k0, (kx - k0) * 4);
-  }
-  std::fill(f + kx, f + k1, 0.f);
-  if (quant) quantize_row(f, K, dst, F == Q8_0, k0 / QK, k1 / QK);
-}
 
 // out[M, N] = x[M, Kx] @ w^T (+ bias): x and out bfloat16 (`bf16` true) or float32, bias float32 or none;
 // the weight packed in `format` with N outputs and K inputs (Kx <= K: K padded to whole blocks)
@@ -131,35 +75,14 @@ void unpack(uintptr_t w_ptr, int64_t format, int64_t N, int64_t K, uintptr_t out
   float* o = (float*)out_ptr;
   const uint8_t* w = (const uint8_t*)w_ptr;
   const int64_t n_panels = (N + P - 1) / P, stride = panel_bytes(F, K);
+  const auto to_float = format_kernels(F).unpack;
   at::parallel_for(0, n_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = w + p * stride;
-      const int64_t n_valid = std::min<int64_t>(P, N - p * P);
-      for (int64_t k = 0; k < K; ++k) {
-        float vals[P];
-        if (F == F32) {
-          std::memcpy(vals, (const float*)panel + k * P, sizeof(vals));
-        } else if (F == BF16) {
-          for (int i = 0; i < P; ++i) {  // k pairs: [K/2][P][2]
-            uint32_t bits = (uint32_t)((const uint16_t*)panel)[(k / 2) * 2 * P + 2 * i + k % 2] << 16;
-            std::memcpy(&vals[i], &bits, 4);
-          }
-        } else {
-          const uint8_t* blk = panel + (k / QK) * quant_block_bytes(F);
-          const int kk = k % QK;
-          for (int i = 0; i < P; ++i) {
-            const float d = half_to_float(((const uint16_t*)blk)[i]);
-            if (F == Q8_0) vals[i] = d * (float)block_value<Q8_0>(blk + 2 * P, i, kk);
-            else vals[i] = d * (float)(block_value<Q4_0>(blk + 2 * P, i, kk) - 8);
-          }
-        }
-        for (int64_t i = 0; i < n_valid; ++i) o[(p * P + i) * K + k] = vals[i];
-      }
-    }
+    for (int64_t p = begin; p < end; ++p)
+      to_float(w + p * stride, K, std::min<int64_t>(P, N - p * P), o + p * P * K);
   });
 }
 
-// -- the fused decode ops (fused.h): rows split across threads only when there are enough to pay for it -----------
+// -- the fused decode ops (ops/fused.h): rows split across threads only when there are enough to pay for it -----------
 void rmsnorm(uintptr_t x, uintptr_t residual, uintptr_t weight, bool bf16, double eps, uintptr_t out, int64_t rows,
              int64_t D) {
   const Act xa{(void*)x, bf16}, ra{(void*)residual, bf16}, wa{(void*)weight, bf16}, oa{(void*)out, bf16};
@@ -188,7 +111,7 @@ void silu_mul(uintptr_t gate_up, uintptr_t out, bool bf16, int64_t rows, int64_t
   });
 }
 
-// Every sequence's splits of each KV head as tasks, then each sequence's merge (attention.h)
+// Every sequence's splits of each KV head as tasks, then each sequence's merge (attention/decode.h)
 template <typename T>
 void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const int64_t* tab, int64_t max_blocks,
                            const int64_t* len, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size,
@@ -225,7 +148,7 @@ void decode_attention(uintptr_t q, uintptr_t cache, bool bf16, int64_t slots, ui
   else decode_attention_impl<float>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out);
 }
 
-// every prefill sequence's new tokens over its paged context (prefill_attention.h); seqs [S, 3] int64: first row
+// every prefill sequence's new tokens over its paged context (attention/prefill.h); seqs [S, 3] int64: first row
 // in q, new tokens, context length
 void prefill_attention(uintptr_t q, int64_t q_stride, uintptr_t cache, bool bf16, int64_t slots, uintptr_t tables,
                        int64_t max_blocks, int64_t block_size, uintptr_t seqs, int64_t S, int64_t H, int64_t Hkv,
@@ -301,16 +224,14 @@ void apply_bitmask(uintptr_t logits, uintptr_t mask, int64_t B, int64_t V, int64
 
 }  // namespace tmk
 
-#include "stack.h"
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   // a whole step releases the GIL: the server's event loop runs meanwhile (a single small op would not pay for it)
   using nogil = py::call_guard<py::gil_scoped_release>;
   // DecodeStack::run_ids with its integer inputs as Python lists, which pybind copies into vectors before the GIL
   // is released: ids, positions, slots, lens [B] and tables [B * max_blocks]. A torch op's first call after a
-  // step's weights have streamed through the caches runs cold code, 20-60 us each (Xeon): with these inputs as
-  // tensors and the outputs allocated each step, ~0.27 ms more of an ~11 ms one-row step went outside this call.
+  // step's weights have streamed through the caches runs cold code: with these inputs as tensors and the outputs
+  // allocated each step, a visible share of a one-row step went outside this call.
   const auto run_lists = [](tmk::DecodeStack& s, uintptr_t embed, int64_t vocab, const std::vector<int64_t>& ids,
                             const std::vector<int64_t>& positions, uintptr_t cos_table, uintptr_t sin_table,
                             const std::vector<int64_t>& slots, const std::vector<int64_t>& tables, int64_t max_blocks,
@@ -421,5 +342,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stage_of", &tmk::DecodeStack::stage_of, "stage i's kind and layer (-1: after the last layer)");
   m.attr("lanes") = tmk::W;
   m.attr("panel") = tmk::P;
-  m.attr("attention_split") = tmk::kSplit;  // positions per split of decode attention (attention.h)
+  m.attr("attention_split") = tmk::kSplit;  // positions per split of decode attention (attention/common.h)
 }

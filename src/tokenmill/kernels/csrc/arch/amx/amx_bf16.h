@@ -2,60 +2,22 @@
 // panel, into 16 x 16 float32 sums held in a tile register. A bf16 panel's k-pair layout ([K/2][16][2], formats.py)
 // is the B operand as stored: 16 pairs are 16 rows of 64 bytes, back to back. x's bf16 rows are A, 32 k of each
 // row, read in place with the rows' own stride. The products are exact in float32, so only the order of the sums
-// differs from the vdpbf16ps pair tiles (gemm.h), as it already does between their one-row and many-row tiles.
+// differs from the vdpbf16ps pair tiles (arch/avx512bf16/pair_tile.h), as it already does between their one-row and many-row tiles.
 //
 // Built into the avx512bf16 variant only, with per-function target flags: the same variant runs on a Zen 4 without
-// AMX, where amx_native() is false and nothing here runs. Linux hands out the tile state on request
-// (arch_prctl(ARCH_REQ_XCOMP_PERM)); a kernel that refuses leaves AMX off.
+// AMX, where amx_native() (arch/amx/tiles.h) is false and nothing here runs. linear/amx.h picks this file.
 #pragma once
 
-#include "gemm.h"
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
 
-#if defined(__AVX512BF16__) && TM_W == 16 && defined(__x86_64__) && defined(__linux__)
-#define TM_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "arch/amx/tiles.h"
+#include "arch/isa.h"
+#include "core/vec.h"
+#include "linear/common.h"
 
 namespace tmk {
-
-// The CPU has AMX-TILE, AMX-BF16 and AMX-INT8, and this process may use them.
-inline bool amx_native() {
-#ifdef TM_AMX
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!((d >> 22) & 1u) || !((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;  // AMX-BF16, -TILE, -INT8
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
-// -1: AMX for bf16, Q8_0 and Q4_0 weights where amx_native() (the default); 0: never; 1: from one row (tests)
-inline int amx_mode = -1;
-inline bool use_amx() { return amx_mode != 0 && amx_native(); }
-// Rows from which the AMX tiles take a weight's products; below, vdpbf16ps or vpdpbusd tiles do. Xeon, every
-// linear of Qwen2.5-0.5B and its head from memory, 2 threads, set_amx toggled in one process: bf16 4 rows 1.18x;
-// Q8_0 5-8 rows 0.98-1.0x, 10 rows 1.12x; Q4_0, which unpacks each block for the tiles, 8 rows 0.86x (one full
-// zmm tile of 8 rows, qdot512.h, reads each weight once), 9 rows 1.04x, 16 rows 1.21x.
-inline int64_t amx_min_rows(Format F) { return amx_mode > 0 ? 1 : (F == BF16 ? 4 : F == Q8_0 ? 5 : 9); }
-// The AMX tiles take M rows by a weight of format F (a bf16 weight's given the rows as bf16 pairs).
-inline bool amx_takes(Format F, int64_t M) { return F != F32 && use_amx() && M >= amx_min_rows(F); }
-// They take panels two at a time: a thread's chunk of `panels` rounded up to an even count where they run.
-inline int64_t amx_even(Format F, int64_t M, int64_t panels) {
-  return amx_takes(F, M) ? panels + (panels & 1) : panels;
-}
-
-#ifdef TM_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Two row blocks (r0 and r1 rows; r1 0: one) by two panels. Tiles 0, 1: sums of row block 0 by panels 0, 1 (r0 x
 // 16 floats); 2, 3: row block 1's; 4, 5: A, 32 bf16 of each row of blocks 0, 1; 6, 7: B, 16 pairs of panels 0, 1.
@@ -159,9 +121,4 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void linear_amx(const uint16
   }
   _tile_release();
 }
-#else
-inline void linear_amx(const uint16_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*,
-                       uint16_t*, int64_t, int64_t) {}
-#endif
-
 }  // namespace tmk

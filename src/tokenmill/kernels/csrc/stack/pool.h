@@ -2,7 +2,7 @@
 //
 // OpenMP (torch's at::parallel_for) ends every parallel region at a barrier: all threads must arrive. On a
 // machine where another process holds a core, the thread that lost its core arrives a scheduler slice later, and
-// a decode step has hundreds of regions: a 4-5x loss (docs/benchmark-log.md). Here a step is a list of stages,
+// a decode step has hundreds of regions: a several-fold loss (docs/benchmark-log.md). Here a step is a list of stages,
 // each cut into chunks; the caller and the helpers claim chunks from one atomic cursor, and a stage ends when
 // all of its chunks are done, not when every thread has checked in. A helper that is off its core claims
 // nothing, and the caller does its share.
@@ -53,7 +53,7 @@ namespace tmk {
 
 // Whether other work competes for the cores, from each program's wall time and the caller's CPU time in it. A
 // program in which the caller got under 80% of a core is as often the host's hiccup (a VM's core descheduled for a
-// few ms: on a quiet Xeon VM ~1 one-row decode step in 1000, each then costing half a second of one-thread steps).
+// few ms, now and then even on a quiet VM, each then costing half a second of one-thread steps).
 // So programs are judged together, in windows of at least two programs and 20 ms: a hiccup of a few ms leaves a
 // window above 80%, a competing process keeps it under whether it starves every program (steps longer than its
 // time slice) or one in a few (short ones). The first program after a rest is judged alone. Programs shorter than

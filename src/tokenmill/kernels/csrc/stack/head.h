@@ -1,15 +1,16 @@
 // What the LM head's chunks of a decode step leave beside the logits: for a bf16 model the logits as float32 (the
 // sampler's input), widened chunk by chunk while each chunk's columns are in cache (a torch conversion afterwards
-// woke its OpenMP threads for ~0.1 ms a step); and each row's argmax over the logits as float32, as torch.argmax
+// woke its OpenMP threads); and each row's argmax over the logits as float32, as torch.argmax
 // takes it (the first NaN, else the first maximum): each chunk finds its own columns' winner, and the winners are
-// compared in column order at the end (a separate pass over [16, 151936] logits was ~0.6 ms of a 16-row step,
-// Xeon). Widening bf16 is exact, so the argmax is the same with or without the float32 copy.
+// compared in column order at the end (a separate pass over the logits would read them from memory again).
+// Widening bf16 is exact, so the argmax is the same with or without the float32 copy.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-#include "fused.h"  // Act, argmax_row
+#include "core/simd.h"
+#include "ops/fused.h"  // Act, argmax_row
 
 namespace tmk {
 

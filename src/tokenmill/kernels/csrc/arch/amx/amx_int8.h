@@ -1,7 +1,7 @@
 // Q8_0 / Q4_0 weights on AMX-INT8: one TDPBSSD multiplies up to 16 quantized rows of x by a 32-k block of a
 // panel, into 16 x 16 exact int32 sums held in a tile register. A Q8_0 block's groups of 4 k per channel
-// ([8][16][4] int8, qdot.h) are the B operand as stored: 8 rows of 64 bytes. A Q4_0 block's nibbles are unpacked
-// into the same layout, less 8 (signed -8..7), once per block for all the rows. x's quantized rows (QRow, qdot.h)
+// ([8][16][4] int8, linear/format.h) are the B operand as stored: 8 rows of 64 bytes. A Q4_0 block's nibbles are unpacked
+// into the same layout, less 8 (signed -8..7), once per block for all the rows. x's quantized rows (QRow, linear/qrow.h)
 // are A, 32 bytes of each row, read in place.
 //
 // Each block has its own scales (one per channel, one per row), so every block's sums leave the tiles: they are
@@ -10,12 +10,18 @@
 // VNNI path's, and a row's output still does not depend on the batch.
 #pragma once
 
-#include "amx.h"
-#include "qdot.h"
+#include <algorithm>
+#include <cstdint>
+
+#include "arch/amx/tiles.h"
+#include "arch/isa.h"
+#include "core/vec.h"
+#include "linear/common.h"
+#include "linear/format.h"
+#include "linear/qrow.h"
 
 namespace tmk {
 
-#ifdef TM_AMX
 // Q4_0 block values (8 groups of 32 bytes: channel c in the low nibble, c + 8 in the high one) -> dst[8][64]:
 // group g's 4 k of channels 0..15, less 8
 inline void unpack_q4_block(const uint8_t* q, int8_t* dst) {
@@ -36,7 +42,7 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_configure_q(int r0,
   const int rows[8] = {r0, r0, r1, r1, r0, r1, QK / 4, QK / 4};
   const int cols[8] = {64, 64, 64, 64, QK, QK, 64, 64};
   for (int t = 0; t < 8; ++t) c.rows[t] = (uint8_t)rows[t], c.colsb[t] = rows[t] ? cols[t] : 0;
-  asm volatile("" : : "r"(&c) : "memory");  // the config's stores kept: see amx_configure
+  asm volatile("" : : "r"(&c) : "memory");  // the config's stores kept: see amx_configure, arch/amx/amx_bf16.h
   _tile_loadconfig(&c);
 }
 
@@ -124,10 +130,5 @@ __attribute__((target("amx-tile,amx-int8"))) void linear_amx_q(const float* x, i
   }
   _tile_release();
 }
-#else
-template <Format F>
-void linear_amx_q(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, uint16_t*,
-                  int64_t, int64_t) {}
-#endif
 
 }  // namespace tmk

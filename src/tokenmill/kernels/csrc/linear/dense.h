@@ -1,23 +1,25 @@
 // The dense formats' (bf16, float32) register tiles over whole panels, for a few rows: which tile takes how many
 // rows, bf16 panels in spans of K when several tiles share them, and the output panels of a range. Many rows take
-// the blocked GEMM (blocked.h) instead; kernels.cpp's linear_range picks.
+// the blocked GEMM (linear/blocked.h) instead; linear_range (linear/linear.h) picks.
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
-#include "gemm.h"
+#include "core/simd.h"
+#include "linear/common.h"
+#include "linear/dense_tiles.h"
+#include "linear/pair_tile.h"
 
 namespace tmk {
 
-// rows of one dense tile at this vector width (what fits in the register file; 8 lanes: 6 with gemm.h's even-then-
+// rows of one dense tile at this vector width (what fits in the register file; 8 lanes: 6 with dense_tiles.h's even-then-
 // odd step for bf16, 16 rows as 6 + 6 + 4)
 constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 6 : 8);
-// rows of one bf16 pair tile: with 16 lanes a row needs one accumulator and no widened weights (Zen 4, against
-// 8: 9-12 rows 1.1x). 16, not 12: a 16-row decode step in one tile reads each weight once, 16 vdpbf16ps per 64
-// bytes, which two cores can feed from memory; as two tiles of 8 the first waited on memory while the second ran
-// from cache (Zen 4, engine decode steps alternated in one process: 50.5 -> 46.3 and 52.4 -> 47.7 ms; prefill the
-// same within noise)
+// rows of one bf16 pair tile: with 16 lanes a row needs one accumulator and no widened weights. 16, not 12: a
+// 16-row decode step in one tile reads each weight once, 16 vdpbf16ps per 64 bytes, which two cores can feed from
+// memory; as two tiles of 8 the first waited on memory while the second ran from cache
 constexpr int MT_PAIRS = W == 16 ? 16 : MT_DENSE;
 
 // `rows` <= MT rows of x times a dense panel, in the tile of exactly that many (one row: 4 accumulator sets)
@@ -38,9 +40,7 @@ constexpr int64_t KSPAN_ROWS = 48;  // rows at most (the sums wait on the stack)
 // spans: every tile runs over one span before the next span starts, so a span's weights come from memory once, for
 // the first tile, and the later tiles find them in L1. One pass per tile instead read the panel from memory for the
 // first and from L2 for the others, and the first tile waited on memory. The sums wait in `sums` between spans and
-// take each span's pairs in order (span_dense, one set), so they are the same bits as one pass per tile. Xeon, 16-row
-// bf16 decode steps of Qwen2.5-0.5B on the AVX-VNNI build, alternated in one process: 1.013x and 1.032x; the
-// avx512 build's linears (2 tiles of 8) 1.04-1.10x at 16 rows.
+// take each span's pairs in order (span_dense, one set), so they are the same bits as one pass per tile.
 template <int MT>
 void panel_spans(const uint16_t* panel, const float* x, int64_t ldx, int64_t K, int64_t rows, int64_t per,
                  vf (*sums)[V]) {
@@ -62,7 +62,7 @@ void panel_spans(const uint16_t* panel, const float* x, int64_t ldx, int64_t K, 
   }
 }
 
-// the same for bf16 activation pairs (gemm.h: tile_bf16_pairs)
+// the same for bf16 activation pairs (linear/pair_tile.h: tile_bf16_pairs)
 template <int MT>
 void pair_rows(const uint16_t* panel, const uint16_t* xh, int64_t ldxh, int64_t K, int64_t rows, vf (*acc)[V]) {
   with_rows<MT>(rows, [&](auto r) {
@@ -81,9 +81,7 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed
   const int64_t stride = K * P * (int64_t)sizeof(T);
   const int64_t mt = xh ? MT_PAIRS : MT_DENSE;
   // Rows in blocks of ~384 KB of x, which stay in L2 while every panel of the range passes over them: a long
-  // prompt's rows, all re-read from L3 for each panel, held the pair tiles back (Zen 4, bf16 linears of
-  // Qwen2.5-0.5B, both builds alternated in one process: 128 rows 420 -> 447 GFLOP/s, 512 rows 416 -> 442, 2048 rows
-  // 407 -> 445; vdpbf16ps peaks at ~450 on the two cores)
+  // prompt's rows, all re-read from L3 for each panel, held the pair tiles back
   const int64_t block = std::max<int64_t>(mt, (384 << 10) / (K * (xh ? 2 : 4)) / mt * mt);
   for (int64_t r0 = 0; r0 < M; r0 += block)
   for (int64_t p = p_begin; p < p_end; ++p) {

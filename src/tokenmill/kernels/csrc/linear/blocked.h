@@ -1,7 +1,7 @@
 // Many rows (prefill, batched decode, speculative verification) in bf16 or float32: a cache-blocked GEMM over the
-// packed panels. (The quantized formats have their own integer path, qdot.h.)
+// packed panels. (The quantized formats have their own integer path, linear/quant.h.)
 //
-// The tiles of gemm.h read each weight straight from its panel, once per tile of rows: right for a few rows,
+// The tiles of linear/dense_tiles.h read each weight straight from its panel, once per tile of rows: right for a few rows,
 // where the weights stream from memory once and the conversion hides behind that stream. With many rows the
 // same weight is converted again for every tile, and each tile re-reads its rows of x along the whole of K,
 // which falls out of the caches when K is long. Here, as in every BLAS (Goto's layout):
@@ -15,9 +15,12 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
-#include "gemm.h"
+#include "core/simd.h"
+#include "linear/common.h"
+#include "linear/format.h"
 
 namespace tmk {
 
@@ -25,7 +28,7 @@ constexpr int64_t KC = 256;  // k per block
 constexpr int64_t MC = 192;  // rows per block
 // rows per register tile: MT x V accumulators + V weights + 1 broadcast fit the register file
 constexpr int MT_F32 = W == 4 ? 2 : (W == 8 ? 6 : 12);
-// Rows from which the blocked path beats the tiles (Zen 3 AVX2, docs/benchmark-log.md). Tests set `blocked_rows`
+// Rows from which the blocked path beats the tiles (measured: docs/benchmarks.md). Tests set `blocked_rows`
 // (> 0) to run both paths on the same shapes.
 inline int64_t blocked_rows = 0;
 inline int64_t blocked_min_rows() { return blocked_rows > 0 ? blocked_rows : 48; }
@@ -37,7 +40,7 @@ inline const float* panel_block_f32(const uint8_t* panel, int64_t k0, int64_t kc
   if constexpr (F == F32) {
     return (const float*)panel + k0 * P;
   } else {
-    static_assert(F == BF16, "quantized formats multiply in integers (qdot.h)");
+    static_assert(F == BF16, "quantized formats multiply in integers (linear/quant.h)");
     const uint16_t* src = (const uint16_t*)panel + k0 * P;  // k0 and kc even: whole k pairs
     for (int64_t j = 0; j < kc / 2; ++j)
       for (int v = 0; v < V; ++v) {
@@ -68,7 +71,7 @@ inline void tile_f32(const float* w, const float* x, int64_t ldx, int64_t kc, fl
     for (int v = 0; v < V; ++v) store(c + m * P + v * W, acc[m][v]);
 }
 
-// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), as linear_panels (dense.h) computes them.
+// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), as linear_panels (linear/dense.h) computes them.
 template <Format F>
 void linear_blocked(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
                     const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end) {

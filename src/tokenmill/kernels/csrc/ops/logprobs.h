@@ -1,7 +1,7 @@
 // The sampler's logprobs on the CPU: per asked-for row, the log-softmax of its logits at its chosen token and at
 // its `top` most likely tokens, most likely first (ties: the lower token id first). sampling/sampler.py's
 // `topk_logprobs` over torch's log_softmax is the reference and the path elsewhere; there every row's [V]
-// logprobs were written and then partly sorted: ~0.5 ms a row of 152k hot, 16 rows 4.4-5.3 ms a step (Zen 4).
+// logprobs were written and then partly sorted, milliseconds a step at 16 rows.
 // Here a row takes two passes: its max, then the sum of e^(x - max) (float lanes, float64 across blocks) beside a
 // heap of its most likely tokens, where a vector of values is looked at one by one only if one passes the heap's
 // least. A logprob is (x - max) - log(sum), as torch rounds it.
@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "fused.h"   // Act
-#include "sample.h"  // any_lane
+#include "core/simd.h"
+#include "ops/fused.h"  // Act
 
 namespace tmk {
 

@@ -2,7 +2,7 @@
 // inverse-transform draw at the row's uniform number. The rules are sampling/sampler.py's, which stays the
 // reference and the path off the CPU. There the same step took a partial sort per row (`torch.topk`; a whole sort
 // where a wide nucleus passes its candidates) and ~30 small torch ops, each cold after a decode step's weights had
-// streamed through the caches: ~3.5 ms a step for top-k 40, ~12.5 ms for a wide top-p (one row of 152k, Zen 4).
+// streamed through the caches: milliseconds a step.
 // Here a row takes a few passes over its values:
 // - top-k: the k-th largest value (ties counted), from a heap of the k largest, where a vector of values is looked
 //   at one by one only if one of them passes the heap's least (nth_element for k > kHeapMax); what follows then
@@ -26,8 +26,8 @@
 #include <utility>
 #include <vector>
 
-#include "fused.h"  // Act, argmax_row
-#include "simd.h"
+#include "core/simd.h"
+#include "ops/fused.h"  // Act, argmax_row
 
 namespace tmk {
 
@@ -54,19 +54,6 @@ constexpr int kBins = 1024;            // top-p bins
 constexpr float kBinsPerUnit = 32.f;   // bins per unit of (max - x)
 constexpr int64_t kBlock = 256;        // values per block of the draw's sums
 constexpr int64_t kKeptMax = 4096;     // the most tokens a top-k keeps for draw_kept (more: ties with the k-th)
-
-// whether any lane of a comparison's mask is set: one test where the ISA has one (lane by lane, GCC extracts each)
-inline bool any_lane(vi mask) {
-#if TM_W == 16 && defined(__AVX512F__)
-  return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
-#elif TM_W == 8 && defined(__AVX2__)
-  return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
-#else
-  bool any = false;
-  for (int j = 0; j < W; ++j) any |= mask[j] != 0;
-  return any;
-#endif
-}
 
 // the k-th largest of x[0..n) (0 < k < n, ties counted; x holds no NaN)
 inline float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float>& heap) {
@@ -168,8 +155,7 @@ inline int64_t inverse_transform_row(const float* w, int64_t n, double u, std::v
 
 // After a top-k whose k-th value is `kth`: the row's token, from its kept tokens alone (x >= kth, in vocabulary
 // order), where there are at most kKeptMax: the nucleus, min-p and the draw then look at those few instead of
-// the whole row (top-k 50 with top-p 0.95, 16 rows of 152k on the Zen 4: 2.8 ms with the whole-row passes, 1.4
-// with this list, 0.5 with any_lane's one-instruction test). -1 where there are more.
+// the whole row. -1 where there are more.
 inline int64_t draw_kept(const float* x, int64_t n, float top, float kth, const DrawRule& r, float* filtered,
                          DrawScratch& s) {
   s.kept.clear();

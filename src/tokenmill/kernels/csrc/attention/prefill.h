@@ -6,22 +6,29 @@
 // QB x G rows. The context passes in blocks of KB positions: each block's scores are softmaxed against a running
 // maximum and sum per row, and the weighted values added to the row's running output, so no [rows, context]
 // matrix exists. Everything is float32 past the products; the output rounds to the model's dtype once.
-// - scores: a block's keys are packed as the linears' weight panels (gemm.h: 16 positions side by side at each k,
+// - scores: a block's keys are packed as the linears' weight panels (linear/format.h: 16 positions side by side at each k,
 //   bf16 in k pairs), so the same register tiles multiply them by the rows' queries: vdpbf16ps on AVX-512 BF16,
 //   FMAs elsewhere; bf16 x bf16 products are exact in float32 either way.
 // - values: widened to float32 once per block, times the float32 probabilities (not rounded to bf16: torch's
-//   SDPA keeps them in float32 too; rounded, a bf16 model's outputs were 1.4x further from the exact ones, and a
+//   SDPA keeps them in float32 too; rounded, a bf16 model's outputs moved further from the exact ones, and a
 //   random-weight model's greedy tokens left transformers' at the first token).
-// torch's SDPA, called once per sequence, took 15-18% of a bf16 prefill on a Zen 4 (docs/benchmark-log.md).
+// torch's SDPA, called once per sequence, was a large share of a bf16 prefill (docs/benchmarks.md).
 #pragma once
+
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
-#include "attention.h"
-#include "gemm.h"
+#include "attention/common.h"
+#include "attention/decode.h"  // pack_keys_bf16 (this build's)
+#include "core/simd.h"
+#include "linear/dense_tiles.h"
+#include "linear/pair_tile.h"
 
 namespace tmk {
 
@@ -68,17 +75,7 @@ inline void pack_keys(const T* const* rows, int64_t n, int64_t Dh, T* panels) {
     const T* const* key = rows + p * P;
     if constexpr (sizeof(T) == 2) {
       uint32_t* dst = (uint32_t*)(panels + p * P * Dh);  // [Dh/2][P] words
-#if TM_ATTN_BF16
-      if (Dh % 32 == 0) {
-        for (int64_t c = 0; c < Dh; c += 32) {
-          __m512i r[16];
-          for (int i = 0; i < 16; ++i) r[i] = i < m ? _mm512_loadu_si512((const void*)(key[i] + c)) : _mm512_setzero_si512();
-          transpose16(r);  // r[j]: pair j of the 16 keys
-          for (int j = 0; j < 16; ++j) _mm512_storeu_si512((void*)(dst + (c / 2 + j) * P), r[j]);
-        }
-        continue;
-      }
-#endif
+      if (pack_keys_bf16(key, m, Dh, dst)) continue;
       for (int64_t j = 0; j < Dh / 2; ++j)
         for (int64_t i = 0; i < P; ++i) {
           uint32_t word = 0;

@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
-#include "simd.h"
+#include "core/simd.h"
 
 namespace tmk {
 
@@ -108,9 +110,8 @@ inline void rope_rows(Act x, Act cos, Act sin, int64_t T, int64_t heads, int64_t
 
 // out [rows, I] = silu(gate) * up, from gate_up [rows, 2I] (gate first): silu rounded, then the product.
 // silu(g) = g / (1 + e^-g), as torch computes it, W lanes at a time with exp_any (e^-g is inf for g below ~-88.7:
-// -0, as torch); std::exp per element cost a 16-row decode step on the Xeon ~9% of its time. (exp_neg on -|g| with
-// a select per sign, and bf16 roundings that always handled NaNs, ran at half the speed: 2048 x 4864 values,
-// 2 threads, AVX2 build, 9.6 ms.)
+// -0, as torch); std::exp per element was a visible share of a decode step. (exp_neg on -|g| with a select per sign,
+// and bf16 roundings that always handled NaNs, ran at half the speed.)
 // With `cols` >= 0, only the first `cols` of each row's I values (a part of the row: the pointers start at it).
 inline void silu_mul_rows(Act gate_up, Act out, int64_t rows, int64_t I, int64_t cols = -1) {
   if (cols < 0) cols = I;
@@ -129,7 +130,7 @@ inline void silu_mul_rows(Act gate_up, Act out, int64_t rows, int64_t I, int64_t
 }
 
 // The index of the largest of x[0..n) (float32), as torch.argmax: the first of equal maxima; the first NaN where
-// there is one. Lane by lane, then across lanes; torch's reduction took ~6% of a 16-row decode step (Xeon).
+// there is one. Lane by lane, then across lanes (torch's reduction was a visible share of a decode step).
 inline int64_t argmax_row(const float* x, int64_t n) {
   if (n < W) {
     int64_t best = 0;

@@ -1,8 +1,8 @@
 // The quantized tiles with AVX-512 VNNI: one zmm register holds a panel's 16 channels at 4 k each, so one
-// vpdpbusd does 64 of a block's products for one row (the AVX2-width tiles in qdot.h take two ymm registers and
+// vpdpbusd does 64 of a block's products for one row (the AVX2-width tiles in arch/avx2/qtile.h take two ymm registers and
 // two instructions for the same, and run out of registers at 8 rows).
 //
-// The integer sums and their scaling are qdot.h's, lane for lane, so the outputs are the same bits:
+// The integer sums and their scaling are arch/avx2/qtile.h's, lane for lane, so the outputs are the same bits:
 //   Q8_0: (x + 128, unsigned: QRow::u) times w, less 128 * the block's sum of w per channel (one vpdpbusd by ones
 //         per group, shared by the tile's rows);
 //   Q4_0: the block's 32 bytes hold channels 0-7 in their low nibbles and 8-15 in their high ones, so one
@@ -11,18 +11,26 @@
 //         by 4 once per block, and 8 * (the row's sum of q over the block) comes off.
 // Each block's int32 sums are then scaled by d_w * d_x and added to the row's float sums.
 //
-// Zen 4, Qwen2.5-0.5B decode steps, runs alternated against the AVX2-width tiles: Q8_0 at 8 rows 27.7 -> 23.0 ms,
-// at 16 rows 51.3 -> 41.0; Q4_0 22.2 -> 19.1 and 40.3 -> 36.2. Tiles of 8 rows (12 gave the same at 16 rows). From
-// 1 to 3 rows a Zen 4 keeps qdot.h's tiles (one row is bound by memory, and its sums wait on vpdpbusd's latency
-// there); an Intel core, whose zmm units are full width, takes these (Xeon with AMX, the linears of Qwen2.5-0.5B
-// with its LM head, 2 threads, builds alternated in one process: Q8_0 1 row 1.03x, 2-3 rows 1.07-1.08x; Q4_0
-// 1-3 rows 1.01-1.03x).
+// Tiles of 8 rows (12 gained nothing more). From 1 to 3 rows a Zen 4 keeps the ymm tiles (arch/avx2/qtile.h: one
+// row is bound by memory, and its sums wait on vpdpbusd's latency there); an Intel core, whose zmm units are full
+// width, takes these.
 //
-// Included by qdot.h, where it defines TM_Q512.
+// linear/quant.h picks this file's quant_panel where the build has AVX-512 VNNI (the avx512bf16 variant).
 #pragma once
 
-#if TM_W == 16 && TM_VNNI && defined(__AVX512BW__)
-#define TM_Q512 1
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "arch/isa.h"
+#include "core/cpu.h"
+#include "linear/format.h"
+#include "linear/qpanel.h"
+#include "linear/qrow.h"
+
+#if !TM_Q512
+#error "arch/avx512bf16/qtile512.h needs 16 lanes with AVX-512 BW and VNNI (the avx512bf16 variant)"
+#endif
 
 namespace tmk {
 
@@ -78,5 +86,16 @@ inline void qtile512(const uint8_t* panel, const QRow* x, int64_t nb, float (*su
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(sums[m], acc[m]);
 }
 
+// A panel times mc rows: the rows in the fewest tiles, of even sizes (12 rows as 6 + 6, not 8 + 4); 1-3 rows in the
+// ymm tiles on a Zen 4, the zmm ones on Intel (see the top)
+template <Format F>
+inline void quant_panel(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t mc) {
+  const int64_t tiles = (mc + MT_Q512 - 1) / MT_Q512, per = (mc + tiles - 1) / tiles;
+  for (int64_t m = 0; m < mc; m += per) {
+    const int64_t rows = std::min<int64_t>(per, mc - m);
+    if (rows < 4 && amd_avx512) qtile_rows<F, 3>(panel, x + m, nb, sums + m, rows);
+    else with_rows<MT_Q512>(rows, [&](auto r) { qtile512<F, decltype(r)::value>(panel, x + m, nb, sums + m); });
+  }
+}
+
 }  // namespace tmk
-#endif

@@ -1,6 +1,6 @@
 // The avxvnni build's wide quantized tiles: from 4 rows on, each row's float sums wait in `sums` (L1) from block to
 // block, so that the 16 ymm registers hold 6 rows' integer sums and each group's weights, loaded (and for Q4_0
-// unpacked) once, serve them all. qdot.h's tiles of 3 keep their float sums in registers, which leaves room for 3
+// unpacked) once, serve them all. arch/avx2/qtile.h's tiles of 3 keep their float sums in registers, which leaves room for 3
 // rows only.
 //
 // The integer sums and their scaling are qtile's, so the outputs are the same bits:
@@ -9,19 +9,29 @@
 //         first, for all of a panel's blocks at once (q8_corrections), and each row's sums start at -128 times them:
 //         the tiles of 3 compute them again in every tile, with one vpdpbusd per group and half.
 //
-// Xeon (this build), the linears of Qwen2.5-0.5B with its head, 2 threads, against tiles of 3: Q4_0 8 rows 1.10x,
-// 16 rows 1.21x, 64 rows 1.17x; Q8_0 8 rows 1.10x, 16 rows 1.21x, 64 rows 1.34x (1.06x at 16 rows with the sums
-// of w in each tile). The AVX2 build keeps tiles of 3: its 16-bit sums need a register more per row (wide Q4_0
-// tiles there: 16 rows 0.9x, 64 rows 0.7x).
+// The AVX2 build keeps tiles of 3: its 16-bit sums need a register more per row, and wide tiles there were slower.
 //
-// Included by qdot.h, where it defines TM_WIDE.
+// linear/quant.h picks this file's quant_panel for the avxvnni variant.
 #pragma once
 
-#if TM_WIDE
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "arch/avx2/qtile.h"
+#include "arch/isa.h"
+#include "core/cpu.h"
+#include "linear/format.h"
+#include "linear/qpanel.h"
+#include "linear/qrow.h"
+
+#if !TM_WIDE
+#error "arch/avxvnni/qwide.h is the avxvnni variant's (VNNI on 8 lanes)"
+#endif
 
 namespace tmk {
 
-constexpr int MT_WIDE = 6;  // rows per wide tile (Q4_0 in tiles of 4 or 5: 16 rows 1.14x, against 1.23x for 6)
+constexpr int MT_WIDE = 6;  // rows per wide tile (4 or 5 gained less)
 
 // sums[m] += isum[m] * (d_w * d_x[m]) for one block at blk (its 16 fp16 scales first)
 template <int MT>
@@ -79,5 +89,23 @@ inline void qtile_wide(const uint8_t* panel, const int32_t* corr, const QRow* x,
   }
 }
 
+// A panel times mc rows: from MT_Q + 1 rows in the wide tiles, fewer in qpanel's tiles of MT_Q
+template <Format F>
+inline void quant_panel(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t mc) {
+  if (mc > MT_Q) {
+    // the rows in the fewest tiles of at most MT_WIDE (16 rows as 6 + 6 + 4)
+    const int64_t tiles = (mc + MT_WIDE - 1) / MT_WIDE, per = (mc + tiles - 1) / tiles;
+    thread_local std::vector<int32_t> corr;
+    if (F == Q8_0) corr.resize(nb * P), q8_corrections(panel, nb, corr.data());
+    for (int64_t m = 0; m < mc; m += per)
+      with_rows<MT_WIDE>(std::min<int64_t>(per, mc - m), [&](auto r) {
+        constexpr int R = decltype(r)::value;
+        if constexpr (R <= MT_Q) qtile<F, R>(panel, x + m, 0, nb, sums + m, true);
+        else qtile_wide<F, R>(panel, corr.data(), x + m, nb, sums + m);
+      });
+    return;
+  }
+  qpanel<F>(panel, x, nb, sums, mc);
+}
+
 }  // namespace tmk
-#endif

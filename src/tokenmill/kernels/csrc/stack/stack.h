@@ -1,21 +1,19 @@
 // A decode step's whole decoder stack in one call: for each layer, residual add + RMSNorm, qkv, (q/k norm),
 // RoPE, KV write, paged attention, o, residual add + RMSNorm, gate|up, SiLU*mul, down; then the final norm.
 //
-// The functions the per-module path calls (kernels.cpp, fused.h), applied to the same rows in the same order, so
+// The functions the per-module path calls (kernels.cpp, ops/fused.h), applied to the same rows in the same order, so
 // both paths give the same numbers; what goes is Python between them: ~15 calls per layer become one per step.
 // The layers' weights, norms and KV tensors are registered once (`add_layer`: raw pointers the Python side keeps
 // alive); scratch activations live here and are reused from step to step.
 //
-// Threads: a step is a program of stages (pool.h), ten per layer. Row stages (norms, RoPE + KV write, SiLU*mul)
+// Threads: a step is a program of stages (stack/pool.h), ten per layer. Row stages (norms, RoPE + KV write, SiLU*mul)
 // take one chunk per sequence; a linear takes chunks of output panels; attention one chunk per (sequence, split of
-// its context, KV head) (attention.h: splits of kSplit positions), the last split of a (sequence, KV head) to
+// its context, KV head) (attention/common.h: splits of kSplit positions), the last split of a (sequence, KV head) to
 // finish merging them. With fewer sequences than threads a row's SiLU takes one chunk per thread, and with one
 // sequence each attention chunk ropes its own queries, the split holding the new token also its KV head's key, which
 // it writes with the value (the RoPE stage gets no chunks).
 // Each stage also leaves its output in float32 rows (`xq`), ready for the next linear; attention chunks do so for
 // their own heads' columns where those are whole quantization blocks (the o_input stage then gets no chunks).
-//
-// Included by kernels.cpp after the functions it calls.
 #pragma once
 
 #include <algorithm>
@@ -29,7 +27,12 @@
 #include <utility>
 #include <vector>
 
-#include "pool.h"
+#include "attention/decode.h"
+#include "linear/format.h"
+#include "linear/linear.h"
+#include "ops/fused.h"
+#include "stack/head.h"
+#include "stack/pool.h"
 
 namespace tmk {
 
@@ -90,7 +93,7 @@ class DecodeStack {
   // x [B, D] the embedded tokens; cos, sin [B, Dh]; slot [B] each new token's cache slot; tables [B, max_blocks]
   // and lens [B] the paged context (int64) -> out [B, D], the final norm's output, and logits [B, V] (the head's
   // output, in the model dtype) when `logits` is not 0; for a bf16 model, those logits also as float32 in
-  // logits32 [B, V] when it is not 0; with `argmax` (int64 [B]), also each row's argmax over the logits (head.h).
+  // logits32 [B, V] when it is not 0; with `argmax` (int64 [B]), also each row's argmax over the logits (stack/head.h).
   void run(uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t slot, uintptr_t tables, int64_t max_blocks,
            uintptr_t lens, int64_t B, int64_t block_size, uintptr_t out, uintptr_t logits, uintptr_t logits32 = 0,
            uintptr_t argmax = 0) {
@@ -102,7 +105,7 @@ class DecodeStack {
   // As run(), from token ids and positions [B] (int64): the rows of embed [V, D] (model dtype) go straight into
   // the residual stream, and cos and sin are rows of the rotary tables [positions, Dh] (float32), rounded to the
   // model dtype as torch rounds them (nearest even). Those torch ops (an embedding, two gathers, two conversions)
-  // were ~0.2 ms of a one-row step (Xeon): on their first call after a step's weights have streamed through the
+  // were a visible share of a one-row step: on their first call after a step's weights have streamed through the
   // caches, each op's code is cold. A token id outside [0, vocab) raises IndexError, as torch's embedding does,
   // before anything runs.
   void run_ids(uintptr_t embed, int64_t vocab, uintptr_t ids, uintptr_t positions, uintptr_t cos_table,
@@ -190,7 +193,7 @@ class DecodeStack {
     head_out_.begin(B, head_[2], bf16_, logits_, (float*)logits32, logits ? (int64_t*)argmax : nullptr, head_chunks);
     // fewer rows than threads: each row's SiLU in parts of whole quantization blocks, one thread each
     silu_parts_ = B < threads_ ? std::max<int64_t>(1, std::min<int64_t>(threads_, I_ / QK)) : 1;
-    // attention: each row's splits (attention.h), one task each
+    // attention: each row's splits (attention/common.h), one task each
     split_offsets(lens_, B, 0, split_first_);
     // each (row, KV head)'s count of finished splits starts at 0 (it is back at 0 after every layer, unless a step
     // failed inside attention)
@@ -227,8 +230,7 @@ class DecodeStack {
   Act param(uintptr_t p) const { return Act{(void*)p, bf16_}; }
 
   // Output panels per chunk of linear `w`: ~1 MB of weights (long runs of sequential reads: the first few KB of each
-  // chunk wait on memory before the prefetches run ahead; Zen 4, engine decode steps alternated, bf16 at 16 rows
-  // 50.2 -> 48.0-48.5 ms against ~256 KB, int4 and one row the same within noise), but at least four chunks per
+  // chunk wait on memory before the prefetches run ahead), but at least four chunks per
   // thread, so a thread that starts late or loses its core leaves little for the others to wait on.
   int64_t per_chunk(const LinearSpec& w) const {
     const int64_t n_panels = (w[2] + P - 1) / P;
@@ -356,8 +358,7 @@ class DecodeStack {
   }
 
   // chunk c: columns [k0, k1) of row c / silu_parts_, its part c % silu_parts_ in whole blocks of QK (the last part
-  // runs to I, and its prep to the down projection's padded K). One row at 1 thread: 0.23 -> 0.16 ms a step (Xeon,
-  // int4, 24 layers of 4864).
+  // runs to I, and its prep to the down projection's padded K): one row's SiLU no longer waits on one thread.
   void silu(int64_t l, int64_t c) {
     const int64_t b = c / silu_parts_, part = c % silu_parts_, blocks = I_ / QK;
     const bool last = part + 1 == silu_parts_;
@@ -394,7 +395,7 @@ class DecodeStack {
   const uintptr_t final_norm_;
   const int64_t threads_;
   // each (row, KV head)'s merge preps its own query heads' columns of the o projection's input (the o_input stage
-  // gets no chunks): they are whole blocks of QK. A one-row step, Xeon: ~1 us a layer of stage hand-over.
+  // gets no chunks): they are whole blocks of QK. One stage hand-over a layer less.
   const bool o_parts_ = (H_ / Hkv_ * Dh_) % QK == 0;
   std::vector<LayerSpec> layers_;
   int64_t max_k_ = 0;

@@ -1,0 +1,44 @@
+// The vector layer's ISA-specific operations with AVX2 instructions, 8 lanes (the avx2 and avxvnni variants).
+// core/simd.h picks this file.
+#pragma once
+
+#include <cstdint>
+
+#include "core/vec.h"
+
+#if !TM_SIMD_AVX2
+#error "arch/avx2/simd.h is for 8-lane builds with AVX2 (TM_W=8, -mavx2)"
+#endif
+
+namespace tmk {
+
+inline vf splat(float x) { return (vf)_mm256_set1_ps(x); }
+
+// W bfloat16 values -> W floats: a bf16 is the top half of a float's bits. The ISA's widening load: GCC 12 turns a
+// generic narrow-to-float vector conversion into scalar code.
+inline vf load_bf16(const uint16_t* p) {
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// the sum of v's lanes: halves added in a tree (a scalar chain of W adds is far slower where decode attention takes
+// one sum per position and head)
+inline float hsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// {hsum(a), hsum(b), hsum(c), hsum(d)} -> out[0..4): one shuffle tree for the four (decode attention's scores)
+inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+  // per 128-bit lane: [a0+a1, a2+a3, b0+b1, b2+b3] and c's, d's; then [sum a, sum b, sum c, sum d]
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a, (__m256)b), _mm256_hadd_ps((__m256)c, (__m256)d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
+
+// whether any lane of v is a NaN
+inline bool any_nan(vf v) { return _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, (__m256)v, _CMP_UNORD_Q)) != 0; }
+
+// whether any lane of a comparison's mask is set: one test (lane by lane, GCC extracts each)
+inline bool any_lane(vi mask) { return !_mm256_testz_si256((__m256i)mask, (__m256i)mask); }
+
+}  // namespace tmk

@@ -1,0 +1,20 @@
+// Builds without AMX tiles: amx_native() is false, so linear_range never calls these (they exist so that the format
+// table names the same kernels in every build). linear/amx.h picks this file.
+#pragma once
+
+#include <cstdint>
+
+#include "linear/format.h"
+
+namespace tmk {
+
+inline bool amx_native() { return false; }
+
+inline void linear_amx(const uint16_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*,
+                       uint16_t*, int64_t, int64_t) {}
+
+template <Format F>
+void linear_amx_q(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, uint16_t*,
+                  int64_t, int64_t) {}
+
+}  // namespace tmk
