@@ -1,5 +1,5 @@
 """The decode stack's LM head hands the sampler more than logits: a bf16 model's logits widened to float32, and
-every row's argmax, both made by the head's own chunks while their columns are in cache (kernels/csrc/stack.h)."""
+every row's argmax, both made by the head's own chunks while their columns are in cache (kernels/csrc/stack/stack.h)."""
 
 from __future__ import annotations
 

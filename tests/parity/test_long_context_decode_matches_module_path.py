@@ -1,4 +1,4 @@
-"""The decode stack's attention over contexts longer than one split (kernels/csrc/attention.h): a sequence alone
+"""The decode stack's attention over contexts longer than one split (kernels/csrc/attention/decode.h): a sequence alone
 runs its splits as separate tasks, each roping its own copy of the queries, the split that holds the new token also
 writing its key and value, and the last split to finish merging them (one that crosses from one split into two
 while it decodes included); in a batch the RoPE stage goes first. Qwen3's q/k norms go with the RoPE. Each gives

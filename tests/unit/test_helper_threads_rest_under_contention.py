@@ -1,6 +1,6 @@
-"""The decode stack's work pool (kernels/csrc/pool.h): when it rests its helper threads because other work competes
-for the cores (the verdict is a function of each program's wall time and the calling thread's CPU time in it, so
-it is checked on given times, not on a loaded machine), and what a chunk that throws leaves behind."""
+"""The decode stack's work pool (kernels/csrc/stack/pool.h): when it rests its helper threads because other work
+competes for the cores (the verdict is a function of each program's wall time and the calling thread's CPU time in
+it, so it is checked on given times, not on a loaded machine), and what a chunk that throws leaves behind."""
 
 from __future__ import annotations
 

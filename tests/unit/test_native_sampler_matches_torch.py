@@ -1,5 +1,5 @@
 """The sampler's kernels against its torch path, their reference, on every kernel variant this CPU runs: the draw
-(kernels/csrc/sample.h: temperature, top-k, top-p, min-p and the draw in one call) and the logprobs (logprobs.h)."""
+(kernels/csrc/ops/sample.h: temperature, top-k, top-p, min-p and the draw in one call) and the logprobs (logprobs.h)."""
 
 from __future__ import annotations
 

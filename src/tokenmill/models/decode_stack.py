@@ -1,4 +1,4 @@
-"""A decode-only step through every decoder layer in one C++ call (kernels/csrc/stack.h).
+"""A decode-only step through every decoder layer in one C++ call (kernels/csrc/stack/stack.h).
 
 Per layer, the module path makes ~15 Python calls (norms, linears, RoPE, KV write, attention, SiLU*mul); on a
 small model that Python costs more than the arithmetic. For a step in which every sequence decodes one token

@@ -10,7 +10,7 @@ where a row may keep tokens past them (a wide nucleus, or ties with the last tok
 one row (Zen 4, 2 threads), the exponential race this replaced drew 152k exponentials (~3 ms), and top-k and top-p
 sorted the row (~12-25 ms).
 
-On the CPU the logits after the masks, biases and penalties go to one kernel call instead (kernels/csrc/sample.h:
+On the CPU the logits after the masks, biases and penalties go to one kernel call instead (kernels/csrc/ops/sample.h:
 the same rules, tested against this code; a bf16 model's logits as they are where the step's plan says nothing
 but a draw reads them), and the logprobs asked for to another (logprobs.h): 0.07-0.4 ms a row of 152k where the
 torch ops took 0.5-17 ms. The kernel's top-p sums in float64 where this code's running sums are float32, so a

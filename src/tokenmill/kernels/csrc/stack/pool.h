@@ -2,7 +2,7 @@
 //
 // OpenMP (torch's at::parallel_for) ends every parallel region at a barrier: all threads must arrive. On a
 // machine where another process holds a core, the thread that lost its core arrives a scheduler slice later, and
-// a decode step has hundreds of regions: a several-fold loss (docs/benchmark-log.md). Here a step is a list of stages,
+// a decode step has hundreds of regions: a several-fold loss (docs/archive/benchmark-log-2026-11.md). Here a step is a list of stages,
 // each cut into chunks; the caller and the helpers claim chunks from one atomic cursor, and a stage ends when
 // all of its chunks are done, not when every thread has checked in. A helper that is off its core claims
 // nothing, and the caller does its share.
