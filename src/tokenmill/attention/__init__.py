@@ -1,6 +1,6 @@
 """Attention over the KV cache for a flattened batch of sequences (prefills, prefill chunks and decodes).
 
-One protocol (`KVBackend`, backend.py), three implementations, picked once by name when the engine is built:
+One protocol (`KVBackend`, protocol.py), three implementations, picked once by name when the engine is built:
 `paged` (the default), `contiguous` and `none` (recompute).
 """
 
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import BatchLayout, KVBackend, attend_sequence
+from tokenmill.attention.backend import BatchLayout, attend_sequence
 from tokenmill.attention.contiguous import ContiguousKVCache
 from tokenmill.attention.none import NoKVCache, causal
 from tokenmill.attention.paged import PagedKVCache, plan_num_blocks
+from tokenmill.attention.protocol import KVBackend
 from tokenmill.config import KV_CACHE_MODES, EngineConfig, ModelConfig
 from tokenmill.kernels import Kernels
 

@@ -188,3 +188,19 @@ def pack_block_weight(w: BlockWeight) -> PackedWeight:
     n, k = w.shape
     n_padded = -(-n // PANEL) * PANEL
     return PackedWeight(pack_blocks(w.q, w.d, w.format, n_padded), w.format, n, k, k)
+
+
+def panel_bytes(format_id: int, k: int) -> int:
+    """The bytes of one packed panel (PANEL output channels) of a format `format_id` weight k wide."""
+    if format_id in (FORMATS["bf16"], FORMATS["f32"]):
+        return k * PANEL * (2 if format_id == FORMATS["bf16"] else 4)
+    per_k = BLOCK if format_id == FORMATS["q8_0"] else BLOCK // 2
+    return (k // BLOCK) * (2 * PANEL + per_k * PANEL)
+
+
+def check_packed(packed: torch.Tensor, format_id: int, n: int, k: int) -> None:
+    """A ValueError unless `packed` is a contiguous uint8 CPU tensor holding a format `format_id` [n, k] weight."""
+    if packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.device.type != "cpu":
+        raise ValueError("packed weights must be a contiguous uint8 CPU tensor")
+    if packed.numel() != -(-n // PANEL) * panel_bytes(format_id, k):
+        raise ValueError(f"packed weights hold {packed.numel()} bytes, not a format {format_id} [{n}, {k}] weight")

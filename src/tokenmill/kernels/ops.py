@@ -12,18 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.kernels.formats import BLOCK, FORMATS, PANEL
+from tokenmill.kernels.formats import BLOCK, check_packed
 from tokenmill.kernels.stack_ops import NativeStack, StackShape
 
 if TYPE_CHECKING:
     from tokenmill.sampling_params import SamplingParams
-
-
-def panel_bytes(format_id: int, k: int) -> int:
-    if format_id in (FORMATS["bf16"], FORMATS["f32"]):
-        return k * PANEL * (2 if format_id == FORMATS["bf16"] else 4)
-    per_k = BLOCK if format_id == FORMATS["q8_0"] else BLOCK // 2
-    return (k // BLOCK) * (2 * PANEL + per_k * PANEL)
 
 
 def _check_logits(logits: torch.Tensor) -> None:
@@ -37,19 +30,13 @@ class Kernels:
     def __init__(self, module: ModuleType, level: str) -> None:
         self.module, self.level, self.lanes = module, level, int(module.lanes)
 
-    def check_weight(self, packed: torch.Tensor, format_id: int, n: int, k: int) -> None:
-        if packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.device.type != "cpu":
-            raise ValueError("packed weights must be a contiguous uint8 CPU tensor")
-        if packed.numel() != -(-n // PANEL) * panel_bytes(format_id, k):
-            raise ValueError(f"packed weights hold {packed.numel()} bytes, not a format {format_id} [{n}, {k}] weight")
-
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, format_id: int, n: int, k: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [M, K'] (bfloat16 or float32, K' <= k) @ packed^T (+ bias, float32 [n]) -> [M, n] in x's dtype."""
         if x.dim() != 2 or x.shape[1] > k or x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu":
             raise ValueError(f"x must be a [M, <= {k}] bfloat16/float32 CPU tensor, got {tuple(x.shape)} {x.dtype}")
-        self.check_weight(packed, format_id, n, k)
+        check_packed(packed, format_id, n, k)
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(f"bias must be a contiguous float32 [{n}] tensor")
         x = x.contiguous()
@@ -62,7 +49,7 @@ class Kernels:
 
     def unpack(self, packed: torch.Tensor, format_id: int, n: int, k: int) -> torch.Tensor:
         """The packed weight as float32 [n, k] (k the packed, padded width)."""
-        self.check_weight(packed, format_id, n, k)
+        check_packed(packed, format_id, n, k)
         out = torch.empty(n, k, dtype=torch.float32)
         self.module.unpack(packed.data_ptr(), format_id, n, k, out.data_ptr())
         return out
@@ -83,7 +70,7 @@ class Kernels:
         num_layers: int, threads: int,
     ) -> NativeStack:  # fmt: skip
         """A native decode stack over the KV pool `cache` [L, 2, slots, Hkv, Dh], behind checked calls."""
-        return NativeStack(self, dtype, shape, eps, cache, final_norm, num_layers, threads)
+        return NativeStack(self.module, dtype, shape, eps, cache, final_norm, num_layers, threads)
 
     # -- the fused decode ops (fused.h). Callers pass contiguous CPU tensors of one dtype (bf16 or float32). ----
     def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

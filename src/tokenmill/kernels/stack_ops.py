@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from tokenmill.kernels.ops import Kernels
+from tokenmill.kernels.formats import check_packed
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def _in_range(values: Sequence[int], end: int, name: str) -> None:
 
 class NativeStack:
     def __init__(
-        self, ops: Kernels, dtype: torch.dtype, shape: StackShape, eps: float, cache: torch.Tensor,
+        self, module: ModuleType, dtype: torch.dtype, shape: StackShape, eps: float, cache: torch.Tensor,
         final_norm: torch.Tensor, num_layers: int, threads: int,
     ) -> None:  # fmt: skip
         if dtype not in (torch.bfloat16, torch.float32):
@@ -68,16 +68,16 @@ class NativeStack:
         if cache.dim() != 5 or cache.shape[1] != 2 or cache.shape[3:] != (shape.kv_heads, shape.head_dim):
             raise ValueError(f"the KV pool must be [L, 2, slots, {shape.kv_heads}, {shape.head_dim}]")
         _check(final_norm, "the final norm", (shape.d,), dtype)
-        self.ops, self.dtype, self.shape, self.cache = ops, dtype, shape, cache
+        self.dtype, self.shape, self.cache = dtype, shape, cache
         self.num_slots = cache.shape[2]
-        self.native = ops.module.DecodeStack(dtype == torch.bfloat16, shape.d, shape.heads, shape.kv_heads,
+        self.native = module.DecodeStack(dtype == torch.bfloat16, shape.d, shape.heads, shape.kv_heads,
                                              shape.head_dim, shape.intermediate, eps, self.num_slots,
                                              final_norm.data_ptr(), num_layers, threads)  # fmt: skip
         self.num_layers, self.vocab = num_layers, 0  # vocab: the head's rows (0: no head)
         self._alive: list[torch.Tensor | None] = [final_norm]  # what the native stack points at
 
     def _linear(self, lin: StackLinear, n: int | None, k: int) -> tuple[int, int, int, int, int]:
-        self.ops.check_weight(lin.weight, lin.format_id, lin.n, lin.k)
+        check_packed(lin.weight, lin.format_id, lin.n, lin.k)
         if (n is not None and lin.n != n) or lin.k < k:
             raise ValueError(f"a stack linear must be [{n}, >= {k}], got [{lin.n}, {lin.k}]")
         _check(lin.bias, "a linear's bias", (lin.n,), torch.float32)
