@@ -137,7 +137,7 @@ def test_llama3_rope_factors(exported: Callable[..., Any]) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "q8_0"])
-def test_dtypes(exported: Callable[..., Any], dtype: str) -> None:
+def test_export_writes_each_dtype_and_keeps_1d_tensors_f32(exported: Callable[..., Any], dtype: str) -> None:
     ckpt, path = exported("qwen2", dtype)
     r = gguf.GGUFReader(path)
     qtype = {"bf16": "BF16", "f16": "F16", "q8_0": "Q8_0"}[dtype]

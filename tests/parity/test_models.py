@@ -246,7 +246,7 @@ def test_decode_stack_on_every_kernel_variant(case: tuple[str, Path, Any, LLM], 
         assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < 1e-5
 
 
-def test_the_stack_times_its_stages_when_asked(make_checkpoint: Callable[..., Path]) -> None:
+def test_decode_profile_times_every_stage_without_changing_tokens(make_checkpoint: Callable[..., Path]) -> None:
     """DecodeStack.profile (scripts/profile_decode.py): each decode step's run lists every stage of every layer in
     order, then the final norm and the head, back to back within the step's time; the tokens do not change, and
     off it keeps nothing."""
@@ -281,10 +281,13 @@ def test_the_stack_times_its_stages_when_asked(make_checkpoint: Callable[..., Pa
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_bf16_pair_tiles_in_the_stack_equal_the_module_path(make_checkpoint: Callable[..., Path], arch: str) -> None:
-    """A bf16 model's linears multiply the model's bf16 rows in k pairs (vdpbf16ps on AVX-512 BF16, kernels/csrc/
-    gemm.h); forced on here, every variant this CPU has feeds each linear of the stack its own input rows (qkv
-    bias: Qwen2; q/k norms: Qwen3), with the module path's tokens and, up to bf16 rounding, logprobs."""
+def test_bf16_decode_stack_with_pair_products_matches_the_module_path(
+    make_checkpoint: Callable[..., Path], arch: str
+) -> None:
+    """A bf16 model's linears multiply the model's bf16 rows in k pairs (vdpbf16ps on AVX-512 BF16,
+    kernels/csrc/arch/avx512bf16/pair_tile.h); forced on here, every variant this CPU has feeds each linear of the
+    stack its own input rows (qkv bias: Qwen2; q/k norms: Qwen3), with the module path's tokens and, up to bf16
+    rounding, logprobs."""
     target.cpu_only()
     from tokenmill import kernels
     from tokenmill.kernels.isa import supported_levels

@@ -36,10 +36,10 @@ SHAPES = [(16, 32), (37, 70), (80, 96), (130, 257)]  # (N, K): partial panels, K
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17]  # every tile up to 8 rows, 12, the 16-row pair tile, 17 as 9 + 8
 
 
-# Each linear path on every row count: a dense format's register tiles or cache-blocked GEMM (blocked.h); bf16's
+# Each linear path on every row count: a dense format's register tiles or cache-blocked GEMM (linear/blocked.h); bf16's
 # pair tiles (bf16 activations read in k pairs: vdpbf16ps on AVX-512 BF16, the same sums in FMAs elsewhere); the
-# quantized formats have one integer path (qdot.h) for every row count.
-# The AMX tiles (amx.h, amx_int8.h) take bf16 pairs and quantized blocks from one row where the CPU has AMX; 33
+# quantized formats have one integer path (linear/quant.h) for every row count.
+# The AMX tiles (linear/amx.h, arch/amx/) take bf16 pairs and quantized blocks from one row where the CPU has AMX; 33
 # and 40 rows fill two row blocks.
 PATHS = [("bf16", "tiles"), ("bf16", "pairs"), ("bf16", "amx"), ("bf16", "blocked"), ("f32", "tiles"),
          ("f32", "blocked"), ("q8_0", "int"), ("q4_0", "int"), ("q8_0", "amx"), ("q4_0", "amx")]  # fmt: skip
@@ -70,22 +70,22 @@ def test_linear_equals_the_reference(ops: kernels.Kernels, fmt: str, path: str, 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_blocked_gemm_across_its_row_and_k_blocks(ops: kernels.Kernels, fmt: str) -> None:
-    # by default thresholds, more rows than one row block (blocked.h: 192, qdot.h: 64) and K over two k blocks
-    # (256) with a tail
+    # by default thresholds, more rows than one row block (linear/blocked.h: 192, linear/quant.h: 64) and K over
+    # two k blocks (256) with a tail
     _check_linear(ops, fmt, 70, 600, [200])
 
 
 @pytest.mark.parametrize(("fmt", "path"), [("bf16", "pairs"), ("bf16", "tiles"), ("f32", "tiles")])
 def test_register_tiles_across_their_row_blocks(ops: kernels.Kernels, fmt: str, path: str) -> None:
-    # the register tiles take rows in blocks of ~384 KB of x (dense.h: linear_panels): at K = 4098, 40 rows are
+    # the register tiles take rows in blocks of ~384 KB of x (linear/dense.h: linear_panels): at K = 4098, 40 rows are
     # more than one block (bf16 pairs: 36 rows, float32 rows: 16-22)
     with _path(ops, path):
         _check_linear(ops, fmt, 37, 4098, [40])
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
-def test_tiles_over_k_spans_give_one_pass_bits(ops: kernels.Kernels, fmt: str) -> None:
-    """A panel that takes several register tiles runs them span by span of K (dense.h: panel_spans for bf16,
+def test_splitting_k_into_spans_gives_the_bits_of_one_pass(ops: kernels.Kernels, fmt: str) -> None:
+    """A panel that takes several register tiles runs them span by span of K (linear/dense.h: panel_spans for bf16,
     qdot.h: qpanel for the quantized tiles of 3 or 8), its sums kept between spans: the same bits as one pass per
     tile, at row counts that make 2-8 tiles (bf16 31 with 8 lanes: a last tile of one row, which takes one pass)
     and K over several spans with a tail (bf16: 128 k pairs a span; Q8_0 15 blocks, Q4_0 28)."""
@@ -109,7 +109,7 @@ def test_tiles_over_k_spans_give_one_pass_bits(ops: kernels.Kernels, fmt: str) -
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_integer_sums_do_not_saturate(ops: kernels.Kernels, fmt: str) -> None:
     """The largest products the formats can hold: every weight and activation at the end of its range, with
-    signs that add up. vpmaddubsw saturates 16-bit sums; the layout keeps them below it (qdot.h). 3 rows and 8:
+    signs that add up. vpmaddubsw saturates 16-bit sums; the layout keeps them below it (linear/quant.h). 3 rows and 8:
     the tiles of 1-3 rows, and the wide ones (qwide.h) or zmm ones alike."""
     k = 256
     if fmt == "q4_0":
@@ -127,7 +127,7 @@ def test_integer_sums_do_not_saturate(ops: kernels.Kernels, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_amx_gives_the_integer_tiles_bits(ops: kernels.Kernels, fmt: str) -> None:
+def test_amx_int8_gives_the_bits_of_the_vnni_tiles(ops: kernels.Kernels, fmt: str) -> None:
     """AMX's int8 tiles sum each block exactly, then scale it as the VNNI tiles do: the same bits, at every row
     count, both row blocks and a lone last panel included."""
     if not ops.module.amx_native():
@@ -146,7 +146,7 @@ def test_amx_gives_the_integer_tiles_bits(ops: kernels.Kernels, fmt: str) -> Non
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_the_simd_variants_give_the_integer_tiles_bits(fmt: str) -> None:
+def test_every_simd_variant_gives_the_same_quantized_bits(fmt: str) -> None:
     """Every SIMD variant sums a block's products exactly and scales the sum the same way, whatever its tiles
     (AVX2's two ymm halves per panel, AVX-512 VNNI's one zmm, 1 to 40 rows): the same bits."""
     simd = [level for level in kernel_levels() if level != "scalar"]
@@ -287,7 +287,7 @@ def test_quantization_error_is_bounded_per_block() -> None:
         assert torch.all(err <= d.float().abs() * (steps + 1e-3)), quantize.__name__
 
 
-def test_status_names_the_path() -> None:
+def test_status_names_the_active_variant_and_why() -> None:
     s = kernels.status()
     assert s["kernels"] in (*kernels.LEVELS, "pure-torch") and s["supported"][0] == "scalar" and s["why"]
 

@@ -27,7 +27,7 @@ def _linear(k: int, n: int, dtype: torch.dtype, bias: bool = True) -> nn.Linear:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 40])
-def test_packed_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
+def test_onednn_packed_linear_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
     if (reason := packing_unsupported(dtype)) is not None:
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU: {reason}")
     lin = _linear(96, 80, dtype)
@@ -52,7 +52,7 @@ def _fresh(k: int, n: int, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "f32", "q8_0", "q4_0"])
-def test_kernel_linear_paths_agree(fmt: str) -> None:
+def test_kernel_gemm_and_torch_fallback_give_the_same_product(fmt: str) -> None:
     """The kernel (up to KERNEL_MAX_ROWS rows), the unpacked GEMM above it (where oneDNN's wins), and the
     pure-torch fallback all multiply by the same packed weight."""
     lin = _linear(100, 70, torch.bfloat16)

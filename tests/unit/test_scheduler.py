@@ -70,7 +70,7 @@ def test_without_chunking_a_prompt_waits_for_a_step_it_fits_in() -> None:
     assert plan(sched.schedule()) == [("a", 1), ("b", 6)]
 
 
-def test_max_num_seqs() -> None:
+def test_at_most_max_num_seqs_run_in_arrival_order() -> None:
     sched = Scheduler(SchedulerConfig(max_num_seqs=2), KVCacheManager(64, 4))
     for i in range(4):
         sched.add(make_request(f"r{i}", 2, arrival=i))
