@@ -274,6 +274,15 @@ def test_stats_snapshot(http: httpx.Client) -> None:
     assert 0 <= stats["prefix_cache_hit_rate"] <= 1
 
 
+def _wait_until_aborted(http: httpx.Client, baseline: int) -> dict[str, Any]:
+    """The server's stats once nothing runs and the KV blocks in use are back to `baseline` (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while (stats := _stats(http))["running"] != 0 or stats["kv_blocks_used"] != baseline:
+        assert time.monotonic() < deadline, f"request not aborted 10 s after the disconnect: {stats}"
+        time.sleep(0.05)  # bounded polling
+    return stats
+
+
 def test_disconnect_aborts_and_frees_kv(http: httpx.Client, hold: Hold) -> None:
     baseline = _stats(http)["kv_blocks_used"]
     generated_before = _value(_metrics(http), "tokenmill:generation_tokens_total")
@@ -288,10 +297,7 @@ def test_disconnect_aborts_and_frees_kv(http: httpx.Client, hold: Hold) -> None:
             assert next(line for line in lines if line.startswith("data: "))
             hold.wait_held()
         # the response is closed: the server must abort the request within an engine step and free its blocks
-        deadline = time.monotonic() + 10
-        while (stats := _stats(http))["running"] != 0 or stats["kv_blocks_used"] != baseline:
-            assert time.monotonic() < deadline, f"request not aborted 10 s after the disconnect: {stats}"
-            time.sleep(0.05)  # bounded polling
+        _wait_until_aborted(http, baseline)
     finally:
         hold.release()  # a no-op once the abort ended the hold
     generated = _value(_metrics(http), "tokenmill:generation_tokens_total") - generated_before
@@ -314,10 +320,7 @@ def test_non_streaming_disconnect_aborts_too(server: Server, http: httpx.Client,
             hold.wait_held()
             assert _stats(http)["running"] != 0
         # the connection is closed: the server must abort the request and free its blocks
-        deadline = time.monotonic() + 10
-        while (stats := _stats(http))["running"] != 0 or stats["kv_blocks_used"] != baseline:
-            assert time.monotonic() < deadline, f"request not aborted 10 s after the disconnect: {stats}"
-            time.sleep(0.05)  # bounded polling
+        stats = _wait_until_aborted(http, baseline)
     finally:
         hold.release()  # a no-op once the abort ended the hold
     assert stats["aborted_requests"] == before["aborted_requests"] + 1
