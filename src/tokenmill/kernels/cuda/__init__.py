@@ -1,0 +1,104 @@
+"""tokenmill's GPU kernels, in Triton: the fused small ops of a decoder layer (pointwise.py), paged decode
+attention (attention.py) and the weight-only int8 product (int8.py).
+
+`CudaKernels` has the fused ops' calls of the CPU kernels (`kernels.Kernels`: rmsnorm, rope_, silu_mul, kv_write,
+decode_attention), so the layers and the paged KV cache call either the same way; `device_type` and `dtypes` say
+which tensors each takes. A GPU model binds them unless `--no-gpu-kernels`, or Triton is missing (`unavailable()`
+says so, and torch's ops run). Nothing here imports Triton until a GPU model asks for the kernels: a CPU install
+has no Triton. Tests run the kernels on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why the GPU kernels cannot run here, or None when they can."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (`pip install triton`; CUDA builds of torch bring it)"
+    return None
+
+
+class CudaKernels:
+    """The Triton kernels behind checked calls (shapes and layouts here; the kernels trust them)."""
+
+    dtypes = DTYPES
+
+    def __init__(self, device_type: str = "cuda") -> None:
+        """`device_type` "cpu" only under Triton's interpreter (TRITON_INTERPRET=1, set before this is made): the
+        tests run whole models through these kernels that way."""
+        from tokenmill.kernels.cuda import attention, int8, pointwise
+
+        self.device_type = device_type
+        self._attention, self._int8, self._pointwise = attention, int8, pointwise
+
+    def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """[rows, D] contiguous: residual += x (in place, when given), then rmsnorm(residual or x) * weight."""
+        d = x.shape[-1]
+        x2 = x.reshape(-1, d)
+        out = torch.empty_like(x2)
+        self._pointwise.launch_rmsnorm(x2, None if residual is None else residual.view(-1, d), weight, eps, out)
+        return out.view(x.shape)
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+        """Rotate-half RoPE in place on x [T, >= heads * Dh] (rows may be wider: a fused qkv); cos, sin [T, Dh]."""
+        tables_ok = cos.is_contiguous() and sin.is_contiguous() and cos.shape == (x.shape[0], head_dim)
+        if x.stride(-1) != 1 or not tables_ok:
+            raise ValueError(f"rope_ needs unit-stride rows and contiguous cos/sin [{x.shape[0]}, {head_dim}]")
+        self._pointwise.launch_rope(x, cos, sin, heads, head_dim)
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, 2I] contiguous (gate, then up) -> silu(gate) * up [rows, I], into `out` when given."""
+        rows, width = gate_up.shape
+        if out is None:
+            out = torch.empty(rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
+        self._pointwise.launch_silu_mul(gate_up, out)
+        return out
+
+    def kv_write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [T, Hkv, Dh] (rows may be strided: slices of a fused qkv) -> a layer's cache [2, S, Hkv, Dh] at
+        `slots` [T] (int64)."""
+        packed = all(t.stride(1) == t.shape[2] and t.stride(2) == 1 for t in (k, v))
+        if not packed or not cache.is_contiguous():
+            raise ValueError("kv_write needs each row's heads packed (unit stride, Dh apart) and a contiguous cache")
+        self._pointwise.launch_kv_write(k, v, cache, slots)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        block_size: int,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """q [B, H, Dh], one new token per sequence, over a layer's paged cache [2, slots, Hkv, Dh] through block
+        tables [B, M] (int64) and context lengths [B] (int64) -> [B, H, Dh]; with a window, over the last
+        `window` positions only."""
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self._attention.launch_decode(q, cache, tables, lens, block_size, window or 0, out, q.shape[-1] ** -0.5)
+        return out
+
+    def q8_linear(
+        self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+    ) -> torch.Tensor:
+        """x [M, K'] (K' <= K) @ (q [N, K] int8 * d [N, K/32] float32 per 32-block)^T (+ bias float32 [N]) ->
+        out [M, N] in x's dtype."""
+        self._int8.launch_q8_linear(x.contiguous(), q, d, bias, out)
+        return out
+
+
+@functools.cache
+def cuda_kernels() -> CudaKernels:
+    return CudaKernels()
+
+
+__all__ = ["CudaKernels", "cuda_kernels", "unavailable"]

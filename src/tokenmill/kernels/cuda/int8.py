@@ -1,0 +1,104 @@
+"""Weight-only int8 on the GPU (W8A16), in Triton: the product reads the int8 weight itself, one byte a weight, and
+never writes a dequantized copy.
+
+The weight keeps ggml's Q8_0 numbers (the CPU path's and a GGUF's): q [N, K] int8 and one float32 scale per 32
+weights, d [N, K/32], so a model quantized here holds the same values on either device. Each program multiplies a
+[BM, 32] tile of activations by a [32, BN] tile of q (converted to the activations' dtype, exactly: |q| <= 127)
+on the tensor cores and adds the float32 result times the 32-block's scales, so the scale is applied once per
+32 products instead of once per weight. Few rows (decode) leave most of the GPU idle with one program per output
+tile, so the K axis is then split as well, and a second kernel adds the splits in a fixed order (no atomics: the
+result does not depend on scheduling).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+TARGET_PROGRAMS = 264  # ~2 programs per multiprocessor of an H100/H200
+
+
+@triton.jit
+def _q8_linear(x_ptr, q_ptr, d_ptr, bias_ptr, out_ptr, part_ptr, M, N, KX, KP, k_per_split,
+               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUPS: tl.constexpr,
+               SPLITS: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    split = tl.program_id(2)
+    kk = tl.arange(0, 32)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, KP)
+    acc = tl.zeros([BM, BN], tl.float32)
+    rows_x = rm.to(tl.int64)[:, None] * KX
+    rows_q = rn.to(tl.int64)[None, :] * KP
+    for k0 in range(k_lo, k_hi, 32 * GROUPS):
+        for j in tl.static_range(GROUPS):
+            k = k0 + j * 32 + kk  # [32]
+            x = tl.load(x_ptr + rows_x + k[None, :], mask=(rm < M)[:, None] & (k < KX)[None, :], other=0.0)
+            w = tl.load(q_ptr + rows_q + k[:, None], mask=(rn < N)[None, :] & (k < k_hi)[:, None], other=0)
+            in_split = (rn * 0 + k0 + j * 32) < k_hi  # [BN]: this 32-block lies inside the split
+            scale = tl.load(d_ptr + rn.to(tl.int64) * (KP // 32) + (k0 // 32 + j), mask=(rn < N) & in_split, other=0.0)
+            if IEEE:  # float32 products (a float32 model; or the interpreter, whose bf16 dot multiplies raw bits)
+                part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:  # exact: |q| <= 127 fits a bf16/fp16 mantissa
+                part = tl.dot(x, w.to(x.dtype))
+            acc += part * scale[None, :]
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    offsets = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    if SPLITS == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + split * M * N + offsets, acc, mask=mask)
+
+
+@triton.jit
+def _sum_splits(part_ptr, bias_ptr, out_ptr, total, N, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < total
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLITS):  # in order: the same sum every run
+        acc += tl.load(part_ptr + s * total + i, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i % N, mask=mask, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tiles(m: int) -> tuple[int, int, int]:
+    """(BM, BN, warps) for m rows."""
+    if m <= 16:
+        return 16, 64, 4
+    if m <= 64:
+        return 64, 64, 4
+    return 128, 128, 8
+
+
+def launch_q8_linear(x: Tensor, q: Tensor, d: Tensor, bias: Tensor | None, out: Tensor) -> None:
+    """x [M, KX] (KX <= KP) @ (q [N, KP] int8 * d [N, KP/32] float32)^T + bias [N] float32 -> out [M, N]."""
+    m, kx = x.shape
+    n, kp = q.shape
+    bm, bn, warps = _tiles(m)
+    groups = 4 if kp % 128 == 0 else 1
+    programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    steps = kp // (32 * groups)
+    splits = max(1, min(TARGET_PROGRAMS // programs, steps, 16))
+    k_per_split = triton.cdiv(steps, splits) * 32 * groups
+    splits = triton.cdiv(kp, k_per_split)
+    part = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    has_bias = bias is not None
+    _q8_linear[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
+        x, q, d, bias if has_bias else d, out, part, m, n, kx, kp, k_per_split,
+        HAS_BIAS=has_bias, BM=bm, BN=bn, GROUPS=groups, SPLITS=splits,
+        IEEE=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=warps,
+    )  # fmt: skip
+    if splits > 1:
+        block = 1024
+        _sum_splits[(triton.cdiv(m * n, block),)](part, bias if has_bias else part, out, m * n, n,
+                                                 HAS_BIAS=has_bias, SPLITS=splits, BLOCK=block)  # fmt: skip

@@ -1,0 +1,143 @@
+"""The GPU's Triton kernels (kernels/cuda/) against the torch code they replace.
+
+On a GPU they run compiled (scripts/test_cuda.sh); without one, on the CPU under Triton's interpreter
+(TRITON_INTERPRET=1, set here before the kernels are defined). CI's CPU install has no Triton (a 290 MB wheel that
+only GPU users need), so there these tests skip, saying so; `pip install triton` runs them on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit defines the kernels
+pytest.importorskip("triton", reason="Triton is not installed (CPU installs leave it out; `pip install triton`)")
+
+from tokenmill.kernels import formats
+from tokenmill.kernels.cuda import CudaKernels
+from tokenmill.models.layers import apply_rotary
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+OPS = CudaKernels()
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# Triton's interpreter casts float32 to bfloat16 by truncation (triton/runtime/interpreter.py), a GPU rounds to
+# nearest as torch does: bit-equal roundings are checked where the kernels are compiled, 1e-2 close elsewhere
+EXACT_BF16 = DEV == "cuda"
+
+
+def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+
+def _torch_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:  # HF's: rounded, then weighted
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_and_the_residual_add_match_torch(dtype: torch.dtype, with_residual: bool) -> None:
+    x, w = _randn(5, 96, dtype=dtype), _randn(96, dtype=dtype, seed=1)
+    residual = _randn(5, 96, dtype=dtype, seed=2) if with_residual else None
+    stream = x + residual if residual is not None else x
+    want = _torch_rmsnorm(stream, w, 1e-6)
+    got = OPS.rmsnorm(x, residual, w, 1e-6)
+    if residual is not None:  # the residual stream, updated in place, rounded as torch's add
+        assert (
+            torch.equal(residual, stream)
+            if EXACT_BF16 or dtype == torch.float32
+            else torch.allclose(residual, stream, **TOL[dtype])
+        )
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
+    gate_up = _randn(3, 2 * 1100, dtype=dtype)  # 1100 columns: two column blocks, the second ragged
+    gate, up = gate_up.split(1100, dim=-1)
+    torch.testing.assert_close(OPS.silu_mul(gate_up), F.silu(gate) * up, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_the_q_and_k_heads_of_a_fused_qkv_in_place(dtype: torch.dtype) -> None:
+    t, h, hkv, dh = 4, 3, 1, 32
+    qkv = _randn(t, (h + 2 * hkv) * dh, dtype=dtype)
+    angles = torch.arange(t, dtype=torch.float32, device=DEV)[:, None] * torch.linspace(0.1, 1, dh // 2, device=DEV)
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    want = qkv.clone()
+    heads = want[:, : (h + hkv) * dh].view(t, h + hkv, dh)
+    want[:, : (h + hkv) * dh] = apply_rotary(heads, cos, sin).reshape(t, -1)
+    OPS.rope_(qkv, cos, sin, h + hkv, dh)
+    torch.testing.assert_close(qkv, want, **TOL[dtype])
+    assert torch.equal(qkv[:, (h + hkv) * dh :], want[:, (h + hkv) * dh :])  # v untouched
+
+
+def test_kv_write_puts_strided_rows_at_their_slots() -> None:
+    t, hkv, dh = 3, 2, 16
+    qkv = _randn(t, (4 + 2 * hkv) * dh)
+    k = qkv[:, 4 * dh : (4 + hkv) * dh].view(t, hkv, dh)
+    v = qkv[:, (4 + hkv) * dh :].view(t, hkv, dh)
+    cache = torch.zeros(2, 10, hkv, dh, device=DEV)
+    slots = torch.tensor([7, 0, 3], device=DEV)
+    OPS.kv_write(k, v, cache, slots)
+    want = torch.zeros_like(cache)
+    want[0].index_copy_(0, slots, k)
+    want[1].index_copy_(0, slots, v)
+    assert torch.equal(cache, want)
+
+
+def _reference_attention(q, cache, tables, lens, bs, window):  # type: ignore[no-untyped-def]
+    """Each sequence's positions gathered through its table, then SDPA in float32 (GQA by repeating keys)."""
+    out = []
+    for i, n in enumerate(lens.tolist()):
+        pos = torch.arange(max(0, n - window) if window else 0, n, device=DEV)
+        slots = tables[i, pos // bs] * bs + pos % bs
+        k, v = cache[0, slots].float(), cache[1, slots].float()  # [n, Hkv, Dh]
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1).transpose(0, 1), v.repeat_interleave(rep, 1).transpose(0, 1)
+        out.append(F.scaled_dot_product_attention(q[i].float()[:, None], k, v)[:, 0])  # [H, Dh]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    "b, h, hkv, dh, window",
+    [(3, 8, 2, 64, None), (1, 7, 1, 80, None), (2, 4, 4, 32, 5), (1, 2, 1, 64, 37), (40, 4, 2, 16, None)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_sdpa(
+    b: int, h: int, hkv: int, dh: int, window: int | None, dtype: torch.dtype
+) -> None:
+    """GQA groups of 4, 7 (not a power of two) and 1; head sizes 80 (padded to 128) and 16; windows; one sequence
+    (the context split over many programs, then combined) and 40 (one split each); contexts of 1 position, ragged
+    block ends and tiles spanning blocks, through tables in shuffled block order."""
+    bs, width = 16, 9
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 64 * bs, hkv, dh, generator=g).to(dtype).to(DEV)
+    tables = torch.stack([torch.randperm(64, generator=g)[:width] for _ in range(b)]).to(DEV)
+    lens = torch.tensor([[1, 17, 140, 144, 33][i % 5] for i in range(b)], device=DEV)
+    q = torch.randn(b, h, dh, generator=g).to(dtype).to(DEV)
+    got = OPS.decode_attention(q, cache, tables, lens, bs, window)
+    want = _reference_attention(q, cache, tables, lens, bs, window).to(dtype)
+    torch.testing.assert_close(got, want, **(TOL[dtype] if dtype != torch.float32 else dict(atol=2e-6, rtol=1e-5)))
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 70])
+@pytest.mark.parametrize("k, kx", [(256, 256), (160, 160), (256, 230)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_matches_the_dequantized_product(m: int, k: int, kx: int, dtype: torch.dtype) -> None:
+    """Q8_0 weights (int8, one scale per 32) read as int8: every row count (split K for few rows), K in groups of
+    128 or of 32, and activations narrower than the padded weight."""
+    n = 96
+    q, d = formats.quantize_q8_0(torch.randn(n, k, generator=torch.Generator().manual_seed(4)))
+    q, d = q.to(DEV), d.float().to(DEV)
+    x, bias = _randn(m, kx, dtype=dtype, seed=5), _randn(n, seed=6)
+    w = (q.float().view(n, -1, 32) * d[..., None]).view(n, k)[:, :kx]
+    want = (x.float() @ w.T + bias).to(dtype)
+    got = OPS.q8_linear(x, q, d, bias, torch.empty(m, n, dtype=dtype, device=DEV))
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(got, want, **tol)
