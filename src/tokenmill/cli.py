@@ -55,6 +55,7 @@ _HELP = {
     "touch_kv_cache": "write the whole KV pool at start, so its memory is resident and known up front",
     "quantization": "weight-only: none, int8 (Q8_0 blocks) or int4 (Q4_0 blocks)",
     "cpu_kernels": "tokenmill's own CPU kernels (compiled for this CPU on first use); off: pure torch",
+    "gpu_kernels": "on a GPU, tokenmill's Triton kernels (paged attention, fused norms, int8); off: torch's ops",
     "pack_weights": "oneDNN-prepacked weights (needs native bf16 for bfloat16)",
     "compile": "torch.compile the model",
     "enforce_eager": "on a GPU, run decode steps eagerly instead of replaying CUDA graphs",

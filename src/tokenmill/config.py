@@ -187,8 +187,9 @@ class EngineConfig:
     """How the engine runs a model. Validated here so the CLI and the offline API share one set of messages.
 
     Every optimisation is a switch: `kv_cache`, `batching`, `enable_chunked_prefill`, `enable_prefix_caching`,
-    `quantization` (weight-only), `cpu_kernels` (tokenmill's own CPU kernels), `pack_weights` (oneDNN-packed
-    CPU weights), `compile` (torch.compile), `enforce_eager` (no CUDA graphs).
+    `quantization` (weight-only), `cpu_kernels` (tokenmill's own CPU kernels), `gpu_kernels` (its Triton kernels
+    on a GPU), `pack_weights` (oneDNN-packed CPU weights), `compile` (torch.compile), `enforce_eager` (no CUDA
+    graphs).
     """
 
     model: str | None = None
@@ -216,6 +217,7 @@ class EngineConfig:
     # kernels
     quantization: Quantization = "none"
     cpu_kernels: bool = True  # tokenmill's own CPU kernels for bf16 / int8 / int4 linears (kernels/)
+    gpu_kernels: bool = True  # on a GPU: the Triton kernels (kernels/cuda/) for attention, norms and int8 linears
     pack_weights: bool = False
     compile: bool = False
     enforce_eager: bool = False  # CUDA: no graphs; every decode step launches its kernels one by one

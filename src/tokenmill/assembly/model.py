@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +13,10 @@ import torch
 
 from tokenmill.config import DTYPES, EngineConfig, ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
-from tokenmill.kernels import Kernels
+from tokenmill.kernels import CudaKernels, FusedOps
 from tokenmill.kernels import active as active_kernels
+from tokenmill.kernels.cuda import cuda_kernels
+from tokenmill.kernels.cuda import unavailable as gpu_kernels_unavailable
 from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
@@ -28,6 +31,7 @@ from tokenmill.weights.safetensors_io import count_tensors, iter_tensors
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
 DEMO_DRAFT = DEMO_MODEL.parent / "demo-draft"  # its draft model: `--speculative-model demo-draft`
+log = logging.getLogger("tokenmill.engine")
 _TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
@@ -42,7 +46,7 @@ class LoadedModel:
     max_model_len: int
     generation_config: dict[str, Any] = field(default_factory=dict)
     kernels: dict[str, int] = field(default_factory=dict)  # linear kernel -> how many linears use it
-    ops: Kernels | None = None  # the fused CPU ops the model and the paged KV cache use (None: pure torch)
+    ops: FusedOps | None = None  # the fused ops the model and the paged KV cache use (None: pure torch)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -155,16 +159,20 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
             load_weights(model, _ticking(tensors, advance), str(path), dtype, device)
     if shard is not None:
         split_head(model, shard)  # before packing: its rows become a kernel linear like any other
-    kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights, cfg.cpu_kernels)
+    gpu_ops = _gpu_kernels(cfg, device)
+    kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights, cfg.cpu_kernels, gpu_ops)
     if device.type == "cpu":
         place_weights(model)  # one huge-page region, in the order a step reads them (kernels/placement.py)
     if shard is not None:
         wrap_row_parallel(model)
-    ops = None
+    ops: FusedOps | None = None
     if cfg.compile:
         compile_model(model)  # inductor fuses the same ops itself; the fused kernels would split its graphs
     elif cfg.cpu_kernels and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
         ops = active_kernels()
+        bind_kernels(model, ops)
+    elif gpu_ops is not None:
+        ops = gpu_ops
         bind_kernels(model, ops)
     return LoadedModel(
         path=path,
@@ -178,6 +186,18 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         kernels=kernels,
         ops=ops,
     )
+
+
+def _gpu_kernels(cfg: EngineConfig, device: torch.device) -> CudaKernels | None:
+    """The Triton kernels for a model on a GPU, unless `--no-gpu-kernels` or `--compile`; without Triton, one
+    line says why and torch's ops run."""
+    if device.type != "cuda" or not cfg.gpu_kernels or cfg.compile:
+        return None
+    reason = gpu_kernels_unavailable()
+    if reason is not None:
+        log.warning("the GPU kernels are off: %s", reason)
+        return None
+    return cuda_kernels()
 
 
 def _ticking(tensors: Iterator[Any], advance: Any) -> Iterator[Any]:

@@ -14,12 +14,12 @@ from tokenmill.attention.none import NoKVCache, causal
 from tokenmill.attention.paged import PagedKVCache, plan_num_blocks
 from tokenmill.attention.protocol import KVBackend
 from tokenmill.config import KV_CACHE_MODES, EngineConfig, ModelConfig
-from tokenmill.kernels import Kernels
+from tokenmill.kernels import FusedOps
 
 
 def make_kv_backend(
     cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
-    ops: Kernels | None = None,
+    ops: FusedOps | None = None,
 ) -> KVBackend:  # fmt: skip
     """The backend `cfg.kv_cache` names, sized by `cfg` (the paged pool: `plan_num_blocks`)."""
     if cfg.kv_cache == "paged":

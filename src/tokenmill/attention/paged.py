@@ -3,8 +3,9 @@ token slots. Which blocks a sequence owns is the KV manager's business (pure Pyt
 scheduler hands each sequence's block table to the runner, and `prepare` turns the tables into slot tensors.
 
 Two attention paths:
-- decodes (the first `num_decodes` sequences, one new token each): one batched call. With the fused CPU kernel
-  (kernels/), it reads each sequence's blocks where they are. Otherwise every decode sequence's blocks are
+- decodes (the first `num_decodes` sequences, one new token each): one batched call. With the fused kernels
+  (the CPU's, kernels/; the GPU's in Triton, kernels/cuda/), it reads each sequence's blocks where they are.
+  Otherwise every decode sequence's blocks are
   gathered at once into [B, S, Hkv, Dh] (S = the longest context, padded), and the H query heads are grouped
   per KV head ([B, Hkv, H/Hkv, Dh]), so GQA needs no repeated keys and a padding bias is the only mask. This
   path reads only tensors from the metadata.
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from tokenmill.attention.backend import BatchLayout, attend_sequence, window_of
 from tokenmill.config import ModelConfig
-from tokenmill.kernels import Kernels
+from tokenmill.kernels import FusedOps, Kernels
 from tokenmill.types import SequenceInput
 
 
@@ -52,17 +53,18 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        ops: Kernels | None = None,
+        ops: FusedOps | None = None,
         windows: Sequence[int | None] = (),
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.windows = list(windows)  # per layer attention window (None: whole context); empty: none anywhere
         self.dtype, self.device = dtype, device
         # the fused decode attention (kernels/): it reads the blocks in place, no gather and no padding bias
-        fused = ops is not None and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+        fused = ops is not None and device.type == ops.device_type and dtype in ops.dtypes
         self.ops = ops if fused else None
-        # the gather path's pool has one more block that no table holds: CUDA graphs' padded rows write there
-        spare = 0 if self.ops is not None else 1
+        self.fused_prefill = isinstance(self.ops, Kernels)  # the CPU kernels also attend prefills in place
+        # one more block that no table holds, for CUDA graphs' padded rows to write to (and the gather path's)
+        spare = 0 if self.ops is not None and device.type == "cpu" else 1
         self.spare_slot = num_blocks * block_size if spare else None
         shape = (num_layers, 2, (num_blocks + spare) * block_size, num_kv_heads, head_dim)
         # NOTE: empty, not zeros: untouched pages of a large CPU pool cost no resident memory. Blocks are zeroed
@@ -111,7 +113,7 @@ class PagedKVCache:
             meta.context_slots.append(ctx if s.start else None)  # a fresh prefill reads no cache
             pieces.append(ctx[s.start :])
         meta.slot_mapping = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [T]
-        if self.ops is not None and len(sequences) > num_decodes:
+        if self.fused_prefill and len(sequences) > num_decodes:
             meta.prefill_block_tables, meta.prefill_seqs = self._prefill_tables(sequences[num_decodes:], meta)
         return meta
 
@@ -171,10 +173,11 @@ class PagedKVCache:
         """A decode-only step's metadata from tensors alone (slots, lens [B]; tables [B, M] int64, on the device):
         no host data, so a CUDA graph can record every op that builds it (cuda_graphs.py)."""
         b, width = tables.shape
-        bias = self._padding_bias(lens, width)
+        bias = None if self.ops is not None else self._padding_bias(lens, width)  # the fused kernels mask by lens
         meta = PagedMetadata(list(range(b + 1)), [0] * b, slot_mapping=slots, num_decodes=b,
                              decode_block_tables=tables, decode_bias=bias, decode_lens=lens)  # fmt: skip
-        self._window_biases(meta)
+        if bias is not None:
+            self._window_biases(meta)
         return meta
 
     def _slots_of(self, block_table: list[int], start: int, end: int) -> torch.Tensor:  # [end - start]
@@ -201,7 +204,11 @@ class PagedKVCache:
             out[:nd] = self._decode_batch(layer, q[:nd], meta)
         fused = meta.prefill_seqs is not None and q.dtype == self.dtype and q.stride(1) == q.shape[-1]
         if fused and q.shape[-1] % 16 == 0:  # every prefill in one call (prefill_attention.h)
-            assert self.ops is not None and meta.prefill_block_tables is not None and meta.prefill_seqs is not None
+            assert (
+                isinstance(self.ops, Kernels)
+                and meta.prefill_block_tables is not None
+                and meta.prefill_seqs is not None
+            )
             self.ops.prefill_attention(q, self.cache[layer], meta.prefill_block_tables, meta.prefill_seqs,
                                        self.block_size, window_of(self.windows, layer), out)  # fmt: skip
             return out

@@ -14,8 +14,12 @@ from functools import cache
 from typing import Any
 
 from tokenmill.kernels.build import KernelBuildError, build_key, cache_root, load
+from tokenmill.kernels.cuda import CudaKernels
 from tokenmill.kernels.isa import LANES, LEVELS, choose, cpu_flags, cpu_name, supported_levels
 from tokenmill.kernels.ops import Kernels
+
+# the fused ops a model's layers and the paged KV cache call: the CPU's compiled kernels or the GPU's Triton ones
+FusedOps = Kernels | CudaKernels
 
 log = logging.getLogger("tokenmill.kernels")
 
@@ -69,4 +73,4 @@ def status() -> dict[str, Any]:
     }
 
 
-__all__ = ["LEVELS", "KernelBuildError", "Kernels", "active", "status", "variant"]
+__all__ = ["LEVELS", "CudaKernels", "FusedOps", "KernelBuildError", "Kernels", "active", "status", "variant"]

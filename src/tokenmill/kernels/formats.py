@@ -112,6 +112,25 @@ def pack_blocks(q: torch.Tensor, d: torch.Tensor, fmt: str, n_padded: int) -> to
     return torch.cat([scales, values.reshape(*scales.shape[:2], -1)], dim=-1).reshape(-1)
 
 
+def unpack_blocks(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A q8_0 / q4_0 weight's block values, in ggml's row order: (int8 q [N, K'] (q4_0's as -8..7), fp16 d
+    [N, K'/32]), K' the padded width. `pack_blocks` in reverse."""
+    if p.format not in ("q8_0", "q4_0"):
+        raise ValueError(f"unpack_blocks takes q8_0 or q4_0 weights, not {p.format}")
+    n_panels, nb = -(-p.out_features // PANEL), p.padded_in // BLOCK
+    per_k = BLOCK if p.format == "q8_0" else BLOCK // 2
+    blocks = p.data.view(n_panels, nb, 2 * PANEL + per_k * PANEL)
+    d = blocks[..., : 2 * PANEL].contiguous().view(torch.float16)  # [np, nb, c 16]
+    raw = blocks[..., 2 * PANEL :].reshape(n_panels, nb, BLOCK // 4, -1, 4)  # [np, nb, g, c, i]
+    if p.format == "q8_0":
+        q = raw.view(torch.int8)  # [np, nb, g 8, c 16, i 4]
+    else:  # channels 0..7 in the low nibbles, 8..15 in the high ones
+        q = (torch.cat([raw & 15, raw >> 4], dim=3).to(torch.int16) - 8).to(torch.int8)
+    q = q.permute(0, 3, 1, 2, 4).reshape(n_panels * PANEL, p.padded_in)  # [np, c, nb, g, i] -> [N', K']
+    d = d.permute(0, 2, 1).reshape(n_panels * PANEL, nb)
+    return q[: p.out_features].contiguous(), d[: p.out_features].contiguous()
+
+
 def unpack(p: PackedWeight) -> torch.Tensor:
     """The packed weight as float32 [N, K] (the reference for the kernels, and the dequantized weight)."""
     n_panels, kp = -(-p.out_features // PANEL), p.padded_in

@@ -25,7 +25,11 @@ def _check_logits(logits: torch.Tensor) -> None:
 
 
 class Kernels:
-    """One compiled variant (`level`: one of isa.LEVELS)."""
+    """One compiled variant (`level`: one of isa.LEVELS). The fused ops take tensors of `device_type` in `dtypes`
+    (the GPU's Triton kernels, kernels/cuda, have the same calls)."""
+
+    device_type = "cpu"
+    dtypes = (torch.bfloat16, torch.float32)
 
     def __init__(self, module: ModuleType, level: str) -> None:
         self.module, self.level, self.lanes = module, level, int(module.lanes)

@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenmill.attention import KVBackend, PagedKVCache
 from tokenmill.attention.paged import PagedMetadata, new_slots, padded_tables
+from tokenmill.kernels import Kernels
 from tokenmill.kernels.stack_ops import NativeStack, StackLinear, StackShape
 from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from tokenmill.models.linear import KernelLinear
@@ -73,8 +74,8 @@ class DecodeStack:
     def build(model: CausalLM, kv: KVBackend) -> DecodeStack | None:
         """The stack for `model` over `kv`, or None when a layer, the cache or a weight does not fit."""
         decoder, pool = model.decoder(), kv.paged  # the block pool, which the stack reads and writes in place
-        if pool is None or pool.ops is None or type(decoder) is not DecoderModel:
-            return None
+        if pool is None or not isinstance(pool.ops, Kernels) or type(decoder) is not DecoderModel:
+            return None  # the stack is the CPU kernels' (a GPU's fused ops run in the layers)
         if any(w is not None for w in pool.windows):  # sliding-window layers take the modules' attention
             return None
         layers = [layer for layer in decoder.layers if type(layer) is DecoderLayer]

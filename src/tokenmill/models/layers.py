@@ -16,7 +16,7 @@ from torch import nn
 
 from tokenmill.attention import KVBackend
 from tokenmill.config import ModelConfig, RopeConfig
-from tokenmill.kernels import Kernels
+from tokenmill.kernels import FusedOps, Kernels
 from tokenmill.models.linear import KernelLinear, Linear
 
 # fused parameter -> (HF sub-module name, shard index) in the order they are concatenated
@@ -26,9 +26,10 @@ STACKED_PARAMS: dict[str, tuple[tuple[str, int], ...]] = {
 }
 
 
-def _fused(ops: Kernels | None, x: torch.Tensor) -> Kernels | None:
-    """The fused CPU ops, when bound (`bind_kernels`) and x is a contiguous CPU bf16/float32 tensor."""
-    if ops is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous():
+def _fused(ops: FusedOps | None, x: torch.Tensor) -> FusedOps | None:
+    """The fused ops, when bound (`bind_kernels`) and x is a contiguous tensor of theirs (the CPU's kernels: CPU
+    bf16/float32; the GPU's Triton kernels: CUDA bf16/fp16/float32)."""
+    if ops is not None and x.device.type == ops.device_type and x.dtype in ops.dtypes and x.is_contiguous():
         return ops
     return None
 
@@ -38,7 +39,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.ops: Kernels | None = None
+        self.ops: FusedOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if (ops := _fused(self.ops, x)) is not None:
@@ -191,7 +192,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.ops: Kernels | None = None
+        self.ops: FusedOps | None = None
 
     def forward(
         self,
@@ -249,7 +250,7 @@ class GatedMLP(nn.Module):
         self.intermediate_size, self.act = cfg.intermediate_size, cfg.hidden_act
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.ops: Kernels | None = None
+        self.ops: FusedOps | None = None
         self.scratch: Scratch | None = None  # shared by the model's MLPs (bind_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
@@ -357,10 +358,10 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def bind_kernels(model: nn.Module, ops: Kernels | None) -> int:
-    """Give the norms, attention and MLPs the fused CPU ops (or None: pure torch). Returns how many modules."""
+def bind_kernels(model: nn.Module, ops: FusedOps | None) -> int:
+    """Give the norms, attention and MLPs the fused ops (or None: pure torch). Returns how many modules."""
     modules = [m for m in model.modules() if isinstance(m, RMSNorm | Attention | GatedMLP)]
-    scratch = None if ops is None else Scratch()
+    scratch = Scratch() if isinstance(ops, Kernels) else None  # host buffers, for the CPU kernels' outputs
     for m in modules:
         m.ops = ops
         if isinstance(m, GatedMLP):

@@ -14,8 +14,10 @@ The model is built with `Linear`: an `nn.Linear` whose one-row product on the CP
   bf16 GEMM beats the kernel (AVX-512 BF16 with a kernel variant built without vdpbf16ps, or AMX the kernel cannot use)
   a bf16 prefill of more than `KERNEL_MAX_ROWS` rows through a bf16 weight unpacks it and takes oneDNN's.
   Without a compiled kernel (no compiler here) the same module computes the same product in torch
-  (`formats.reference_linear`). On a GPU the quantized formats multiply weight-only: the weight dequantized to
-  the activations' dtype for each product, the activations as they are (W8A16 / W4A16).
+  (`formats.reference_linear`).
+- `CudaBlockLinear` (GPU, int8 / int4): the same block values, multiplied weight-only (W8A16) by a Triton kernel
+  that reads the int8 values in place (kernels/cuda/int8.py). Without the GPU kernels (`--no-gpu-kernels`, no
+  Triton) a GPU's `KernelLinear` dequantizes the whole weight for each product instead.
 - `PackedLinear` (`--pack-weights`, CPU, quantization none): the weight reordered into oneDNN's blocked layout.
 - A float16 model, a non-CPU device or `--no-cpu-kernels` keeps `Linear` (torch's own GEMV/GEMM).
 """
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import QUANTIZATION_MODES
-from tokenmill.kernels import Kernels, formats
+from tokenmill.kernels import CudaKernels, Kernels, formats
 from tokenmill.kernels.isa import cpu_flags
 from tokenmill.kernels.placement import ALIGN, place_buffers
 
@@ -125,6 +127,52 @@ class KernelLinear(nn.Module):
         return F.linear(x.float(), w, self.bias).to(x.dtype)
 
 
+class CudaBlockLinear(nn.Module):
+    """A q8_0 / q4_0 weight on a GPU, multiplied by the Triton kernel that reads its int8 values in place
+    (kernels/cuda/int8.py): weight-only, W8A16. The values are the CPU path's and a GGUF's (ggml's blocks), held as
+    int8 q [N, K'] and float32 scales d [N, K'/32]; q4_0's values take a byte each too (no 4-bit GPU kernel yet)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, fmt: str, in_features: int,
+                 ops: CudaKernels) -> None:  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features, self.format, self.ops = in_features, q.shape[0], fmt, ops
+        self.register_buffer("q", q.contiguous())  # [N, K'] int8
+        self.register_buffer("d", d.float().contiguous())  # [N, K'/32] float32
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())  # [N] float32
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, ops: CudaKernels) -> CudaBlockLinear:
+        """`linear`'s weight quantized as the CPU path quantizes it (formats.quantize_q8_0 / _q4_0)."""
+        w = linear.weight.detach()
+        k = w.shape[1]
+        w = F.pad(w.float(), (0, -k % formats.BLOCK))  # [N, K'] zero columns up to whole blocks
+        if fmt == "q8_0":
+            q, d = formats.quantize_q8_0(w)
+        else:
+            q4, d = formats.quantize_q4_0(w)
+            q = (q4.to(torch.int16) - 8).to(torch.int8)  # -8..7
+        return cls(q, d, linear.bias, fmt, k, ops)
+
+    @classmethod
+    def from_kernel_linear(cls, linear: KernelLinear, ops: CudaKernels) -> CudaBlockLinear:
+        """A GGUF's blocks (loaded as a `KernelLinear`), the same numbers in the GPU's layout."""
+        q, d = formats.unpack_blocks(linear.packed())
+        return cls(q, d, linear.bias, linear.format, linear.in_features, ops)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.format}, triton"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        x2 = x.reshape(-1, self.in_features)
+        out = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
+        self.ops.q8_linear(x2, self.q, self.d, self.bias, out)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
 class PackedLinear(nn.Module):
     packed: torch.Tensor
     bias: torch.Tensor | None
@@ -176,12 +224,13 @@ def _kind(quantization: str, device: torch.device, dtype: torch.dtype, pack: boo
 
 
 def prepare_linears(
-    model: nn.Module, quantization: str, device: torch.device, pack_weights: bool = False, cpu_kernels: bool = True
-) -> dict[str, int]:
+    model: nn.Module, quantization: str, device: torch.device, pack_weights: bool = False, cpu_kernels: bool = True,
+    gpu_ops: CudaKernels | None = None,
+) -> dict[str, int]:  # fmt: skip
     """Replace every nn.Linear under `model` in place; returns how many linears got each kind.
 
     Linears that arrived packed (a GGUF's Q8_0/Q4_0 blocks, as `KernelLinear`) keep their format and get the
-    kernels bound."""
+    kernels bound. On a GPU with `gpu_ops` (the Triton kernels), quantized linears become `CudaBlockLinear`."""
     from tokenmill import kernels
 
     if quantization not in QUANTIZATION_MODES:
@@ -191,7 +240,10 @@ def prepare_linears(
     # NOTE: hold on to parents only, so each replaced dense weight is freed as soon as its module is swapped
     for parent in [m for m in model.modules() if not isinstance(m, nn.Linear)]:
         for name, child in list(parent.named_children()):
-            if isinstance(child, KernelLinear):
+            if isinstance(child, KernelLinear) and gpu_ops is not None and child.format in ("q8_0", "q4_0"):
+                setattr(parent, name, CudaBlockLinear.from_kernel_linear(child, gpu_ops))
+                kind = child.format
+            elif isinstance(child, KernelLinear):
                 child.ops, kind = kernels.active() if use_kernels else None, child.format
             elif not isinstance(child, nn.Linear):
                 continue
@@ -199,11 +251,13 @@ def prepare_linears(
                 kind = _kind(quantization, device, child.weight.dtype, pack_weights, cpu_kernels)
                 if kind == "plain":
                     continue
-                new = (
-                    PackedLinear(child)
-                    if kind == "packed"
-                    else KernelLinear.from_linear(child, kind, kernels.active() if use_kernels else None)
-                )
+                new: nn.Module
+                if kind == "packed":
+                    new = PackedLinear(child)
+                elif gpu_ops is not None and kind in ("q8_0", "q4_0"):
+                    new = CudaBlockLinear.from_linear(child, kind, gpu_ops)
+                else:
+                    new = KernelLinear.from_linear(child, kind, kernels.active() if use_kernels else None)
                 setattr(parent, name, new)
             counts[kind] = counts.get(kind, 0) + 1
     return counts
