@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A lent GPU's one prepared run (issue 63): the Triton kernels' tests, what a decode step costs (scripts/gpu_step.py),
+# the latency and 64-stream benchmarks with the GPU kernels on and off, and the whole GPU suite. Each stage has its
+# own time limit, so one that fails or hangs leaves the others' numbers. Everything lands in $OUT (default
+# ./gpu-out): log.txt, and bench.tgz (the stored runs of bench-results/).
+#   scripts/gpu_check.sh TOKENIZER_DIR          (a Qwen2 tokenizer folder: the model is made with random weights)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+TOK=${1:?usage: scripts/gpu_check.sh TOKENIZER_DIR}
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LOG="$OUT/log.txt"
+MODEL=/tmp/q05
+
+stage() {  # stage NAME SECONDS COMMAND...: run it, log its output, say how it ended and how long it took
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  echo "=== $name: $*" >>"$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  echo "=== $name: rc=$? in $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+
+stage env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'; git log --oneline -1"
+$PY -m tokenmill make-model --arch qwen2 --shape qwen2.5-0.5b --tokenizer "$TOK" --out $MODEL --dtype bfloat16 \
+  --seed 0 >"$OUT/make-model.txt" 2>&1 &
+MAKER=$!
+stage kernel-tests 150 $PY -m pytest -q -x -n 8 -p no:cacheprovider tests/cuda/test_triton_kernels.py tests/cuda/test_triton_model.py
+wait $MAKER
+cat "$OUT/make-model.txt" >>"$LOG"
+rm -f "$OUT/make-model.txt"
+for flags in "" "--no-gpu-kernels" "--quantization int8" "--batch 64 --context 256" "--batch 64 --context 256 --no-gpu-kernels"; do
+  stage "step $flags" 90 $PY scripts/gpu_step.py $MODEL $flags
+done
+LAT="--device cuda --dtype bfloat16 --prompt-tokens 32 --gen-tokens 128 --repeat 3 --warmup 1"
+for flags in "" "--no-gpu-kernels" "--quantization int8"; do
+  stage "latency $flags" 90 $PY -m tokenmill bench latency $MODEL $LAT $flags
+done
+stage gpu-suite 240 ./scripts/test_cuda.sh -n 8 -q -p no:cacheprovider
+TPUT="--device cuda --dtype bfloat16 --max-num-seqs 64 --num-prompts 64 --input-len 128 --output-len 128"
+for flags in "" "--no-gpu-kernels"; do
+  stage "throughput $flags" 90 $PY -m tokenmill bench throughput $MODEL $TPUT $flags
+done
+tar czf "$OUT/bench.tgz" bench-results 2>/dev/null
+echo "=== done"
