@@ -27,14 +27,16 @@ from tokenmill.make_model import hf_config, write_checkpoint
 NEW = 32
 
 
-def _hf(folder: Path, ids: list[int], dtype: torch.dtype) -> tuple[list[int], torch.Tensor]:
-    """(greedy continuation, log-probs [len(ids) + NEW - 1, V] of the whole sequence), transformers on the GPU."""
+def _hf(folder: Path, ids: list[int], dtype: torch.dtype, seq: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """(greedy continuation, log-probs [len(seq) - 1, V] over `seq`, by default ids + that continuation), transformers
+    on the GPU."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to("cuda").eval()
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-        logits = hf(out).logits[0, :-1].float()
+        read = out if seq is None else torch.tensor([seq], device="cuda")
+        logits = hf(read).logits[0, :-1].float()
     return out[0, len(ids) :].tolist(), torch.log_softmax(logits, -1).cpu()
 
 
@@ -61,7 +63,7 @@ def main() -> None:
         want = ref[pos, nxt]  # float32's log-prob of each next token
         top2 = ref.topk(2, -1).values
         margin = (top2[len(ids) - 1 :, 0] - top2[len(ids) - 1 :, 1]).min().item()
-        hf_bf16 = _hf(folder, ids, torch.bfloat16)[1][pos, nxt]
+        hf_bf16 = _hf(folder, ids, torch.bfloat16, seq)[1][pos, nxt]  # teacher-forced on float32's sequence
         row = dict(config=name, min_margin=round(margin, 4))
         for label, got in (("hf_bf16", hf_bf16), ("ours_torch", _ours(folder, seq, False)),
                            ("ours_triton", _ours(folder, seq, True))):  # fmt: skip

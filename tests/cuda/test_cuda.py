@@ -1,5 +1,5 @@
-"""On a CUDA GPU: where the engine puts its tensors, how it sizes the KV pool, and how closely its bfloat16 greedy
-output follows transformers' bfloat16 on the same GPU.
+"""On a CUDA GPU: where the engine puts its tensors, how it sizes the KV pool, and how far its bfloat16 decodes
+drift from float32, beside transformers' bfloat16 on the same GPU.
 
 Skipped without a GPU. scripts/test_cuda.sh runs this file together with the parity and engine suites under
 `--device cuda` (float32 to 1e-4 and greedy identical there, as on the CPU).
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,15 +25,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 NEW_TOKENS = 32
-BF16_AGREEMENT: dict[str, tuple[int, int]] = {}  # config -> (ours vs HF bf16, HF bf16 vs HF fp32): agreeing prefix
+BF16_DRIFT: dict[str, tuple[float, float]] = {}  # config -> (ours, HF bf16): largest log-prob error against HF fp32
 
 
-def _prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two greedy outputs share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+def _scores(model: Any, seq: list[int], start: int) -> torch.Tensor:  # [len(seq) - start] float32
+    """The log-prob `model` (transformers, on the GPU) gives each token of `seq` from `start` on, teacher-forced."""
+    with torch.no_grad():
+        logits = model(torch.tensor([seq], device="cuda")).logits[0, start - 1 : -1].float()
+    picked = torch.tensor(seq[start:], device="cuda")[:, None]
+    return torch.log_softmax(logits, -1).gather(-1, picked)[:, 0].cpu()
 
 
 def test_weights_cache_and_sampling_live_on_the_gpu(make_checkpoint: Callable[..., Path]) -> None:
@@ -59,26 +60,32 @@ def test_the_kv_pool_fits_in_free_gpu_memory(make_checkpoint: Callable[..., Path
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_bfloat16_greedy_follows_transformers_on_the_gpu(make_checkpoint: Callable[..., Path], name: str) -> None:
-    """Our bf16 greedy tokens against transformers' bf16 on the same GPU. Two bf16 programs round differently, so
-    a near-tie may flip and the outputs part there; the bar is transformers' own: our bf16 keeps at least as long
-    a prefix of its bf16 output as its bf16 keeps of its float32 output, less 8 tokens."""
+def test_bfloat16_decodes_stay_as_close_to_float32_as_transformers_bf16(
+    make_checkpoint: Callable[..., Path], name: str
+) -> None:
+    """bf16 programs part at near-ties: on these tiny checkpoints the nearest tie within 32 tokens is often closer
+    than bf16's error (scripts/bf16_drift.py), so which greedy tokens two bf16 programs pick is luck. The bar is
+    the scores instead: every token our bf16 decode steps pick, at the log-prob they give it, against transformers'
+    float32 log-prob of it on the same sequence; transformers' bf16 is measured so on its own greedy sequence. Our
+    largest error is at most 1.5x transformers' bf16's, plus 0.01."""
     from transformers import AutoModelForCausalLM
 
     arch, overrides = CONFIGS[name]
     folder = make_checkpoint(arch, **SPREAD, **overrides)
     llm = LLM(str(folder), dtype="bfloat16", device="cuda")
     ids = llm.tokenizer.encode(PROMPT)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    ours = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
-    refs = []
-    for dtype in (torch.bfloat16, torch.float32):
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to("cuda").eval()
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW_TOKENS,
-                              min_new_tokens=NEW_TOKENS, do_sample=False)  # fmt: skip
-        refs.append(out[0, len(ids) :].tolist())
-    BF16_AGREEMENT[name] = (_prefix(ours, refs[0]), _prefix(refs[0], refs[1]))
-    print(f"bf16 greedy on {torch.cuda.get_device_name()}: {name}: ours vs HF bf16 {BF16_AGREEMENT[name][0]}"
-          f"/{NEW_TOKENS}, HF bf16 vs HF fp32 {BF16_AGREEMENT[name][1]}/{NEW_TOKENS}")  # fmt: skip
-    assert BF16_AGREEMENT[name][0] >= min(BF16_AGREEMENT[name][1], NEW_TOKENS) - 8
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    out = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
+    assert out.logprobs is not None
+    ours = torch.tensor([lp[t] for t, lp in zip(out.token_ids, out.logprobs, strict=True)])
+    hf32, hf16 = (AutoModelForCausalLM.from_pretrained(str(folder), dtype=d).to("cuda").eval()
+                  for d in (torch.float32, torch.bfloat16))  # fmt: skip
+    with torch.no_grad():
+        theirs = hf16.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW_TOKENS,
+                               min_new_tokens=NEW_TOKENS, do_sample=False)[0].tolist()  # fmt: skip
+    ours_err = (ours - _scores(hf32, ids + out.token_ids, len(ids))).abs().max().item()
+    theirs_err = (_scores(hf16, theirs, len(ids)) - _scores(hf32, theirs, len(ids))).abs().max().item()
+    BF16_DRIFT[name] = (ours_err, theirs_err)
+    print(f"bf16 on {torch.cuda.get_device_name()}: {name}: largest log-prob error against HF fp32: ours "
+          f"{ours_err:.4f}, HF bf16 {theirs_err:.4f}")  # fmt: skip
+    assert ours_err <= 1.5 * theirs_err + 0.01

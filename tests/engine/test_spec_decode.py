@@ -346,6 +346,7 @@ def test_a_quantized_draft_changes_no_greedy_token(folder: Path) -> None:
     assert [g[0].token_ids for g in got] == [w[0].token_ids for w in want]
     assert llm.engine.stats.spec_accepted_tokens > 0
     draft = llm.engine.proposer.runner.model  # type: ignore[union-attr]
-    assert any(getattr(m, "format_id", None) == 1 for m in draft.modules())  # int8 (Q8_0) kernel linears
+    # int8 (Q8_0) linears: the CPU kernels' KernelLinear, or on a GPU the Triton kernels' CudaBlockLinear
+    assert any(getattr(m, "format", None) == "q8_0" for m in draft.modules())
     with pytest.raises(ValueError, match="speculative_model_quantization"):
         LLM(str(folder), speculative_model=str(folder), speculative_model_quantization="int3")
