@@ -27,7 +27,9 @@ from tokenmill.make_model import hf_config, write_checkpoint
 NEW = 32
 
 
-def _hf(folder: Path, ids: list[int], dtype: torch.dtype, seq: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+def _hf(
+    folder: Path, ids: list[int], dtype: torch.dtype, seq: list[int] | None = None
+) -> tuple[list[int], torch.Tensor]:
     """(greedy continuation, log-probs [len(seq) - 1, V] over `seq`, by default ids + that continuation), transformers
     on the GPU."""
     from transformers import AutoModelForCausalLM
