@@ -24,10 +24,12 @@ TILE = 32  # context positions a program reads per step of its loop
 TARGET_PROGRAMS = 264  # ~2 programs per multiprocessor of an H100/H200 (132 of them)
 
 
-@triton.jit
+# NOTE: the ints that change from step to step are neither constexprs nor specialized: each distinct value would
+# compile another kernel (a 64-stream run with the split count as a constexpr spent ~3 s of 4.9 compiling)
+@triton.jit(do_not_specialize=["table_width", "window", "split_len", "splits"])
 def _decode(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, kv_offset, table_width, scale, window,
-            split_len, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr,
-            DP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
+            split_len, splits, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+            DH: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -61,27 +63,27 @@ def _decode(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, kv_offset
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    if SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + (b * H + heads)[:, None] * DH + d[None, :], out.to(out_ptr.dtype.element_ty), mask=qmask)
     else:  # partials [B, H, SPLITS, DH + 2]: the weighted values, then the max and the sum
-        base = part_ptr + ((b * H + heads) * SPLITS + split) * (DH + 2)  # [GP]
+        base = part_ptr + ((b * H + heads) * splits + split) * (DH + 2)  # [GP]
         tl.store(base[:, None] + d[None, :], acc, mask=qmask)
         tl.store(base + DH, m_i, mask=g < G)
         tl.store(base + DH + 1, l_i, mask=g < G)
 
 
-@triton.jit
-def _combine(part_ptr, out_ptr, DH: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+@triton.jit(do_not_specialize=["splits"])
+def _combine(part_ptr, out_ptr, splits, DH: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # b * H + head
     s = tl.arange(0, SP)
     d = tl.arange(0, DP)
-    base = part_ptr + (row * SPLITS + s) * (DH + 2)  # [SP]
-    m = tl.load(base + DH, mask=s < SPLITS, other=float("-inf"))
-    total = tl.load(base + DH + 1, mask=s < SPLITS, other=0.0)
+    base = part_ptr + (row * splits + s) * (DH + 2)  # [SP]
+    m = tl.load(base + DH, mask=s < splits, other=float("-inf"))
+    total = tl.load(base + DH + 1, mask=s < splits, other=0.0)
     top = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # an empty split (no positions) weighs nothing
-    acc = tl.load(base[:, None] + d[None, :], mask=(s < SPLITS)[:, None] & (d < DH)[None, :], other=0.0)
+    acc = tl.load(base[:, None] + d[None, :], mask=(s < splits)[:, None] & (d < DH)[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(total * w, axis=0)
     tl.store(out_ptr + row * DH + d, out.to(out_ptr.dtype.element_ty), mask=d < DH)
 
@@ -104,8 +106,8 @@ def launch_decode(
     splits = triton.cdiv(width * block_size, split_len)
     part = torch.empty((b, h, splits, dh + 2) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     _decode[(b, hkv, splits)](
-        q, cache, tables, lens, out, part, cache.stride(0), width, scale, window, split_len,
-        H=h, HKV=hkv, G=g, GP=next_pow2(g), DH=dh, DP=next_pow2(dh), BS=block_size, TILE=TILE, SPLITS=splits,
+        q, cache, tables, lens, out, part, cache.stride(0), width, scale, window, split_len, splits,
+        H=h, HKV=hkv, G=g, GP=next_pow2(g), DH=dh, DP=next_pow2(dh), BS=block_size, TILE=TILE, SPLIT=splits > 1,
     )  # fmt: skip
-    if splits > 1:
-        _combine[(b * h,)](part, out, DH=dh, DP=next_pow2(dh), SPLITS=splits, SP=next_pow2(splits))
+    if splits > 1:  # SP: a power of two, so at most 6 variants of the combine are ever compiled
+        _combine[(b * h,)](part, out, splits, DH=dh, DP=next_pow2(dh), SP=next_pow2(splits))

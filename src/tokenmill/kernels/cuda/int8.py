@@ -22,10 +22,11 @@ from torch import Tensor
 TARGET_PROGRAMS = 264  # ~2 programs per multiprocessor of an H100/H200
 
 
-@triton.jit
+# NOTE: the row count and the split are not specialized: each distinct value would compile another kernel
+@triton.jit(do_not_specialize=["M", "k_per_split"])
 def _q8_linear(x_ptr, q_ptr, d_ptr, bias_ptr, out_ptr, part_ptr, M, N, KX, KP, k_per_split,
                HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUPS: tl.constexpr,
-               SPLITS: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+               SPLIT: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     split = tl.program_id(2)
@@ -49,7 +50,7 @@ def _q8_linear(x_ptr, q_ptr, d_ptr, bias_ptr, out_ptr, part_ptr, M, N, KX, KP, k
             acc += part * scale[None, :]
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     offsets = rm.to(tl.int64)[:, None] * N + rn[None, :]
-    if SPLITS == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -57,13 +58,12 @@ def _q8_linear(x_ptr, q_ptr, d_ptr, bias_ptr, out_ptr, part_ptr, M, N, KX, KP, k
         tl.store(part_ptr + split * M * N + offsets, acc, mask=mask)
 
 
-@triton.jit
-def _sum_splits(part_ptr, bias_ptr, out_ptr, total, N, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
-                BLOCK: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["total", "splits"])
+def _sum_splits(part_ptr, bias_ptr, out_ptr, total, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < total
     acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLITS):  # in order: the same sum every run
+    for s in range(splits):  # in order: the same sum every run
         acc += tl.load(part_ptr + s * total + i, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + i % N, mask=mask, other=0.0)
@@ -94,11 +94,11 @@ def launch_q8_linear(x: Tensor, q: Tensor, d: Tensor, bias: Tensor | None, out: 
     has_bias = bias is not None
     _q8_linear[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
         x, q, d, bias if has_bias else d, out, part, m, n, kx, kp, k_per_split,
-        HAS_BIAS=has_bias, BM=bm, BN=bn, GROUPS=groups, SPLITS=splits,
+        HAS_BIAS=has_bias, BM=bm, BN=bn, GROUPS=groups, SPLIT=splits > 1,
         IEEE=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps,
     )  # fmt: skip
     if splits > 1:
         block = 1024
-        _sum_splits[(triton.cdiv(m * n, block),)](part, bias if has_bias else part, out, m * n, n,
-                                                 HAS_BIAS=has_bias, SPLITS=splits, BLOCK=block)  # fmt: skip
+        _sum_splits[(triton.cdiv(m * n, block),)](part, bias if has_bias else part, out, m * n, n, splits,
+                                                 HAS_BIAS=has_bias, BLOCK=block)  # fmt: skip
