@@ -11,23 +11,12 @@ import json
 
 import torch
 import torch.nn.functional as F
+from gpu_step import cuda_ms  # scripts/, beside this file
 
 from tokenmill.kernels import formats
 from tokenmill.kernels.cuda import CudaKernels
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
-
-
-def _ms(fn, repeat: int = 50) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat
 
 
 def main() -> None:
@@ -40,8 +29,8 @@ def main() -> None:
         for m in (1, 4, 16, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            t8 = _ms(lambda x=x, out=out, q=q, d=d: ops.q8_linear(x, q, d, None, out))
-            t16 = _ms(lambda x=x, wb=wb: F.linear(x, wb))
+            t8 = cuda_ms(lambda x=x, out=out, q=q, d=d: ops.q8_linear(x, q, d, None, out), 50)
+            t16 = cuda_ms(lambda x=x, wb=wb: F.linear(x, wb), 50)
             print(json.dumps(dict(
                 shape=name, n=n, k=k, m=m, int8_ms=round(t8, 4), bf16_ms=round(t16, 4), speedup=round(t16 / t8, 2),
                 int8_gbs=round((q.numel() + d.numel() * 4) / t8 / 1e6), bf16_gbs=round(wb.numel() * 2 / t16 / 1e6),

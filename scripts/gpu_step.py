@@ -22,7 +22,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.models.linear import weight_bytes
 
 
-def _cuda_ms(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
+def cuda_ms(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
+    """fn's mean GPU time in ms over `repeat` calls, after one warm-up (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
     torch.cuda.synchronize()
@@ -36,7 +37,7 @@ def _cuda_ms(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
 
 def _bandwidth_gbs() -> float:
     x = torch.ones(2**30, dtype=torch.float32, device="cuda")  # 4 GiB
-    ms = _cuda_ms(lambda: x.sum(), 10)
+    ms = cuda_ms(lambda: x.sum(), 10)
     return x.numel() * 4 / ms / 1e6
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     assert graphs is not None and graphs.buckets, "no CUDA graph was recorded"
     (rows, width), bucket = next(iter(graphs.buckets.items()))
     assert bucket.graph is not None
-    replay_ms = _cuda_ms(bucket.graph.replay, 50)
+    replay_ms = cuda_ms(bucket.graph.replay, 50)
     graphs._forward(bucket.inputs, rows, width)  # eager, warm
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -71,17 +71,10 @@ class CudaKernels:
         self._pointwise.launch_kv_write(k, v, cache, slots)
 
     def decode_attention(
-        self,
-        q: torch.Tensor,
-        cache: torch.Tensor,
-        tables: torch.Tensor,
-        lens: torch.Tensor,
-        block_size: int,
+        self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int,
         window: int | None = None,
-    ) -> torch.Tensor:
-        """q [B, H, Dh], one new token per sequence, over a layer's paged cache [2, slots, Hkv, Dh] through block
-        tables [B, M] (int64) and context lengths [B] (int64) -> [B, H, Dh]; with a window, over the last
-        `window` positions only."""
+    ) -> torch.Tensor:  # fmt: skip
+        """As `Kernels.decode_attention`: q [B, H, Dh] against the paged cache [2, slots, Hkv, Dh] -> [B, H, Dh]."""
         q = q.contiguous()
         out = torch.empty_like(q)
         self._attention.launch_decode(q, cache, tables, lens, block_size, window or 0, out, q.shape[-1] ** -0.5)
