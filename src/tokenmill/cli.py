@@ -56,6 +56,7 @@ _HELP = {
     "quantization": "weight-only: none, int8 (Q8_0 blocks) or int4 (Q4_0 blocks)",
     "cpu_kernels": "tokenmill's own CPU kernels (compiled for this CPU on first use); off: pure torch",
     "gpu_kernels": "on a GPU, tokenmill's Triton kernels (paged attention, fused norms, int8); off: torch's ops",
+    "batch_invariant": "every request's logits bit for bit the same alone or in any batch (CPU kernels; slower)",
     "pack_weights": "oneDNN-prepacked weights (needs native bf16 for bfloat16)",
     "compile": "torch.compile the model",
     "enforce_eager": "on a GPU, run decode steps eagerly instead of replaying CUDA graphs",

@@ -189,7 +189,7 @@ class EngineConfig:
     Every optimisation is a switch: `kv_cache`, `batching`, `enable_chunked_prefill`, `enable_prefix_caching`,
     `quantization` (weight-only), `cpu_kernels` (tokenmill's own CPU kernels), `gpu_kernels` (its Triton kernels
     on a GPU), `pack_weights` (oneDNN-packed CPU weights), `compile` (torch.compile), `enforce_eager` (no CUDA
-    graphs).
+    graphs), `batch_invariant` (the same logits alone or in any batch).
     """
 
     model: str | None = None
@@ -218,6 +218,8 @@ class EngineConfig:
     quantization: Quantization = "none"
     cpu_kernels: bool = True  # tokenmill's own CPU kernels for bf16 / int8 / int4 linears (kernels/)
     gpu_kernels: bool = True  # on a GPU: the Triton kernels (kernels/cuda/) for attention, norms and int8 linears
+    # every request's logits bit for bit the same alone or in any batch (CPU kernels; docs/architecture.md)
+    batch_invariant: bool = False
     pack_weights: bool = False
     compile: bool = False
     enforce_eager: bool = False  # CUDA: no graphs; every decode step launches its kernels one by one
@@ -269,8 +271,24 @@ class EngineConfig:
             raise ValueError(f"touch_kv_cache needs kv_cache='paged'; kv_cache={self.kv_cache!r} has no pool to touch")
         self._check_speculation()
         self._check_parallel()
+        self._check_batch_invariant()
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: allowed values > 0")
+
+    def _check_batch_invariant(self) -> None:
+        """The mode holds for the CPU kernels over the paged pool; the other paths' sums depend on the batch."""
+        if not self.batch_invariant:
+            return
+        conflicts = [
+            ("device", self.device.startswith("cuda")), ("cpu_kernels off", not self.cpu_kernels),
+            ("dtype float16", self.dtype == "float16"), ("compile", self.compile), ("pack_weights", self.pack_weights),
+            (f"kv_cache {self.kv_cache}", self.kv_cache != "paged"),
+            ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+        ]  # fmt: skip
+        wrong = [name for name, bad in conflicts if bad]
+        if wrong:
+            raise ValueError(f"batch_invariant runs on the CPU kernels over the paged KV cache (bfloat16 or float32 "
+                             f"weights, any quantization); drop {', '.join(wrong)}")  # fmt: skip
 
     def _check_parallel(self) -> None:
         if self.tensor_parallel_size == 1:

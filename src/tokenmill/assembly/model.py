@@ -13,14 +13,14 @@ import torch
 
 from tokenmill.config import DTYPES, EngineConfig, ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
-from tokenmill.kernels import CudaKernels, FusedOps
+from tokenmill.kernels import CudaKernels, FusedOps, Kernels
 from tokenmill.kernels import active as active_kernels
 from tokenmill.kernels.cuda import cuda_kernels
 from tokenmill.kernels.cuda import unavailable as gpu_kernels_unavailable
 from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
-from tokenmill.models.linear import FORMAT_OF_QUANTIZATION, place_weights, prepare_linears
+from tokenmill.models.linear import FORMAT_OF_QUANTIZATION, make_row_invariant, place_weights, prepare_linears
 from tokenmill.models.sharding import Shard, check_shardable, split_head, wrap_row_parallel
 from tokenmill.progress import progress
 from tokenmill.sampling_params import SamplingParams
@@ -144,6 +144,10 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
             f"{model_config.max_position_embeddings}"
         )
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype, model_config)
+    if cfg.batch_invariant and (device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32)):
+        resolved = f"{device.type} {str(dtype).removeprefix('torch.')}"
+        raise ConfigError(f"batch_invariant runs on the CPU in bfloat16 or float32; this model resolved to "
+                          f"{resolved}: pass --device cpu and --dtype")  # fmt: skip
     tokenizer = Tokenizer(path)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -174,6 +178,10 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
     elif gpu_ops is not None:
         ops = gpu_ops
         bind_kernels(model, ops)
+    if cfg.batch_invariant:
+        if not isinstance(ops, Kernels):
+            raise ConfigError("batch_invariant needs tokenmill's compiled CPU kernels, and none could be built here")
+        make_row_invariant(model, ops)
     return LoadedModel(
         path=path,
         config=model_config,

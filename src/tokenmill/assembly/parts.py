@@ -54,5 +54,7 @@ def build_parts(
     if make_runner is not None:
         return Parts(backend, kv, make_runner(loaded.model, loaded.device, backend, cfg.seed))
     runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed, sample=sample)
+    if cfg.batch_invariant:  # the decode stack multiplies a step's rows together (a lone row sums otherwise)
+        runner.decode_stack = None
     runner.graphs = DecodeGraphs.build(loaded.model, backend, cfg.max_num_seqs, max_len, cfg.enforce_eager)
     return Parts(backend, kv, runner)

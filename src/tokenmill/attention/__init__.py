@@ -28,7 +28,7 @@ def make_kv_backend(
             cfg.kv_cache_memory_gb,
         )  # fmt: skip
         paged = PagedKVCache(model.num_layers, num_blocks, cfg.block_size, model.num_kv_heads, model.head_dim, dtype,
-                             device, ops, model.layer_windows())  # fmt: skip
+                             device, ops, model.layer_windows(), cfg.batch_invariant)  # fmt: skip
         if cfg.touch_kv_cache:
             paged.touch()
         return paged

@@ -38,6 +38,8 @@ class PagedMetadata(BatchLayout):
     context_slots: list[torch.Tensor | None] = field(default_factory=list)  # per sequence: [ctx] slots to read
     prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks] the prefills' block ids (fused kernel)
     prefill_seqs: torch.Tensor | None = None  # [P, 3] int64: first row, new tokens, context length (fused kernel)
+    row_tables: torch.Tensor | None = None  # batch-invariant: [T, max_blocks] each row's sequence's block ids
+    row_lens: torch.Tensor | None = None  # batch-invariant: [T] int64 each row's context, itself included
 
 
 class PagedKVCache:
@@ -55,6 +57,7 @@ class PagedKVCache:
         device: torch.device,
         ops: FusedOps | None = None,
         windows: Sequence[int | None] = (),
+        batch_invariant: bool = False,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.windows = list(windows)  # per layer attention window (None: whole context); empty: none anywhere
@@ -63,6 +66,11 @@ class PagedKVCache:
         fused = ops is not None and device.type == ops.device_type and dtype in ops.dtypes
         self.ops = ops if fused else None
         self.fused_prefill = isinstance(self.ops, Kernels)  # the CPU kernels also attend prefills in place
+        # every row, prefill or decode, through the decode kernel, one query at a time: the same sums for a token
+        # whatever its batch, chunk or cached prefix (the prefill kernel's tiles sum in another order)
+        self.batch_invariant = batch_invariant
+        if batch_invariant and not isinstance(self.ops, Kernels):
+            raise ValueError("a batch-invariant pool needs the CPU kernels (bfloat16 or float32 on the CPU)")
         # one more block that no table holds, for CUDA graphs' padded rows to write to (and the gather path's)
         spare = 0 if self.ops is not None and device.type == "cpu" else 1
         self.spare_slot = num_blocks * block_size if spare else None
@@ -113,7 +121,9 @@ class PagedKVCache:
             meta.context_slots.append(ctx if s.start else None)  # a fresh prefill reads no cache
             pieces.append(ctx[s.start :])
         meta.slot_mapping = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [T]
-        if self.fused_prefill and len(sequences) > num_decodes:
+        if self.batch_invariant:
+            meta.row_tables, meta.row_lens = self._row_queries(sequences, meta.seq_lens)
+        elif self.fused_prefill and len(sequences) > num_decodes:
             meta.prefill_block_tables, meta.prefill_seqs = self._prefill_tables(sequences[num_decodes:], meta)
         return meta
 
@@ -127,6 +137,18 @@ class PagedKVCache:
         starts = meta.query_start_loc[meta.num_decodes :]
         seqs = [[starts[i], starts[i + 1] - starts[i], s.seq_len] for i, s in enumerate(prefills)]
         return tables, torch.tensor(seqs, dtype=torch.int64)
+
+    def _row_queries(
+        self, sequences: Sequence[SequenceInput], seq_lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's query as a decode's: its sequence's block table [T, M] (padded with 0) and its context
+        length [T], its own position included."""
+        width, padded = padded_tables([s.block_table for s in sequences], seq_lens, self.block_size)
+        tables = torch.tensor(padded, dtype=torch.int64).view(len(sequences), width)  # [S, M]
+        counts = torch.tensor([s.seq_len - s.start for s in sequences])
+        rows = torch.repeat_interleave(torch.arange(len(sequences)), counts)  # [T]: each row's sequence
+        lens = torch.cat([torch.arange(s.start + 1, s.seq_len + 1, dtype=torch.int64) for s in sequences])  # [T]
+        return tables.index_select(0, rows), lens
 
     def zero_new_blocks(self, tables: list[list[int]]) -> None:
         """A block is in some table before its first write, so zeroing every id up to the highest seen means the
@@ -197,6 +219,10 @@ class PagedKVCache:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata
     ) -> torch.Tensor:  # [T, H, Dh]
         nd = meta.num_decodes
+        if meta.row_tables is not None and meta.row_lens is not None:  # batch-invariant: every row as a decode
+            assert self.ops is not None
+            return self.ops.decode_attention(q.contiguous(), self.cache[layer], meta.row_tables, meta.row_lens,
+                                             self.block_size, window_of(self.windows, layer))  # fmt: skip
         if nd == meta.num_seqs:  # a decode-only step (the common one): no output buffer to fill piecewise
             return self._decode_batch(layer, q, meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -51,6 +51,11 @@ class Kernels:
         )  # fmt: skip
         return out
 
+    def set_amx(self, mode: int) -> int:
+        """AMX tiles for the linears: -1 where the CPU has them (the default), 0 never, 1 from one row (tests). The
+        setting is this compiled variant's, for the whole process. Returns the old one."""
+        return int(self.module.set_amx(mode))
+
     def unpack(self, packed: torch.Tensor, format_id: int, n: int, k: int) -> torch.Tensor:
         """The packed weight as float32 [n, k] (k the packed, padded width)."""
         check_packed(packed, format_id, n, k)

@@ -76,6 +76,7 @@ class KernelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.format = packed.in_features, packed.out_features, packed.format
         self.padded_in, self.format_id, self.ops = packed.padded_in, packed.format_id, ops
+        self.row_invariant = False  # `make_row_invariant`: each row's result whatever the rows beside it
         self.register_buffer("data", packed.data)  # uint8 panels (kernels/formats.py)
         self.register_buffer("bias", None if bias is None else bias.detach().float())  # [N] float32
 
@@ -95,8 +96,13 @@ class KernelLinear(nn.Module):
         the other paths return a new one."""
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
+        if self.row_invariant and rows % 2 and self.format in ("bf16", "f32"):
+            # the dense kernels sum a lone row (the one-row path, or a tile's one-row tail) in another order than
+            # tiles of 2 or more rows, which agree with each other: an odd row count gets a copy of its last row
+            y = self(torch.cat([x2, x2[-1:]]))[:rows]
+            return y.view(*x.shape[:-1], self.out_features)
         bf16 = self.format == "bf16" and x2.dtype == torch.bfloat16
-        onednn = bf16 and rows > KERNEL_MAX_ROWS and _onednn_prefill(self.ops)
+        onednn = bf16 and rows > KERNEL_MAX_ROWS and _onednn_prefill(self.ops) and not self.row_invariant
         if self.ops is not None and not onednn and x2.dtype in (torch.bfloat16, torch.float32):
             # NOTE: the weight and bias were checked against the format when packed; this is the decode hot path
             x2 = x2.contiguous()
@@ -261,6 +267,17 @@ def prepare_linears(
                 setattr(parent, name, new)
             counts[kind] = counts.get(kind, 0) + 1
     return counts
+
+
+def make_row_invariant(model: nn.Module, ops: Kernels) -> int:
+    """Every kernel linear of `model` computes each row as it would alone, in any batch (`--batch-invariant`); returns
+    how many. AMX tiles sum bf16 pairs in another order than the vector tiles, so they go off, for the whole process
+    (the switch is the compiled module's). The quantized formats' rows are exact integer sums, the same either way."""
+    ops.set_amx(0)
+    linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    for m in linears:
+        m.row_invariant = True
+    return len(linears)
 
 
 def weight_bytes(model: nn.Module) -> int:
