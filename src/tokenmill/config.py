@@ -280,15 +280,15 @@ class EngineConfig:
         if not self.batch_invariant:
             return
         conflicts = [
-            ("device", self.device.startswith("cuda")), ("cpu_kernels off", not self.cpu_kernels),
-            ("dtype float16", self.dtype == "float16"), ("compile", self.compile), ("pack_weights", self.pack_weights),
-            (f"kv_cache {self.kv_cache}", self.kv_cache != "paged"),
-            ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+            (f"device={self.device}", self.device.startswith("cuda")), ("cpu_kernels=False", not self.cpu_kernels),
+            ("dtype=float16", self.dtype == "float16"), ("compile=True", self.compile),
+            ("pack_weights=True", self.pack_weights), (f"kv_cache={self.kv_cache}", self.kv_cache != "paged"),
+            (f"tensor_parallel_size={self.tensor_parallel_size}", self.tensor_parallel_size > 1),
         ]  # fmt: skip
         wrong = [name for name, bad in conflicts if bad]
         if wrong:
             raise ValueError(f"batch_invariant runs on the CPU kernels over the paged KV cache (bfloat16 or float32 "
-                             f"weights, any quantization); drop {', '.join(wrong)}")  # fmt: skip
+                             f"weights, any quantization), not with {', '.join(wrong)}")  # fmt: skip
 
     def _check_parallel(self) -> None:
         if self.tensor_parallel_size == 1:
