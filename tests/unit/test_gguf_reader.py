@@ -1,6 +1,7 @@
 """Our GGUF parser (`tokenmill.weights.gguf_reader`) reads what the `gguf` package's reader reads: every metadata
 value of every type, and every tensor's name, type, shape and bytes, on files written by `gguf.GGUFWriter`. A file
-cut anywhere before its last tensor's end is a `GGUFError`, never a raw struct.error or IndexError.
+cut anywhere before its last tensor's end, or not GGUF at all, is a `GGUFError`, and a `ModelLoadError` through
+`GGUFCheckpoint`, never a raw struct.error or IndexError.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import gguf
 import numpy as np
 import pytest
 
+from tokenmill.errors import ModelLoadError
+from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.weights.gguf_reader import GGUFError, GGUFFile
 
 V, Q = gguf.GGUFValueType, gguf.GGMLQuantizationType
@@ -138,6 +141,31 @@ def test_a_file_cut_anywhere_before_its_data_ends_is_a_gguf_error(tmp_path: Path
             GGUFFile(cut)
     cut.write_bytes(data[:end])  # the padding after the last tensor is not needed
     assert GGUFFile(cut).tensors[-1].data.tobytes() == GGUFFile(tmp_path / "small.gguf").tensors[-1].data.tobytes()
+
+
+def test_truncated_or_foreign_files_are_one_clear_model_load_error(written: Path, tmp_path: Path) -> None:
+    data, theirs = written.read_bytes(), gguf.GGUFReader(written)
+    kv_start, infos_start = theirs.fields["test.u8"].offset, theirs.tensors[0].field.offset
+    vocab = theirs.fields["test.vocab"].offset
+    first = theirs.tensors[0]
+    cuts = {  # where the file ends -> what the message says ran out
+        3: "too short for a GGUF header", 10: "the header runs past the end of the file",
+        kv_start + 5: "key #1's name runs past", vocab + 20_000: "the value of 'test.vocab' runs past",
+        infos_start + 7: "tensor #0's name runs past",
+        first.data_offset + first.n_bytes // 2: rf"tensor 'token_embd.weight' holds {first.n_bytes // 2} of its",
+        len(data) - 100: r"tensor 'q6_k.weight' holds \d+ of its 840 bytes",
+    }  # fmt: skip
+    one_line = r"cut.gguf is not a GGUF file, or is truncated or corrupt \(.*"
+    for n, says in cuts.items():
+        (tmp_path / "cut.gguf").write_bytes(data[:n])
+        with pytest.raises(ModelLoadError, match=one_line + says):
+            GGUFCheckpoint(tmp_path / "cut.gguf")
+    (tmp_path / "zip.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ModelLoadError, match=r"truncated or corrupt \(it starts with b'PK\\x03\\x04', not b'GGUF'\)"):
+        GGUFCheckpoint(tmp_path / "zip.gguf")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"too short for a GGUF header"):
+        GGUFCheckpoint(tmp_path / "empty.gguf")
 
 
 def test_a_big_endian_file_or_a_bad_alignment_is_refused(tmp_path: Path) -> None:
