@@ -1,5 +1,6 @@
 """A GGUF file (llama.cpp's format) as a checkpoint: its metadata as a Hugging Face config, its tensors under HF
-names, read memory-mapped with the `gguf` package.
+names, read memory-mapped by our own parser (`gguf_reader`: the `gguf` package's reader takes seconds on a large
+vocabulary) and dequantized, where needed, by the `gguf` package.
 
 - Architectures: `GGUF_ARCHS`. The config is built from `{arch}.*` metadata (llama.cpp's keys) and the tensor
   table (no `output.weight`: tied embeddings; `attn_q.bias`: attention biases; `rope_freqs`: llama3 RoPE).
@@ -16,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ import torch
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.formats import BLOCK, BlockWeight
 from tokenmill.weights.gguf_names import gguf_to_hf
+
+if TYPE_CHECKING:
+    from tokenmill.weights.gguf_reader import GGUFTensor
 
 # GGUF `general.architecture` -> the HF architecture whose model code runs it
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -45,12 +49,12 @@ class GGUFCheckpoint:
     """One GGUF file, opened (memory-mapped) and checked: architecture, tensor types, tensor sizes."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
+        from tokenmill.weights.gguf_reader import GGUFError, GGUFFile
 
         self.path = path
-        try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as e:  # the reader raises ValueError, struct.error, ... on a truncated or foreign file
+        try:  # the reader checks every offset, each tensor's bytes included, against the file's size
+            self.reader = GGUFFile(path)
+        except (GGUFError, OSError) as e:
             raise ModelLoadError(f"{path} is not a GGUF file, or is truncated or corrupt ({_first_line(e)})") from None
         self.arch = str(self._field("general.architecture", ""))
         if self.arch not in GGUF_ARCHS:
@@ -63,13 +67,15 @@ class GGUFCheckpoint:
             if kind not in supported:
                 raise ModelLoadError(f"{path}: tensor {t.name} is {kind}, a type tokenmill does not load; "
                                      f"supported: {', '.join(supported)}")  # fmt: skip
-            if np.asarray(t.data).nbytes != int(t.n_bytes):
-                raise ModelLoadError(f"{path} is truncated or corrupt: tensor {t.name} holds "
-                                     f"{np.asarray(t.data).nbytes} of its {int(t.n_bytes)} bytes")  # fmt: skip
 
     def _field(self, key: str, default: Any = None) -> Any:
+        from tokenmill.weights.gguf_reader import GGUFError
+
         f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        try:
+            return default if f is None else f.contents()
+        except GGUFError as e:  # a string array's item that is not UTF-8 (decoded only now)
+            raise ModelLoadError(f"{self.path} is corrupt ({_first_line(e)})") from None
 
     def _meta(self, key: str, default: Any = None) -> Any:
         """`{arch}.key`, required unless a default is given."""
@@ -187,7 +193,7 @@ class GGUFCheckpoint:
             print(f"tokenmill: {self.path.name}: {kinds} tensor(s) have no tokenmill kernel and were dequantized "
                   "(to the model dtype)", file=sys.stderr, flush=True)  # fmt: skip
 
-    def _value(self, t: Any, dequantized: dict[str, int]) -> torch.Tensor | BlockWeight:
+    def _value(self, t: GGUFTensor, dequantized: dict[str, int]) -> torch.Tensor | BlockWeight:
         kind, shape = t.tensor_type.name, [int(n) for n in reversed(t.shape)]  # torch order: [rows, cols]
         raw = _torch_bytes(t.data)
         if kind in DENSE:
@@ -197,7 +203,7 @@ class GGUFCheckpoint:
         import gguf
 
         dequantized[kind] = dequantized.get(kind, 0) + 1
-        return torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)).view(shape)
+        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).view(shape)
 
 
 def _torch_bytes(data: np.ndarray) -> torch.Tensor:
