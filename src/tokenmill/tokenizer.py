@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.progress import progress
 
 # How many earlier tokens to re-decode with each new one, so word boundaries and spaces come out right.
 _CONTEXT_TOKENS = 5
@@ -31,13 +32,15 @@ _BYTE_OF = _byte_alphabet()
 class Tokenizer:
     """The tokenizer of a checkpoint folder, or the one stored in a GGUF file's metadata."""
 
-    def __init__(self, source: Path | str) -> None:
+    def __init__(self, source: Path | str, model_type: str | None = None) -> None:
+        """`model_type`: a GGUF's (its config's `model_type`), which names the tokenizer class at once; without it
+        transformers reads the whole file's metadata again to learn it (seconds for a 150k vocabulary)."""
         from transformers import AutoTokenizer
 
         source = Path(source)
         try:
             if source.suffix.lower() == ".gguf":
-                self.hf = _gguf_tokenizer(source)
+                self.hf = _gguf_tokenizer(source, model_type)
             else:
                 self.hf = AutoTokenizer.from_pretrained(str(source))
         except Exception as e:
@@ -176,13 +179,16 @@ class IncrementalDetokenizer:
 _PROBE = "Hello, world! To be, or not to be: 12 ünïcödé 日本語 🙂\n\tdone."
 
 
-def _gguf_tokenizer(path: Path) -> Any:
+def _gguf_tokenizer(path: Path, model_type: str | None = None) -> Any:
     """transformers builds a fast tokenizer (with the chat template and BOS/EOS) from the GGUF's metadata. That
-    takes seconds for a 150k vocabulary, so the result is kept, keyed by the file's path, size and mtime, in
-    `$TOKENMILL_CACHE_DIR` (default ~/.cache/tokenmill)/gguf-tokenizers, once a reload of it is checked to
+    takes a second or two for a 150k vocabulary, so the result is kept, keyed by the file's path, size and mtime,
+    in `$TOKENMILL_CACHE_DIR` (default ~/.cache/tokenmill)/gguf-tokenizers, once a reload of it is checked to
     tokenize as the original (an architecture's tokenizer class can save what it cannot reload: Gemma's class
-    over a byte-level BPE)."""
+    over a byte-level BPE). With `model_type`, AutoTokenizer takes the class from it (`tokenizer_type`) instead of
+    building the model's config from the file first, which reads every metadata array with the gguf package's
+    reader (on a Qwen2 file, 11.0 s instead of ~2 s: docs/benchmarks.md)."""
     from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
@@ -190,7 +196,10 @@ def _gguf_tokenizer(path: Path) -> Any:
     cached = root / "gguf-tokenizers" / key
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    known = model_type is not None and TOKENIZER_MAPPING_NAMES.get(model_type) is not None
+    with progress(f"building the tokenizer of {path.name} (once; cached)"):
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                            **({"tokenizer_type": model_type} if known else {}))  # fmt: skip
     staging = cached.with_name(f"{key}.{os.getpid()}.tmp")
     try:  # written aside and renamed, so a concurrent reader never sees half a cache entry
         tok.save_pretrained(str(staging))

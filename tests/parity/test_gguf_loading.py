@@ -23,6 +23,7 @@ from tokenmill.attention import causal
 from tokenmill.bench.gguf_export import export_gguf
 from tokenmill.kernels import formats
 from tokenmill.models.linear import KernelLinear
+from tokenmill.tokenizer import Tokenizer
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=32)  # fmt: skip
@@ -157,6 +158,26 @@ def test_tokenizer_chat_template_and_special_tokens(exported: Callable[..., Any]
     messages = [{"role": "user", "content": "Hello"}]
     assert gg.loaded.tokenizer.apply_chat_template(messages) == hf.loaded.tokenizer.apply_chat_template(messages)
     assert gg.loaded.tokenizer.eos_token_id == hf.loaded.tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_tokenizer_class_named_by_the_model_type_tokenizes_as_transformers_own_choice(
+    exported: Callable[..., Any], case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader names the tokenizer class by the file's model type, so transformers need not read the file's
+    metadata a second time to learn it; built both ways (no cache), the two tokenize and template alike."""
+    from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint
+
+    path = exported(case)[1]
+    built = []
+    for i, model_type in enumerate((GGUFCheckpoint(path).hf_config()["model_type"], None)):
+        monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / str(i)))  # each built afresh
+        built.append(Tokenizer(path, model_type))
+    named, chosen = built
+    assert type(named.hf) is type(chosen.hf) and named.vocab_size == chosen.vocab_size
+    for text in [*PROMPTS, "Ünïcödé: café, 日本語 🙂", "  two spaces\n\tand a tab"]:
+        assert named.encode(text) == chosen.encode(text)
+    assert named.eos_token_id == chosen.eos_token_id and named.chat_template_text == chosen.chat_template_text
 
 
 def _write_gguf(path: Path, arch: str, tensor_type: str = "F32") -> Path:
