@@ -155,7 +155,9 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
     with torch.device("meta"):
         model = family.model_class(model_config)
     if gguf:
-        load_weights(model, gguf.iter_tensors(hf_config), str(path), dtype, device, False, "its GGUF metadata")
+        with progress(f"loading {path.name}", total=len(gguf.tensors)) as advance:
+            load_weights(model, _ticking(gguf.iter_tensors(hf_config), advance), str(path), dtype, device, False,
+                         "its GGUF metadata")  # fmt: skip
     else:
         tensors: Iterator[tuple[str, torch.Tensor, str]] = ((n, t, str(f)) for n, t, f in iter_tensors(path))
         if shard is not None:
