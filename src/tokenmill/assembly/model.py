@@ -204,7 +204,7 @@ def _gpu_kernels(cfg: EngineConfig, device: torch.device) -> CudaKernels | None:
     line says why and torch's ops run."""
     if device.type != "cuda" or not cfg.gpu_kernels or cfg.compile:
         return None
-    reason = gpu_kernels_unavailable()
+    reason = gpu_kernels_unavailable(device)
     if reason is not None:
         log.warning("the GPU kernels are off: %s", reason)
         return None

@@ -19,10 +19,12 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.cache
-def unavailable() -> str | None:
-    """Why the GPU kernels cannot run here, or None when they can."""
+def unavailable(device: torch.device | None = None) -> str | None:
+    """Why the GPU kernels cannot run here (on `device`, where given), or None when they can."""
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (`pip install triton`; CUDA builds of torch bring it)"
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (7, 0):
+        return f"{torch.cuda.get_device_name(device)} is older than Triton's oldest GPU (compute capability 7.0)"
     return None
 
 
