@@ -197,3 +197,22 @@ def test_a_step_failure_fails_its_request_and_the_engine_serves_on(engine: Async
     assert isinstance(failure, RequestFailedError) and "simulated kernel failure" in str(failure)
     assert good.finished and len(good.outputs[0].token_ids) == GREEDY.max_tokens
     assert engine.is_healthy and _pool_full(engine)
+
+
+def test_the_start_up_description_states_weights_kv_pool_and_resident_memory(llm: LLM, engine: AsyncEngine) -> None:
+    """`tokenmill serve` logs this line at start: where the memory went, in MiB."""
+    import re
+
+    from tokenmill.attention import PagedKVCache
+
+    found = re.search(
+        r"memory: weights (\d+) MiB, KV pool (\d+) MiB reserved, process RSS (\d+) MiB", engine.description
+    )
+    assert found is not None, engine.description
+    weights, pool, rss = (int(g) for g in found.groups())
+    model = llm.loaded.model
+    tensors = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *model.buffers()] if t.numel()}
+    assert weights == round(sum(tensors.values()) / 2**20)  # every weight the model holds, once
+    kv = llm.engine.runner.kv
+    assert isinstance(kv, PagedKVCache) and pool == round(kv.cache.nbytes / 2**20)
+    assert rss >= weights + 1

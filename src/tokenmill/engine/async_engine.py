@@ -101,6 +101,24 @@ class RequestStream:
                 self.engine.abort(self.request_id)
 
 
+def _memory(model: LoadedModel, core: EngineCore) -> str:
+    """Where the memory goes at start: the weights, the KV pool (reserved; a CPU pool's pages fill in as its blocks
+    are first used) and the process's resident set."""
+    import psutil
+
+    from tokenmill.attention import PagedKVCache
+    from tokenmill.models.linear import weight_bytes
+
+    mb = 2**20
+    embedding = model.model.embeddings().weight
+    tied = getattr(model.model.lm_head, "weight", None) is embedding  # then weight_bytes counted it as the head
+    weights = weight_bytes(model.model) + (0 if tied else embedding.nbytes)
+    pool = getattr(core.runner, "kv", None)
+    kv = pool.cache.nbytes if isinstance(pool, PagedKVCache) else 0
+    return (f"memory: weights {round(weights / mb)} MiB, KV pool {round(kv / mb)} MiB reserved, "
+            f"process RSS {round(psutil.Process().memory_info().rss / mb)} MiB")  # fmt: skip
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore, model: LoadedModel) -> None:
         self.core = core  # driven by the loop thread alone once started
@@ -111,7 +129,8 @@ class AsyncEngine:
         kv = core.kv
         capacity = f"{kv.num_blocks * kv.block_size} tokens ({kv.num_blocks} blocks)" if kv.num_blocks else "unpaged"
         self.description = (
-            f"{model.dtype} on {model.device}, KV capacity {capacity}, max_model_len {self.max_model_len}"
+            f"{model.dtype} on {model.device}, KV capacity {capacity}, max_model_len {self.max_model_len}; "
+            f"{_memory(model, core)}"
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
