@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-PANEL = 16
-BLOCK = 32
-FORMATS = {"bf16": 0, "q8_0": 1, "q4_0": 2, "f32": 3}
+from tokenmill.kernels import kformats
+from tokenmill.kernels.panels import BLOCK, FORMATS, PANEL
+
+__all__ = ["BLOCK", "FORMATS", "PANEL"]
+QUANTIZED = ("q8_0", "q4_0", *kformats.KSPECS)  # the formats whose kernels multiply quantized activation rows
 CHUNK_ROWS = 4096  # rows quantized at a time: bounds the float32 temporaries of a 150k-row LM head
 
 
@@ -134,6 +136,8 @@ def unpack_blocks(p: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 def unpack(p: PackedWeight) -> torch.Tensor:
     """The packed weight as float32 [N, K] (the reference for the kernels, and the dequantized weight)."""
     n_panels, kp = -(-p.out_features // PANEL), p.padded_in
+    if p.format in kformats.KSPECS:
+        return kformats.unpack_kpanels(p.data, p.format, p.out_features, kp)[:, : p.in_features]
     if p.format in ("bf16", "f32"):
         if p.format == "bf16":  # [np, K/2, 16, 2] -> [np, 16, K]
             pairs = p.data.view(torch.bfloat16).view(n_panels, kp // 2, PANEL, 2)
@@ -168,7 +172,7 @@ def reference_linear(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None
     """x [M, K] @ the packed weight^T (+ bias) in float32, as the kernels compute it: the quantized formats
     multiply by the activations quantized per row (up to float rounding, the kernels' exact integer sums)."""
     x = x.float()
-    if p.format in ("q8_0", "q4_0"):
+    if p.format in QUANTIZED:
         xp = torch.nn.functional.pad(x, (0, p.padded_in - p.in_features))
         q, d = quantize_activations(xp)
         x = (q.float().view(*d.shape, BLOCK) * d[..., None]).view(xp.shape)[:, : p.in_features]
@@ -202,17 +206,30 @@ class BlockWeight:
         return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), parts[0].format)
 
 
-def pack_block_weight(w: BlockWeight) -> PackedWeight:
+def pack_block_weight(w: BlockWeight | kformats.KBlockWeight) -> PackedWeight:
     """A weight in ggml's blocks -> its kernel format, the same numbers (only their order changes)."""
     n, k = w.shape
     n_padded = -(-n // PANEL) * PANEL
+    if isinstance(w, kformats.KBlockWeight):
+        chunks = [kformats.pack_kblocks(part, min(CHUNK_ROWS, n_padded - start))
+                  for start, part in _row_chunks(w, n)]  # fmt: skip
+        return PackedWeight(torch.cat(chunks), w.format, n, k, k)
     return PackedWeight(pack_blocks(w.q, w.d, w.format, n_padded), w.format, n, k, k)
+
+
+def _row_chunks(w: kformats.KBlockWeight, n: int) -> list[tuple[int, kformats.KBlockWeight]]:
+    """CHUNK_ROWS rows at a time (whole panels): bounds the packer's temporaries on a 150k-row LM head."""
+    return [(start, w.rows(torch.arange(start, min(n, start + CHUNK_ROWS)))) for start in range(0, n, CHUNK_ROWS)]
 
 
 def panel_bytes(format_id: int, k: int) -> int:
     """The bytes of one packed panel (PANEL output channels) of a format `format_id` weight k wide."""
     if format_id in (FORMATS["bf16"], FORMATS["f32"]):
         return k * PANEL * (2 if format_id == FORMATS["bf16"] else 4)
+    name = next(f for f, i in FORMATS.items() if i == format_id)
+    if name in kformats.KSPECS:
+        spec = kformats.KSPECS[name]
+        return k // spec.sb * spec.sb_bytes
     per_k = BLOCK if format_id == FORMATS["q8_0"] else BLOCK // 2
     return (k // BLOCK) * (2 * PANEL + per_k * PANEL)
 

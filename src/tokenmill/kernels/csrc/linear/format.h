@@ -6,6 +6,7 @@
 //   Q8_0:  K/32 blocks of { fp16 d[16]; int8  q[8][16][4] }  q[g][c][i] = w[c][4g + i];  w = d * q
 //   Q4_0:  K/32 blocks of { fp16 d[16]; uint8 q[8][8][4] }   q[g][c][i] = w[c][4g + i] | w[c + 8][4g + i] << 4
 //          (w in 0..15, the weight is d * (w - 8))
+//   K family (Q4_K, Q5_K, Q6_K and the legacy Q5_0, Q5_1, Q4_1): linear/kformat.h
 // The dense formats keep a panel's weights k-major (for each k, the P channels side by side), so one vector load
 // gives W channels at one k; the quantized ones group 4 k per channel for 8-bit integer dot products (linear/quant.h).
 // Which kernels multiply each format: linear/type_traits.h.
@@ -17,8 +18,39 @@
 
 namespace tmk {
 
-enum Format { BF16 = 0, Q8_0 = 1, Q4_0 = 2, F32 = 3 };
+enum Format { BF16 = 0, Q8_0 = 1, Q4_0 = 2, F32 = 3, Q4_K = 4, Q5_K = 5, Q6_K = 6, Q5_0 = 7, Q5_1 = 8, Q4_1 = 9 };
 constexpr int QK = 32;  // weights per quantization block
+
+// The K family: every weight an unsigned q of 4, 5 or 6 bits, in superblocks of `sb` k whose sub-blocks of `sub` k
+// each have a scale (and a min): w = d * sc * (q - zero) - dmin * mn (linear/kformat.h gives the layout)
+struct KSpec {
+  int sb;        // k per superblock: 256 (K-quants) or 32 (the legacy formats, one sub-block each)
+  int sub;       // k per sub-block: 32, or 16 (Q6_K)
+  int planes;    // bits above the low 4, one bit plane each: 0 (4-bit), 1 (5-bit), 2 (6-bit)
+  bool has_min;  // the superblock has dmin and its sub-blocks mn (Q4_K, Q5_K, Q4_1, Q5_1)
+  int zero;      // subtracted from q before the scale: 32 (Q6_K), 16 (Q5_0), else 0
+};
+// indexed by Format - Q4_K
+constexpr KSpec kSpecs[] = {
+    {256, 32, 0, true, 0},   // Q4_K
+    {256, 32, 1, true, 0},   // Q5_K
+    {256, 16, 2, false, 32}, // Q6_K
+    {32, 32, 1, false, 16},  // Q5_0
+    {32, 32, 1, true, 0},    // Q5_1
+    {32, 32, 0, true, 0},    // Q4_1
+};
+constexpr bool is_kfamily(Format f) { return f >= Q4_K; }
+constexpr KSpec kspec(Format f) { return kSpecs[f - Q4_K]; }
+constexpr int ksubs(KSpec s) { return s.sb / s.sub; }  // sub-blocks per superblock
+constexpr bool khas_sc(KSpec s) { return ksubs(s) > 1; }  // one sub-block: its scale is d, its min dmin
+// a superblock's header: fp16 d[P]; fp16 dmin[P] (has_min); int8 sc[subs][P] and uint8 mn[subs][P] (has_min), the
+// last two only with sub-blocks
+constexpr int64_t kheader_bytes(KSpec s) {
+  return 2 * P * (1 + s.has_min) + (khas_sc(s) ? ksubs(s) * P * (1 + s.has_min) : 0);
+}
+// one block of 32 k: the low nibbles as Q4_0's (256 bytes), then `planes` bit planes of uint64 bits[8] (64 bytes)
+constexpr int64_t kblock_bytes(KSpec s) { return QK / 2 * P + s.planes * 64; }
+constexpr int64_t ksb_bytes(KSpec s) { return kheader_bytes(s) + s.sb / QK * kblock_bytes(s); }
 
 struct FormatLayout {
   int64_t block_k;      // k per block of a panel (K is a whole number of them)
@@ -31,6 +63,8 @@ constexpr FormatLayout kLayouts[] = {
     {QK, 2 * P + QK * P},      // Q8_0: P fp16 scales, P x 32 int8
     {QK, 2 * P + QK / 2 * P},  // Q4_0: P fp16 scales, P x 32 4-bit (two a byte)
     {1, P * 4},                // F32: one k
+    {256, ksb_bytes(kSpecs[0])}, {256, ksb_bytes(kSpecs[1])}, {256, ksb_bytes(kSpecs[2])},  // K-quants: superblocks
+    {QK, ksb_bytes(kSpecs[3])},  {QK, ksb_bytes(kSpecs[4])},  {QK, ksb_bytes(kSpecs[5])},   // legacy: blocks
 };
 
 // bytes of one quantized block of a panel: P fp16 scales, then P x 32 values (int8, or two 4-bit per byte)

@@ -17,18 +17,20 @@ namespace tmk {
 
 // A quantized activation row, in place of K floats: float d[nb], int32 o[nb][2] = {-8 s, -128 s} where s is the
 // block's sum of q (Q4_0's offsets: its tiles start a block's integer sums there, o[b][1] for the high nibbles kept
-// in place, 16 times their weight), int8 q[K], and with VNNI, for Q8_0 weights, uint8 u[K] = q + 128 (the unsigned
-// side of vpdpbusd). qrow() is the one place that knows the layout.
+// in place, 16 times their weight), int32 s[nb][2] = the sums of q over each half block (k 0-15, 16-31: the K family's
+// sub-blocks, linear/kformat.h), int8 q[K], and with VNNI, for Q8_0 weights, uint8 u[K] = q + 128 (the unsigned
+// side of vpdpbusd). 5 nb + K / 2 floats in all. qrow() is the one place that knows the layout.
 struct QRow {
   const float* d;
   const int32_t* o;
+  const int32_t* s;
   const int8_t* q;
   const uint8_t* u;
 };
 
 inline QRow qrow(const float* row, int64_t nb) {
-  const int8_t* q = (const int8_t*)(row + 3 * nb);
-  return {row, (const int32_t*)(row + nb), q, (const uint8_t*)q + nb * QK};
+  const int8_t* q = (const int8_t*)(row + 5 * nb);
+  return {row, (const int32_t*)(row + nb), (const int32_t*)(row + 3 * nb), q, (const uint8_t*)q + nb * QK};
 }
 
 // x[0..K) float32 -> the QRow layout at `dst` (which has room for K floats): per block of 32, d = max|x| / 127 and
@@ -40,12 +42,16 @@ inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = 
   if (b1 < 0) b1 = nb;
   const QRow row = qrow(dst, nb);
   int32_t* o = (int32_t*)row.o;
+  int32_t* halves = (int32_t*)row.s;
   int8_t* q = (int8_t*)row.q;
   for (int64_t b = b0; b < b1; ++b) {
     float d;
     const int32_t sum = quantize_block(x + b * QK, q + b * QK, d);
     dst[b] = d;
     o[2 * b] = -8 * sum, o[2 * b + 1] = -128 * sum;
+    int32_t first = 0;
+    for (int k = 0; k < QK / 2; ++k) first += q[b * QK + k];
+    halves[2 * b] = first, halves[2 * b + 1] = sum - first;
   }
   if constexpr (TM_VNNI) {
     uint8_t* u = (uint8_t*)row.u;

@@ -15,6 +15,7 @@
 #include "linear/blocked.h"
 #include "linear/dense.h"
 #include "linear/format.h"
+#include "linear/kquant.h"
 #include "linear/quant.h"
 #include "linear/unpack.h"
 
@@ -60,6 +61,10 @@ void run_blocked(const LinearArgs& a, int64_t p0, int64_t p1) {
   linear_blocked<F>(a.x, a.M, a.ldx, a.w, a.N, a.K, a.bias, a.o32, a.o16, p0, p1);
 }
 template <Format F>
+void run_kquant(const LinearArgs& a, int64_t p0, int64_t p1) {
+  linear_kquant<F>(a.x, a.M, a.ldx, a.w, a.N, a.K, a.bias, a.o32, a.o16, p0, p1);
+}
+template <Format F>
 void run_quant(const LinearArgs& a, int64_t p0, int64_t p1) {
   linear_quant<F>(a.x, a.M, a.ldx, a.w, a.N, a.K, a.bias, a.o32, a.o16, p0, p1);
 }
@@ -81,10 +86,20 @@ static constexpr FormatKernels kFormatKernels[] = {
     {Q8_0, "q8_0", true, true, false, run_quant<Q8_0>, nullptr, run_amx_quant<Q8_0>, false, 5, unpack_panel<Q8_0>},
     {Q4_0, "q4_0", true, false, false, run_quant<Q4_0>, nullptr, run_amx_quant<Q4_0>, false, 9, unpack_panel<Q4_0>},
     {F32, "f32", false, false, false, run_dense_f32, run_blocked<F32>, nullptr, false, 0, unpack_panel<F32>},
+    // the K family (linear/kformat.h): integer tiles at every row count
+    {Q4_K, "q4_k", true, false, false, run_kquant<Q4_K>, nullptr, nullptr, false, 0, unpack_kpanel<Q4_K>},
+    {Q5_K, "q5_k", true, false, false, run_kquant<Q5_K>, nullptr, nullptr, false, 0, unpack_kpanel<Q5_K>},
+    {Q6_K, "q6_k", true, false, false, run_kquant<Q6_K>, nullptr, nullptr, false, 0, unpack_kpanel<Q6_K>},
+    {Q5_0, "q5_0", true, false, false, run_kquant<Q5_0>, nullptr, nullptr, false, 0, unpack_kpanel<Q5_0>},
+    {Q5_1, "q5_1", true, false, false, run_kquant<Q5_1>, nullptr, nullptr, false, 0, unpack_kpanel<Q5_1>},
+    {Q4_1, "q4_1", true, false, false, run_kquant<Q4_1>, nullptr, nullptr, false, 0, unpack_kpanel<Q4_1>},
 };
-static_assert(kFormatKernels[BF16].format == BF16 && kFormatKernels[Q8_0].format == Q8_0 &&
-                  kFormatKernels[Q4_0].format == Q4_0 && kFormatKernels[F32].format == F32,
-              "the table's rows in Format order");
+constexpr bool table_in_order() {
+  for (int f = 0; f < (int)(sizeof(kFormatKernels) / sizeof(kFormatKernels[0])); ++f)
+    if (kFormatKernels[f].format != f) return false;
+  return true;
+}
+static_assert(table_in_order(), "the table's rows in Format order");
 
 inline const FormatKernels& format_kernels(Format F) { return kFormatKernels[F]; }
 

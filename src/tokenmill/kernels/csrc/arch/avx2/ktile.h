@@ -1,0 +1,144 @@
+// The K family's register tiles on ymm registers (AVX2 with F16C: every x86 variant; with VNNI, vpdpbusd in place of
+// vpmaddubsw + vpmaddwd). A group's 32 nibble bytes give channels 0-7 (low nibbles) and 8-15 (high ones, shifted
+// down) as two registers of 8 channels x 4 k; each bit plane's 64-bit mask, spread to bytes, adds 16 << p where
+// its bit is set. q is unsigned (0..63) and the row's q signed, as vpmaddubsw and vpdpbusd take them.
+//
+// vpmaddubsw's 16-bit pair sums saturate above 32767: a pair is at most 2 * 127 * (2^(4 + planes) - 1), so the
+// 16-bit sums widen to 32 bits every 8 groups (4-bit), 4 (5-bit) or 2 (6-bit), before they could. The sums are
+// exact either way; the scaling is linear/kformat.h's. linear/kquant.h picks this file on x86.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "arch/avx2/qtile.h"
+#include "arch/isa.h"
+#include "linear/format.h"
+#include "linear/kformat.h"
+#include "linear/qrow.h"
+
+namespace tmk {
+
+// rows per tile: the accumulators, the integer sums (and without VNNI the 16-bit ones) of each row fit 16 registers
+constexpr int MT_K = TM_REGS32 ? 4 : (TM_VNNI ? 3 : 2);
+
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte j from bit j)
+inline __m256i spread_bits(uint32_t bits) {
+  const __m256i from = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), from), bit);
+  return _mm256_cmpeq_epi8(bytes, bit);
+}
+
+// group g of a block: w[0] channels 0-7, w[1] 8-15, as q bytes [c][4 k]
+template <Format F>
+inline void kgroup(const uint8_t* blk, int g, __m256i* w) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i bytes = _mm256_loadu_si256((const __m256i*)(blk + g * 32));
+  w[0] = _mm256_and_si256(bytes, low);
+  w[1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+  for (int p = 0; p < kspec(F).planes; ++p) {
+    uint64_t bits;
+    std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
+    const __m256i add = _mm256_set1_epi8((char)(16 << p));
+    w[0] = _mm256_or_si256(w[0], _mm256_and_si256(spread_bits((uint32_t)bits), add));
+    w[1] = _mm256_or_si256(w[1], _mm256_and_si256(spread_bits((uint32_t)(bits >> 32)), add));
+  }
+}
+
+// MT rows' exact sums of q * qx over sub-block s of block b (groups [s G, (s + 1) G)) -> isum[m][half]
+template <Format F, int MT>
+inline void ksub_sums(const uint8_t* blk, const QRow* x, int64_t b, int s, __m256i (*isum)[2]) {
+  constexpr KSpec S = kspec(F);
+  constexpr int G = S.sub / 4;  // groups per sub-block
+  for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+#if !TM_VNNI
+  constexpr int WIDEN = S.planes == 0 ? 8 : (S.planes == 1 ? 4 : 2);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p16[MT][2];
+  for (int m = 0; m < MT; ++m) p16[m][0] = p16[m][1] = _mm256_setzero_si256();
+#endif
+  for (int gg = 0; gg < G; ++gg) {
+    const int g = s * G + gg;
+    __m256i w[2];
+    kgroup<F>(blk, g, w);
+    for (int m = 0; m < MT; ++m) {
+      int32_t four;
+      std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
+      const __m256i xb = _mm256_set1_epi32(four);
+#if TM_VNNI
+      isum[m][0] = tm_dpbusd256(isum[m][0], w[0], xb);
+      isum[m][1] = tm_dpbusd256(isum[m][1], w[1], xb);
+#else
+      p16[m][0] = _mm256_add_epi16(p16[m][0], _mm256_maddubs_epi16(w[0], xb));
+      p16[m][1] = _mm256_add_epi16(p16[m][1], _mm256_maddubs_epi16(w[1], xb));
+#endif
+    }
+#if !TM_VNNI
+    if ((gg + 1) % WIDEN == 0 || gg == G - 1)
+      for (int m = 0; m < MT; ++m)
+        for (int hh = 0; hh < 2; ++hh) {
+          isum[m][hh] = _mm256_add_epi32(isum[m][hh], _mm256_madd_epi16(p16[m][hh], ones));
+          p16[m][hh] = _mm256_setzero_si256();
+        }
+#endif
+  }
+}
+
+// MT rows x the panel's 16 channels over superblocks [s0, s1): from zero at s0 = 0, else on from `sums`;
+// `prefetch`: ask for the weights ahead (kpanel's first tile)
+template <Format F, int MT>
+inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch) {
+  constexpr KSpec S = kspec(F);
+  constexpr int NS = QK / S.sub;
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m)
+    for (int hh = 0; hh < 2; ++hh) acc[m][hh] = s0 ? _mm256_loadu_ps(sums[m] + 8 * hh) : _mm256_setzero_ps();
+  for (int64_t sb = s0; sb < s1; ++sb) {
+    const KHeader<F> h{panel + sb * ksb_bytes(S)};
+    if (prefetch_quant_rows && prefetch)
+      for (int64_t off = 0; off < ksb_bytes(S); off += 64) prefetch_weights(h.at + off);
+    __m256 d[2], dmin[2];
+    for (int hh = 0; hh < 2; ++hh) {
+      d[hh] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h.d() + 8 * hh)));
+      dmin[hh] = S.has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h.dmin() + 8 * hh))) : d[hh];
+    }
+    for (int j = 0; j < S.sb / QK; ++j) {
+      const int64_t b = sb * (S.sb / QK) + j;
+      for (int s = 0; s < NS; ++s) {
+        __m256i isum[MT][2];
+        ksub_sums<F, MT>(h.block(j), x, b, s, isum);
+        __m256 scale[2], mins[2];
+        for (int hh = 0; hh < 2; ++hh) {
+          scale[hh] = d[hh], mins[hh] = dmin[hh];
+          if constexpr (khas_sc(S)) {
+            const __m128i sc = _mm_loadl_epi64((const __m128i*)(h.sc(j * NS + s) + 8 * hh));
+            scale[hh] = _mm256_mul_ps(d[hh], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+            if constexpr (S.has_min) {
+              const __m128i mn = _mm_loadl_epi64((const __m128i*)(h.mn(j * NS + s) + 8 * hh));
+              mins[hh] = _mm256_mul_ps(dmin[hh], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
+            }
+          }
+        }
+        for (int m = 0; m < MT; ++m) {
+          const int32_t sx = NS == 1 ? x[m].s[2 * b] + x[m].s[2 * b + 1] : x[m].s[2 * b + s];
+          const __m256 dx = _mm256_set1_ps(x[m].d[b]), fsx = _mm256_set1_ps((float)sx);
+          for (int hh = 0; hh < 2; ++hh) {
+            __m256i tot = isum[m][hh];
+            if constexpr (S.zero != 0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(S.zero * sx));
+            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(tot), scale[hh]);
+            if constexpr (S.has_min) t = _mm256_fnmadd_ps(mins[hh], fsx, t);
+            acc[m][hh] = _mm256_fmadd_ps(t, dx, acc[m][hh]);
+          }
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm256_storeu_ps(sums[m], acc[m][0]);
+    _mm256_storeu_ps(sums[m] + 8, acc[m][1]);
+  }
+}
+
+}  // namespace tmk

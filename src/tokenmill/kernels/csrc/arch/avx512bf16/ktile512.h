@@ -1,0 +1,85 @@
+// The K family's tiles with AVX-512 VNNI: one zmm register holds a group's 16 channels x 4 k (the nibble bytes'
+// low halves for channels 0-7, their high halves for 8-15), and each bit plane's 64-bit mask adds 16 << p to exactly
+// the bytes it covers (a masked byte add, AVX-512 BW). One vpdpbusd per row and group does 64 products.
+//
+// The integer sums and their scaling are arch/avx2/ktile.h's (linear/kformat.h), lane for lane. Tiles of up to 8
+// rows; 1-3 rows on a Zen 4 take the ymm tiles, as the Q8_0/Q4_0 tiles do (arch/avx512bf16/qtile512.h says why).
+// linear/kquant.h picks this file where the build has AVX-512 VNNI (the avx512bf16 variant).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "arch/isa.h"
+#include "core/cpu.h"
+#include "linear/format.h"
+#include "linear/kformat.h"
+#include "linear/qrow.h"
+
+#if !TM_Q512
+#error "arch/avx512bf16/ktile512.h needs 16 lanes with AVX-512 BW and VNNI (the avx512bf16 variant)"
+#endif
+
+namespace tmk {
+
+constexpr int MT_K512 = 8;  // rows per tile
+
+template <Format F, int MT>
+inline void ktile512(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch) {
+  constexpr KSpec S = kspec(F);
+  constexpr int NS = QK / S.sub, G = S.sub / 4;  // sub-blocks per block of 32; groups per sub-block
+  const __m256i low = _mm256_set1_epi8(15);
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = s0 ? _mm512_loadu_ps(sums[m]) : _mm512_setzero_ps();
+  for (int64_t sb = s0; sb < s1; ++sb) {
+    const KHeader<F> h{panel + sb * ksb_bytes(S)};
+    if (prefetch)
+      for (int64_t off = 0; off < ksb_bytes(S); off += 64) prefetch_weights(h.at + off);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h.d()));
+    const __m512 dmin = S.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h.dmin())) : d;
+    for (int j = 0; j < S.sb / QK; ++j) {
+      const int64_t b = sb * (S.sb / QK) + j;
+      const uint8_t* blk = h.block(j);
+      for (int s = 0; s < NS; ++s) {
+        __m512i isum[MT];
+        for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+        for (int gg = 0; gg < G; ++gg) {
+          const int g = s * G + gg;
+          const __m256i bytes = _mm256_loadu_si256((const __m256i*)(blk + g * 32));
+          __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
+                                         _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
+          for (int p = 0; p < S.planes; ++p) {
+            uint64_t bits;
+            std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
+            w = _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8((char)(16 << p)));
+          }
+          for (int m = 0; m < MT; ++m) {
+            int32_t four;
+            std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
+            isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(four));
+          }
+        }
+        __m512 scale = d, mins = dmin;
+        if constexpr (khas_sc(S)) {
+          scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                       _mm_loadu_si128((const __m128i*)h.sc(j * NS + s)))));
+          if constexpr (S.has_min)
+            mins = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                           _mm_loadu_si128((const __m128i*)h.mn(j * NS + s)))));
+        }
+        for (int m = 0; m < MT; ++m) {
+          const int32_t sx = NS == 1 ? x[m].s[2 * b] + x[m].s[2 * b + 1] : x[m].s[2 * b + s];
+          __m512i tot = isum[m];
+          if constexpr (S.zero != 0) tot = _mm512_sub_epi32(tot, _mm512_set1_epi32(S.zero * sx));
+          __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(tot), scale);
+          if constexpr (S.has_min) t = _mm512_fnmadd_ps(mins, _mm512_set1_ps((float)sx), t);
+          acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(x[m].d[b]), acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(sums[m], acc[m]);
+}
+
+}  // namespace tmk

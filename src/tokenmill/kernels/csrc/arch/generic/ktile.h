@@ -1,0 +1,49 @@
+// The K family's register tile in portable C++ (the scalar variant): the same exact integer sums as the x86 tiles,
+// in plain loops, and the same scaling (linear/kformat.h). linear/kquant.h picks this file.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "linear/format.h"
+#include "linear/kformat.h"
+#include "linear/qrow.h"
+
+namespace tmk {
+
+constexpr int MT_K = 3;  // rows per tile
+
+// MT rows x the panel's 16 channels over superblocks [s0, s1): sums from zero at s0 = 0, else on from `sums`
+template <Format F, int MT>
+inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool) {
+  constexpr KSpec S = kspec(F);
+  constexpr int NS = QK / S.sub;  // sub-blocks per block of 32
+  if (s0 == 0)
+    for (int m = 0; m < MT; ++m) std::fill(sums[m], sums[m] + P, 0.f);
+  for (int64_t sb = s0; sb < s1; ++sb) {
+    const KHeader<F> h{panel + sb * ksb_bytes(S)};
+    for (int j = 0; j < S.sb / QK; ++j) {
+      const int64_t b = sb * (S.sb / QK) + j;
+      const uint8_t* blk = h.block(j);
+      for (int s = 0; s < NS; ++s) {
+        float scale[P], mins[P];
+        for (int c = 0; c < P; ++c) scale[c] = h.scale(j * NS + s, c), mins[c] = h.min(j * NS + s, c);
+        for (int m = 0; m < MT; ++m) {
+          int32_t isum[P] = {};
+          for (int kk = s * S.sub; kk < (s + 1) * S.sub; ++kk) {
+            const int32_t xq = x[m].q[b * QK + kk];
+            for (int c = 0; c < P; ++c) isum[c] += kvalue<F>(blk, c, kk) * xq;
+          }
+          const int32_t sx = NS == 1 ? x[m].s[2 * b] + x[m].s[2 * b + 1] : x[m].s[2 * b + s];
+          for (int c = 0; c < P; ++c) {
+            float t = (float)(isum[c] - S.zero * sx) * scale[c];
+            if constexpr (S.has_min) t -= mins[c] * (float)sx;
+            sums[m][c] += t * x[m].d[b];
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace tmk

@@ -1,0 +1,88 @@
+// The K family of quantized formats: ggml's K-quants (Q4_K, Q5_K, Q6_K) and the legacy formats llama-quantize
+// falls back to (Q5_0, Q5_1, Q4_1), each multiplied where it lies by the integer tiles of linear/kquant.h.
+//
+// All of them are one shape (linear/format.h: KSpec): an unsigned q of 4, 5 or 6 bits per weight, and per
+// sub-block an affine map w = scale * (q - zero) - min, where
+//   Q4_K, Q5_K: superblocks of 256 = 8 sub-blocks of 32; scale = d * sc, min = dmin * mn (sc, mn 6-bit);
+//   Q6_K:       superblocks of 256 = 16 sub-blocks of 16; scale = d * sc (sc int8), zero = 32, no min;
+//   Q5_0:       blocks of 32; scale = d, zero = 16;   Q5_1, Q4_1: blocks of 32; scale = d, min = -m.
+// Every one of those numbers is ggml's own (d, dmin, m fp16; sc, mn small integers), so a GGUF's blocks repack
+// without loss: only their order changes (kernels/kformats.py), and a few bits of padding.
+//
+// A panel's superblock (P = 16 channels, sb k):
+//   header: fp16 d[P]; fp16 dmin[P] (has_min); int8 sc[subs][P]; uint8 mn[subs][P] (has_min)
+//           (sc and mn only with more than one sub-block: a legacy block's scale is d and its min dmin)
+//   then sb / 32 blocks of 32 k, each:
+//     uint8 nib[8][8][4]     Q4_0's layout: byte [g][c][i] holds channel c at k = 4g + i in its low nibble and
+//                            channel c + 8 in its high one: the low 4 bits of q
+//     uint64 bits[planes][8] bit 4 + p of q: bit (4c + i) of bits[p][g] for channel c at k = 4g + i
+// so one 32-byte load and a shift give a group's 16 channels x 4 k as bytes, and each plane one 64-bit mask over
+// the same bytes. Bytes per weight: Q4_K 4.625 bits (ggml's 4.5), Q5_K 5.625 (5.5), Q6_K 6.5625 (the same),
+// Q5_0 5.5 (the same), Q5_1 6 (the same), Q4_1 5 (the same).
+//
+// The product against a row quantized to Q8_0 blocks (linear/qrow.h): per sub-block the exact integer sum
+// isum = sum of q * qx, then out += dx * (scale * (isum - zero * sx) - min * sx), sx the row's sum of qx over the
+// sub-block (QRow::s). That is ggml's own arithmetic (it quantizes the rows to Q8_K: one scale per 256 instead).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "core/simd.h"
+#include "linear/format.h"
+
+namespace tmk {
+
+// where a superblock header's parts start
+template <Format F>
+struct KHeader {
+  static constexpr KSpec S = kspec(F);
+  const uint8_t* at;
+  const uint16_t* d() const { return (const uint16_t*)at; }
+  const uint16_t* dmin() const { return (const uint16_t*)at + P; }
+  const int8_t* sc(int s) const { return (const int8_t*)at + 2 * P * (1 + S.has_min) + s * P; }
+  const uint8_t* mn(int s) const { return (const uint8_t*)at + 2 * P * (1 + S.has_min) + (ksubs(S) + s) * P; }
+  // the blocks of 32 k that follow
+  const uint8_t* block(int64_t j) const { return at + kheader_bytes(S) + j * kblock_bytes(S); }
+  // channel c's scale and min in sub-block s, as floats (exact: an fp16 times a 6- or 8-bit integer)
+  float scale(int s, int c) const {
+    const float dc = half_to_float(d()[c]);
+    return khas_sc(S) ? dc * (float)sc(s)[c] : dc;
+  }
+  float min(int s, int c) const {
+    if constexpr (!S.has_min) return 0.f;
+    const float mc = half_to_float(dmin()[c]);
+    return khas_sc(S) ? mc * (float)mn(s)[c] : mc;
+  }
+};
+
+// channel c's q at k = kk of a block of 32 (0 .. 2^(4 + planes) - 1)
+template <Format F>
+inline int32_t kvalue(const uint8_t* blk, int c, int kk) {
+  const int g = kk / 4, i = kk % 4;
+  const uint8_t byte = blk[g * 32 + (c % 8) * 4 + i];
+  int32_t v = c < 8 ? byte & 15 : byte >> 4;
+  for (int p = 0; p < kspec(F).planes; ++p) {
+    uint64_t bits;
+    std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
+    v |= (int32_t)((bits >> (4 * c + i)) & 1) << (4 + p);
+  }
+  return v;
+}
+
+// The panel's n_valid channels as float32 -> out[i * K + k] (ggml's dequantization, for torch's prefill GEMM)
+template <Format F>
+void unpack_kpanel(const uint8_t* panel, int64_t K, int64_t n_valid, float* out) {
+  constexpr KSpec S = kspec(F);
+  for (int64_t s0 = 0; s0 < K; s0 += S.sb) {
+    const KHeader<F> h{panel + s0 / S.sb * ksb_bytes(S)};
+    for (int64_t kk = 0; kk < S.sb; ++kk) {
+      const int s = (int)kk / S.sub;
+      const uint8_t* blk = h.block(kk / QK);
+      for (int64_t c = 0; c < n_valid; ++c)
+        out[c * K + s0 + kk] = h.scale(s, (int)c) * (float)(kvalue<F>(blk, (int)c, kk % QK) - S.zero) - h.min(s, (int)c);
+    }
+  }
+}
+
+}  // namespace tmk

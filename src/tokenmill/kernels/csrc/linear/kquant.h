@@ -1,0 +1,77 @@
+// The K family (linear/kformat.h) times quantized activation rows, in integer arithmetic: the rows are quantized
+// once per call to Q8_0 blocks (linear/qrow.h), as for Q8_0 and Q4_0 weights (linear/quant.h), and each panel
+// passes over a block of them in this build's tiles:
+//   arch/avx512bf16/ktile512.h  zmm, AVX-512 VNNI (the avx512bf16 variant; 1-3 rows on a Zen 4 take the ymm ones)
+//   arch/avx2/ktile.h           ymm, every other x86 variant (vpdpbusd where the build has VNNI)
+//   arch/generic/ktile.h        portable loops (the scalar variant)
+// Tiles run span by span of K where a panel takes several of them, as qpanel does (linear/qpanel.h): the first
+// tile streams the span from memory, the others find it in L1.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "arch/isa.h"
+#include "linear/common.h"
+#include "linear/format.h"
+#include "linear/kformat.h"
+#include "linear/qrow.h"
+
+#if TM_INT8_YMM
+#include "arch/avx2/ktile.h"
+#else
+#include "arch/generic/ktile.h"
+#endif
+#if TM_Q512
+#include "arch/avx512bf16/ktile512.h"
+#endif
+
+namespace tmk {
+
+constexpr int64_t KMC = 64;  // rows per block: their quantized x stays in L2 across the panels
+
+// A panel times mc rows, in tiles of up to MT rows of `tile`, span by span of superblocks
+template <Format F, int MT, typename Tile>
+inline void kpanel_in(const uint8_t* panel, const QRow* x, int64_t nsb, float (*sums)[P], int64_t mc, Tile tile) {
+  const int64_t tiles = (mc + MT - 1) / MT, per = (mc + tiles - 1) / tiles;  // even tiles: 12 rows as 6 + 6
+  const int64_t span = kspans && tiles > 1 ? std::min(nsb, std::max<int64_t>(1, SPAN_BYTES / ksb_bytes(kspec(F)))) : nsb;
+  for (int64_t s0 = 0; s0 < nsb; s0 += span) {
+    const int64_t s1 = std::min(nsb, s0 + span);
+    for (int64_t m = 0; m < mc; m += per)
+      with_rows<MT>(std::min<int64_t>(per, mc - m), [&](auto r) {
+        tile(r, panel, x + m, s0, s1, sums + m, span == nsb || m == 0);
+      });
+  }
+}
+
+template <Format F>
+inline void kpanel(const uint8_t* panel, const QRow* x, int64_t nsb, float (*sums)[P], int64_t mc) {
+#if TM_Q512
+  if (!(mc < 4 && amd_avx512))
+    return kpanel_in<F, MT_K512>(panel, x, nsb, sums, mc, [](auto r, auto... a) {
+      ktile512<F, decltype(r)::value>(a...);
+    });
+#endif
+  kpanel_in<F, MT_K>(panel, x, nsb, sums, mc, [](auto r, auto... a) { ktile<F, decltype(r)::value>(a...); });
+}
+
+// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), x rows in the QRow layout `ldx` floats
+// apart. A row's superblocks are summed in the same order whatever M is, so its output does not depend on the batch.
+template <Format F>
+void linear_kquant(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
+                   const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end) {
+  const int64_t nb = K / QK, nsb = K / kspec(F).sb, stride = panel_bytes(F, K);
+  QRow rx[KMC];
+  float sums[KMC][P];
+  for (int64_t m0 = 0; m0 < M; m0 += KMC) {
+    const int64_t mc = std::min(KMC, M - m0);
+    for (int64_t r = 0; r < mc; ++r) rx[r] = qrow(x + (m0 + r) * ldx, nb);
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      kpanel<F>(packed + p * stride, rx, nsb, sums, mc);
+      const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
+      for (int64_t r = 0; r < mc; ++r) store_outputs(sums[r], m0 + r, n0, n_valid, N, bias, out32, out16);
+    }
+  }
+}
+
+}  // namespace tmk

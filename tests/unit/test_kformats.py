@@ -1,0 +1,118 @@
+"""The K family (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1) from a GGUF's bytes to the kernels' product, on every variant.
+
+A GGUF block is any bytes, so the blocks here are random bytes (with finite fp16 scales): their numbers must be the
+gguf package's dequantization exactly, they must repack into the kernels' panels without loss, and every kernel
+variant must multiply them as the reference does (the weights dequantized, the rows quantized to Q8_0 blocks).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tokenmill import kernels
+from tokenmill.kernels import kformats
+from tokenmill.kernels.formats import FORMATS, PackedWeight, pack_block_weight, reference_linear, unpack
+from tokenmill.kernels.kformats import KSPECS, decode_gguf_rows
+
+GGML_TYPE = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q5_0": "Q5_0", "q5_1": "Q5_1", "q4_1": "Q4_1"}
+# the fp16 fields of each block: (byte offset, scale); the other bytes stay random
+HALVES = {"q4_k": [(0, 0.02), (2, 0.01)], "q5_k": [(0, 0.02), (2, 0.01)], "q6_k": [(208, 0.004)],
+          "q5_0": [(0, 0.05)], "q5_1": [(0, 0.05), (2, 0.3)], "q4_1": [(0, 0.05), (2, 0.3)]}  # fmt: skip
+ROWS = [1, 2, 3, 4, 5, 8, 9, 13, 17, 70]  # every tile size, tiles split evenly, and a second block of 64 rows
+
+
+def random_rows(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """[n, k / sb * bytes] uint8: ggml blocks of random bytes whose fp16 fields are finite, of either sign."""
+    spec = KSPECS[fmt]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // spec.sb, spec.gguf_bytes), dtype=np.uint8)
+    for at, scale in HALVES[fmt]:
+        halves = (rng.standard_normal(len(blocks)) * scale).astype(np.float16)
+        blocks[:, at : at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def gguf_reference(fmt: str, raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[GGML_TYPE[fmt]]).astype(np.float32))
+
+
+def shapes(fmt: str) -> list[tuple[int, int]]:  # (N, K): partial panels; one or several superblocks
+    sb = KSPECS[fmt].sb
+    return [(16, sb), (37, 2 * sb), (130, 3 * sb)] + ([(45, 224)] if sb == 32 else [])
+
+
+@pytest.mark.parametrize("fmt", list(KSPECS))
+def test_numbers_are_the_gguf_dequantization_and_repack_without_loss(fmt: str) -> None:
+    for n, k in shapes(fmt):
+        raw = random_rows(fmt, n, k)
+        w = decode_gguf_rows(fmt, torch.from_numpy(raw), k)
+        expected = gguf_reference(fmt, raw)
+        torch.testing.assert_close(w.dequantize(), expected, rtol=0, atol=0)
+        packed = pack_block_weight(w)
+        assert packed.data.numel() == -(-n // 16) * k // KSPECS[fmt].sb * KSPECS[fmt].sb_bytes
+        torch.testing.assert_close(unpack(packed), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", list(KSPECS))
+def test_the_kernels_unpack_to_the_gguf_dequantization(ops: kernels.Kernels, fmt: str) -> None:
+    n, k = shapes(fmt)[1]
+    raw = random_rows(fmt, n, k, seed=1)
+    packed = pack_block_weight(decode_gguf_rows(fmt, torch.from_numpy(raw), k))
+    got = ops.unpack(packed.data, FORMATS[fmt], n, k)
+    torch.testing.assert_close(got, gguf_reference(fmt, raw), rtol=0, atol=0)
+
+
+def _linear(ops: kernels.Kernels, p: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return ops.linear(x, p.data, p.format_id, p.out_features, p.padded_in, bias)
+
+
+@pytest.mark.parametrize("fmt", list(KSPECS))
+def test_every_row_count_equals_the_reference(ops: kernels.Kernels, fmt: str) -> None:
+    torch.manual_seed(0)
+    for n, k in shapes(fmt):
+        packed = pack_block_weight(decode_gguf_rows(fmt, torch.from_numpy(random_rows(fmt, n, k)), k))
+        bias = torch.randn(n)
+        for rows in ROWS:
+            x = torch.randn(rows, k)
+            expected = reference_linear(x, packed, bias)
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(_linear(ops, packed, x, bias), expected, rtol=0, atol=2e-5 * scale)
+            xb = x.bfloat16()
+            expected = reference_linear(xb, packed, None)
+            got = _linear(ops, packed, xb, None)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", list(KSPECS))
+def test_a_row_gives_the_same_bits_alone_in_a_batch_and_in_spans(ops: kernels.Kernels, fmt: str) -> None:
+    n, k = 48, 8 * KSPECS[fmt].sb  # enough superblocks for several spans
+    packed = pack_block_weight(decode_gguf_rows(fmt, torch.from_numpy(random_rows(fmt, n, k, seed=2)), k))
+    x = torch.randn(19, k)
+    batch = _linear(ops, packed, x, None)
+    for r in (0, 7, 18):
+        assert torch.equal(_linear(ops, packed, x[r : r + 1], None)[0], batch[r])
+    spans = ops.module.set_kspans(False)
+    try:
+        assert torch.equal(_linear(ops, packed, x, None), batch)
+    finally:
+        ops.module.set_kspans(spans)
+
+
+@pytest.mark.parametrize("fmt", list(KSPECS))
+def test_integer_sums_do_not_saturate(ops: kernels.Kernels, fmt: str) -> None:
+    """Every q at its largest against rows quantized to +127 and -127: the 16-bit sums of the AVX2 tiles are at
+    their bound, and widen before they overflow."""
+    spec = KSPECS[fmt]
+    n, k = 16, spec.sb * 2
+    w = decode_gguf_rows(fmt, torch.from_numpy(random_rows(fmt, n, k, seed=3)), k)
+    top = (1 << (4 + spec.planes)) - 1
+    packed = pack_block_weight(kformats.KBlockWeight(fmt, torch.full_like(w.q, top), w.d, w.dmin, w.sc, w.mn))
+    x = torch.ones(2, k)
+    x[1] = -1
+    expected = reference_linear(x, packed)
+    atol = 1e-5 * expected.abs().max().item()
+    torch.testing.assert_close(_linear(ops, packed, x, None), expected, rtol=1e-5, atol=atol)
