@@ -53,7 +53,9 @@ _HELP = {
     "num_kv_blocks": "KV blocks in the pool (default: from --kv-cache-memory-gb or the free memory)",
     "kv_cache_memory_gb": "memory for the KV pool in GB (default: a share of the free memory)",
     "touch_kv_cache": "write the whole KV pool at start, so its memory is resident and known up front",
-    "quantization": "weight-only: none, int8 (Q8_0 blocks) or int4 (Q4_0 blocks)",
+    "quantization": "weight-only, in ggml's block types, quantized as llama-quantize does: none, int8 (Q8_0), int4 "
+    "(Q4_0), q4_k, q5_k, q6_k (rows not a multiple of 256 take Q5_0, Q5_1, Q8_0, as llama-quantize's), q5_0, q5_1, "
+    "q4_1",
     "cpu_kernels": "tokenmill's own CPU kernels (compiled for this CPU on first use); off: pure torch",
     "gpu_kernels": "on a GPU, tokenmill's Triton kernels (paged attention, fused norms, int8); off: torch's ops",
     "batch_invariant": "every request's logits bit for bit the same alone or in any batch (CPU kernels; slower)",
@@ -67,7 +69,7 @@ _HELP = {
     "ngram_prompt_lookup_min": "shortest suffix prompt lookup matches",
     "ngram_prompt_lookup_max": "longest suffix prompt lookup matches",
     "speculative_disable_by_batch_size": "no drafts while more sequences than this run or wait",
-    "speculative_model_quantization": "the draft model's weight-only quantization: none, int8 or int4",
+    "speculative_model_quantization": "the draft model's weight-only quantization (as --quantization)",
 }
 _NOT_FLAGS = ("model", "seed")  # MODEL is positional; `generate --seed` is the request's seed
 

@@ -178,8 +178,9 @@ Batching = Literal["continuous", "static"]
 BATCHING_MODES: tuple[str, ...] = ("continuous", "static")
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
-Quantization = Literal["none", "int8", "int4"]
-QUANTIZATION_MODES: tuple[str, ...] = ("none", "int8", "int4")
+Quantization = Literal["none", "int8", "int4", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1"]
+# int8 / int4: ggml's Q8_0 / Q4_0 blocks; the rest: ggml's types of those names (kernels/kformats.py)
+QUANTIZATION_MODES: tuple[str, ...] = ("none", "int8", "int4", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1")
 
 
 @dataclass(frozen=True)

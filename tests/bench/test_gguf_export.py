@@ -160,8 +160,8 @@ def test_unsupported_architecture_and_dtype(exported: Callable[..., Any], tmp_pa
     with pytest.raises(ValueError, match="Phi3ForCausalLM"):
         export_gguf(bad, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
-    with pytest.raises(ValueError, match="q4_k"):
-        export_gguf(ckpt, tmp_path / "y.gguf", "q4_k")
+    with pytest.raises(ValueError, match="q3_k"):
+        export_gguf(ckpt, tmp_path / "y.gguf", "q3_k")
 
 
 def test_unsupported_tokenizer(exported: Callable[..., Any], tmp_path: Path) -> None:

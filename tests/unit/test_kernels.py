@@ -240,7 +240,8 @@ def test_unpack_equals_the_reference(ops: kernels.Kernels, fmt: str) -> None:
     packed = pack(torch.randn(37, 70), fmt)
     dense = ops.unpack(packed.data, packed.format_id, 37, packed.padded_in)
     assert torch.equal(dense[:, :70], unpack(packed))
-    assert not dense[:, 70:].any()  # the padded columns are zero
+    if packed.format not in ("q5_1", "q4_1"):  # (an affine block's min lands on its padding: the rows' is zero)
+        assert not dense[:, 70:].any()  # the padded columns are zero
 
 
 def test_dense_formats_pack_exactly() -> None:

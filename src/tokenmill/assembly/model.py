@@ -218,13 +218,14 @@ def _ticking(tensors: Iterator[Any], advance: Any) -> Iterator[Any]:
 
 
 def _check_gguf_quantization(gguf: GGUFCheckpoint, quantization: str) -> None:
-    """A GGUF's Q8_0/Q4_0 weights run in their own format; --quantization may only ask for that same one."""
+    """A GGUF's block weights run in their own formats; --quantization may only ask for that same one."""
     held = gguf.block_formats()
     wanted = FORMAT_OF_QUANTIZATION[quantization]
     if held and held != {wanted}:
         names = {"q8_0": "Q8_0 (int8)", "q4_0": "Q4_0 (int4)"}
         raise ConfigError(
-            f"{gguf.path.name} already holds {' and '.join(names[f] for f in sorted(held))} weights, which run as "
+            f"{gguf.path.name} already holds {' and '.join(names.get(f, f.upper()) for f in sorted(held))} weights, "
+            "which run as "
             f"they are; --quantization {quantization} would re-quantize them: drop --quantization, or load a "
             "float (F32/F16/BF16) GGUF or the HF folder"
         )

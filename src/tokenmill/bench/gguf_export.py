@@ -28,11 +28,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from tokenmill.kernels.formats import format_for
+from tokenmill.kernels.kformats import KSPECS, encode_gguf_rows
+from tokenmill.kernels.kquantize import quantize_k
 from tokenmill.models import FAMILIES
 from tokenmill.weights.gguf_names import hf_to_gguf
 
-GGUF_DTYPES = ("bf16", "f16", "f32", "q8_0", "q4_0")
-_OVERRIDE_ONLY = ("q4_1", "q5_0")  # types tokenmill loads by dequantizing: for single tensors (tests, experiments)
+# the K family quantized by our own ggml-exact quantizers (kernels/kquantize.py); a K-quant's rows that are not
+# whole superblocks take llama-quantize's fallback type (formats.format_for)
+GGUF_DTYPES = ("bf16", "f16", "f32", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1")
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+               "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_S", "q5_k": "MOSTLY_Q5_K_S", "q6_k": "MOSTLY_Q6_K",
+               "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1", "q4_1": "MOSTLY_Q4_1"}  # fmt: skip
 # GPT-2's own split (also what `ByteLevel(use_regex=True)` applies), and Llama 3's and Qwen2's (from tokenizer.json)
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_REGEX = (
@@ -45,16 +52,15 @@ _SPLIT_REGEX_TO_PRE = {_GPT2_REGEX: "gpt-2", _LLAMA3_REGEX: "llama-bpe", _QWEN2_
 
 def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16", overrides: dict[str, str] | None = None) -> Path:
     """Convert the HF checkpoint folder `hf_dir` to the GGUF file `out_path` with weights in `dtype`; `overrides`
-    gives single tensors (by GGUF name) another type, as llama-quantize's `--tensor-type` (also q4_1, q5_0)."""
+    gives single tensors (by GGUF name) another type, as llama-quantize's `--tensor-type`."""
     import gguf
 
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"GGUF dtype {dtype!r} is not supported; allowed: {', '.join(GGUF_DTYPES)}")
     for name, kind in (overrides or {}).items():
-        if kind not in (*GGUF_DTYPES, *_OVERRIDE_ONLY):
-            raise ValueError(f"GGUF type {kind!r} for {name} is not supported; allowed: "
-                             f"{', '.join((*GGUF_DTYPES, *_OVERRIDE_ONLY))}")  # fmt: skip
+        if kind not in GGUF_DTYPES:
+            raise ValueError(f"GGUF type {kind!r} for {name} is not supported; allowed: {', '.join(GGUF_DTYPES)}")
     if not (hf_dir / "config.json").is_file():
         raise ValueError(f"{hf_dir} is not a Hugging Face checkpoint folder (no config.json)")
     config: dict[str, Any] = json.loads((hf_dir / "config.json").read_text())
@@ -68,9 +74,7 @@ def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16", overrides: di
     writer = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
     try:
         writer.add_name(hf_dir.name)
-        file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
-                     "q4_0": "MOSTLY_Q4_0"}[dtype]  # fmt: skip
-        writer.add_file_type(gguf.LlamaFileType[file_type])
+        writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[dtype]])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         arch_name = gguf.MODEL_ARCH_NAMES[arch]
         rope_factors = None
@@ -244,7 +248,14 @@ def _add_tensor(writer: Any, name: str, data: Any, dtype: str) -> None:
     elif dtype == "bf16":
         bits = data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         writer.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
-    elif dtype in ("q8_0", "q4_0", *_OVERRIDE_ONLY) and data.shape[-1] % 32 == 0:
+    elif dtype in KSPECS and data.shape[-1] % 32 == 0:
+        fmt = format_for(dtype, data.shape[-1])
+        qtype = gguf.GGMLQuantizationType[fmt.upper()]
+        raw = gguf.quants.quantize(data.float().numpy(), qtype) if fmt == "q8_0" else None
+        if raw is None:
+            raw = encode_gguf_rows(quantize_k(data.float().reshape(-1, data.shape[-1]), fmt)).numpy()
+        writer.add_tensor(name, raw.reshape(*data.shape[:-1], -1), raw_dtype=qtype)
+    elif dtype in ("q8_0", "q4_0") and data.shape[-1] % 32 == 0:
         qtype = gguf.GGMLQuantizationType[dtype.upper()]
         writer.add_tensor(name, gguf.quants.quantize(data.to(torch.float32).numpy(), qtype), raw_dtype=qtype)
     else:  # f16, and the fallback for rows that are not whole blocks (as convert_hf_to_gguf.py does)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.kernels import kformats
+from tokenmill.kernels.kquantize import quantize_k
 from tokenmill.kernels.panels import BLOCK, FORMATS, PANEL
 
 __all__ = ["BLOCK", "FORMATS", "PANEL"]
@@ -76,11 +77,23 @@ def _panels(t: torch.Tensor, n_padded: int) -> torch.Tensor:
     return t.view(n_padded // PANEL, PANEL, *t.shape[1:])
 
 
+# llama-quantize's stand-ins for a K-quant whose rows are not whole superblocks of 256 (llama.cpp's
+# tensor-type fallback): so does `pack`
+K_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+
+
+def format_for(fmt: str, k: int) -> str:
+    """The format a [*, k] weight asked to be `fmt` is packed in: a K-quant's fallback where k is not a multiple
+    of 256, as llama-quantize gives such tensors."""
+    return K_FALLBACK[fmt] if fmt in K_FALLBACK and k % 256 else fmt
+
+
 def pack(w: torch.Tensor, fmt: str) -> PackedWeight:
-    """Pack a [N, K] weight (any float dtype) into `fmt`."""
+    """Pack a [N, K] weight (any float dtype) into `fmt` (`format_for`'s: a K-quant may fall back)."""
     if fmt not in FORMATS:
         raise ValueError(f"weight format {fmt!r} is not supported; allowed: {', '.join(FORMATS)}")
     n, k = w.shape
+    fmt = format_for(fmt, k)
     kp = {"f32": k, "bf16": k + k % 2}.get(fmt, -(-k // BLOCK) * BLOCK)
     n_padded = -(-n // PANEL) * PANEL
     chunks = []
@@ -98,6 +111,8 @@ def _pack_rows(rows: torch.Tensor, fmt: str, n_padded: int) -> torch.Tensor:
         if fmt == "bf16":  # [np, 16, K/2, 2] -> [np, K/2, 16, 2]
             return panels.unflatten(2, (-1, 2)).transpose(1, 2).contiguous().view(torch.uint8).reshape(-1)
         return panels.transpose(1, 2).contiguous().view(torch.uint8).reshape(-1)
+    if fmt in kformats.KSPECS:
+        return kformats.pack_kblocks(quantize_k(rows, fmt), n_padded)
     q, d = quantize_q8_0(rows) if fmt == "q8_0" else quantize_q4_0(rows)
     return pack_blocks(q, d, fmt, n_padded)
 
@@ -206,7 +221,17 @@ class BlockWeight:
         return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), parts[0].format)
 
 
-def pack_block_weight(w: BlockWeight | kformats.KBlockWeight) -> PackedWeight:
+Blocks = BlockWeight | kformats.KBlockWeight  # a weight still in a GGUF's blocks, of any format the kernels take
+
+
+def cat_blocks(parts: list[Blocks]) -> Blocks:
+    """Stack the rows of weights of one format (the shards of a fused projection)."""
+    if isinstance(parts[0], kformats.KBlockWeight):
+        return kformats.KBlockWeight.cat(parts)  # type: ignore[arg-type]
+    return BlockWeight.cat(parts)  # type: ignore[arg-type]
+
+
+def pack_block_weight(w: Blocks) -> PackedWeight:
     """A weight in ggml's blocks -> its kernel format, the same numbers (only their order changes)."""
     n, k = w.shape
     n_padded = -(-n // PANEL) * PANEL

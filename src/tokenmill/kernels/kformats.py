@@ -156,6 +156,43 @@ def decode_gguf_rows(fmt: str, raw: torch.Tensor, k: int) -> KBlockWeight:
     return KBlockWeight(fmt, q.reshape(n, k).contiguous(), d.reshape(n, -1), _rows(dmin, n), _rows(sc, n), _rows(mn, n))
 
 
+def encode_gguf_rows(w: KBlockWeight) -> torch.Tensor:
+    """`decode_gguf_rows` in reverse: the numbers -> ggml's block bytes, uint8 [N, K / sb * block bytes]."""
+    spec = KSPECS[w.format]
+    n = w.shape[0]
+    q = w.q.reshape(-1, spec.sb)  # [R, sb]
+    halves = [w.d.reshape(-1, 1).contiguous().view(torch.uint8)]
+    if w.format in ("q4_k", "q5_k"):
+        sc, mn = w.sc.reshape(-1, 8).to(torch.uint8), w.mn.reshape(-1, 8)  # type: ignore[union-attr]
+        scales = torch.cat([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                            (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], dim=1)  # fmt: skip
+        subs = q.view(-1, 4, 2, 32)  # [R, pair, low/high, 32]
+        qs = ((subs[:, :, 0] & 15) | ((subs[:, :, 1] & 15) << 4)).reshape(-1, 128)
+        parts = [*halves, w.dmin.reshape(-1, 1).contiguous().view(torch.uint8), scales]  # type: ignore[union-attr]
+        if w.format == "q5_k":
+            bits = ((q.view(-1, 8, 32) >> 4) & 1).to(torch.int32) << torch.arange(8, dtype=torch.int32)[None, :, None]
+            parts.append(bits.sum(1).to(torch.uint8))  # qh[l]: bit j from sub-block j
+        parts.append(qs)
+    elif w.format == "q6_k":
+        quarters = q.view(-1, 2, 4, 32)  # [R, half, t, l]: k = 128 half + 32 t + l
+        low = quarters & 15
+        ql = torch.cat([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], dim=2)  # [R, 2, 64]
+        shifts = (2 * torch.arange(4, dtype=torch.int32)).view(1, 1, 4, 1)
+        qh = ((quarters >> 4).to(torch.int32) << shifts).sum(2).to(torch.uint8)  # [R, 2, 32]
+        sc = w.sc.reshape(-1, 16).contiguous().view(torch.uint8)  # type: ignore[union-attr]
+        parts = [ql.reshape(-1, 128), qh.reshape(-1, 64), sc, *halves]
+    else:
+        parts = list(halves)
+        if spec.has_min:
+            parts.append((-w.dmin).reshape(-1, 1).contiguous().view(torch.uint8))  # type: ignore[operator]
+        if spec.planes:
+            bits = ((q >> 4) & 1).to(torch.int64) << torch.arange(32)
+            word = bits.sum(1)
+            parts.append(torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=1).to(torch.uint8))
+        parts.append((q[:, :16] & 15) | ((q[:, 16:] & 15) << 4))
+    return torch.cat([p.to(torch.uint8) for p in parts], dim=1).reshape(n, -1)
+
+
 def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return None if t is None else t.reshape(n, -1).contiguous()
 

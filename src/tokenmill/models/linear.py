@@ -38,7 +38,7 @@ from tokenmill.kernels.placement import ALIGN, place_buffers
 # Rows above which a bf16 product goes to oneDNN where it has a native bf16 GEMM. Elsewhere the kernel's blocked
 # GEMM beats unpacking to float32 for torch's sgemm at every size (Zen 3 AVX2: 1.1-1.6x, docs/archive/).
 KERNEL_MAX_ROWS = 64
-FORMAT_OF_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0"}
+FORMAT_OF_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0", **{f: f for f in formats.kformats.KSPECS}}
 
 
 class Linear(nn.Linear):
@@ -82,7 +82,8 @@ class KernelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str, ops: Kernels | None) -> KernelLinear:
-        """`linear`'s weight packed (converted or quantized) into `fmt`."""
+        """`linear`'s weight packed (converted or quantized) into `fmt` (a K-quant may fall back:
+        formats.format_for)."""
         return cls(formats.pack(linear.weight.detach(), fmt), linear.bias, ops)
 
     def extra_repr(self) -> str:
@@ -119,7 +120,7 @@ class KernelLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N], the weight unpacked for this call
-        if self.format in ("q8_0", "q4_0"):
+        if self.format in formats.QUANTIZED:
             if x.device.type != "cpu":  # a GPU's weight-only product: the weight dequantized, x as it is (W8A16)
                 bias = None if self.bias is None else self.bias.to(x.dtype)
                 return F.linear(x, formats.unpack(self.packed()).to(x.dtype), bias)
@@ -131,6 +132,23 @@ class KernelLinear(nn.Module):
         if x.dtype == torch.bfloat16 and _native_bf16_gemm():
             return F.linear(x, w.to(torch.bfloat16), None if self.bias is None else self.bias.to(torch.bfloat16))
         return F.linear(x.float(), w, self.bias).to(x.dtype)
+
+
+class SegmentedLinear(nn.Module):
+    """A fused projection whose shards arrived in different block formats (a Q4_K_M GGUF's attn_q and attn_k in
+    Q4_K beside an attn_v in Q6_K): each shard keeps its own format as a `KernelLinear`, and their outputs are
+    concatenated. No shard is converted, so nothing is lost and none takes more memory than its file."""
+
+    def __init__(self, parts: list[KernelLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, " + " + ".join(p.format for p in self.parts)  # type: ignore[misc]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 class CudaBlockLinear(nn.Module):
@@ -214,6 +232,8 @@ def packing_unsupported(dtype: torch.dtype) -> str | None:
 def _kind(quantization: str, device: torch.device, dtype: torch.dtype, pack: bool, cpu_kernels: bool) -> str:
     """What every linear of this model becomes: a kernel format, 'packed' (oneDNN) or 'plain'."""
     if quantization in FORMAT_OF_QUANTIZATION:
+        if device.type != "cpu" and quantization in formats.kformats.KSPECS:
+            raise ValueError(f"--quantization {quantization} runs on the CPU kernels only; on a GPU use int8 or int4")
         return FORMAT_OF_QUANTIZATION[quantization]
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return "plain"
@@ -264,6 +284,7 @@ def prepare_linears(
                     new = CudaBlockLinear.from_linear(child, kind, gpu_ops)
                 else:
                     new = KernelLinear.from_linear(child, kind, kernels.active() if use_kernels else None)
+                    kind = new.format  # a K-quant's fallback where the rows are not whole superblocks
                 setattr(parent, name, new)
             counts[kind] = counts.get(kind, 0) + 1
     return counts

@@ -4,9 +4,10 @@ vocabulary) and dequantized, where needed, by the `gguf` package.
 
 - Architectures: `GGUF_ARCHS`. The config is built from `{arch}.*` metadata (llama.cpp's keys) and the tensor
   table (no `output.weight`: tied embeddings; `attn_q.bias`: attention biases; `rope_freqs`: llama3 RoPE).
-- Tensors: F32, F16 and BF16 load as they are. Q8_0 and Q4_0 arrive as `BlockWeight`s, ggml's own blocks, which
-  the loader packs into the int8/int4 kernel formats unchanged. The other ggml types in `DEQUANTIZED` (K-quants,
-  Q4_1/Q5_x: the usual Q4_K_M mix has Q6_K and Q4_K tensors) are dequantized with a one-line notice.
+- Tensors: F32, F16 and BF16 load as they are. Q8_0 and Q4_0 arrive as `BlockWeight`s, ggml's own blocks, and
+  Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and Q4_1 (the Q4_K_M, Q5_K_M and Q6_K mixes) as `KBlockWeight`s, their numbers
+  (kernels/kformats.py): the loader repacks both into kernel formats without re-quantizing, read straight from the
+  map. The other ggml types in `DEQUANTIZED` (Q2_K, Q3_K) are dequantized with a one-line notice.
 - llama.cpp's `llama` arch rotates interleaved pairs where HF rotates halves, and its converter permutes the Q/K
   rows for that; they are permuted back here. The `qwen2`/`qwen3` archs rotate halves, as HF does.
 """
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.kernels.formats import BLOCK, BlockWeight
+from tokenmill.kernels.formats import BLOCK, Blocks, BlockWeight
+from tokenmill.kernels.kformats import GGUF_KTYPES, decode_gguf_rows
 from tokenmill.weights.gguf_names import gguf_to_hf
 
 if TYPE_CHECKING:
@@ -37,7 +39,7 @@ GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3":
 GEMMA3_LOCAL_ROPE_BASE, GEMMA3_PATTERN = 10000.0, 6
 DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 BLOCKS = {"Q8_0": "q8_0", "Q4_0": "q4_0"}  # ggml type -> our kernel format, block for block
-DEQUANTIZED = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DEQUANTIZED = ("Q2_K", "Q3_K")
 _IGNORED = ("rope_freqs.weight",)  # read into the config, not a model weight
 
 
@@ -61,7 +63,7 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"GGUF architecture {self.arch!r} in {path} is not supported; supported: "
                                  f"{', '.join(GGUF_ARCHS)}")  # fmt: skip
         self.tensors = {t.name: t for t in self.reader.tensors}
-        supported = (*DENSE, *BLOCKS, *DEQUANTIZED)
+        supported = (*DENSE, *BLOCKS, *GGUF_KTYPES, *DEQUANTIZED)
         for t in self.reader.tensors:
             kind = t.tensor_type.name
             if kind not in supported:
@@ -95,7 +97,9 @@ class GGUFCheckpoint:
         return "float32" if kinds <= {"F32"} else "bfloat16"
 
     def block_formats(self) -> set[str]:
-        return {BLOCKS[t.tensor_type.name] for t in self.reader.tensors if t.tensor_type.name in BLOCKS}
+        """The kernel formats the file's block tensors load as."""
+        kinds = {**BLOCKS, **GGUF_KTYPES}
+        return {kinds[t.tensor_type.name] for t in self.reader.tensors if t.tensor_type.name in kinds}
 
     def hf_config(self) -> dict[str, Any]:
         """The file's metadata as a config.json dict, in the names our families read."""
@@ -171,7 +175,7 @@ class GGUFCheckpoint:
             rope.update(rope_type="freq_factors", freq_factors=[float(x) for x in np.asarray(freqs.data)])
         return rope
 
-    def iter_tensors(self, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor | BlockWeight, str]]:
+    def iter_tensors(self, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor | Blocks, str]]:
         """(HF name, tensor or blocks, file) for every model tensor, Q/K rows un-permuted for the llama arch."""
         dequantized: dict[str, int] = {}
         for t in self.reader.tensors:
@@ -193,8 +197,10 @@ class GGUFCheckpoint:
             print(f"tokenmill: {self.path.name}: {kinds} tensor(s) have no tokenmill kernel and were dequantized "
                   "(to the model dtype)", file=sys.stderr, flush=True)  # fmt: skip
 
-    def _value(self, t: GGUFTensor, dequantized: dict[str, int]) -> torch.Tensor | BlockWeight:
+    def _value(self, t: GGUFTensor, dequantized: dict[str, int]) -> torch.Tensor | Blocks:
         kind, shape = t.tensor_type.name, [int(n) for n in reversed(t.shape)]  # torch order: [rows, cols]
+        if kind in GGUF_KTYPES:  # decoded from the map: new tensors, so no copy of the bytes first
+            return decode_gguf_rows(GGUF_KTYPES[kind], _torch_bytes(t.data, copy=False).view(shape[0], -1), shape[1])
         raw = _torch_bytes(t.data)
         if kind in DENSE:
             return raw.view(DENSE[kind]).view(shape)
@@ -206,11 +212,13 @@ class GGUFCheckpoint:
         return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).view(shape)
 
 
-def _torch_bytes(data: np.ndarray) -> torch.Tensor:
-    """A tensor's bytes, copied out of the read-only map (torch warns on, and must not write to, a read-only one)."""
+def _torch_bytes(data: np.ndarray, copy: bool = True) -> torch.Tensor:
+    """A tensor's bytes, copied out of the read-only map (torch warns on, and must not write to, a read-only one);
+    `copy=False`: the map itself, for a reader that only reads it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(np.asarray(data).view(np.uint8)).clone().view(-1)
+        raw = torch.from_numpy(np.asarray(data).view(np.uint8))
+        return (raw.clone() if copy else raw).view(-1)
 
 
 def _blocks(raw: torch.Tensor, fmt: str) -> BlockWeight:
@@ -225,11 +233,11 @@ def _blocks(raw: torch.Tensor, fmt: str) -> BlockWeight:
     return BlockWeight(q.reshape(n, -1), d, fmt)
 
 
-def _unpermute(value: torch.Tensor | BlockWeight, heads: int) -> torch.Tensor | BlockWeight:
+def _unpermute(value: torch.Tensor | Blocks, heads: int) -> torch.Tensor | Blocks:
     """Undo convert_hf_to_gguf's Q/K permutation: per head, rows [x0, y0, x1, y1, ...] -> [x0, x1, ..., y0, y1, ...]."""
     rows = value.shape[0]
     index = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
-    return value.rows(index) if isinstance(value, BlockWeight) else value[index]
+    return value[index] if isinstance(value, torch.Tensor) else value.rows(index)
 
 
 def _first_line(e: BaseException) -> str:

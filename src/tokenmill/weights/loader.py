@@ -6,9 +6,10 @@ Phi-3's, fills them whole). A family's `hf_transposed` tensors are stored [in, o
 around. Every parameter must be filled exactly once and every checkpoint tensor must land somewhere, so a
 mismatched checkpoint fails loudly.
 
-A tensor can also arrive as ggml blocks (`BlockWeight`, a GGUF's Q8_0/Q4_0). On the CPU its linear becomes a
-`KernelLinear` of that format from the blocks as they are; a fused projection stays in blocks when all of its
-shards are blocks of one format. Anywhere else (another device, an embedding, mixed shards) it is dequantized.
+A tensor can also arrive as ggml blocks (`formats.Blocks`: a GGUF's Q8_0/Q4_0, K-quants, Q5_0/Q5_1/Q4_1). On the
+CPU its linear becomes a `KernelLinear` of that format from the blocks as they are; a fused projection stays in
+blocks when all of its shards are blocks: one `KernelLinear` where they share a format, else a `SegmentedLinear`
+of one per shard. Anywhere else (another device, an embedding, blocks beside dense shards) it is dequantized.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
-from tokenmill.kernels.formats import BlockWeight, PackedWeight, pack_block_weight
+from tokenmill.kernels.formats import Blocks, BlockWeight, PackedWeight, cat_blocks, pack_block_weight
+from tokenmill.kernels.kformats import KBlockWeight
 from tokenmill.models import CausalLM
 from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
-from tokenmill.models.linear import KernelLinear
+from tokenmill.models.linear import KernelLinear, SegmentedLinear
 
-Value = torch.Tensor | BlockWeight
+Value = torch.Tensor | Blocks
 Tensors = Iterable[tuple[str, Value, str]]  # (HF tensor name, value, where it came from)
 
 
@@ -63,8 +65,9 @@ class _Fill:
     dtype: torch.dtype
     device: torch.device
     filled: dict[str, set[int]] = field(default_factory=dict)
-    blocks: dict[str, dict[int, BlockWeight]] = field(default_factory=dict)  # a weight's shards so far
-    packed: dict[str, PackedWeight] = field(default_factory=dict)  # whole weights, packed as soon as complete
+    blocks: dict[str, dict[int, Blocks]] = field(default_factory=dict)  # a weight's shards so far
+    # whole weights, packed as soon as complete: one format, or one per shard (in shard order)
+    packed: dict[str, PackedWeight | list[PackedWeight]] = field(default_factory=dict)
 
     def dense(self, name: str, shard: int, value: torch.Tensor, whole: bool) -> None:
         value = value.to(device=self.device, dtype=self.dtype).contiguous()
@@ -80,19 +83,20 @@ class _Fill:
             self._allocate(name)
         self._copy(name, self._offset(name, shard), value)
 
-    def block(self, name: str, shard: int, value: BlockWeight) -> None:
+    def block(self, name: str, shard: int, value: Blocks) -> None:
         if name in self.filled and name not in self.blocks:  # dense shards came first: dequantize into them
-            self._copy(name, self._offset(name, shard), value.dequantize())
+            self._copy(name, self._offset(name, shard), value.dequantize().to(self.dtype))
             return
         held = self.blocks.setdefault(name, {})
-        if held and next(iter(held.values())).format != value.format:  # two formats in one weight: dense
-            self.dense(name, shard, value.dequantize(), whole=False)
-            return
         held[shard] = value
         fused = _whole(name)
         if fused is None or set(held) == {idx for _, idx in STACKED_PARAMS[fused]}:  # complete: pack it now
             del self.blocks[name]
-            self.packed[name] = pack_block_weight(BlockWeight.cat([held[i] for i in sorted(held)]))
+            parts = [held[i] for i in sorted(held)]
+            if len({p.format for p in parts}) == 1:
+                self.packed[name] = pack_block_weight(cat_blocks(parts))
+            else:  # shards of several formats: each keeps its own
+                self.packed[name] = [pack_block_weight(p) for p in parts]
 
     def _allocate(self, name: str) -> None:
         shape = self.model.get_parameter(name).shape
@@ -139,7 +143,7 @@ def load_weights(
             )
         whole = _whole(name)
         shards = {idx for _, idx in STACKED_PARAMS[whole]} if whole and fused is None else {shard}
-        if isinstance(tensor, BlockWeight):
+        if isinstance(tensor, (BlockWeight, KBlockWeight)):
             linear = isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)
             if linear and device.type == "cpu":
                 fill.block(name, shard, tensor)
@@ -203,13 +207,20 @@ def _embedding_name(model: CausalLM) -> str:
     return next(f"{n}.weight" for n, m in model.named_modules() if m is emb)
 
 
-def _swap_in_packed(model: CausalLM, name: str, weight: PackedWeight) -> None:
-    """Replace the nn.Linear owning parameter `name` by a KernelLinear holding `weight`."""
+def _swap_in_packed(model: CausalLM, name: str, weight: PackedWeight | list[PackedWeight]) -> None:
+    """Replace the nn.Linear owning parameter `name` by a KernelLinear holding `weight` (a SegmentedLinear of one
+    per shard for a list)."""
     module_name = name.rpartition(".")[0]
     parent_name, _, child = module_name.rpartition(".")
     bias = getattr(model.get_submodule(module_name), "bias", None)  # filled already, or None
     bias = bias if isinstance(bias, torch.Tensor) else None
-    setattr(model.get_submodule(parent_name), child, KernelLinear(weight, bias, None))
+    new: nn.Module
+    if isinstance(weight, list):
+        biases = [None] * len(weight) if bias is None else bias.split([w.out_features for w in weight])
+        new = SegmentedLinear([KernelLinear(w, b, None) for w, b in zip(weight, biases, strict=True)])
+    else:
+        new = KernelLinear(weight, bias, None)
+    setattr(model.get_submodule(parent_name), child, new)
 
 
 def _check_complete(params: dict[str, nn.Parameter], filled: dict[str, set[int]], source: str) -> None:
