@@ -87,3 +87,9 @@ def test_gpu_keeps_its_share_of_free_memory(monkeypatch: pytest.MonkeyPatch) -> 
         assert plan_num_blocks(demo(), EngineConfig(**engine), F32, cuda, 2048) == 80
     free[0] = 2**50
     assert plan_num_blocks(demo(), EngineConfig(max_num_seqs=3), F32, cuda, 2048) == 3 * 128
+
+
+def test_the_cli_help_states_the_default_context() -> None:
+    from tokenmill.cli import _HELP
+
+    assert f"at least {DEFAULT_CONTEXT_TOKENS} tokens" in _HELP["max_model_len"]
