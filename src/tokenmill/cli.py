@@ -40,9 +40,13 @@ _HELP = {
     "dtype": "weights and activations: auto (the checkpoint's), float32, bfloat16, float16",
     "device": "auto (cuda when there is one), cpu, cuda or cuda:N",
     "kv_cache": "paged (blocks, prefix caching), contiguous (one buffer per sequence) or none (recompute)",
-    "max_model_len": "the longest sequence, prompt + output (default: the model's max_position_embeddings)",
+    "max_model_len": "the longest sequence, prompt + output (default: the model's max_position_embeddings). On the "
+    "CPU the default KV pool follows it, like llama-server's -c: room for --max-num-seqs sequences of this length; "
+    "without it, the model's context, at least 32768 tokens (or --max-num-seqs full-length sequences if less), "
+    "shared by the running sequences; at most min(25%% of free RAM, 4 GiB)",
     "revision": "hub revision (branch, tag or commit) of a hub model id",
-    "max_num_seqs": "sequences that run in one step at most",
+    "max_num_seqs": "sequences that run in one step at most (with --max-model-len, the CPU's default KV pool holds "
+    "this many at full length)",
     "max_num_batched_tokens": "tokens computed in one step at most (chunked prefill splits longer prompts)",
     "batching": "continuous (join and leave every step) or static (one batch at a time, the baseline)",
     "enable_chunked_prefill": "split long prompts across steps, beside running decodes",
@@ -50,8 +54,9 @@ _HELP = {
     "scheduling_policy": "fcfs (arrival order) or priority (the request's priority, then arrival)",
     "num_scheduler_steps": "decode steps in one call while few sequences run and none waits (1: off)",
     "block_size": "tokens per KV block",
-    "num_kv_blocks": "KV blocks in the pool (default: from --kv-cache-memory-gb or the free memory)",
-    "kv_cache_memory_gb": "memory for the KV pool in GB (default: a share of the free memory)",
+    "num_kv_blocks": "KV blocks in the pool (default: from --kv-cache-memory-gb; else on the CPU from --max-model-len "
+    "x --max-num-seqs, see --max-model-len; on a GPU 80%% of its free memory)",
+    "kv_cache_memory_gb": "memory for the KV pool in GB (default: see --num-kv-blocks)",
     "touch_kv_cache": "write the whole KV pool at start, so its memory is resident and known up front",
     "quantization": "weight-only, in ggml's block types, quantized as llama-quantize does: none, int8 (Q8_0), int4 "
     "(Q4_0), q4_k, q5_k, q6_k (rows not a multiple of 256 take Q5_0, Q5_1, Q8_0, as llama-quantize's), q5_0, q5_1, "

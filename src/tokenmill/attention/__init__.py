@@ -11,8 +11,9 @@ import torch
 from tokenmill.attention.backend import BatchLayout, attend_sequence
 from tokenmill.attention.contiguous import ContiguousKVCache
 from tokenmill.attention.none import NoKVCache, causal
-from tokenmill.attention.paged import PagedKVCache, plan_num_blocks
+from tokenmill.attention.paged import PagedKVCache
 from tokenmill.attention.protocol import KVBackend
+from tokenmill.attention.sizing import plan_num_blocks
 from tokenmill.config import KV_CACHE_MODES, EngineConfig, ModelConfig
 from tokenmill.kernels import FusedOps
 
@@ -23,10 +24,7 @@ def make_kv_backend(
 ) -> KVBackend:  # fmt: skip
     """The backend `cfg.kv_cache` names, sized by `cfg` (the paged pool: `plan_num_blocks`)."""
     if cfg.kv_cache == "paged":
-        num_blocks = plan_num_blocks(
-            model, dtype, device, cfg.block_size, max_model_len, cfg.max_num_seqs, cfg.num_kv_blocks,
-            cfg.kv_cache_memory_gb,
-        )  # fmt: skip
+        num_blocks = plan_num_blocks(model, cfg, dtype, device, max_model_len)
         paged = PagedKVCache(model.num_layers, num_blocks, cfg.block_size, model.num_kv_heads, model.head_dim, dtype,
                              device, ops, model.layer_windows(), cfg.batch_invariant)  # fmt: skip
         if cfg.touch_kv_cache:

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import BatchLayout, attend_sequence, window_of
-from tokenmill.config import ModelConfig
 from tokenmill.kernels import FusedOps, Kernels
 from tokenmill.types import SequenceInput
 
@@ -285,34 +284,3 @@ def padded_tables(tables: list[list[int]], seq_lens: list[int], block_size: int)
     row by row)."""
     width = max(-(-n // block_size) for n in seq_lens[: len(tables)])
     return width, [b for t in tables for b in t[:width] + [0] * (width - len(t[:width]))]
-
-
-def plan_num_blocks(
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    block_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    num_kv_blocks: int | None = None,
-    kv_cache_memory_gb: float | None = None,
-) -> int:
-    """How many KV blocks to allocate: explicit, or from a memory budget.
-
-    The default budget is a quarter of available RAM capped at 4 GiB on CPU (vLLM's CPU default), or 80% of
-    free GPU memory after the weights on CUDA; it is never more than `max_num_seqs` full-length requests need.
-    """
-    if num_kv_blocks is not None:
-        return num_kv_blocks
-    per_block = PagedKVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-    useful = max_num_seqs * -(-max_model_len // block_size)
-    if kv_cache_memory_gb is not None:
-        return max(1, int(kv_cache_memory_gb * 2**30 // per_block))
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = 0.8 * free
-    else:
-        import psutil
-
-        budget = min(0.25 * psutil.virtual_memory().available, 4 * 2**30)
-    return max(1, min(int(budget // per_block), useful))

@@ -148,5 +148,6 @@ def build_draft_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -
     if draft.tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab():
         raise ValueError(f"speculative_model={cfg.speculative_model!r} has another tokenizer than the model; "
                          "a draft model must share the target's vocabulary")  # fmt: skip
-    parts = build_parts(draft, draft_cfg, max_len)
+    # the pool holds every sequence that drafts at full length (max_model_len given: plan_num_blocks)
+    parts = build_parts(draft, replace(draft_cfg, max_model_len=max_len), max_len)
     return DraftProposer(parts.runner, parts.kv, cfg.num_speculative_tokens, max_len, draft.config.vocab_size)
