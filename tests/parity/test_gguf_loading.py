@@ -117,13 +117,13 @@ def test_f32_gguf_equals_the_hf_folder(exported: Callable[..., Any], case: str) 
     assert gg.loaded.eos_token_ids == hf.loaded.eos_token_ids
 
 
-def _quantized_checkpoint(make_checkpoint: Callable[..., Path], fmt: str, tmp: Path) -> Path:
+def _quantized_checkpoint(make_checkpoint: Callable[..., Path], arch: str, fmt: str, tmp: Path) -> Path:
     """A checkpoint whose embedding is exactly representable in `fmt` (a GGUF's quantized token_embd is looked up
     dequantized; our int8/int4 path looks the float one up): then both paths hold the very same numbers."""
     from safetensors.torch import load_file, save_file
 
-    src = make_checkpoint("qwen2", **SPREAD)
-    out = tmp / f"qwen2-{fmt}"
+    src = make_checkpoint(arch, **SPREAD)
+    out = tmp / f"{arch}-{fmt}"
     out.mkdir()
     for f in src.iterdir():
         if f.name != "model.safetensors":
@@ -136,10 +136,11 @@ def _quantized_checkpoint(make_checkpoint: Callable[..., Path], fmt: str, tmp: P
 
 
 @pytest.mark.parametrize("fmt,quantization", [("q8_0", "int8"), ("q4_0", "int4")])
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])  # phi3: q|k|v and gate|up arrive fused, as one block weight
 def test_quantized_gguf_loads_its_blocks_unchanged(
-    make_checkpoint: Callable[..., Path], tmp_path: Path, fmt: str, quantization: str
+    make_checkpoint: Callable[..., Path], tmp_path: Path, arch: str, fmt: str, quantization: str
 ) -> None:
-    ckpt = _quantized_checkpoint(make_checkpoint, fmt, tmp_path)
+    ckpt = _quantized_checkpoint(make_checkpoint, arch, fmt, tmp_path)
     path = export_gguf(ckpt, tmp_path / f"m-{fmt}.gguf", fmt)
     gg = LLM(str(path), dtype="float32")
     ours = LLM(str(ckpt), dtype="float32", quantization=quantization)
