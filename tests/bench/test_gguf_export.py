@@ -40,8 +40,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
         },
         "gemma3",
     ),
+    "phi3": ("phi3", {"initializer_range": 0.1}, "phi3"),
 }
-LLAMA_SHAPED = [f for f in FAMILIES if f not in ("gpt2", "gemma3")]
+LLAMA_SHAPED = [f for f in FAMILIES if f not in ("gpt2", "gemma3", "phi3")]
+LONGROPE = dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 4.0],
+                long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0])  # fmt: skip
 PROMPT = "The quick brown fox jumps over the lazy dog. To be, or not to be"
 
 
@@ -128,6 +131,36 @@ def test_metadata_and_tensors(exported: Callable[..., Any], family: str) -> None
         np.testing.assert_array_equal(got_q, q)
 
 
+def test_phi3_keeps_its_fused_tensors_and_writes_longrope_and_windows(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """As llama.cpp's converter writes Phi-3: `attn_qkv` and `ffn_up` (gate then up) as HF's fused tensors, the
+    window (0: none), LongRoPE as two factor tensors and HF's default cos/sin scale; Mistral's window as the
+    `llama` arch's `attention.sliding_window`."""
+    ckpt = make_checkpoint("phi3", rope_scaling=LONGROPE, original_max_position_embeddings=64, sliding_window=8)
+    r = gguf.GGUFReader(export_gguf(ckpt, tmp_path / "phi3.gguf", "f32"))
+    tensors = {t.name: t for t in r.tensors}
+    per_layer = ["attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"]
+    expected = {"token_embd", "output_norm", "output", "rope_factors_long", "rope_factors_short"}
+    assert set(tensors) == {f"{n}.weight" for n in expected} | {
+        f"blk.{i}.{n}.weight" for i in (0, 1) for n in per_layer
+    }
+    hf = _hf_state(ckpt)
+    for gguf_name, hf_name in [("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")]:
+        np.testing.assert_array_equal(tensors[f"blk.1.{gguf_name}.weight"].data, hf[f"model.layers.1.{hf_name}.weight"])
+    for kind in ("long", "short"):
+        want = np.asarray(LONGROPE[f"{kind}_factor"], dtype=np.float32)
+        np.testing.assert_array_equal(tensors[f"rope_factors_{kind}.weight"].data, want)
+    assert _field(r, "phi3.rope.scaling.attn_factor") == pytest.approx((1 + np.log(512 / 64) / np.log(64)) ** 0.5)
+    assert _field(r, "phi3.rope.scaling.original_context_length") == 64
+    assert _field(r, "phi3.rope.dimension_count") == 16 and _field(r, "phi3.attention.sliding_window") == 8
+    assert "phi3.attention.key_length" not in r.fields  # as llama.cpp's converter: hidden / heads
+    plain = gguf.GGUFReader(export_gguf(make_checkpoint("phi3"), tmp_path / "plain.gguf", "f32"))
+    assert _field(plain, "phi3.attention.sliding_window") == 0  # Phi-3's config: no window
+    mistral = gguf.GGUFReader(export_gguf(make_checkpoint("mistral", sliding_window=8), tmp_path / "m.gguf", "f32"))
+    assert _field(mistral, "llama.attention.sliding_window") == 8
+
+
 def test_llama3_rope_factors(exported: Callable[..., Any]) -> None:
     r = gguf.GGUFReader(exported("llama3-rope")[1])
     factors = np.asarray(next(t for t in r.tensors if t.name == "rope_freqs.weight").data)
@@ -153,11 +186,11 @@ def test_export_writes_each_dtype_and_keeps_1d_tensors_f32(exported: Callable[..
 
 def test_unsupported_architecture_and_dtype(exported: Callable[..., Any], tmp_path: Path) -> None:
     ckpt, _ = exported("qwen2")
-    bad = tmp_path / "phi3"
+    bad = tmp_path / "mamba"
     shutil.copytree(ckpt, bad)
     config = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["Phi3ForCausalLM"]}))
-    with pytest.raises(ValueError, match="Phi3ForCausalLM"):
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["MambaForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"'MambaForCausalLM'.* supported: .*Phi3ForCausalLM"):
         export_gguf(bad, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
     with pytest.raises(ValueError, match="q3_k"):

@@ -1,7 +1,8 @@
 """GGUF files load directly: tiny random HF checkpoints exported to GGUF here (F32, Q8_0, Q4_0, mixed types).
 
 - F32: logits within 1e-4 of loading the HF folder, greedy tokens identical (alone and batched with chunked
-  prefill and prefix caching), for every GGUF architecture we load.
+  prefill and prefix caching), for every GGUF architecture we load; phi3 and a windowed llama (Mistral) file
+  against transformers itself too, on a prompt past the window.
 - Q8_0 / Q4_0: the blocks load unchanged (the kernel's packed bytes equal our own quantizer's on the same
   weights), and greedy tokens equal our int8 / int4 path on the same weights.
 - The K family (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1): the blocks load into their own kernels, and --quantization's
@@ -29,6 +30,8 @@ from tokenmill.tokenizer import Tokenizer
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=32)  # fmt: skip
+LONGROPE = dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 4.0],
+                long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0])  # fmt: skip  # head_dim 16: 8 each
 SPREAD = dict(initializer_range=0.1)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
@@ -40,6 +43,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("gpt2", {}),
     # llama.cpp's gemma3: a global layer every 6th, window 8 (binds here), sliding layers' RoPE base 10000
     "gemma3": ("gemma3", dict(head_dim=16, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=16)),
+    # Mistral v0.1-style: the window (8; the first prompt has 18 tokens) in every layer of a `llama` file
+    "mistral-window": ("mistral", dict(sliding_window=8)),
+    "phi3": ("phi3", {}),  # q|k|v and gate|up fused in the file as in HF's checkpoint
+    "phi3-window": ("phi3", dict(sliding_window=8)),
+    # positions from 8 on rotate by the long factors, as loading the folder does
+    "phi3-longrope": ("phi3", dict(rope_scaling=LONGROPE, original_max_position_embeddings=8)),
 }
 PROMPTS = ["To be, or not to be, that is the question.", "Hello world! The quick brown fox", "Numbers 0 1 2 3"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -70,6 +79,29 @@ def _greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
+@pytest.mark.parametrize("case", ["phi3", "phi3-window", "mistral-window"])
+def test_f32_gguf_equals_transformers(exported: Callable[..., Any], case: str) -> None:
+    """The file against transformers' own model of the checkpoint it was written from, on a prompt past the window:
+    logits to 1e-4, greedy tokens identical."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt, path = exported(case)
+    gg = LLM(str(path))
+    window = CASES[case][1].get("sliding_window")
+    assert gg.loaded.config.sliding_window == window  # read from the file
+    ids = gg.loaded.tokenizer.encode(" ".join(PROMPTS))
+    assert window is None or len(ids) > 4 * window
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # exactly max_tokens, as ignore_eos
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=GREEDY.max_tokens, pad_token_id=0)
+    diff = (_logits(gg, ids) - want).abs().max().item()
+    assert diff < 1e-4, diff
+    got = gg.generate([{"prompt_token_ids": ids}], GREEDY)[0].outputs[0].token_ids
+    assert got == out[0, len(ids) :].tolist()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_f32_gguf_equals_the_hf_folder(exported: Callable[..., Any], case: str) -> None:
     ckpt, path = exported(case)
@@ -87,13 +119,13 @@ def test_f32_gguf_equals_the_hf_folder(exported: Callable[..., Any], case: str) 
     assert gg.loaded.eos_token_ids == hf.loaded.eos_token_ids
 
 
-def _quantized_checkpoint(make_checkpoint: Callable[..., Path], fmt: str, tmp: Path) -> Path:
+def _quantized_checkpoint(make_checkpoint: Callable[..., Path], arch: str, fmt: str, tmp: Path) -> Path:
     """A checkpoint whose embedding is exactly representable in `fmt` (a GGUF's quantized token_embd is looked up
     dequantized; our int8/int4 path looks the float one up): then both paths hold the very same numbers."""
     from safetensors.torch import load_file, save_file
 
-    src = make_checkpoint("qwen2", **SPREAD)
-    out = tmp / f"qwen2-{fmt}"
+    src = make_checkpoint(arch, **SPREAD)
+    out = tmp / f"{arch}-{fmt}"
     out.mkdir()
     for f in src.iterdir():
         if f.name != "model.safetensors":
@@ -106,10 +138,11 @@ def _quantized_checkpoint(make_checkpoint: Callable[..., Path], fmt: str, tmp: P
 
 
 @pytest.mark.parametrize("fmt,quantization", [("q8_0", "int8"), ("q4_0", "int4")])
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])  # phi3: q|k|v and gate|up arrive fused, as one block weight
 def test_quantized_gguf_loads_its_blocks_unchanged(
-    make_checkpoint: Callable[..., Path], tmp_path: Path, fmt: str, quantization: str
+    make_checkpoint: Callable[..., Path], tmp_path: Path, arch: str, fmt: str, quantization: str
 ) -> None:
-    ckpt = _quantized_checkpoint(make_checkpoint, fmt, tmp_path)
+    ckpt = _quantized_checkpoint(make_checkpoint, arch, fmt, tmp_path)
     path = export_gguf(ckpt, tmp_path / f"m-{fmt}.gguf", fmt)
     gg = LLM(str(path), dtype="float32")
     ours = LLM(str(ckpt), dtype="float32", quantization=quantization)
@@ -262,6 +295,47 @@ def test_bad_files_are_one_clear_error(exported: Callable[..., Any], tmp_path: P
             LLM(str(tmp_path / name))
 
 
+def _phi3_gguf(path: Path, rotated: int = 16, factors: dict[str, int] | None = None) -> Path:
+    """A phi3 file's metadata (head_dim 16) and embedding, RoPE over `rotated` dimensions, and `rope_factors_{k}`
+    tensors of n values for `factors` {k: n}: enough for the config, where such variants are refused."""
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, "phi3")
+    writer.add_context_length(512)
+    writer.add_rope_scaling_orig_ctx_len(64)
+    writer.add_embedding_length(64)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(96)
+    writer.add_head_count(4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(rotated)
+    writer.add_tensor("token_embd.weight", np.zeros((384, 64), dtype=np.float32))
+    for kind, n in (factors or {}).items():
+        writer.add_tensor(f"rope_factors_{kind}.weight", np.ones(n, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "variant, message",
+    [
+        (dict(rotated=12), r"RoPE over 12 of each head's 16 dimensions .*; supported: RoPE over the whole head"),
+        (dict(factors={"long": 8}), r"LongRoPE with only one of its factor tensors .*; supported: rope_factors_long"),
+        (dict(factors={"long": 8, "short": 7}), r"rope_factors_short.weight holds 7 values; head_dim 16 needs 8"),
+    ],
+)
+def test_unsupported_phi3_variants_are_one_clear_error(tmp_path: Path, variant: dict[str, Any], message: str) -> None:
+    from tokenmill.errors import ModelLoadError
+
+    path = _phi3_gguf(tmp_path / "variant.gguf", **variant)
+    with pytest.raises(ModelLoadError, match=message) as e:
+        LLM(str(path))
+    assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
+
+
 def test_cli_reports_a_bad_gguf_in_one_line(exported: Callable[..., Any], tmp_path: Path) -> None:
     from tests.unit.test_cli import assert_one_line_error, run_cli
 
@@ -271,7 +345,7 @@ def test_cli_reports_a_bad_gguf_in_one_line(exported: Callable[..., Any], tmp_pa
     assert_one_line_error(run_cli("generate", str(tmp_path / "none.gguf"), "--prompt", "x"), "does not exist")
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2-tied", "gemma3"])
+@pytest.mark.parametrize("case", ["llama", "qwen2-tied", "gemma3", "phi3"])
 def test_llamacpp_greedy_equals_ours_on_the_same_q8_0_file(exported: Callable[..., Any], case: str) -> None:
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the optional llamacpp extra) is not installed")
     _, path = exported(case, "q8_0")

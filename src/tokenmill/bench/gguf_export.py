@@ -1,19 +1,21 @@
 """Hugging Face checkpoint -> GGUF, so the llama.cpp peer runs the very same weights as tokenmill.
 
 Supports the families that name a GGUF arch (`ModelFamily.gguf_arch`: Llama and Mistral as `llama`, incl. llama3
-and linear RoPE scaling; Qwen2 as `qwen2`; Qwen3 as `qwen3`). Written with the `gguf` library after
-studying llama.cpp's `convert_hf_to_gguf.py`; what llama.cpp expects and we reproduce:
+and linear RoPE scaling; Qwen2 as `qwen2`; Qwen3 as `qwen3`; GPT-2; Gemma 3; Phi-3 as `phi3`, incl. LongRoPE).
+Written with the `gguf` library after studying llama.cpp's `convert_hf_to_gguf.py`; what llama.cpp expects and
+we reproduce:
 
 - tensor names `token_embd`, `blk.N.attn_q`, ... (`gguf.TENSOR_NAMES`); 1-D tensors (norms, biases) stay F32;
   tied embeddings write no `output` tensor (llama.cpp then reuses `token_embd`).
 - the `llama` arch computes RoPE on interleaved pairs (GPT-J style) where HF rotates the two halves of each head
-  (NeoX style), so Q and K rows are permuted per head; the `qwen2`/`qwen3` archs use NeoX RoPE: no permutation.
+  (NeoX style), so Q and K rows are permuted per head; the other archs use NeoX RoPE: no permutation.
 - tokenizer (the one AutoTokenizer loads): byte-level BPE -> `tokenizer.ggml.model = "gpt2"` with tokens, token
   types and merges, and `tokenizer.ggml.pre` chosen from the pre-tokenizer's split regex so llama.cpp splits text
   as HF does; SentencePiece-style BPE with byte fallback (Llama 2) -> `"llama"` with scores from the merge ranks.
 
-Not carried over: sliding-window attention (Mistral v0.1's 4096 window; llama.cpp's `llama` arch attends to the
-whole context, so outputs differ past the window: a warning says so).
+Mistral's window (v0.1: 4096) is written as `llama.attention.sliding_window`, which tokenmill's loader applies; a
+llama.cpp build that does not read that key for the `llama` arch attends to the whole context, so its outputs
+differ past the window. A Qwen2 window that is on is not carried over (a warning says so).
 """
 
 from __future__ import annotations
@@ -77,20 +79,22 @@ def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16", overrides: di
         writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[dtype]])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         arch_name = gguf.MODEL_ARCH_NAMES[arch]
-        rope_factors = None
+        rope_tensors: dict[str, npt.NDArray[np.float32]] = {}
         if arch_name == "gpt2":
             _write_gpt2_hparams(writer, config)
         elif arch_name == "gemma3":
             config = family.normalize_hf(config)  # the text config, RoPE flattened to the global layers'
-            rope_factors = _write_hparams(writer, config, act="gelu_pytorch_tanh")  # GeGLU
+            rope_tensors = _write_hparams(writer, config, arch_name, act="gelu_pytorch_tanh")  # GeGLU
             _write_gemma3_hparams(writer, config)
+        elif arch_name == "phi3":
+            rope_tensors = _write_phi3_hparams(writer, config)
         else:
-            rope_factors = _write_hparams(writer, config)
+            rope_tensors = _write_hparams(writer, config, arch_name)
         _write_vocab(writer, hf_dir, config)
         for name, data in _hf_tensors(hf_dir, config, arch_name, family):
             _add_tensor(writer, name, data, (overrides or {}).get(name, dtype))
-        if rope_factors is not None:
-            writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_factors)
+        for name, factors in rope_tensors.items():
+            writer.add_tensor(name, factors)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -102,42 +106,94 @@ def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16", overrides: di
     return out_path
 
 
-def _write_hparams(writer: Any, config: dict[str, Any], act: str = "silu") -> npt.NDArray[np.float32] | None:
+def _write_hparams(
+    writer: Any, config: dict[str, Any], arch: str, act: str = "silu"
+) -> dict[str, npt.NDArray[np.float32]]:
     """Model hyperparameters; returns llama3's per-frequency RoPE factors (a `rope_freqs` tensor) if needed."""
     import gguf
 
-    n_head = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(config.get("num_key_value_heads") or n_head)
+    head_dim = _write_shape(writer, config)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    writer.add_vocab_size(config["vocab_size"])
-    window = config.get("sliding_window")
+    window = int(config.get("sliding_window") or 0)
     windowed = window and config.get("use_sliding_window", True) and window < config["max_position_embeddings"]
-    if windowed and act == "silu":  # (Gemma 3's windows are exported, by _write_gemma3_hparams)
-        warnings.warn(f"sliding_window={window} is not exported: llama.cpp attends to the whole context", stacklevel=3)
+    if windowed and arch == "llama":  # Mistral: every layer (Gemma 3's windows: _write_gemma3_hparams)
+        writer.add_sliding_window(window)
+    elif windowed and arch != "gemma3":
+        warnings.warn(f"sliding_window={window} is not exported: llama.cpp's {arch} arch attends to the whole "
+                      "context", stacklevel=3)  # fmt: skip
     if config.get("hidden_act", act) != act:
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported by the GGUF export ({act} only)")
-    # transformers >= 5 keeps theta and scaling in `rope_parameters`, 4.x in `rope_theta` / `rope_scaling`
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope, theta = _rope_parameters(config)
     writer.add_rope_freq_base(theta)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
     elif rope_type == "llama3":
-        return _llama3_rope_factors(rope, theta, head_dim)
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        return {name: _llama3_rope_factors(rope, theta, head_dim)}
     elif rope_type != "default":
         raise ValueError(f"RoPE type {rope_type!r} is not supported by the GGUF export (default, linear, llama3)")
-    return None
+    return {}
+
+
+def _write_shape(writer: Any, config: dict[str, Any]) -> int:
+    """What every Llama-shaped arch writes alike (context, widths, layers, heads, norm eps, vocabulary, RoPE over
+    the whole head); returns head_dim."""
+    n_head = config["num_attention_heads"]
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // n_head)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or n_head)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    writer.add_vocab_size(config["vocab_size"])
+    return head_dim
+
+
+def _rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """The RoPE fields and theta: transformers >= 5 keeps them in `rope_parameters`, 4.x in `rope_theta` /
+    `rope_scaling`."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    return rope, float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _write_phi3_hparams(writer: Any, config: dict[str, Any]) -> dict[str, npt.NDArray[np.float32]]:
+    """Phi-3's hyperparameters as llama.cpp's converter writes them (Phi3MiniModel): the original context, the
+    window (0: none), and LongRoPE as two factor tensors with its cos/sin scale; returns those tensors."""
+    import gguf
+
+    max_pos = config["max_position_embeddings"]
+    rope, theta = _rope_parameters(config)
+    original = int(
+        rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings", max_pos)
+    )
+    if float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported by the GGUF export")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported by the GGUF export (silu only)")
+    head_dim = _write_shape(writer, config)
+    if head_dim != config["hidden_size"] // config["num_attention_heads"]:  # (llama.cpp's default: hidden / heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_freq_base(theta)
+    writer.add_sliding_window(int(config.get("sliding_window") or 0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return {}
+    if rope_type != "longrope":
+        raise ValueError(f"RoPE type {rope_type!r} is not supported by the Phi-3 GGUF export (default, longrope)")
+    factor = float(rope.get("factor") or max_pos / original)  # HF's default scale, as the converter computes it
+    scale = rope.get("attention_factor") or (math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1)
+    writer.add_rope_scaling_attn_factors(float(scale))
+    return {gguf.TENSOR_NAMES[t] + ".weight": np.asarray(rope[key], dtype=np.float32)
+            for t, key in ((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, "long_factor"),
+                           (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, "short_factor"))}  # fmt: skip
 
 
 def _write_gpt2_hparams(writer: Any, config: dict[str, Any]) -> None:

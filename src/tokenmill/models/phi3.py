@@ -16,4 +16,5 @@ class Phi3ForCausalLM(CausalLM):
     pass
 
 
-PHI3 = ModelFamily("phi3", ("Phi3ForCausalLM",), ("phi3",), Phi3ForCausalLM, "Phi3Config")
+# llama.cpp's `phi3` arch rotates halves, as HF does: no Q/K permutation in the GGUF export
+PHI3 = ModelFamily("phi3", ("Phi3ForCausalLM",), ("phi3",), Phi3ForCausalLM, "Phi3Config", "PHI3")

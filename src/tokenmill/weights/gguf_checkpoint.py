@@ -3,13 +3,16 @@ names, read memory-mapped by our own parser (`gguf_reader`: the `gguf` package's
 vocabulary) and dequantized, where needed, by the `gguf` package.
 
 - Architectures: `GGUF_ARCHS`. The config is built from `{arch}.*` metadata (llama.cpp's keys) and the tensor
-  table (no `output.weight`: tied embeddings; `attn_q.bias`: attention biases; `rope_freqs`: llama3 RoPE).
+  table (no `output.weight`: tied embeddings; `attn_q.bias`: attention biases; `rope_freqs`: llama3 RoPE;
+  `rope_factors_long/short`: Phi-3's LongRoPE). `attention.sliding_window` gives the `llama` arch (Mistral v0.1)
+  and `phi3` a window in every layer (0: none, as Phi-4's files say).
 - Tensors: F32, F16 and BF16 load as they are. Q8_0 and Q4_0 arrive as `BlockWeight`s, ggml's own blocks, and
   Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and Q4_1 (the Q4_K_M, Q5_K_M and Q6_K mixes) as `KBlockWeight`s, their numbers
   (kernels/kformats.py): the loader repacks both into kernel formats without re-quantizing, read straight from the
   map. The other ggml types in `DEQUANTIZED` (Q2_K, Q3_K) are dequantized with a one-line notice.
 - llama.cpp's `llama` arch rotates interleaved pairs where HF rotates halves, and its converter permutes the Q/K
-  rows for that; they are permuted back here. The `qwen2`/`qwen3` archs rotate halves, as HF does.
+  rows for that; they are permuted back here. The other archs rotate halves, as HF does. `phi3` keeps q|k|v and
+  gate|up fused, as HF's Phi-3 does. RoPE over part of the head (Phi-4-mini) is refused.
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ if TYPE_CHECKING:
 
 # GGUF `general.architecture` -> the HF architecture whose model code runs it
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "gpt2": "GPT2LMHeadModel", "gemma3": "Gemma3ForCausalLM"}  # fmt: skip
+              "gpt2": "GPT2LMHeadModel", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}  # fmt: skip
+WINDOWED = ("llama", "phi3")  # archs whose `attention.sliding_window` holds in every layer
 # llama.cpp's gemma3 constants that its files do not carry: the sliding layers' RoPE base, and (unless the file
 # says) one global layer in every 6
 GEMMA3_LOCAL_ROPE_BASE, GEMMA3_PATTERN = 10000.0, 6
 DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 BLOCKS = {"Q8_0": "q8_0", "Q4_0": "q4_0"}  # ggml type -> our kernel format, block for block
 DEQUANTIZED = ("Q2_K", "Q3_K")
-_IGNORED = ("rope_freqs.weight",)  # read into the config, not a model weight
+_IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # config, not weights
 
 
 def is_gguf(path: Path) -> bool:
@@ -124,6 +128,7 @@ class GGUFCheckpoint:
                     "n_inner": int(self._meta("feed_forward_length")),
                     "layer_norm_epsilon": float(self._meta("attention.layer_norm_epsilon")),
                     "activation_function": "gelu_new", "tie_word_embeddings": True}  # fmt: skip
+        head_dim = int(self._meta("attention.key_length", hidden // heads))
         config = {
             **common,
             "hidden_size": hidden,
@@ -131,12 +136,21 @@ class GGUFCheckpoint:
             "intermediate_size": int(self._meta("feed_forward_length")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._meta("attention.head_count_kv", heads)),
-            "head_dim": int(self._meta("attention.key_length", hidden // heads)),
+            "head_dim": head_dim,
             "rms_norm_eps": float(self._meta("attention.layer_norm_rms_epsilon")),
             "max_position_embeddings": int(self._meta("context_length")),
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
-            "rope_parameters": self._rope(),
+            "rope_parameters": self._rope(head_dim),
         }
+        rotated = int(self._meta("rope.dimension_count", head_dim))
+        if rotated != head_dim:
+            raise ModelLoadError(
+                f"{self.path}: RoPE over {rotated} of each head's {head_dim} dimensions (rope.dimension_count) is "
+                "not supported; supported: RoPE over the whole head"
+            )
+        window = int(self._meta("attention.sliding_window", 0)) if self.arch in WINDOWED else 0
+        if window:  # (ModelConfig drops a window no shorter than the context)
+            config["sliding_window"] = window
         return self._gemma3(config) if self.arch == "gemma3" else config
 
     def _gemma3(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -155,7 +169,7 @@ class GGUFCheckpoint:
                 "layer_types": ["sliding_attention" if x else "full_attention" for x in sliding],
                 "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE, "query_pre_attn_scalar": scalar}  # fmt: skip
 
-    def _rope(self) -> dict[str, Any]:
+    def _rope(self, head_dim: int) -> dict[str, Any]:
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self._meta("rope.freq_base", 10000.0))}
         kind = str(self._meta("rope.scaling.type", "none"))
         if kind == "linear":
@@ -172,8 +186,37 @@ class GGUFCheckpoint:
         if freqs is not None:  # llama3 scaling, stored as the divisor of each frequency
             if rope["rope_type"] != "default":
                 raise ModelLoadError(f"{self.path}: rope_freqs together with {kind} scaling is not supported")
-            rope.update(rope_type="freq_factors", freq_factors=[float(x) for x in np.asarray(freqs.data)])
+            rope.update(rope_type="freq_factors", freq_factors=self._factors(freqs, head_dim))
+        if "rope_factors_long.weight" in self.tensors or "rope_factors_short.weight" in self.tensors:
+            return self._longrope(rope, head_dim)
         return rope
+
+    def _longrope(self, rope: dict[str, Any], head_dim: int) -> dict[str, Any]:
+        """Phi-3 128k / Phi-3.5's LongRoPE: each frequency's divisor, the short ones up to the original context and
+        the long ones past it, and the cos/sin scale llama.cpp applies (`attn_factor`)."""
+        long, short = (self.tensors.get(f"rope_factors_{k}.weight") for k in ("long", "short"))
+        if long is None or short is None or rope["rope_type"] != "default":
+            what = "only one of its factor tensors" if long is None or short is None else f"{rope['rope_type']} RoPE"
+            raise ModelLoadError(f"{self.path}: LongRoPE with {what} is not supported; supported: rope_factors_long "
+                                 "and rope_factors_short together, with no other RoPE scaling")  # fmt: skip
+        rope.update(
+            rope_type="longrope",
+            long_factor=self._factors(long, head_dim),
+            short_factor=self._factors(short, head_dim),
+            original_max_position_embeddings=int(self._meta("rope.scaling.original_context_length")),
+        )
+        scale = self._field(f"{self.arch}.rope.scaling.attn_factor")
+        if scale is not None:  # (else the model derives HF's default from the two context lengths)
+            rope["attention_factor"] = float(scale)
+        return rope
+
+    def _factors(self, t: GGUFTensor, head_dim: int) -> list[float]:
+        """A RoPE factor tensor's values, one per frequency (head_dim / 2)."""
+        values = [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+        if len(values) != head_dim // 2:
+            raise ModelLoadError(f"{self.path}: {t.name} holds {len(values)} values; head_dim {head_dim} needs "
+                                 f"{head_dim // 2}")  # fmt: skip
+        return values
 
     def iter_tensors(self, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor | Blocks, str]]:
         """(HF name, tensor or blocks, file) for every model tensor, Q/K rows un-permuted for the llama arch."""

@@ -42,8 +42,15 @@ _GEMMA3 = {
     "model.layers.{bid}.pre_feedforward_layernorm": "blk.{bid}.ffn_norm",
     "model.layers.{bid}.post_feedforward_layernorm": "blk.{bid}.post_ffw_norm",
 }
+# Phi-3: q|k|v and gate|up fused, in HF's checkpoint as in llama.cpp's file (`ffn_up` holds gate then up, the order
+# of HF's `gate_up_proj`); a file with separate `attn_q/k/v` (llama.cpp's phi3 loader accepts either) loads too
+_PHI3 = {
+    **{k: v for k, v in _DECODER.items() if not k.endswith(("_norm", "gate_proj", "up_proj"))},
+    "model.layers.{bid}.self_attn.qkv_proj": "blk.{bid}.attn_qkv",
+    "model.layers.{bid}.mlp.gate_up_proj": "blk.{bid}.ffn_up",
+}
 HF_TO_GGUF: dict[str, dict[str, str]] = {
-    "llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "gpt2": _GPT2, "gemma3": _GEMMA3,
+    "llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "gpt2": _GPT2, "gemma3": _GEMMA3, "phi3": _PHI3,
 }  # fmt: skip
 
 

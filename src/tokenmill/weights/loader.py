@@ -8,8 +8,9 @@ mismatched checkpoint fails loudly.
 
 A tensor can also arrive as ggml blocks (`formats.Blocks`: a GGUF's Q8_0/Q4_0, K-quants, Q5_0/Q5_1/Q4_1). On the
 CPU its linear becomes a `KernelLinear` of that format from the blocks as they are; a fused projection stays in
-blocks when all of its shards are blocks: one `KernelLinear` where they share a format, else a `SegmentedLinear`
-of one per shard. Anywhere else (another device, an embedding, blocks beside dense shards) it is dequantized.
+blocks when all of its shards are blocks (or when it arrives whole: a phi3 GGUF's `attn_qkv`, `ffn_up`): one
+`KernelLinear` where they share a format, else a `SegmentedLinear` of one per shard. Anywhere else (another
+device, an embedding, blocks beside dense shards) it is dequantized.
 """
 
 from __future__ import annotations
@@ -83,14 +84,15 @@ class _Fill:
             self._allocate(name)
         self._copy(name, self._offset(name, shard), value)
 
-    def block(self, name: str, shard: int, value: Blocks) -> None:
+    def block(self, name: str, shard: int, value: Blocks, whole: bool) -> None:
+        """`whole`: the weight in one piece (not a shard of a fused one; or fused in the file, as Phi-3's)."""
         if name in self.filled and name not in self.blocks:  # dense shards came first: dequantize into them
             self._copy(name, self._offset(name, shard), value.dequantize().to(self.dtype))
             return
         held = self.blocks.setdefault(name, {})
         held[shard] = value
         fused = _whole(name)
-        if fused is None or set(held) == {idx for _, idx in STACKED_PARAMS[fused]}:  # complete: pack it now
+        if whole or fused is None or set(held) == {idx for _, idx in STACKED_PARAMS[fused]}:  # complete: pack it now
             del self.blocks[name]
             parts = [held[i] for i in sorted(held)]
             if len({p.format for p in parts}) == 1:
@@ -146,7 +148,7 @@ def load_weights(
         if isinstance(tensor, (BlockWeight, KBlockWeight)):
             linear = isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)
             if linear and device.type == "cpu":
-                fill.block(name, shard, tensor)
+                fill.block(name, shard, tensor, whole=fused is None)
             elif name == embedding and cfg.tie_word_embeddings and device.type == "cpu":
                 tied_head = pack_block_weight(tensor)  # the embedding looks rows up dense; the LM head keeps the blocks
                 fill.dense(name, shard, tensor.dequantize(), whole=True)
