@@ -5,8 +5,7 @@
   against transformers itself too, on a prompt past the window.
 - Q8_0 / Q4_0: the blocks load unchanged (the kernel's packed bytes equal our own quantizer's on the same
   weights), and greedy tokens equal our int8 / int4 path on the same weights.
-- The K family (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1): the blocks load into their own kernels, and --quantization's
-  quantizer writes the same blocks.
+- The K family (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1): test_gguf_kquants.py.
 - Tokenizers come from the file, and bad files fail with one clear line.
 """
 
@@ -25,7 +24,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.attention import causal
 from tokenmill.bench.gguf_export import export_gguf
 from tokenmill.kernels import formats
-from tokenmill.models.linear import KernelLinear, SegmentedLinear
+from tokenmill.models.linear import KernelLinear
 from tokenmill.tokenizer import Tokenizer
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -158,68 +157,6 @@ def test_quantized_gguf_loads_its_blocks_unchanged(
 
 def _kernel_linears(llm: LLM) -> list[tuple[str, KernelLinear]]:
     return [(n, m) for n, m in llm.loaded.model.named_modules() if isinstance(m, KernelLinear)]
-
-
-K_TYPES = {"blk.0.attn_v.weight": "q6_k", "blk.1.ffn_down.weight": "q5_k", "blk.0.ffn_down.weight": "q5_0",
-           "blk.1.attn_output.weight": "q4_1", "blk.0.attn_output.weight": "q5_1",
-           "token_embd.weight": "f32"}  # fmt: skip
-
-
-def _wide_llama(make_checkpoint: Callable[..., Path]) -> Path:
-    return make_checkpoint("llama", hidden_size=256, intermediate_size=512, **SPREAD)  # K-quants need rows of 256
-
-
-def test_k_family_tensors_run_in_their_own_kernels(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
-    """A Q4_K file with the other K-family types mixed in, as llama-quantize's Q4_K_M mixes them: every linear keeps
-    its file's blocks (the kernels' weight is gguf's dequantization exactly), a fused qkv whose v is another type
-    keeps one kernel linear per shard, and the kernels' logits are the pure-torch reference's."""
-    path = export_gguf(_wide_llama(make_checkpoint), tmp_path / "q4_k.gguf", "q4_k", overrides=K_TYPES)
-    gg = LLM(str(path), dtype="float32")
-    assert set(gg.loaded.kernels) == {"q4_k", "q6_k", "q5_k", "q5_0", "q4_1", "q5_1"}
-    layers = gg.loaded.model.model.layers
-    qkv = layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, SegmentedLinear) and [p.format for p in qkv.parts] == ["q4_k", "q4_k", "q6_k"]
-    assert isinstance(layers[1].self_attn.qkv_proj, KernelLinear)  # all of one type: one linear
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    for name, module in [("blk.0.attn_v.weight", qkv.parts[2]), ("blk.1.ffn_down.weight", layers[1].mlp.down_proj),
-                         ("blk.0.ffn_down.weight", layers[0].mlp.down_proj),
-                         ("blk.1.attn_output.weight", layers[1].self_attn.o_proj),
-                         ("blk.0.attn_output.weight", layers[0].self_attn.o_proj)]:  # fmt: skip
-        t = tensors[name]
-        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-        assert torch.equal(formats.unpack(module.packed()), want.view(module.out_features, -1)), name
-    ref = LLM(str(path), dtype="float32", cpu_kernels=False)  # the same blocks, multiplied in torch
-    ids = gg.loaded.tokenizer.encode(PROMPTS[0])
-    torch.testing.assert_close(_logits(gg, ids), _logits(ref, ids), rtol=1e-4, atol=1e-4)
-    want_tokens = _greedy(ref, PROMPTS)
-    assert _greedy(gg, PROMPTS) == want_tokens
-    assert [_greedy(gg, [p])[0] for p in PROMPTS] == want_tokens  # alone as in the batch
-    with pytest.raises(ValueError, match="already holds"):
-        LLM(str(path), quantization="int8")
-
-
-@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_1"])
-def test_our_quantization_and_the_exported_file_hold_the_same_blocks(
-    make_checkpoint: Callable[..., Path], tmp_path: Path, fmt: str
-) -> None:
-    """--quantization q4_k on the HF folder and the GGUF our exporter writes in q4_k: the same quantizer (ggml's
-    reference algorithm), so the same bytes in every kernel linear and the same logits."""
-    ckpt = _wide_llama(make_checkpoint)
-    path = export_gguf(ckpt, tmp_path / f"{fmt}.gguf", fmt, overrides={"token_embd.weight": "f32"})
-    gg = LLM(str(path), dtype="float32")
-    ours = LLM(str(ckpt), dtype="float32", quantization=fmt)
-    assert gg.loaded.kernels == ours.loaded.kernels == {fmt: 2 * 4 + 1}
-    for (name, a), (_, b) in zip(_kernel_linears(gg), _kernel_linears(ours), strict=True):
-        assert torch.equal(a.data, b.data), name
-    ids = ours.loaded.tokenizer.encode(PROMPTS[0])
-    assert torch.equal(_logits(gg, ids), _logits(ours, ids))
-
-
-def test_a_k_quant_falls_back_where_rows_are_not_superblocks(make_checkpoint: Callable[..., Path]) -> None:
-    """Rows of 64 (not a multiple of 256): --quantization q4_k gives those linears Q5_0, as llama-quantize does."""
-    llm = LLM(str(make_checkpoint("qwen2", **SPREAD)), dtype="float32", quantization="q4_k")
-    assert llm.loaded.kernels == {"q5_0": 2 * 4 + 1}
-    assert len(_greedy(llm, PROMPTS[:1])[0]) == GREEDY.max_tokens
 
 
 def test_mixed_shards_of_one_fused_weight_load_dense(exported: Callable[..., Any], tmp_path: Path) -> None:
