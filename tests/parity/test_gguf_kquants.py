@@ -37,6 +37,7 @@ def test_k_family_tensors_run_in_their_own_kernels(make_checkpoint: Callable[...
     qkv = layers[0].self_attn.qkv_proj
     assert isinstance(qkv, SegmentedLinear) and [p.format for p in qkv.parts] == ["q4_k", "q4_k", "q6_k"]
     assert isinstance(layers[1].self_attn.qkv_proj, KernelLinear)  # all of one type: one linear
+    assert gg.engine.runner.decode_stack is not None  # which decodes the mixed qkv as segments
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     for name, module in [("blk.0.attn_v.weight", qkv.parts[2]), ("blk.1.ffn_down.weight", layers[1].mlp.down_proj),
                          ("blk.0.ffn_down.weight", layers[0].mlp.down_proj),

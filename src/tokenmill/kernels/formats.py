@@ -27,6 +27,12 @@ from tokenmill.kernels.panels import BLOCK, FORMATS, PANEL
 
 __all__ = ["BLOCK", "FORMATS", "PANEL"]
 QUANTIZED = ("q8_0", "q4_0", *kformats.KSPECS)  # the formats whose kernels multiply quantized activation rows
+
+
+def format_name(format_id: int) -> str:
+    return next(f for f, i in FORMATS.items() if i == format_id)
+
+
 CHUNK_ROWS = 4096  # rows quantized at a time: bounds the float32 temporaries of a 150k-row LM head
 
 
@@ -251,7 +257,7 @@ def panel_bytes(format_id: int, k: int) -> int:
     """The bytes of one packed panel (PANEL output channels) of a format `format_id` weight k wide."""
     if format_id in (FORMATS["bf16"], FORMATS["f32"]):
         return k * PANEL * (2 if format_id == FORMATS["bf16"] else 4)
-    name = next(f for f, i in FORMATS.items() if i == format_id)
+    name = format_name(format_id)
     if name in kformats.KSPECS:
         spec = kformats.KSPECS[name]
         return k // spec.sb * spec.sb_bytes

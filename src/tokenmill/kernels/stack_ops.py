@@ -16,21 +16,34 @@ from typing import Any
 
 import torch
 
-from tokenmill.kernels.formats import check_packed
+from tokenmill.kernels.formats import FORMATS, PANEL, QUANTIZED, check_packed
+
+QUANTIZED_IDS = {FORMATS[f] for f in QUANTIZED}
 
 
 @dataclass(frozen=True)
 class StackLinear:
-    """A packed linear the stack multiplies by: its weight (uint8 panels), format, [n, k] and bias (float32 [n])."""
+    """A packed linear the stack multiplies by: its weight (uint8 panels), format, [n, k] and bias (float32 [n]).
+    `segments`: output rows [n0, next n0 or n) in another weight and format, after the first's (up to two: a fused
+    projection whose shards came in different quantized formats; csrc/linear/segments.h)."""
 
     weight: torch.Tensor
     format_id: int
     n: int
     k: int
     bias: torch.Tensor | None = None
+    segments: tuple[tuple[torch.Tensor, int, int], ...] = ()  # (weight, format id, n0)
 
-    def spec(self) -> tuple[int, int, int, int, int]:
-        return (self.weight.data_ptr(), self.format_id, self.n, self.k, _ptr(self.bias))
+    def parts(self) -> list[tuple[torch.Tensor, int, int, int]]:
+        """(weight, format id, first row, rows) of every segment, the first included."""
+        starts = [(self.weight, self.format_id, 0), *self.segments]
+        ends = [n0 for _, _, n0 in self.segments] + [self.n]
+        return [(w, f, n0, end - n0) for (w, f, n0), end in zip(starts, ends, strict=True)]
+
+    def spec(self) -> tuple[int, ...]:
+        rest = [v for w, f, n0 in self.segments for v in (w.data_ptr(), f, n0)]
+        rest += [0, 0, self.n] * (2 - len(self.segments))
+        return (self.weight.data_ptr(), self.format_id, self.n, self.k, _ptr(self.bias), *rest)
 
 
 @dataclass(frozen=True)
@@ -76,12 +89,18 @@ class NativeStack:
         self.num_layers, self.vocab = num_layers, 0  # vocab: the head's rows (0: no head)
         self._alive: list[torch.Tensor | None] = [final_norm]  # what the native stack points at
 
-    def _linear(self, lin: StackLinear, n: int | None, k: int) -> tuple[int, int, int, int, int]:
-        check_packed(lin.weight, lin.format_id, lin.n, lin.k)
+    def _linear(self, lin: StackLinear, n: int | None, k: int) -> tuple[int, ...]:
+        if len(lin.segments) > 2:
+            raise ValueError("a stack linear has at most three segments")
+        for weight, format_id, n0, rows in lin.parts():
+            check_packed(weight, format_id, rows, lin.k)
+            if lin.segments and (n0 % PANEL or rows <= 0 or format_id not in QUANTIZED_IDS):
+                raise ValueError("a stack linear's segments are quantized and start on whole panels")
+            self._alive.append(weight)
         if (n is not None and lin.n != n) or lin.k < k:
             raise ValueError(f"a stack linear must be [{n}, >= {k}], got [{lin.n}, {lin.k}]")
         _check(lin.bias, "a linear's bias", (lin.n,), torch.float32)
-        self._alive += [lin.weight, lin.bias]
+        self._alive.append(lin.bias)
         return lin.spec()
 
     def add_layer(self, norms: Sequence[torch.Tensor | None], linears: Sequence[StackLinear]) -> None:

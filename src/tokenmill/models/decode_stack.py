@@ -19,18 +19,37 @@ from torch import nn
 
 from tokenmill.attention import KVBackend, PagedKVCache
 from tokenmill.attention.paged import PagedMetadata, new_slots, padded_tables
-from tokenmill.kernels import Kernels
+from tokenmill.kernels import Kernels, formats
 from tokenmill.kernels.stack_ops import NativeStack, StackLinear, StackShape
 from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
-from tokenmill.models.linear import KernelLinear
+from tokenmill.models.linear import KernelLinear, SegmentedLinear
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.types import LogitsRead, SequenceInput
 
 
 def _linear_spec(m: nn.Module, in_features: int) -> StackLinear | None:
+    if type(m) is SegmentedLinear:
+        return _segments_spec(m, in_features)
     if type(m) is not KernelLinear or m.ops is None or m.in_features != in_features:
         return None
     return StackLinear(m.data, m.format_id, m.out_features, m.padded_in, m.bias)
+
+
+def _segments_spec(m: SegmentedLinear, in_features: int) -> StackLinear | None:
+    """A fused projection of quantized shards in several formats, as one stack linear of up to three segments
+    (each but the last a whole number of panels, all the same packed width)."""
+    parts = [_linear_spec(p, in_features) for p in m.parts]
+    if len(parts) > 3 or any(p is None or formats.format_name(p.format_id) not in formats.QUANTIZED for p in parts):
+        return None
+    specs = [p for p in parts if p is not None]
+    if len({p.k for p in specs}) != 1 or any(p.n % formats.PANEL for p in specs[:-1]):
+        return None
+    starts = list(itertools.accumulate([0] + [p.n for p in specs[:-1]]))
+    biases = [p.bias for p in specs]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [torch.zeros(p.n) if b is None else b for p, b in zip(specs, biases, strict=True)])  # fmt: skip
+    segments = tuple((p.weight, p.format_id, n0) for p, n0 in zip(specs[1:], starts[1:], strict=True))
+    return StackLinear(specs[0].weight, specs[0].format_id, m.out_features, specs[0].k, bias, segments)
 
 
 def _norm(m: nn.Module | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -30,14 +30,12 @@
 #include "attention/decode.h"
 #include "linear/format.h"
 #include "linear/linear.h"
+#include "linear/segments.h"
 #include "ops/fused.h"
 #include "stack/head.h"
 #include "stack/pool.h"
 
 namespace tmk {
-
-// one packed linear: {weight pointer, format, N outputs, K packed inputs, float32 bias pointer or 0}
-using LinearSpec = std::array<int64_t, 5>;
 
 struct LayerSpec {
   uintptr_t in_norm, post_norm, q_norm, k_norm, cache;  // q_norm / k_norm: 0 without (Qwen3 has them)
@@ -252,7 +250,7 @@ class DecodeStack {
   // row b of `src` (width Kx, the model dtype) -> xq_ row b, ready for linear `w` (unless the bf16 pair tiles read
   // src itself); only its columns [k0, k1) where k1 >= 0 (multiples of QK, as prep_row)
   void prep(const char* src, int64_t Kx, const LinearSpec& w, int64_t b, int64_t k0 = 0, int64_t k1 = -1) {
-    const Format F = (Format)w[1];
+    const Format F = row_format(w);
     if (!pairs_apply(F, bf16_, Kx, w[3])) prep_row(src, bf16_, Kx, w[3], F, xq_.data() + b * max_k_, k0, k1);
   }
 
@@ -260,9 +258,8 @@ class DecodeStack {
   // input rows `src` (`width` wide, the model dtype) where the bf16 pair tiles apply
   void panels(const LinearSpec& w, int64_t c, char* out, const char* src, int64_t width) {
     const auto [begin, end] = chunk_panels(w, c);
-    linear_range((Format)w[1], xq_.data(), B_, max_k_, (const uint8_t*)w[0], w[2], w[3],
-                 (const float*)w[4], bf16_ ? nullptr : (float*)out, bf16_ ? (uint16_t*)out : nullptr, begin, end,
-                 bf16_ ? (const uint16_t*)src : nullptr, width);
+    linear_spec_range(w, xq_.data(), B_, max_k_, bf16_ ? nullptr : (float*)out, bf16_ ? (uint16_t*)out : nullptr,
+                      begin, end, bf16_ ? (const uint16_t*)src : nullptr, width);
   }
 
   void input_norm(int64_t l, int64_t b) {
@@ -366,8 +363,8 @@ class DecodeStack {
     silu_mul_rows(Act{gate_up_ + (b * 2 * I_ + k0) * e_, bf16_}, Act{act_ + (b * I_ + k0) * e_, bf16_}, 1, I_,
                   k1 - k0);
     const LinearSpec& w = layers_[l].down;
-    if (!pairs_apply((Format)w[1], bf16_, I_, w[3]))
-      prep_row(act_ + b * I_ * e_, bf16_, I_, w[3], (Format)w[1], xq_.data() + b * max_k_, k0, last ? w[3] : k1);
+    if (!pairs_apply(row_format(w), bf16_, I_, w[3]))
+      prep_row(act_ + b * I_ * e_, bf16_, I_, w[3], row_format(w), xq_.data() + b * max_k_, k0, last ? w[3] : k1);
   }
 
   void final_norm(int64_t b) {
