@@ -24,7 +24,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.attention import causal
 from tokenmill.bench.gguf_export import export_gguf
 from tokenmill.kernels import formats
-from tokenmill.models.linear import KernelLinear
+from tokenmill.models.linear import KernelLinear, SegmentedLinear
 from tokenmill.tokenizer import Tokenizer
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -325,8 +325,9 @@ def _llama_quantize() -> str | None:
 def test_files_from_llama_quantize_load_what_they_hold(
     make_checkpoint: Callable[..., Path], tmp_path: Path, kind: str
 ) -> None:
-    """A file as llama.cpp users have them: every linear holds exactly the file's values (Q8_0/Q4_0 in the kernel
-    formats, the rest dequantized), and where llama-cpp-python is installed, its greedy tokens are our top-1."""
+    """A file as llama.cpp users have them: every linear holds exactly the file's values in its own kernel format
+    (a qkv whose v is another type as one linear per shard), and where llama-cpp-python is installed, its greedy
+    tokens are our top-1."""
     import subprocess
 
     exe = _llama_quantize()
@@ -344,13 +345,16 @@ def test_files_from_llama_quantize_load_what_they_hold(
     for gguf_name, module in [("blk.1.ffn_down.weight", layer.mlp.down_proj), ("blk.1.attn_v.weight", None)]:
         t = types[gguf_name]
         want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-        if module is None:  # v: the last rows of the fused qkv
-            got = formats.unpack(layer.self_attn.qkv_proj.packed())[-want.shape[0] :]
+        qkv = layer.self_attn.qkv_proj
+        if module is None and isinstance(qkv, SegmentedLinear):  # v in another type than q, k: its own linear
+            got = formats.unpack(qkv.parts[-1].packed())
+        elif module is None:  # v: the last rows of the fused qkv
+            got = formats.unpack(qkv.packed())[-want.shape[0] :]
         else:
             got = formats.unpack(module.packed())
         assert torch.equal(got, want.view(got.shape)), (gguf_name, t.tensor_type.name)
-    if kind != "Q4_K_M":
-        assert kind.lower() in gg.loaded.kernels  # (llama-quantize gives Q4_0's output tensor Q6_K)
+    want_kernels = {"q4_k", "q6_k"} if kind == "Q4_K_M" else {kind.lower()}  # (Q4_0's output tensor is Q6_K)
+    assert want_kernels <= set(gg.loaded.kernels), gg.loaded.kernels
     if importlib.util.find_spec("llama_cpp") is not None:
         _assert_llamacpp_top1(gg, out)
 

@@ -21,6 +21,23 @@ def _f32(value: np.floating | float) -> float:
     return float(np.float32(value))
 
 
+def _rdiv(num: np.floating | float, t: torch.Tensor) -> torch.Tensor:
+    """num / t in float32, one rounding as C's division (torch's `scalar / tensor` multiplies by t's reciprocal:
+    two roundings, and now and then another float)."""
+    return torch.full_like(t, _f32(num)) / t
+
+
+def _div(t: torch.Tensor, den: float) -> torch.Tensor:
+    """t / den in float32 with one rounding (torch's `tensor / scalar` may multiply by the reciprocal)."""
+    return t / torch.full_like(t, _f32(den))
+
+
+def _running_max(t: torch.Tensor) -> torch.Tensor:
+    """[R, n] -> [R]: C's `float m = 0; if (v > m) m = v;` over each row (+0.0, never -0.0, where none is > 0)."""
+    top = t.amax(dim=1)
+    return torch.where(top > 0, top, torch.zeros_like(top))
+
+
 def _seq_sum(terms: torch.Tensor) -> torch.Tensor:
     """[R, n] -> [R]: the terms added left to right in float32, as a C loop adds them."""
     total = terms[:, 0].clone()
@@ -42,12 +59,13 @@ def _qkx2(
     sum_w, sum_x = _seq_sum(w), _seq_sum(w * x)
     flat = hi == lo
     span = torch.where(flat, torch.ones_like(hi), hi - lo)
-    iscale = _f32(nmax) / span
-    scale = 1.0 / iscale
+    iscale = _rdiv(nmax, span)
+    scale = _rdiv(1.0, iscale)
     L = torch.round(iscale[:, None] * (x - lo[:, None])).clamp(0, nmax)
     best = _seq_sum(w * _square(scale[:, None] * L + lo[:, None] - x))
     for step in range(nstep + 1):
-        iscale = _f32(np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax)) / span
+        span = torch.where(flat, torch.ones_like(hi), hi - lo)  # (min moves with each better fit, as in ggml)
+        iscale = _rdiv(np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax), span)
         aux = torch.round(iscale[:, None] * (x - lo[:, None])).clamp(0, nmax)
         wl = w * aux
         sum_l, sum_l2, sum_xl = _seq_sum(wl), _seq_sum(wl * aux), _seq_sum(wl * x)
@@ -78,11 +96,11 @@ def _qx(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
         lv = torch.round(iscale[:, None] * x).clamp(-nmax, nmax - 1)
         return lv, _seq_sum(w * x * lv), _seq_sum(w * lv * lv)
 
-    lv, sumlx, suml2 = attempt(_f32(-nmax) / top)
+    lv, sumlx, suml2 = attempt(_rdiv(-nmax, top))
     scale = torch.where(suml2 != 0, sumlx / suml2, torch.zeros_like(suml2))
     best = scale * sumlx
     for step in [*range(-9, 0), *range(1, 10)]:
-        cand, sumlx, suml2 = attempt(_f32(-(np.float32(nmax) + np.float32(0.1) * np.float32(step))) / top)
+        cand, sumlx, suml2 = attempt(_rdiv(-(np.float32(nmax) + np.float32(0.1) * np.float32(step)), top))
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
         lv = torch.where(better[:, None], cand, lv)
         scale = torch.where(better, sumlx / suml2, scale)
@@ -101,15 +119,15 @@ def _k_superblocks(x: torch.Tensor, fmt: str) -> KBlockWeight:
     n, k = x.shape
     nmax, rmin, nstep = (15, -1.0, 20) if fmt == "q4_k" else (31, -0.5, 15)
     sub = x.reshape(-1, 32)  # [R * 8, 32]
-    av = torch.sqrt(_seq_sum(sub * sub) / _f32(32))
+    av = torch.sqrt(_div(_seq_sum(sub * sub), 32))
     scales, L, mins = _qkx2(sub, av[:, None] + sub.abs(), nmax, rmin, 0.1, nstep)
     scales, mins = scales.view(-1, 8), mins.view(-1, 8)
-    max_scale, max_min = scales.amax(1).clamp(min=0.0), mins.amax(1).clamp(min=0.0)
-    inv_scale = torch.where(max_scale > 0, _f32(63) / max_scale, torch.zeros_like(max_scale))
-    inv_min = torch.where(max_min > 0, _f32(63) / max_min, torch.zeros_like(max_min))
+    max_scale, max_min = _running_max(scales), _running_max(mins)
+    inv_scale = torch.where(max_scale > 0, _rdiv(63, max_scale), torch.zeros_like(max_scale))
+    inv_min = torch.where(max_min > 0, _rdiv(63, max_min), torch.zeros_like(max_min))
     ls = _uint8(torch.round(inv_scale[:, None] * scales)).clamp(max=63)
     lm = _uint8(torch.round(inv_min[:, None] * mins)).clamp(max=63)
-    d, dmin = (max_scale / _f32(63)).half(), (max_min / _f32(63)).half()
+    d, dmin = _div(max_scale, 63).half(), _div(max_min, 63).half()
     dd = (d.float()[:, None] * ls).view(-1)  # [R * 8]
     dm = (dmin.float()[:, None] * lm).view(-1)
     safe = torch.where(dd == 0, torch.ones_like(dd), dd)
@@ -128,8 +146,8 @@ def _q6_k(x: torch.Tensor) -> KBlockWeight:
     index = scales.abs().argmax(dim=1, keepdim=True)
     max_scale = scales.gather(1, index)[:, 0]
     zero = max_scale.abs() < 1e-15
-    iscale = _f32(-128) / torch.where(zero, torch.ones_like(max_scale), max_scale)
-    d = torch.where(zero, torch.zeros_like(iscale), 1.0 / iscale).half()
+    iscale = _rdiv(-128, torch.where(zero, torch.ones_like(max_scale), max_scale))
+    d = torch.where(zero, torch.zeros_like(iscale), _rdiv(1.0, iscale)).half()
     sc = torch.round(iscale[:, None] * scales).clamp(max=127)
     sc = torch.where(zero[:, None], torch.zeros_like(sc), sc)
     dd = (d.float()[:, None] * sc).view(-1)
@@ -146,14 +164,14 @@ def _legacy(x: torch.Tensor, fmt: str) -> KBlockWeight:
     b = x.reshape(-1, 32)
     if fmt == "q5_0":
         index = b.abs().argmax(dim=1, keepdim=True)  # the first of equal magnitudes
-        d = b.gather(1, index)[:, 0] / _f32(-16)
-        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        d = _div(b.gather(1, index)[:, 0], -16)
+        inv = torch.where(d != 0, _rdiv(1.0, d), torch.zeros_like(d))
         q = torch.trunc(b * inv[:, None] + _f32(16.5)).clamp(max=31)
         return KBlockWeight(fmt, q.to(torch.uint8).view(n, k), d.half().view(n, -1))
     top = 15 if fmt == "q4_1" else 31
     lo, hi = b.amin(dim=1), b.amax(dim=1)
-    d = (hi - lo) / _f32(top)
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    d = _div(hi - lo, top)
+    inv = torch.where(d != 0, _rdiv(1.0, d), torch.zeros_like(d))
     q = torch.trunc((b - lo[:, None]) * inv[:, None] + _f32(0.5)).clamp(max=top)
     return KBlockWeight(fmt, q.to(torch.uint8).view(n, k), d.half().view(n, -1), (-lo.half()).view(n, -1))
 
