@@ -116,3 +116,21 @@ def test_integer_sums_do_not_saturate(ops: kernels.Kernels, fmt: str) -> None:
     expected = reference_linear(x, packed)
     atol = 1e-5 * expected.abs().max().item()
     torch.testing.assert_close(_linear(ops, packed, x, None), expected, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", *KSPECS])
+def test_the_kernels_repack_a_gguf_tensor_into_the_bytes_torch_packs(ops: kernels.Kernels, fmt: str) -> None:
+    """The loader's one-pass repack (csrc/linear/repack.h) from the file's bytes equals decoding the numbers and
+    packing them in torch, byte for byte; rows past N stay zero."""
+    from tokenmill.kernels.raw_blocks import RawBlocks, pack_raw
+
+    sb = KSPECS[fmt].sb if fmt in KSPECS else 32
+    n, k = 37, 3 * sb
+    if fmt in KSPECS:
+        raw = torch.from_numpy(random_rows(fmt, n, k, seed=4))
+    else:  # Q8_0 / Q4_0 rows from gguf's own quantizer
+        w = np.random.default_rng(4).standard_normal((n, k)).astype(np.float32)
+        raw = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt.upper()]))
+    blocks = RawBlocks(fmt, raw, k)
+    ours, want = pack_raw(blocks, ops), pack_raw(blocks, None)
+    assert ours.format == want.format and torch.equal(ours.data, want.data)

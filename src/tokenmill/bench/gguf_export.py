@@ -52,7 +52,9 @@ _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")  # single digits
 _SPLIT_REGEX_TO_PRE = {_GPT2_REGEX: "gpt-2", _LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
 
 
-def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16", overrides: dict[str, str] | None = None) -> Path:
+def export_gguf(
+    hf_dir: Path, out_path: Path, dtype: str = "bf16", overrides: dict[str, str] | None = None, name: str | None = None
+) -> Path:
     """Convert the HF checkpoint folder `hf_dir` to the GGUF file `out_path` with weights in `dtype`; `overrides`
     gives single tensors (by GGUF name) another type, as llama-quantize's `--tensor-type`."""
     import gguf
@@ -75,7 +77,7 @@ def export_gguf(hf_dir: Path, out_path: Path, dtype: str = "bf16", overrides: di
     out_path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
     try:
-        writer.add_name(hf_dir.name)
+        writer.add_name(name or hf_dir.name)  # (llama.cpp reads it: a "phi3" name asks for Phi-3's special tokens)
         writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[dtype]])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         arch_name = gguf.MODEL_ARCH_NAMES[arch]

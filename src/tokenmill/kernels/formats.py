@@ -227,17 +227,7 @@ class BlockWeight:
         return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), parts[0].format)
 
 
-Blocks = BlockWeight | kformats.KBlockWeight  # a weight still in a GGUF's blocks, of any format the kernels take
-
-
-def cat_blocks(parts: list[Blocks]) -> Blocks:
-    """Stack the rows of weights of one format (the shards of a fused projection)."""
-    if isinstance(parts[0], kformats.KBlockWeight):
-        return kformats.KBlockWeight.cat(parts)  # type: ignore[arg-type]
-    return BlockWeight.cat(parts)  # type: ignore[arg-type]
-
-
-def pack_block_weight(w: Blocks) -> PackedWeight:
+def pack_block_weight(w: BlockWeight | kformats.KBlockWeight) -> PackedWeight:
     """A weight in ggml's blocks -> its kernel format, the same numbers (only their order changes)."""
     n, k = w.shape
     n_padded = -(-n // PANEL) * PANEL

@@ -6,10 +6,10 @@ vocabulary) and dequantized, where needed, by the `gguf` package.
   table (no `output.weight`: tied embeddings; `attn_q.bias`: attention biases; `rope_freqs`: llama3 RoPE;
   `rope_factors_long/short`: Phi-3's LongRoPE). `attention.sliding_window` gives the `llama` arch (Mistral v0.1)
   and `phi3` a window in every layer (0: none, as Phi-4's files say).
-- Tensors: F32, F16 and BF16 load as they are. Q8_0 and Q4_0 arrive as `BlockWeight`s, ggml's own blocks, and
-  Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and Q4_1 (the Q4_K_M, Q5_K_M and Q6_K mixes) as `KBlockWeight`s, their numbers
-  (kernels/kformats.py): the loader repacks both into kernel formats without re-quantizing, read straight from the
-  map. The other ggml types in `DEQUANTIZED` (Q2_K, Q3_K) are dequantized with a one-line notice.
+- Tensors: F32, F16 and BF16 load as they are. Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and Q4_1 (the Q4_K_M,
+  Q5_K_M and Q6_K mixes) arrive as `RawBlocks`, their rows of ggml blocks in the map itself, which the loader
+  repacks into the kernel formats in one pass, without re-quantizing (kernels/raw_blocks.py). The other ggml
+  types in `DEQUANTIZED` (Q2_K, Q3_K) are dequantized with a one-line notice.
 - llama.cpp's `llama` arch rotates interleaved pairs where HF rotates halves, and its converter permutes the Q/K
   rows for that; they are permuted back here. The other archs rotate halves, as HF does. `phi3` keeps q|k|v and
   gate|up fused, as HF's Phi-3 does. RoPE over part of the head (Phi-4-mini) is refused.
@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.kernels.formats import BLOCK, Blocks, BlockWeight
-from tokenmill.kernels.kformats import GGUF_KTYPES, decode_gguf_rows
+from tokenmill.kernels.raw_blocks import GGUF_BLOCK_TYPES, RawBlocks
 from tokenmill.weights.gguf_names import gguf_to_hf
 
 if TYPE_CHECKING:
@@ -42,7 +41,6 @@ WINDOWED = ("llama", "phi3")  # archs whose `attention.sliding_window` holds in 
 # says) one global layer in every 6
 GEMMA3_LOCAL_ROPE_BASE, GEMMA3_PATTERN = 10000.0, 6
 DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-BLOCKS = {"Q8_0": "q8_0", "Q4_0": "q4_0"}  # ggml type -> our kernel format, block for block
 DEQUANTIZED = ("Q2_K", "Q3_K")
 _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # config, not weights
 
@@ -67,7 +65,7 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"GGUF architecture {self.arch!r} in {path} is not supported; supported: "
                                  f"{', '.join(GGUF_ARCHS)}")  # fmt: skip
         self.tensors = {t.name: t for t in self.reader.tensors}
-        supported = (*DENSE, *BLOCKS, *GGUF_KTYPES, *DEQUANTIZED)
+        supported = (*DENSE, *GGUF_BLOCK_TYPES, *DEQUANTIZED)
         for t in self.reader.tensors:
             kind = t.tensor_type.name
             if kind not in supported:
@@ -102,7 +100,7 @@ class GGUFCheckpoint:
 
     def block_formats(self) -> set[str]:
         """The kernel formats the file's block tensors load as."""
-        kinds = {**BLOCKS, **GGUF_KTYPES}
+        kinds = GGUF_BLOCK_TYPES
         return {kinds[t.tensor_type.name] for t in self.reader.tensors if t.tensor_type.name in kinds}
 
     def hf_config(self) -> dict[str, Any]:
@@ -218,7 +216,7 @@ class GGUFCheckpoint:
                                  f"{head_dim // 2}")  # fmt: skip
         return values
 
-    def iter_tensors(self, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor | Blocks, str]]:
+    def iter_tensors(self, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor | RawBlocks, str]]:
         """(HF name, tensor or blocks, file) for every model tensor, Q/K rows un-permuted for the llama arch."""
         dequantized: dict[str, int] = {}
         for t in self.reader.tensors:
@@ -240,15 +238,13 @@ class GGUFCheckpoint:
             print(f"tokenmill: {self.path.name}: {kinds} tensor(s) have no tokenmill kernel and were dequantized "
                   "(to the model dtype)", file=sys.stderr, flush=True)  # fmt: skip
 
-    def _value(self, t: GGUFTensor, dequantized: dict[str, int]) -> torch.Tensor | Blocks:
+    def _value(self, t: GGUFTensor, dequantized: dict[str, int]) -> torch.Tensor | RawBlocks:
         kind, shape = t.tensor_type.name, [int(n) for n in reversed(t.shape)]  # torch order: [rows, cols]
-        if kind in GGUF_KTYPES:  # decoded from the map: new tensors, so no copy of the bytes first
-            return decode_gguf_rows(GGUF_KTYPES[kind], _torch_bytes(t.data, copy=False).view(shape[0], -1), shape[1])
+        if kind in GGUF_BLOCK_TYPES:  # read from the map in place: the loader repacks them in one pass
+            return RawBlocks(GGUF_BLOCK_TYPES[kind], _torch_bytes(t.data, copy=False).view(shape[0], -1), shape[1])
         raw = _torch_bytes(t.data)
         if kind in DENSE:
             return raw.view(DENSE[kind]).view(shape)
-        if kind in BLOCKS:
-            return _blocks(raw.view(shape[0], -1), BLOCKS[kind])
         import gguf
 
         dequantized[kind] = dequantized.get(kind, 0) + 1
@@ -264,19 +260,7 @@ def _torch_bytes(data: np.ndarray, copy: bool = True) -> torch.Tensor:
         return (raw.clone() if copy else raw).view(-1)
 
 
-def _blocks(raw: torch.Tensor, fmt: str) -> BlockWeight:
-    """ggml block rows [N, nb * bytes] -> BlockWeight: Q8_0 = {fp16 d, int8 q[32]}; Q4_0 = {fp16 d, uint8 qs[16]},
-    qs[j] holding element j in its low nibble and element j + 16 in its high one."""
-    n = raw.shape[0]
-    per_block = 2 + (BLOCK if fmt == "q8_0" else BLOCK // 2)
-    b = raw.view(n, -1, per_block)
-    d = b[..., :2].contiguous().view(torch.float16).view(n, -1)  # [N, nb]
-    qs = b[..., 2:]
-    q = qs.contiguous().view(torch.int8) if fmt == "q8_0" else torch.cat([qs & 15, qs >> 4], dim=-1)
-    return BlockWeight(q.reshape(n, -1), d, fmt)
-
-
-def _unpermute(value: torch.Tensor | Blocks, heads: int) -> torch.Tensor | Blocks:
+def _unpermute(value: torch.Tensor | RawBlocks, heads: int) -> torch.Tensor | RawBlocks:
     """Undo convert_hf_to_gguf's Q/K permutation: per head, rows [x0, y0, x1, y1, ...] -> [x0, x1, ..., y0, y1, ...]."""
     rows = value.shape[0]
     index = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)

@@ -6,7 +6,7 @@ Phi-3's, fills them whole). A family's `hf_transposed` tensors are stored [in, o
 around. Every parameter must be filled exactly once and every checkpoint tensor must land somewhere, so a
 mismatched checkpoint fails loudly.
 
-A tensor can also arrive as ggml blocks (`formats.Blocks`: a GGUF's Q8_0/Q4_0, K-quants, Q5_0/Q5_1/Q4_1). On the
+A tensor can also arrive as ggml blocks (`RawBlocks`: a GGUF's Q8_0/Q4_0, K-quants, Q5_0/Q5_1/Q4_1). On the
 CPU its linear becomes a `KernelLinear` of that format from the blocks as they are; a fused projection stays in
 blocks when all of its shards are blocks (or when it arrives whole: a phi3 GGUF's `attn_qkv`, `ffn_up`): one
 `KernelLinear` where they share a format, else a `SegmentedLinear` of one per shard. Anywhere else (another
@@ -17,19 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
-from tokenmill.kernels.formats import Blocks, BlockWeight, PackedWeight, cat_blocks, pack_block_weight
-from tokenmill.kernels.kformats import KBlockWeight
+from tokenmill.kernels.formats import PackedWeight
+from tokenmill.kernels.raw_blocks import RawBlocks, pack_raw
 from tokenmill.models import CausalLM
 from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
 
-Value = torch.Tensor | Blocks
+Value = torch.Tensor | RawBlocks
 Tensors = Iterable[tuple[str, Value, str]]  # (HF tensor name, value, where it came from)
 
 
@@ -65,8 +66,9 @@ class _Fill:
     model: CausalLM
     dtype: torch.dtype
     device: torch.device
+    ops: Any | None = None  # the compiled kernels, which repack blocks in one pass (else torch does)
     filled: dict[str, set[int]] = field(default_factory=dict)
-    blocks: dict[str, dict[int, Blocks]] = field(default_factory=dict)  # a weight's shards so far
+    blocks: dict[str, dict[int, RawBlocks]] = field(default_factory=dict)  # a weight's shards so far
     # whole weights, packed as soon as complete: one format, or one per shard (in shard order)
     packed: dict[str, PackedWeight | list[PackedWeight]] = field(default_factory=dict)
 
@@ -84,7 +86,7 @@ class _Fill:
             self._allocate(name)
         self._copy(name, self._offset(name, shard), value)
 
-    def block(self, name: str, shard: int, value: Blocks, whole: bool) -> None:
+    def block(self, name: str, shard: int, value: RawBlocks, whole: bool) -> None:
         """`whole`: the weight in one piece (not a shard of a fused one; or fused in the file, as Phi-3's)."""
         if name in self.filled and name not in self.blocks:  # dense shards came first: dequantize into them
             self._copy(name, self._offset(name, shard), value.dequantize().to(self.dtype))
@@ -96,9 +98,9 @@ class _Fill:
             del self.blocks[name]
             parts = [held[i] for i in sorted(held)]
             if len({p.format for p in parts}) == 1:
-                self.packed[name] = pack_block_weight(cat_blocks(parts))
+                self.packed[name] = pack_raw(RawBlocks.cat(parts), self.ops)
             else:  # shards of several formats: each keeps its own
-                self.packed[name] = [pack_block_weight(p) for p in parts]
+                self.packed[name] = [pack_raw(p, self.ops) for p in parts]
 
     def _allocate(self, name: str) -> None:
         shape = self.model.get_parameter(name).shape
@@ -127,7 +129,7 @@ def load_weights(
     cfg = model.config
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
     shard_sizes = _shard_sizes(cfg)
-    fill = _Fill(model, dtype, device)
+    fill = _Fill(model, dtype, device, _repacker(device))
     tied_head: PackedWeight | None = None
     embedding = _embedding_name(model)
     for hf_name, tensor, where in tensors:
@@ -145,12 +147,14 @@ def load_weights(
             )
         whole = _whole(name)
         shards = {idx for _, idx in STACKED_PARAMS[whole]} if whole and fused is None else {shard}
-        if isinstance(tensor, (BlockWeight, KBlockWeight)):
+        if isinstance(tensor, RawBlocks):
             linear = isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)
             if linear and device.type == "cpu":
                 fill.block(name, shard, tensor, whole=fused is None)
             elif name == embedding and cfg.tie_word_embeddings and device.type == "cpu":
-                tied_head = pack_block_weight(tensor)  # the embedding looks rows up dense; the LM head keeps the blocks
+                tied_head = pack_raw(
+                    tensor, fill.ops
+                )  # the embedding looks rows up dense; the LM head keeps the blocks
                 fill.dense(name, shard, tensor.dequantize(), whole=True)
             else:
                 fill.dense(name, shard, tensor.dequantize(), whole=fused is None)
@@ -170,6 +174,15 @@ def load_weights(
         if isinstance(module, RotaryEmbedding):
             module.materialize(device)
     return model.eval()
+
+
+def _repacker(device: torch.device) -> Any | None:
+    """The compiled kernels for repacking a GGUF's blocks, where they load here (None: torch packs them)."""
+    if device.type != "cpu":
+        return None
+    from tokenmill import kernels
+
+    return kernels.active()
 
 
 def _model_name(model: CausalLM, hf_name: str) -> str | None:

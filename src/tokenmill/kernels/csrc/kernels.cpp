@@ -22,6 +22,7 @@
 #include "linear/format.h"
 #include "linear/linear.h"
 #include "linear/qrow.h"
+#include "linear/repack.h"
 #include "linear/type_traits.h"
 #include "ops/fused.h"
 #include "ops/logprobs.h"
@@ -67,6 +68,15 @@ void quantize_rows(uintptr_t x_ptr, int64_t M, int64_t K, uintptr_t d_ptr, uintp
     std::memcpy((float*)d_ptr + m * nb, row.data(), nb * 4);
     std::memcpy((int8_t*)q_ptr + m * K, qrow(row.data(), nb).q, K);
   }
+}
+
+// A GGUF tensor's rows of ggml blocks (row_bytes apart, format's ggml type) -> the packed weight at dst
+// (linear/repack.h), the panels split across threads
+void repack_gguf(uintptr_t src, int64_t format, int64_t N, int64_t K, int64_t row_bytes, uintptr_t dst) {
+  const auto F = static_cast<Format>(format);
+  at::parallel_for(0, (N + P - 1) / P, 16, [&](int64_t begin, int64_t end) {
+    repack_panels(F, (const uint8_t*)src, row_bytes, N, K, (uint8_t*)dst, begin, end);
+  });
 }
 
 // The packed weight back as float32 out[N, K] (the prefill path multiplies it with torch's own GEMM)
@@ -289,6 +299,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   };
   m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
   m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
+  m.def("repack_gguf", &tmk::repack_gguf, "a GGUF tensor's ggml blocks -> the packed weight, on raw pointers");
   m.def("quantize_rows", &tmk::quantize_rows, "float32 rows -> their Q8_0 scales and values (the quantized linears)");
   m.def("rmsnorm", &tmk::rmsnorm, "residual += x (if given); out = rmsnorm(.) * weight");
   m.def("rope", &tmk::rope, "rotate-half RoPE in place");

@@ -1,0 +1,72 @@
+"""A GGUF tensor still in ggml's blocks, as the file holds them: `RawBlocks`, uint8 rows read straight from the
+memory map (no copy). The loader turns it into a kernel format in one pass where the compiled kernels are at hand
+(csrc/linear/repack.h: the file's bytes to the panels, split across threads), else by decoding its numbers in
+torch (formats.py, kformats.py) and packing those: both give the same bytes. Its rows can be reordered and
+stacked as they are, because every row of blocks is independent (llama's Q/K un-permutation, fused projections).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenmill.kernels import kformats
+from tokenmill.kernels.formats import (
+    BLOCK,
+    FORMATS,
+    PANEL,
+    BlockWeight,
+    PackedWeight,
+    pack_block_weight,
+    panel_bytes,
+)
+
+# ggml type -> our kernel format, block for block
+GGUF_BLOCK_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", **kformats.GGUF_KTYPES}
+
+
+@dataclass(frozen=True)
+class RawBlocks:
+    format: str  # the kernel format the blocks become (GGUF_BLOCK_TYPES)
+    raw: torch.Tensor  # uint8 [N, K / block k * block bytes]
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.k)
+
+    def rows(self, index: torch.Tensor) -> RawBlocks:
+        return RawBlocks(self.format, self.raw[index], self.k)
+
+    @staticmethod
+    def cat(parts: list[RawBlocks]) -> RawBlocks:
+        """The rows of weights of one format stacked (the shards of a fused projection)."""
+        return RawBlocks(parts[0].format, torch.cat([p.raw for p in parts]), parts[0].k)
+
+    def numbers(self) -> BlockWeight | kformats.KBlockWeight:
+        """The blocks' numbers, decoded in torch (the reference for the kernels' repack)."""
+        if self.format in kformats.KSPECS:
+            return kformats.decode_gguf_rows(self.format, self.raw, self.k)
+        n = self.raw.shape[0]
+        b = self.raw.reshape(n, -1, 2 + (BLOCK if self.format == "q8_0" else BLOCK // 2))  # {fp16 d, qs}
+        d = b[..., :2].contiguous().view(torch.float16).view(n, -1)  # [N, K/32]
+        qs = b[..., 2:]  # Q4_0: byte j holds element j in its low nibble, j + 16 in its high one
+        q = qs.contiguous().view(torch.int8) if self.format == "q8_0" else torch.cat([qs & 15, qs >> 4], dim=-1)
+        return BlockWeight(q.reshape(n, -1), d, self.format)
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32
+        return self.numbers().dequantize()
+
+
+def pack_raw(w: RawBlocks, ops: Any | None) -> PackedWeight:
+    """The blocks in their kernel format: repacked by the compiled kernels `ops` where given, else decoded and
+    packed in torch."""
+    n, k = w.shape
+    if ops is None:
+        return pack_block_weight(w.numbers())
+    raw = w.raw.contiguous()
+    out = torch.empty(-(-n // PANEL) * panel_bytes(FORMATS[w.format], k), dtype=torch.uint8)
+    ops.module.repack_gguf(raw.data_ptr(), FORMATS[w.format], n, k, raw.shape[1], out.data_ptr())
+    return PackedWeight(out, w.format, n, k, k)
