@@ -70,3 +70,12 @@ def pack_raw(w: RawBlocks, ops: Any | None) -> PackedWeight:
     out = torch.empty(-(-n // PANEL) * panel_bytes(FORMATS[w.format], k), dtype=torch.uint8)
     ops.module.repack_gguf(raw.data_ptr(), FORMATS[w.format], n, k, raw.shape[1], out.data_ptr())
     return PackedWeight(out, w.format, n, k, k)
+
+
+def dequantize_raw(w: RawBlocks, ops: Any | None, packed: PackedWeight | None = None) -> torch.Tensor:
+    """The blocks as float32 [N, K] (an embedding's table, a weight that stays dense): unpacked by the compiled
+    kernels from their panels (`packed`, or packed here), else decoded in torch; the same numbers either way."""
+    if ops is None:
+        return w.dequantize()
+    p = packed or pack_raw(w, ops)
+    return ops.unpack(p.data, FORMATS[p.format], p.out_features, p.padded_in)[:, : p.in_features]

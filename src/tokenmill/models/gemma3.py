@@ -23,7 +23,7 @@ from tokenmill.attention import KVBackend
 from tokenmill.config import ModelConfig, RopeConfig, rope_from_hf
 from tokenmill.errors import ConfigError
 from tokenmill.models.family import ModelFamily
-from tokenmill.models.layers import Attention, CausalLM, GatedMLP, RotaryEmbedding, apply_rotary
+from tokenmill.models.layers import Attention, CausalLM, GatedMLP, RotaryEmbedding, apply_rotary, embedding
 
 SLIDING = "sliding_attention"
 
@@ -91,7 +91,7 @@ class Gemma3Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_scale = cfg.hidden_size**0.5
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)

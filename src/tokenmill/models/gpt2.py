@@ -21,7 +21,7 @@ from tokenmill.attention import KVBackend
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError
 from tokenmill.models.family import ModelFamily
-from tokenmill.models.layers import CausalLM, activation
+from tokenmill.models.layers import CausalLM, activation, embedding
 from tokenmill.models.linear import Linear
 
 
@@ -67,8 +67,8 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.wte = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 

@@ -134,7 +134,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
         self.rope, self.head_dim = rope, head_dim
-        inv_freq, self.scale = rope_inv_freq(rope, head_dim)
+        with torch.device("cpu"):  # (on the meta device, where models are built, `theta ** t` imports torch._dynamo:
+            inv_freq, self.scale = rope_inv_freq(rope, head_dim)  # ~1.8 s of a start; `materialize` redoes it)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [Dh/2] float32
         # LongRoPE: positions from `long_from` on rotate by the long factors (HF switches a whole forward once
         # its length passes the original context; here each token goes by its own position)
@@ -292,12 +293,18 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual  # fmt: skip
 
 
+def embedding(rows: int, dim: int) -> nn.Embedding:
+    """An nn.Embedding left uninitialised (the checkpoint fills it): its normal_ init on the meta device, where
+    models are built, imports torch._dynamo, 1.4-2 s of every start (Xeon)."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 class DecoderModel(nn.Module):
     """Embeddings -> decoder layers -> final norm. Named like HF's `model.*` so weights map one to one."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)

@@ -25,7 +25,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.formats import PackedWeight
-from tokenmill.kernels.raw_blocks import RawBlocks, pack_raw
+from tokenmill.kernels.raw_blocks import RawBlocks, dequantize_raw, pack_raw
 from tokenmill.models import CausalLM
 from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
@@ -152,12 +152,11 @@ def load_weights(
             if linear and device.type == "cpu":
                 fill.block(name, shard, tensor, whole=fused is None)
             elif name == embedding and cfg.tie_word_embeddings and device.type == "cpu":
-                tied_head = pack_raw(
-                    tensor, fill.ops
-                )  # the embedding looks rows up dense; the LM head keeps the blocks
-                fill.dense(name, shard, tensor.dequantize(), whole=True)
+                # the embedding looks rows up dense; the LM head keeps the blocks
+                tied_head = pack_raw(tensor, fill.ops)
+                fill.dense(name, shard, dequantize_raw(tensor, fill.ops, tied_head), whole=True)
             else:
-                fill.dense(name, shard, tensor.dequantize(), whole=fused is None)
+                fill.dense(name, shard, dequantize_raw(tensor, fill.ops), whole=fused is None)
         else:
             fill.dense(name, shard, tensor, whole=fused is None)
         fill.filled.setdefault(name, set()).update(shards)
