@@ -16,6 +16,7 @@ from tokenmill import LLM
 from tokenmill.bench.gguf_export import export_gguf
 from tokenmill.kernels import formats
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
+from tokenmill.models.packed_embedding import PackedEmbedding
 
 K_TYPES = {"blk.0.attn_v.weight": "q6_k", "blk.1.ffn_down.weight": "q5_k", "blk.0.ffn_down.weight": "q5_0",
            "blk.1.attn_output.weight": "q4_1", "blk.0.attn_output.weight": "q5_1",
@@ -83,3 +84,26 @@ def test_a_k_quant_falls_back_where_rows_are_not_superblocks(make_checkpoint: Ca
     llm = LLM(str(make_checkpoint("qwen2", **SPREAD)), dtype="float32", quantization="q4_k")
     assert llm.loaded.kernels == {"q5_0": 2 * 4 + 1}
     assert len(_greedy(llm, PROMPTS[:1])[0]) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q6_k"])
+def test_a_quantized_embedding_stays_in_its_blocks(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, fmt: str
+) -> None:
+    """A quantized token_embd is looked up in its own blocks (no dense table beside the file's), a tied LM head
+    multiplies by the very same panels, and the decode stack reads its rows itself: the same tokens as the modules'
+    path, and each looked-up row is gguf's dequantization of that row."""
+    ckpt = make_checkpoint("qwen2", hidden_size=256, intermediate_size=512, tie_word_embeddings=True, **SPREAD)
+    path = export_gguf(ckpt, tmp_path / f"{fmt}.gguf", fmt)
+    gg = LLM(str(path), dtype="float32")
+    emb = gg.loaded.model.embeddings()
+    assert isinstance(emb, PackedEmbedding) and emb.format == fmt
+    assert gg.loaded.model.lm_head.data is emb.data  # one copy of the panels
+    stack = gg.engine.runner.decode_stack
+    assert stack is not None and stack.greedy_ready
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    table = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).view(emb.num_embeddings, -1)
+    ids = torch.tensor([0, 5, 383, 17])
+    assert torch.equal(emb(ids), table[ids])
+    modules = LLM(str(path), dtype="float32", batch_invariant=True)
+    assert _greedy(gg, PROMPTS) == _greedy(modules, PROMPTS)

@@ -105,13 +105,16 @@ def _memory(model: LoadedModel, core: EngineCore) -> str:
     """Where the memory goes at start: the weights, the KV pool (reserved; a CPU pool's pages fill in as its blocks
     are first used) and the process's resident set."""
     import psutil
+    from torch import nn
 
     from tokenmill.attention import PagedKVCache
     from tokenmill.models.linear import weight_bytes
 
     mb = 2**20
-    embedding = model.model.embeddings().weight
-    tied = getattr(model.model.lm_head, "weight", None) is embedding  # then weight_bytes counted it as the head
+    emb = model.model.embeddings()
+    embedding = emb.weight if isinstance(emb, nn.Embedding) else emb.data  # a table, or a PackedEmbedding's panels
+    head = model.model.lm_head
+    tied = getattr(head, "weight", getattr(head, "data", None)) is embedding  # weight_bytes counted it as the head
     weights = weight_bytes(model.model) + (0 if tied else embedding.nbytes)
     pool = getattr(core.runner, "kv", None)
     kv = pool.cache.nbytes if isinstance(pool, PagedKVCache) else 0

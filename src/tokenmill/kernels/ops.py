@@ -63,6 +63,17 @@ class Kernels:
         self.module.unpack(packed.data_ptr(), format_id, n, k, out.data_ptr())
         return out
 
+    def unpack_rows(self, packed: torch.Tensor, format_id: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (int64 [T], each in [0, n)) of a packed quantized weight as float32 [T, k]: an embedding
+        looked up in its blocks."""
+        check_packed(packed, format_id, n, k)
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise IndexError(f"index out of range: the embedding has {n} rows")
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+        self.module.unpack_rows(packed.data_ptr(), format_id, k, ids.data_ptr(), ids.numel(), out.data_ptr())
+        return out
+
     def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 x [M, K] (K a multiple of 32) -> (int8 q [M, K], float32 d [M, K/32]), as the quantized linears
         quantize their input (formats.quantize_activations is the reference)."""

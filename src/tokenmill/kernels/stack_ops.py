@@ -87,6 +87,7 @@ class NativeStack:
                                              shape.head_dim, shape.intermediate, eps, self.num_slots,
                                              final_norm.data_ptr(), num_layers, threads)  # fmt: skip
         self.num_layers, self.vocab = num_layers, 0  # vocab: the head's rows (0: no head)
+        self.packed_embedding: tuple[torch.Tensor, int] | None = None  # (panels, rows): set_packed_embedding
         self._alive: list[torch.Tensor | None] = [final_norm]  # what the native stack points at
 
     def _linear(self, lin: StackLinear, n: int | None, k: int) -> tuple[int, ...]:
@@ -119,6 +120,21 @@ class NativeStack:
         self._alive += list(norms)
         self.native.add_layer(*(_ptr(n) for n in norms), self.cache[layer].data_ptr(), *specs)
 
+    def set_packed_embedding(self, packed: torch.Tensor, format_id: int, rows: int, k: int) -> None:
+        """The embedding is a quantized weight's panels [rows, k >= d] (its rows unpacked as they are looked up);
+        the step calls then take `packed` itself as their `embed`."""
+        if format_id not in QUANTIZED_IDS or k < self.shape.d:
+            raise ValueError(f"a packed embedding is quantized and at least {self.shape.d} wide")
+        check_packed(packed, format_id, rows, k)
+        self.native.set_packed_embedding(format_id, k)
+        self.packed_embedding = (packed, rows)
+        self._alive.append(packed)
+
+    def _rows(self, embed: torch.Tensor) -> int:
+        """The embedding's rows (a packed one's as set, a table's its first dimension)."""
+        packed = self.packed_embedding
+        return packed[1] if packed is not None and embed is packed[0] else embed.shape[0]
+
     def set_head(self, head: StackLinear) -> None:
         self.native.set_head(self._linear(head, None, self.shape.d))
         self.vocab = head.n
@@ -131,8 +147,9 @@ class NativeStack:
         """Token ids within the embedding, positions within the rotary tables' `rows`, slots and the block tables'
         ids (flat) within the pool."""
         if embed is not None:
-            _check(embed, "the embedding", (embed.shape[0], self.shape.d), self.dtype)
-            _in_range(ids, embed.shape[0], "token ids")
+            if self.packed_embedding is None or embed is not self.packed_embedding[0]:
+                _check(embed, "the embedding", (embed.shape[0], self.shape.d), self.dtype)
+            _in_range(ids, self._rows(embed), "token ids")
         _in_range(positions, rows, "positions (the rotary tables' rows)")
         _in_range(slots, self.num_slots, "slots")
         _in_range(tables, self.num_slots // block_size, "block ids")
@@ -162,8 +179,8 @@ class NativeStack:
         """One decode step of len(ids) rows from lists: embedding rows, rotary rows, new slots, tables [B * width]."""
         self._check_step(embed, ids, self._check_rotary(cos, sin), positions, tables, slots, block_size)
         self._check_outputs(len(ids), out, logits, wide, top)
-        self.native.run_lists(embed.data_ptr(), embed.shape[0], ids, positions, cos.data_ptr(), sin.data_ptr(), slots,
-                              tables, width, lens, block_size, out.data_ptr(), _ptr(logits), _ptr(wide),
+        self.native.run_lists(embed.data_ptr(), self._rows(embed), ids, positions, cos.data_ptr(), sin.data_ptr(),
+                              slots, tables, width, lens, block_size, out.data_ptr(), _ptr(logits), _ptr(wide),
                               _ptr(top))  # fmt: skip
 
     def step_tensors(
@@ -183,9 +200,10 @@ class NativeStack:
         if embed is not None:
             self._check_step(embed, ids.tolist(), self._check_rotary(cos, sin), positions.tolist(), table_list,
                              slots.tolist(), bs)  # fmt: skip
-            self.native.run_ids(embed.data_ptr(), embed.shape[0], ids.data_ptr(), positions.data_ptr(), cos.data_ptr(),
-                                sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-                                rows, bs, out.data_ptr(), _ptr(logits), _ptr(wide), _ptr(top))  # fmt: skip
+            self.native.run_ids(embed.data_ptr(), self._rows(embed), ids.data_ptr(), positions.data_ptr(),
+                                cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                lens.data_ptr(), rows, bs, out.data_ptr(), _ptr(logits), _ptr(wide),
+                                _ptr(top))  # fmt: skip
             return
         _check(ids, "the embedded rows", (rows, self.shape.d), self.dtype)
         self._check_rotary(cos, sin, rows)
@@ -208,7 +226,7 @@ class NativeStack:
         if not self.vocab:
             raise ValueError("a decode run needs the stack's head")
         params, u = draws if draws is not None else ([], [])
-        return self.native.run_steps(embed.data_ptr(), embed.shape[0], ids, starts, cos.data_ptr(), sin.data_ptr(),
+        return self.native.run_steps(embed.data_ptr(), self._rows(embed), ids, starts, cos.data_ptr(), sin.data_ptr(),
                                      slots, tables, width, steps, block_size, out.data_ptr(), logits.data_ptr(),
                                      logits.dtype == torch.bfloat16, self.vocab, [p.temperature for p in params],
                                      [max(p.top_k, 0) for p in params], [p.top_p for p in params],

@@ -23,6 +23,7 @@ from tokenmill.kernels import Kernels, formats
 from tokenmill.kernels.stack_ops import NativeStack, StackLinear, StackShape
 from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
+from tokenmill.models.packed_embedding import PackedEmbedding
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.types import LogitsRead, SequenceInput
 
@@ -80,10 +81,15 @@ class DecodeStack:
     def __init__(self, native: NativeStack, decoder: DecoderModel, kv: PagedKVCache, vocab_size: int | None) -> None:
         self.native, self.decoder, self.kv, self.vocab_size = native, decoder, kv, vocab_size  # None: no head
         embed = decoder.embed_tokens
-        # the embedding is a plain table in the cache's dtype, which the stack can read rows of itself
+        # the embedding is a plain table in the cache's dtype, or a quantized one in the kernels' panels: the stack
+        # reads its rows itself (`embed_table`, `embed_rows` rows of it)
         self.plain_embedding = (
             type(embed) is nn.Embedding and embed.weight.dtype == kv.dtype and embed.weight.is_contiguous()
         )
+        self.embed_table, self.embed_rows = embed.weight if self.plain_embedding else None, embed.num_embeddings
+        if type(embed) is PackedEmbedding and embed.dtype == kv.dtype and embed.padded_dim >= embed.embedding_dim:
+            native.set_packed_embedding(embed.data, embed.format_id, embed.num_embeddings, embed.padded_dim)
+            self.plain_embedding, self.embed_table = True, embed.data
         # step's outputs: buffers for the most rows so far, and their views by row count
         self._full: tuple[torch.Tensor | None, ...] = ()
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = {}
@@ -125,12 +131,16 @@ class DecodeStack:
             native.set_head(head)
         return DecodeStack(native, decoder, pool, None if head is None else head.n)
 
+    def _table(self) -> torch.Tensor:
+        assert self.embed_table is not None  # (only where plain_embedding)
+        return self.embed_table
+
     @property
     def greedy_ready(self) -> bool:
         """`greedy_drafts` and `decode_run` can run: the head is in the stack, and the embedding is a plain table in the
         cache's dtype with a row for every token the head can give (`greedy_drafts` feeds them back unchecked)."""
         vocab = self.vocab_size
-        return vocab is not None and self.plain_embedding and self.decoder.embed_tokens.weight.shape[0] >= vocab
+        return vocab is not None and self.plain_embedding and self.embed_rows >= vocab
 
     def greedy_drafts(
         self, feeds: list[list[int]], starts: list[int], tables: list[list[int]], rounds: list[int]
@@ -168,7 +178,7 @@ class DecodeStack:
         rows = max(len(feed_tok), n)
         out = torch.empty(rows, self.decoder.norm.weight.shape[0], dtype=self.kv.dtype)  # [rows, D] scratch
         logits = torch.empty(rows, self.vocab_size or 0, dtype=self.kv.dtype)  # [rows, V] scratch
-        self.native.greedy(self.decoder.embed_tokens.weight, tokens, active, feed_tok, seq_t, last_t, cos, sin, slots,
+        self.native.greedy(self._table(), tokens, active, feed_tok, seq_t, last_t, cos, sin, slots,
                            block_tables, lens, bs, out, logits)  # fmt: skip
         drafts = tokens.tolist()
         result: list[list[int]] = [[] for _ in order]
@@ -207,7 +217,7 @@ class DecodeStack:
         if reads < LogitsRead.FULL and wide is not model_logits:
             wide = None
         cos_table, sin_table = self.decoder.rotary.tables(max(lens))  # [positions, Dh] float32
-        embed = self.decoder.embed_tokens.weight  # [vocab, D]
+        embed = self._table()  # [vocab, D]
         self.native.step_lists(embed, input_ids, positions, cos_table, sin_table, slots, tables, width, lens,
                                self.kv.block_size, out, model_logits, wide, top)  # fmt: skip
         return out, model_logits if reads == LogitsRead.DRAW else wide, top
@@ -227,7 +237,7 @@ class DecodeStack:
         out, logits, _, _ = self._outputs(len(sequences))  # [B, D], [B, V] model dtype (scratch)
         assert logits is not None and self.vocab_size is not None  # greedy_ready
         cos_table, sin_table = self.decoder.rotary.tables(max(s.start for s in sequences) + steps)  # [P, Dh] float32
-        embed = self.decoder.embed_tokens.weight  # [vocab, D]
+        embed = self._table()  # [vocab, D]
         starts = [s.start for s in sequences]
         return self.native.decode_run(embed, [s.token_ids[0] for s in sequences], starts, cos_table, sin_table, slots,
                                       tables, width, steps, self.kv.block_size, out, logits, draws)  # fmt: skip
@@ -281,7 +291,7 @@ class DecodeStack:
         top = None if logits is None else torch.empty(rows, dtype=torch.int64)  # [B]
         if self.plain_embedding:  # the stack gathers the rows of the embedding and rotary tables itself
             cos_table, sin_table = self.decoder.rotary.tables(max(meta.seq_lens))  # [positions, Dh] float32
-            self.native.step_tensors(self.decoder.embed_tokens.weight, input_ids, positions, cos_table, sin_table,
+            self.native.step_tensors(self._table(), input_ids, positions, cos_table, sin_table,
                                      slots, tables, lens, self.kv.block_size, out, logits, wide, top)  # fmt: skip
             return out, wide, top
         x = self.decoder.embed_tokens(input_ids)  # [B, D]

@@ -34,6 +34,7 @@ from tokenmill.config import QUANTIZATION_MODES
 from tokenmill.kernels import CudaKernels, Kernels, formats
 from tokenmill.kernels.isa import cpu_flags
 from tokenmill.kernels.placement import ALIGN, place_buffers
+from tokenmill.models.packed_embedding import PackedEmbedding
 
 # Rows above which a bf16 product goes to oneDNN where it has a native bf16 GEMM. Elsewhere the kernel's blocked
 # GEMM beats unpacking to float32 for torch's sgemm at every size (Zen 3 AVX2: 1.1-1.6x, docs/archive/).
@@ -307,7 +308,7 @@ def weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for module in model.modules():
-        if isinstance(module, nn.Embedding):
+        if isinstance(module, (nn.Embedding, PackedEmbedding)):
             continue
         for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             if id(t) not in seen:
@@ -321,6 +322,9 @@ def place_weights(model: nn.Module) -> int:
     (kernels/placement.py says why); returns the bytes moved (0 where nothing moved)."""
     linears = [m for m in model.modules() if isinstance(m, KernelLinear) and m.data.device.type == "cpu"]
     placed = place_buffers([m.data for m in linears])
-    for module in linears:
+    # (a packed embedding shares a tied LM head's panels: it follows them, or the old buffer would stay alive)
+    holders: list[KernelLinear | PackedEmbedding] = [*linears]
+    holders += [m for m in model.modules() if isinstance(m, PackedEmbedding)]
+    for module in holders:
         module.data = placed.get(module.data.data_ptr(), module.data)  # the loaded buffer is freed once unused
     return sum(-(-t.numel() // ALIGN) * ALIGN for t in placed.values())

@@ -29,6 +29,7 @@ from tokenmill.kernels.raw_blocks import RawBlocks, dequantize_raw, pack_raw
 from tokenmill.models import CausalLM
 from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
+from tokenmill.models.packed_embedding import PackedEmbedding
 
 Value = torch.Tensor | RawBlocks
 Tensors = Iterable[tuple[str, Value, str]]  # (HF tensor name, value, where it came from)
@@ -148,15 +149,8 @@ def load_weights(
         whole = _whole(name)
         shards = {idx for _, idx in STACKED_PARAMS[whole]} if whole and fused is None else {shard}
         if isinstance(tensor, RawBlocks):
-            linear = isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear)
-            if linear and device.type == "cpu":
-                fill.block(name, shard, tensor, whole=fused is None)
-            elif name == embedding and cfg.tie_word_embeddings and device.type == "cpu":
-                # the embedding looks rows up dense; the LM head keeps the blocks
-                tied_head = pack_raw(tensor, fill.ops)
-                fill.dense(name, shard, dequantize_raw(tensor, fill.ops, tied_head), whole=True)
-            else:
-                fill.dense(name, shard, dequantize_raw(tensor, fill.ops), whole=fused is None)
+            head = _place_blocks(model, fill, name, shard, fused is None, tensor, name == embedding)
+            tied_head = head if cfg.tie_word_embeddings and name == embedding else tied_head
         else:
             fill.dense(name, shard, tensor, whole=fused is None)
         fill.filled.setdefault(name, set()).update(shards)
@@ -173,6 +167,28 @@ def load_weights(
         if isinstance(module, RotaryEmbedding):
             module.materialize(device)
     return model.eval()
+
+
+def _place_blocks(
+    model: CausalLM, fill: _Fill, name: str, shard: int, whole: bool, blocks: RawBlocks, is_embedding: bool
+) -> PackedWeight | None:
+    """A weight that arrived in ggml blocks. On the CPU a linear keeps them (packed once complete), and so does the
+    token embedding where the kernels unpack its rows as they are looked up (a PackedEmbedding, whose panels a
+    tied LM head shares: returned). Anything else is dequantized."""
+    cpu = fill.device.type == "cpu"
+    if cpu and isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Linear):
+        fill.block(name, shard, blocks, whole=whole)
+        return None
+    if cpu and is_embedding:
+        packed = pack_raw(blocks, fill.ops)
+        if fill.ops is not None and fill.dtype in (torch.bfloat16, torch.float32):
+            parent, _, child = name.rpartition(".")[0].rpartition(".")
+            setattr(model.get_submodule(parent), child, PackedEmbedding(packed, fill.dtype, fill.ops))
+        else:  # no kernels to unpack rows: the table dense, a tied head still in blocks
+            fill.dense(name, shard, dequantize_raw(blocks, fill.ops, packed), whole=True)
+        return packed
+    fill.dense(name, shard, dequantize_raw(blocks, fill.ops), whole=whole)
+    return None
 
 
 def _repacker(device: torch.device) -> Any | None:

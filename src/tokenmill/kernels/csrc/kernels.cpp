@@ -79,6 +79,14 @@ void repack_gguf(uintptr_t src, int64_t format, int64_t N, int64_t K, int64_t ro
   });
 }
 
+// rows ids[0..T) (int64) of a packed quantized weight [N, K] as float32 out[T, K]: an embedding in its blocks
+void unpack_rows_py(uintptr_t w_ptr, int64_t format, int64_t K, uintptr_t ids, int64_t T, uintptr_t out) {
+  const auto F = static_cast<Format>(format);
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    unpack_rows(F, (const uint8_t*)w_ptr, K, (const int64_t*)ids + begin, end - begin, (float*)out + begin * K);
+  });
+}
+
 // The packed weight back as float32 out[N, K] (the prefill path multiplies it with torch's own GEMM)
 void unpack(uintptr_t w_ptr, int64_t format, int64_t N, int64_t K, uintptr_t out_ptr) {
   const auto F = static_cast<Format>(format);
@@ -299,6 +307,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   };
   m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
   m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
+  m.def("unpack_rows", &tmk::unpack_rows_py, "rows of a packed quantized weight -> float32 [T, K], raw pointers");
   m.def("repack_gguf", &tmk::repack_gguf, "a GGUF tensor's ggml blocks -> the packed weight, on raw pointers");
   m.def("quantize_rows", &tmk::quantize_rows, "float32 rows -> their Q8_0 scales and values (the quantized linears)");
   m.def("rmsnorm", &tmk::rmsnorm, "residual += x (if given); out = rmsnorm(.) * weight");
@@ -338,6 +347,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &tmk::DecodeStack::add_layer)
       .def("num_layers", &tmk::DecodeStack::num_layers)
       .def("set_head", &tmk::DecodeStack::set_head)
+      .def("set_packed_embedding", &tmk::DecodeStack::set_packed_embedding)
       .def("run", &tmk::DecodeStack::run, "a decode step through every layer and the final norm", py::arg("x"),
            py::arg("cos"), py::arg("sin"), py::arg("slot"), py::arg("tables"), py::arg("max_blocks"), py::arg("lens"),
            py::arg("B"), py::arg("block_size"), py::arg("out"), py::arg("logits"), py::arg("logits32") = 0,

@@ -3,9 +3,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 
 #include "core/simd.h"
 #include "linear/format.h"
+#include "linear/kformat.h"
 
 namespace tmk {
 
@@ -32,6 +34,50 @@ void unpack_panel(const uint8_t* panel, int64_t K, int64_t n_valid, float* out) 
     }
     for (int64_t i = 0; i < n_valid; ++i) out[i * K + k] = vals[i];
   }
+}
+
+// One channel c of a quantized panel as float32 out[0..K) (a packed embedding's row: stack/stack.h, kernels.cpp)
+template <Format F>
+void unpack_channel_t(const uint8_t* panel, int64_t K, int c, float* out) {
+  if constexpr (is_kfamily(F)) {
+    constexpr KSpec S = kspec(F);
+    for (int64_t s0 = 0; s0 < K; s0 += S.sb) {
+      const KHeader<F> h{panel + s0 / S.sb * ksb_bytes(S)};
+      for (int s = 0; s < S.sb / S.sub; ++s) {
+        const float scale = h.scale(s, c), mn = h.min(s, c);
+        for (int kk = s * S.sub; kk < (s + 1) * S.sub; ++kk)
+          out[s0 + kk] = scale * (float)(kvalue<F>(h.block(kk / QK), c, kk % QK) - S.zero) - mn;
+      }
+    }
+  } else {
+    static_assert(F == Q8_0 || F == Q4_0, "dense formats are read as they are");
+    for (int64_t k0 = 0; k0 < K; k0 += QK) {
+      const uint8_t* blk = panel + (k0 / QK) * quant_block_bytes(F);
+      const float d = half_to_float(((const uint16_t*)blk)[c]);
+      for (int kk = 0; kk < QK; ++kk)
+        out[k0 + kk] = d * (float)(block_value<F>(blk + 2 * P, c, kk) - (F == Q4_0 ? 8 : 0));
+    }
+  }
+}
+
+inline void unpack_channel(Format F, const uint8_t* panel, int64_t K, int c, float* out) {
+  switch (F) {
+    case Q8_0: return unpack_channel_t<Q8_0>(panel, K, c, out);
+    case Q4_0: return unpack_channel_t<Q4_0>(panel, K, c, out);
+    case Q4_K: return unpack_channel_t<Q4_K>(panel, K, c, out);
+    case Q5_K: return unpack_channel_t<Q5_K>(panel, K, c, out);
+    case Q6_K: return unpack_channel_t<Q6_K>(panel, K, c, out);
+    case Q5_0: return unpack_channel_t<Q5_0>(panel, K, c, out);
+    case Q5_1: return unpack_channel_t<Q5_1>(panel, K, c, out);
+    case Q4_1: return unpack_channel_t<Q4_1>(panel, K, c, out);
+    default: throw std::invalid_argument("unpack_channel takes the quantized formats");
+  }
+}
+
+// rows ids[0..T) of a packed quantized weight [N, K] as float32 out[T, K] (an embedding looked up in its blocks)
+inline void unpack_rows(Format F, const uint8_t* w, int64_t K, const int64_t* ids, int64_t T, float* out) {
+  const int64_t stride = panel_bytes(F, K);
+  for (int64_t t = 0; t < T; ++t) unpack_channel(F, w + ids[t] / P * stride, K, (int)(ids[t] % P), out + t * K);
 }
 
 }  // namespace tmk

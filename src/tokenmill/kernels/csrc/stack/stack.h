@@ -31,6 +31,7 @@
 #include "linear/format.h"
 #include "linear/linear.h"
 #include "linear/segments.h"
+#include "linear/unpack.h"
 #include "ops/fused.h"
 #include "stack/head.h"
 #include "stack/pool.h"
@@ -82,6 +83,10 @@ class DecodeStack {
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
 
+  // The embedding is a quantized weight's panels (its rows unpacked as they are looked up: a GGUF's token_embd,
+  // which also serves as a tied LM head), not a table in the model dtype.
+  void set_packed_embedding(int64_t format, int64_t K) { emb_format_ = format, emb_k_ = K; }
+
   // The LM head, run after the final norm when run() is given a logits buffer.
   void set_head(LinearSpec head) {
     head_ = head;
@@ -119,7 +124,7 @@ class DecodeStack {
     rope_.resize(2 * B * Dh_ * e_);
     char *cos = rope_.data(), *sin = cos + B * Dh_ * e_;
     for (int64_t b = 0; b < B; ++b) {
-      std::memcpy(residual_ + b * row_bytes, (const char*)embed + id[b] * row_bytes, row_bytes);
+      embed_row(embed, id[b], residual_ + b * row_bytes);
       const int64_t at = ((const int64_t*)positions)[b] * Dh_;
       const Act c{cos + b * Dh_ * e_, bf16_}, s{sin + b * Dh_ * e_, bf16_};
       for (int64_t i = 0; i < Dh_; ++i) {
@@ -162,7 +167,7 @@ class DecodeStack {
     std::vector<int64_t> feed_tables(n0 * max_blocks);  // each feed row's sequence's block table
     auto embed_rows = [&](int64_t n, auto token_of) {
       for (int64_t i = 0; i < n; ++i)
-        std::memcpy(x.data() + i * row_bytes, (const char*)embed + token_of(i) * row_bytes, row_bytes);
+        embed_row(embed, token_of(i), x.data() + i * row_bytes);
     };
     embed_rows(n0, [&](int64_t i) { return ((const int64_t*)feed_tok)[i]; });
     for (int64_t i = 0; i < n0; ++i)
@@ -225,6 +230,18 @@ class DecodeStack {
   }
 
   Act act(char* base, int64_t row, int64_t width) const { return Act{base + row * width * e_, bf16_}; }
+
+  // row `id` of the embedding at `embed` -> dst (D_ values in the model dtype)
+  void embed_row(uintptr_t embed, int64_t id, char* dst) const {
+    if (emb_format_ < 0) return (void)std::memcpy(dst, (const char*)embed + id * D_ * e_, D_ * e_);
+    thread_local std::vector<float> row;
+    row.resize(emb_k_);
+    unpack_rows((Format)emb_format_, (const uint8_t*)embed, emb_k_, &id, 1, row.data());
+    for (int64_t d = 0; d < D_; ++d) {
+      if (bf16_) ((uint16_t*)dst)[d] = float_to_bf16(row[d]);
+      else ((float*)dst)[d] = row[d];
+    }
+  }
   Act param(uintptr_t p) const { return Act{(void*)p, bf16_}; }
 
   // Output panels per chunk of linear `w`: ~1 MB of weights (long runs of sequential reads: the first few KB of each
@@ -418,6 +435,7 @@ class DecodeStack {
   HeadOutputs head_out_;  // the head's float32 logits and argmax
   std::vector<char> rope_;  // run_ids: cos and sin [B, Dh] (model dtype)
   LinearSpec head_{};
+  int64_t emb_format_ = -1, emb_k_ = 0;  // set_packed_embedding's (-1: a table in the model dtype)
   bool profiling_ = false;
   std::vector<std::vector<double>> marks_;  // the profile: each run's stage boundaries (seconds from its start)
 };
