@@ -27,6 +27,11 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
         tie_word_embeddings=True, rms_norm_eps=1e-6,
     ),
+    "qwen2.5-1.5b": dict(  # every row a multiple of 256: a Q4_K_M file of it really is K-quants
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+        tie_word_embeddings=True, rms_norm_eps=1e-6,
+    ),
     "gpt2": dict(
         hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, vocab_size=50257, max_position_embeddings=1024, tie_word_embeddings=True,

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 
 #include "linear/format.h"
 #include "linear/kformat.h"
@@ -44,24 +45,25 @@ inline void scale_min_k4(const uint8_t* s, int j, int8_t& sc, uint8_t& mn) {
   else sc = (int8_t)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4)), mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
 }
 
-inline void read_ggml_block(Format F, const uint8_t* b, GgmlBlock& o) {
-  if (F == Q8_0 || F == Q4_0) {
+template <Format F>
+inline void read_ggml_block(const uint8_t* b, GgmlBlock& o) {
+  if constexpr (F == Q8_0 || F == Q4_0) {
     o.d = u16_at(b);
     for (int j = 0; j < 16; ++j) {
-      if (F == Q8_0) o.q[j] = b[2 + j], o.q[j + 16] = b[18 + j];
+      if constexpr (F == Q8_0) o.q[j] = b[2 + j], o.q[j + 16] = b[18 + j];
       else o.q[j] = b[2 + j] & 15, o.q[j + 16] = b[2 + j] >> 4;
     }
-  } else if (F == Q4_K || F == Q5_K) {
+  } else if constexpr (F == Q4_K || F == Q5_K) {
     o.d = u16_at(b), o.dmin = u16_at(b + 2);
     for (int j = 0; j < 8; ++j) scale_min_k4(b + 4, j, o.sc[j], o.mn[j]);
     const uint8_t *qh = b + 16, *qs = b + (F == Q5_K ? 48 : 16);
     for (int p = 0; p < 4; ++p)
       for (int l = 0; l < 32; ++l) {
         uint8_t lo = qs[32 * p + l] & 15, hi = qs[32 * p + l] >> 4;
-        if (F == Q5_K) lo |= ((qh[l] >> (2 * p)) & 1) << 4, hi |= ((qh[l] >> (2 * p + 1)) & 1) << 4;
+        if constexpr (F == Q5_K) lo |= ((qh[l] >> (2 * p)) & 1) << 4, hi |= ((qh[l] >> (2 * p + 1)) & 1) << 4;
         o.q[64 * p + l] = lo, o.q[64 * p + 32 + l] = hi;
       }
-  } else if (F == Q6_K) {
+  } else if constexpr (F == Q6_K) {
     const uint8_t *ql = b, *qh = b + 128;
     std::memcpy(o.sc, b + 192, 16);
     o.d = u16_at(b + 208);
@@ -76,9 +78,9 @@ inline void read_ggml_block(Format F, const uint8_t* b, GgmlBlock& o) {
   } else {  // Q5_0 {d, qh, qs}, Q5_1 {d, m, qh, qs}, Q4_1 {d, m, qs}: our dmin is -m (w = d q - dmin)
     o.d = u16_at(b);
     int at = 2;
-    if (F != Q5_0) o.dmin = u16_at(b + 2) ^ 0x8000, at = 4;
+    if constexpr (F != Q5_0) o.dmin = u16_at(b + 2) ^ 0x8000, at = 4;
     uint32_t qh = 0;
-    if (F != Q4_1) std::memcpy(&qh, b + at, 4), at += 4;
+    if constexpr (F != Q4_1) std::memcpy(&qh, b + at, 4), at += 4;
     for (int j = 0; j < 16; ++j) {
       o.q[j] = (b[at + j] & 15) | (((qh >> j) & 1) << 4);
       o.q[j + 16] = (b[at + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
@@ -87,41 +89,60 @@ inline void read_ggml_block(Format F, const uint8_t* b, GgmlBlock& o) {
 }
 
 // channel c's block (numbers `g`) -> its place in a panel's block at `dst` (superblock or Q8_0/Q4_0 block)
-inline void write_panel_block(Format F, const GgmlBlock& g, int c, uint8_t* dst) {
-  if (F == Q8_0 || F == Q4_0) {
+template <Format F>
+inline void write_kblock(const GgmlBlock& g, int c, uint8_t* dst);
+
+template <Format F>
+inline void write_panel_block(const GgmlBlock& g, int c, uint8_t* dst) {
+  if constexpr (F == Q8_0 || F == Q4_0) {
     std::memcpy(dst + 2 * c, &g.d, 2);
     uint8_t* q = dst + 2 * P;
     for (int kk = 0; kk < QK; ++kk) {
       const int gi = kk / 4, i = kk % 4;
-      if (F == Q8_0) q[gi * 64 + c * 4 + i] = g.q[kk];
+      if constexpr (F == Q8_0) q[gi * 64 + c * 4 + i] = g.q[kk];
       else q[gi * 32 + (c % 8) * 4 + i] |= c < 8 ? g.q[kk] : g.q[kk] << 4;
     }
-    return;
+  } else {
+    write_kblock<F>(g, c, dst);
   }
-  const KSpec S = kspec(F);
-  const int subs = S.sb / S.sub;
+}
+
+// write_panel_block's K family: the header's numbers, then each block's nibbles and bit planes
+template <Format F>
+inline void write_kblock(const GgmlBlock& g, int c, uint8_t* dst) {
+  constexpr KSpec S = kspec(F);
+  constexpr int subs = S.sb / S.sub;
   std::memcpy(dst + 2 * c, &g.d, 2);
   if (S.has_min) std::memcpy(dst + 2 * P + 2 * c, &g.dmin, 2);
-  if (subs > 1)
+  if constexpr (subs > 1)
     for (int s = 0; s < subs; ++s) {
       dst[2 * P * (1 + S.has_min) + s * P + c] = (uint8_t)g.sc[s];
       if (S.has_min) dst[2 * P * (1 + S.has_min) + (subs + s) * P + c] = g.mn[s];
     }
   const int64_t hb = kheader_bytes(S), bb = kblock_bytes(S);
-  for (int kk = 0; kk < S.sb; ++kk) {
-    uint8_t* blk = dst + hb + (kk / QK) * bb;
-    const int k32 = kk % QK, gi = k32 / 4, i = k32 % 4;
-    const uint8_t v = g.q[kk];
-    blk[gi * 32 + (c % 8) * 4 + i] |= c < 8 ? (v & 15) : (v & 15) << 4;
-    for (int p = 0; p < S.planes; ++p)
-      if ((v >> (4 + p)) & 1) blk[QK / 2 * P + p * 64 + gi * 8 + (4 * c + i) / 8] |= 1 << ((4 * c + i) % 8);
+  for (int j = 0; j < S.sb / QK; ++j) {
+    uint8_t* blk = dst + hb + j * bb;
+    const uint8_t* q = g.q + j * QK;
+    for (int gi = 0; gi < QK / 4; ++gi) {
+      uint8_t* nib = blk + gi * 32 + (c % 8) * 4;
+      for (int i = 0; i < 4; ++i) nib[i] |= c < 8 ? (q[4 * gi + i] & 15) : (q[4 * gi + i] & 15) << 4;
+      for (int p = 0; p < S.planes; ++p) {  // channel c's 4 bits of group gi's plane word: bits 4c .. 4c + 3
+        uint64_t four = 0;
+        for (int i = 0; i < 4; ++i) four |= (uint64_t)((q[4 * gi + i] >> (4 + p)) & 1) << i;
+        uint64_t word;
+        uint8_t* at = blk + QK / 2 * P + p * 64 + gi * 8;
+        std::memcpy(&word, at, 8);
+        word |= four << (4 * c);
+        std::memcpy(at, &word, 8);
+      }
+    }
   }
 }
 
 // panels [p0, p1) of an [N, K] weight whose rows of ggml blocks lie at src (row_bytes apart) -> dst (the packed
 // weight, panel_bytes(F, K) a panel; zeroed here first: rows past N stay zero)
-inline void repack_panels(Format F, const uint8_t* src, int64_t row_bytes, int64_t N, int64_t K, uint8_t* dst,
-                          int64_t p0, int64_t p1) {
+template <Format F>
+void repack_panels_t(const uint8_t* src, int64_t row_bytes, int64_t N, int64_t K, uint8_t* dst, int64_t p0, int64_t p1) {
   const int64_t stride = panel_bytes(F, K), bk = ggml_block_k(F), bytes = ggml_block_bytes(F);
   const int64_t out_block = kLayouts[F].block_bytes;  // a panel's block (Q8_0/Q4_0) or superblock
   GgmlBlock g{};
@@ -131,10 +152,25 @@ inline void repack_panels(Format F, const uint8_t* src, int64_t row_bytes, int64
     for (int c = 0; c < P && p * P + c < N; ++c) {
       const uint8_t* row = src + (p * P + c) * row_bytes;
       for (int64_t b = 0; b < K / bk; ++b) {
-        read_ggml_block(F, row + b * bytes, g);
-        write_panel_block(F, g, c, panel + b * out_block);
+        read_ggml_block<F>(row + b * bytes, g);
+        write_panel_block<F>(g, c, panel + b * out_block);
       }
     }
+  }
+}
+
+inline void repack_panels(Format F, const uint8_t* src, int64_t row_bytes, int64_t N, int64_t K, uint8_t* dst,
+                          int64_t p0, int64_t p1) {
+  switch (F) {
+    case Q8_0: return repack_panels_t<Q8_0>(src, row_bytes, N, K, dst, p0, p1);
+    case Q4_0: return repack_panels_t<Q4_0>(src, row_bytes, N, K, dst, p0, p1);
+    case Q4_K: return repack_panels_t<Q4_K>(src, row_bytes, N, K, dst, p0, p1);
+    case Q5_K: return repack_panels_t<Q5_K>(src, row_bytes, N, K, dst, p0, p1);
+    case Q6_K: return repack_panels_t<Q6_K>(src, row_bytes, N, K, dst, p0, p1);
+    case Q5_0: return repack_panels_t<Q5_0>(src, row_bytes, N, K, dst, p0, p1);
+    case Q5_1: return repack_panels_t<Q5_1>(src, row_bytes, N, K, dst, p0, p1);
+    case Q4_1: return repack_panels_t<Q4_1>(src, row_bytes, N, K, dst, p0, p1);
+    default: throw std::invalid_argument("repack_gguf takes ggml's Q8_0, Q4_0 and K-family blocks");
   }
 }
 
