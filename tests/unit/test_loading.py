@@ -193,3 +193,28 @@ def test_the_demo_model_loads_by_the_name_the_server_gives_it() -> None:
 
     assert resolve_model("tokenmill-demo") == DEMO_MODEL == resolve_model("demo")
     assert LLM(model="tokenmill-demo").loaded.path == DEMO_MODEL
+
+
+def test_loading_a_model_fixes_the_allocators_mmap_threshold() -> None:
+    """glibc raises its mmap threshold as large blocks are freed, after which freed activations stay resident
+    (memory.py); a loaded model's process keeps it at 128 KB: a 1 MB block is mapped, and unmapped when freed."""
+    import ctypes
+    import sys
+
+    from tokenmill.memory import return_freed_memory
+
+    if not sys.platform.startswith("linux") or not return_freed_memory():
+        pytest.skip("not glibc: its mmap threshold is the only allocator switch this sets")
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+
+    def mapped_kb() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmSize"))
+
+    libc.free(libc.malloc(8 << 20))  # glibc's own threshold would now rise to 8 MB: a 1 MB block from the heap
+    before = mapped_kb()
+    block = libc.malloc(1 << 20)
+    during = mapped_kb()
+    libc.free(block)
+    assert during - before >= 1000 and mapped_kb() - before < 1000  # mapped for the block, gone after it

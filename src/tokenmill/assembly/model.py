@@ -17,6 +17,7 @@ from tokenmill.kernels import CudaKernels, FusedOps, Kernels
 from tokenmill.kernels import active as active_kernels
 from tokenmill.kernels.cuda import cuda_kernels
 from tokenmill.kernels.cuda import unavailable as gpu_kernels_unavailable
+from tokenmill.memory import return_freed_memory
 from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
@@ -127,6 +128,7 @@ def load_front(cfg: EngineConfig) -> LoadedModel:
 
 def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
     """The model `cfg` names; with tensor_parallel_size > 1, tensor-parallel rank `rank`'s shard of it."""
+    return_freed_memory()  # (memory.py: glibc would keep every freed activation resident)
     path, gguf, hf_config, model_config = read_checkpoint(cfg)  # fail on the architecture before any weights
     family = family_for(hf_config)
     shard = None
