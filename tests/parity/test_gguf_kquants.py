@@ -107,3 +107,6 @@ def test_a_quantized_embedding_stays_in_its_blocks(
     assert torch.equal(emb(ids), table[ids])
     modules = LLM(str(path), dtype="float32", batch_invariant=True)
     assert _greedy(gg, PROMPTS) == _greedy(modules, PROMPTS)
+    plain = LLM(str(path), dtype="float32", cpu_kernels=False)  # no kernels: the table dense, the same rows
+    emb_plain = plain.loaded.model.embeddings()
+    assert type(emb_plain) is torch.nn.Embedding and torch.equal(emb_plain(ids), table[ids])

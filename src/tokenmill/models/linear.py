@@ -272,6 +272,10 @@ def prepare_linears(
                 kind = child.format
             elif isinstance(child, KernelLinear):
                 child.ops, kind = kernels.active() if use_kernels else None, child.format
+            elif isinstance(child, PackedEmbedding):  # (kept in its blocks for the kernels, or dense without them)
+                if not use_kernels:
+                    setattr(parent, name, child.dense())
+                continue
             elif not isinstance(child, nn.Linear):
                 continue
             else:

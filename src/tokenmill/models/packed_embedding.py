@@ -27,6 +27,12 @@ class PackedEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.format} blocks"
 
+    def dense(self) -> nn.Embedding:
+        """The table in the model dtype (where the kernels are not to run: `--no-cpu-kernels`)."""
+        packed = formats.PackedWeight(self.data, self.format, self.num_embeddings, self.embedding_dim, self.padded_dim)
+        table = formats.unpack(packed).to(self.dtype)  # [V, D]
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, _weight=table)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., D] in the model dtype
         rows = self.ops.unpack_rows(self.data, self.format_id, self.num_embeddings, self.padded_dim, ids)
         return rows[:, : self.embedding_dim].to(self.dtype).view(*ids.shape, self.embedding_dim)
