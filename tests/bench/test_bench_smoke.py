@@ -269,9 +269,10 @@ def test_compare_backend_specs() -> None:
         ("llama.cpp", "q8_0"),
     ]
     assert parse_backends("tokenmill:int8,transformers", "bfloat16") == [("tokenmill", "int8"), ("transformers", None)]
+    assert parse_backends("tokenmill:q4_k,llama.cpp:q4_k", "bfloat16") == [("tokenmill", "q4_k"), ("llama.cpp", "q4_k")]
     for bad, words in (
         ("vllm", "unknown"),
-        ("llama.cpp:q4_k", "q8_0"),
+        ("llama.cpp:q3_k", "q8_0"),
         ("tokenmill:fp8", "int4"),
         ("transformers:x", "no"),
     ):
