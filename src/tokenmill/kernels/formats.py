@@ -213,18 +213,9 @@ class BlockWeight:
     def shape(self) -> tuple[int, int]:
         return (self.q.shape[0], self.q.shape[1])
 
-    def rows(self, index: torch.Tensor) -> BlockWeight:
-        """The rows in `index` order (a reordering of output channels keeps every block whole)."""
-        return BlockWeight(self.q[index], self.d[index], self.format)
-
     def dequantize(self) -> torch.Tensor:  # [N, K] float32, ggml's dequantize_row_q8_0 / _q4_0
         q = self.q.float() - (8.0 if self.format == "q4_0" else 0.0)
         return (q.view(self.q.shape[0], -1, BLOCK) * self.d.float()[..., None]).view(self.shape)
-
-    @staticmethod
-    def cat(parts: list[BlockWeight]) -> BlockWeight:
-        """Stack the rows of weights of one format (the shards of a fused projection)."""
-        return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), parts[0].format)
 
 
 def pack_block_weight(w: BlockWeight | kformats.KBlockWeight) -> PackedWeight:
@@ -240,7 +231,7 @@ def pack_block_weight(w: BlockWeight | kformats.KBlockWeight) -> PackedWeight:
 
 def _row_chunks(w: kformats.KBlockWeight, n: int) -> list[tuple[int, kformats.KBlockWeight]]:
     """CHUNK_ROWS rows at a time (whole panels): bounds the packer's temporaries on a 150k-row LM head."""
-    return [(start, w.rows(torch.arange(start, min(n, start + CHUNK_ROWS)))) for start in range(0, n, CHUNK_ROWS)]
+    return [(start, w.rows(slice(start, start + CHUNK_ROWS))) for start in range(0, n, CHUNK_ROWS)]
 
 
 def panel_bytes(format_id: int, k: int) -> int:

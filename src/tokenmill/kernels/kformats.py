@@ -78,15 +78,9 @@ class KBlockWeight:
     def shape(self) -> tuple[int, int]:
         return (self.q.shape[0], self.q.shape[1])
 
-    def rows(self, index: torch.Tensor) -> KBlockWeight:
-        """The rows in `index` order (a reordering of output channels keeps every block whole)."""
+    def rows(self, index: torch.Tensor | slice) -> KBlockWeight:
+        """These rows (whole blocks each): the packer takes a large weight a chunk at a time."""
         return replace(self, **{f: getattr(self, f)[index] for f in _FIELDS if getattr(self, f) is not None})
-
-    @staticmethod
-    def cat(parts: list[KBlockWeight]) -> KBlockWeight:
-        """Stack the rows of weights of one format (the shards of a fused projection)."""
-        fields = {f: torch.cat([getattr(p, f) for p in parts]) for f in _FIELDS if getattr(parts[0], f) is not None}
-        return KBlockWeight(parts[0].format, **fields)
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32, as ggml's dequantize_row_*
         spec = KSPECS[self.format]

@@ -70,19 +70,4 @@ inline int32_t kvalue(const uint8_t* blk, int c, int kk) {
   return v;
 }
 
-// The panel's n_valid channels as float32 -> out[i * K + k] (ggml's dequantization, for torch's prefill GEMM)
-template <Format F>
-void unpack_kpanel(const uint8_t* panel, int64_t K, int64_t n_valid, float* out) {
-  constexpr KSpec S = kspec(F);
-  for (int64_t s0 = 0; s0 < K; s0 += S.sb) {
-    const KHeader<F> h{panel + s0 / S.sb * ksb_bytes(S)};
-    for (int64_t kk = 0; kk < S.sb; ++kk) {
-      const int s = (int)kk / S.sub;
-      const uint8_t* blk = h.block(kk / QK);
-      for (int64_t c = 0; c < n_valid; ++c)
-        out[c * K + s0 + kk] = h.scale(s, (int)c) * (float)(kvalue<F>(blk, (int)c, kk % QK) - S.zero) - h.min(s, (int)c);
-    }
-  }
-}
-
 }  // namespace tmk

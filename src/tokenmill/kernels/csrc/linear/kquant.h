@@ -16,6 +16,7 @@
 #include "linear/format.h"
 #include "linear/kformat.h"
 #include "linear/qrow.h"
+#include "linear/quant.h"
 
 #if TM_INT8_YMM
 #include "arch/avx2/ktile.h"
@@ -27,8 +28,6 @@
 #endif
 
 namespace tmk {
-
-constexpr int64_t KMC = 64;  // rows per block: their quantized x stays in L2 across the panels
 
 // A panel times mc rows, in tiles of up to MT rows of `tile`, span by span of superblocks
 template <Format F, int MT, typename Tile>
@@ -55,23 +54,16 @@ inline void kpanel(const uint8_t* panel, const QRow* x, int64_t nsb, float (*sum
   kpanel_in<F, MT_K>(panel, x, nsb, sums, mc, [](auto r, auto... a) { ktile<F, decltype(r)::value>(a...); });
 }
 
-// Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), x rows in the QRow layout `ldx` floats
-// apart. A row's superblocks are summed in the same order whatever M is, so its output does not depend on the batch.
+// linear_range's K-family product: the rows in blocks of QMC, each panel over them in kpanel (linear/quant.h:
+// quant_rows)
 template <Format F>
 void linear_kquant(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
                    const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end) {
-  const int64_t nb = K / QK, nsb = K / kspec(F).sb, stride = panel_bytes(F, K);
-  QRow rx[KMC];
-  float sums[KMC][P];
-  for (int64_t m0 = 0; m0 < M; m0 += KMC) {
-    const int64_t mc = std::min(KMC, M - m0);
-    for (int64_t r = 0; r < mc; ++r) rx[r] = qrow(x + (m0 + r) * ldx, nb);
-    for (int64_t p = p_begin; p < p_end; ++p) {
-      kpanel<F>(packed + p * stride, rx, nsb, sums, mc);
-      const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
-      for (int64_t r = 0; r < mc; ++r) store_outputs(sums[r], m0 + r, n0, n_valid, N, bias, out32, out16);
-    }
-  }
+  const int64_t nsb = K / kspec(F).sb;
+  quant_rows(x, M, ldx, packed, panel_bytes(F, K), N, K, bias, out32, out16, p_begin, p_end,
+             [nsb](const uint8_t* panel, const QRow* rx, float (*sums)[P], int64_t mc) {
+               kpanel<F>(panel, rx, nsb, sums, mc);
+             });
 }
 
 }  // namespace tmk

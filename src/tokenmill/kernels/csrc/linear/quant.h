@@ -50,23 +50,35 @@ namespace tmk {
 constexpr int64_t QMC = 64;  // rows per block: their quantized x (64 x K bytes) stays in L2 across the panels
 
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias), x rows in the QRow layout `ldx` floats
-// apart: for each block of QMC rows, every panel passes over them in this build's tiles (quant_panel). A row's blocks are summed
-// in the same order whatever M is, so its output does not depend on the batch.
-template <Format F>
-void linear_quant(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
-                  const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end) {
-  const int64_t nb = K / QK, stride = panel_bytes(F, K);
+// apart, `stride` bytes a panel: for each block of QMC rows, every panel passes over them in `panel_fn(panel, rows,
+// sums, mc)` (a format family's tiles: quant_panel here, kpanel for the K family). A row's blocks are summed in the
+// same order whatever M is, so its output does not depend on the batch.
+template <typename PanelFn>
+void quant_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t stride, int64_t N, int64_t K,
+                const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end, PanelFn panel_fn) {
+  const int64_t nb = K / QK;
   QRow rx[QMC];
   float sums[QMC][P];
   for (int64_t m0 = 0; m0 < M; m0 += QMC) {
     const int64_t mc = std::min(QMC, M - m0);
     for (int64_t r = 0; r < mc; ++r) rx[r] = qrow(x + (m0 + r) * ldx, nb);
     for (int64_t p = p_begin; p < p_end; ++p) {
-      quant_panel<F>(packed + p * stride, rx, nb, sums, mc);
+      panel_fn(packed + p * stride, rx, sums, mc);
       const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
       for (int64_t r = 0; r < mc; ++r) store_outputs(sums[r], m0 + r, n0, n_valid, N, bias, out32, out16);
     }
   }
+}
+
+// linear_range's Q8_0 / Q4_0 product (quant_rows over this build's quant_panel)
+template <Format F>
+void linear_quant(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
+                  const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end) {
+  const int64_t nb = K / QK;
+  quant_rows(x, M, ldx, packed, panel_bytes(F, K), N, K, bias, out32, out16, p_begin, p_end,
+             [nb](const uint8_t* panel, const QRow* rx, float (*sums)[P], int64_t mc) {
+               quant_panel<F>(panel, rx, nb, sums, mc);
+             });
 }
 
 }  // namespace tmk

@@ -87,12 +87,12 @@ static constexpr FormatKernels kFormatKernels[] = {
     {Q4_0, "q4_0", true, false, false, run_quant<Q4_0>, nullptr, run_amx_quant<Q4_0>, false, 9, unpack_panel<Q4_0>},
     {F32, "f32", false, false, false, run_dense_f32, run_blocked<F32>, nullptr, false, 0, unpack_panel<F32>},
     // the K family (linear/kformat.h): integer tiles at every row count
-    {Q4_K, "q4_k", true, false, false, run_kquant<Q4_K>, nullptr, nullptr, false, 0, unpack_kpanel<Q4_K>},
-    {Q5_K, "q5_k", true, false, false, run_kquant<Q5_K>, nullptr, nullptr, false, 0, unpack_kpanel<Q5_K>},
-    {Q6_K, "q6_k", true, false, false, run_kquant<Q6_K>, nullptr, nullptr, false, 0, unpack_kpanel<Q6_K>},
-    {Q5_0, "q5_0", true, false, false, run_kquant<Q5_0>, nullptr, nullptr, false, 0, unpack_kpanel<Q5_0>},
-    {Q5_1, "q5_1", true, false, false, run_kquant<Q5_1>, nullptr, nullptr, false, 0, unpack_kpanel<Q5_1>},
-    {Q4_1, "q4_1", true, false, false, run_kquant<Q4_1>, nullptr, nullptr, false, 0, unpack_kpanel<Q4_1>},
+    {Q4_K, "q4_k", true, false, false, run_kquant<Q4_K>, nullptr, nullptr, false, 0, unpack_panel<Q4_K>},
+    {Q5_K, "q5_k", true, false, false, run_kquant<Q5_K>, nullptr, nullptr, false, 0, unpack_panel<Q5_K>},
+    {Q6_K, "q6_k", true, false, false, run_kquant<Q6_K>, nullptr, nullptr, false, 0, unpack_panel<Q6_K>},
+    {Q5_0, "q5_0", true, false, false, run_kquant<Q5_0>, nullptr, nullptr, false, 0, unpack_panel<Q5_0>},
+    {Q5_1, "q5_1", true, false, false, run_kquant<Q5_1>, nullptr, nullptr, false, 0, unpack_panel<Q5_1>},
+    {Q4_1, "q4_1", true, false, false, run_kquant<Q4_1>, nullptr, nullptr, false, 0, unpack_panel<Q4_1>},
 };
 constexpr bool table_in_order() {
   for (int f = 0; f < (int)(sizeof(kFormatKernels) / sizeof(kFormatKernels[0])); ++f)

@@ -11,31 +11,6 @@
 
 namespace tmk {
 
-// The panel's n_valid channels -> out[i * K + k] for every k < K.
-template <Format F>
-void unpack_panel(const uint8_t* panel, int64_t K, int64_t n_valid, float* out) {
-  for (int64_t k = 0; k < K; ++k) {
-    float vals[P];
-    if constexpr (F == F32) {
-      std::memcpy(vals, (const float*)panel + k * P, sizeof(vals));
-    } else if constexpr (F == BF16) {
-      for (int i = 0; i < P; ++i) {  // k pairs: [K/2][P][2]
-        uint32_t bits = (uint32_t)((const uint16_t*)panel)[(k / 2) * 2 * P + 2 * i + k % 2] << 16;
-        std::memcpy(&vals[i], &bits, 4);
-      }
-    } else {
-      const uint8_t* blk = panel + (k / QK) * quant_block_bytes(F);
-      const int kk = k % QK;
-      for (int i = 0; i < P; ++i) {
-        const float d = half_to_float(((const uint16_t*)blk)[i]);
-        if constexpr (F == Q8_0) vals[i] = d * (float)block_value<Q8_0>(blk + 2 * P, i, kk);
-        else vals[i] = d * (float)(block_value<Q4_0>(blk + 2 * P, i, kk) - 8);
-      }
-    }
-    for (int64_t i = 0; i < n_valid; ++i) out[i * K + k] = vals[i];
-  }
-}
-
 // One channel c of a quantized panel as float32 out[0..K) (a packed embedding's row: stack/stack.h, kernels.cpp)
 template <Format F>
 void unpack_channel_t(const uint8_t* panel, int64_t K, int c, float* out) {
@@ -56,6 +31,27 @@ void unpack_channel_t(const uint8_t* panel, int64_t K, int c, float* out) {
       const float d = half_to_float(((const uint16_t*)blk)[c]);
       for (int kk = 0; kk < QK; ++kk)
         out[k0 + kk] = d * (float)(block_value<F>(blk + 2 * P, c, kk) - (F == Q4_0 ? 8 : 0));
+    }
+  }
+}
+
+// The panel's n_valid channels -> out[i * K + k] for every k < K.
+template <Format F>
+void unpack_panel(const uint8_t* panel, int64_t K, int64_t n_valid, float* out) {
+  if constexpr (F != F32 && F != BF16) {
+    for (int64_t c = 0; c < n_valid; ++c) unpack_channel_t<F>(panel, K, (int)c, out + c * K);
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      float vals[P];
+      if constexpr (F == F32) {
+        std::memcpy(vals, (const float*)panel + k * P, sizeof(vals));
+      } else {
+        for (int i = 0; i < P; ++i) {  // k pairs: [K/2][P][2]
+          uint32_t bits = (uint32_t)((const uint16_t*)panel)[(k / 2) * 2 * P + 2 * i + k % 2] << 16;
+          std::memcpy(&vals[i], &bits, 4);
+        }
+      }
+      for (int64_t i = 0; i < n_valid; ++i) out[i * K + k] = vals[i];
     }
   }
 }
