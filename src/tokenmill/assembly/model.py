@@ -28,6 +28,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.weights import load_weights, resolve_model
 from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint, is_gguf
+from tokenmill.weights.packed_cache import PackedCache, cache_path
 from tokenmill.weights.safetensors_io import count_tensors, iter_tensors
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
@@ -156,10 +157,11 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         torch.set_num_threads(cfg.threads)
     with torch.device("meta"):
         model = family.model_class(model_config)
+    cache = _packed_cache(cfg, gguf, device) if gguf else None
     if gguf:
         with progress(f"loading {path.name}", total=len(gguf.tensors)) as advance:
             load_weights(model, _ticking(gguf.iter_tensors(hf_config), advance), str(path), dtype, device, False,
-                         "its GGUF metadata")  # fmt: skip
+                         "its GGUF metadata", cache)  # fmt: skip
     else:
         tensors: Iterator[tuple[str, torch.Tensor, str]] = ((n, t, str(f)) for n, t, f in iter_tensors(path))
         if shard is not None:
@@ -170,7 +172,7 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         split_head(model, shard)  # before packing: its rows become a kernel linear like any other
     gpu_ops = _gpu_kernels(cfg, device)
     kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights, cfg.cpu_kernels, gpu_ops)
-    if device.type == "cpu":
+    if device.type == "cpu" and not (cache and (cache.complete or cache.place(model))):  # (else: in its file)
         place_weights(model)  # one huge-page region, in the order a step reads them (kernels/placement.py)
     if shard is not None:
         wrap_row_parallel(model)
@@ -199,6 +201,17 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         kernels=kernels,
         ops=ops,
     )
+
+
+def _packed_cache(cfg: EngineConfig, gguf: GGUFCheckpoint, device: torch.device) -> PackedCache | None:
+    """The packed-weight cache of `gguf`, where its blocks run in the compiled CPU kernels and
+    `--weight-cache` is on (weights/packed_cache.py)."""
+    if device.type != "cpu" or not (cfg.cpu_kernels and cfg.weight_cache):
+        return None
+    ops = active_kernels()
+    if ops is None:
+        return None
+    return PackedCache(cache_path(gguf.path, ops.module.__name__, gguf.reader.sample()), gguf.path)
 
 
 def _gpu_kernels(cfg: EngineConfig, device: torch.device) -> CudaKernels | None:

@@ -42,7 +42,9 @@ class RawBlocks:
 
     @staticmethod
     def cat(parts: list[RawBlocks]) -> RawBlocks:
-        """The rows of weights of one format stacked (the shards of a fused projection)."""
+        """The rows of weights of one format stacked (the shards of a fused projection); one part as it is."""
+        if len(parts) == 1:
+            return parts[0]
         return RawBlocks(parts[0].format, torch.cat([p.raw for p in parts]), parts[0].k)
 
     def numbers(self) -> BlockWeight | kformats.KBlockWeight:

@@ -138,6 +138,15 @@ class GGUFFile:
             names = [t.name for t in self.tensors]
             raise GGUFError(f"the tensor {next(n for n in names if names.count(n) > 1)!r} appears twice")
 
+    def sample(self, edge: int = 4096) -> bytes:
+        """The header, and the first and last `edge` bytes of every tensor: a fingerprint of the contents that reads
+        a few pages, not the file (weights/packed_cache.py keys its entries by it)."""
+        parts = [self._buf[: self.data_offset]]
+        for t in self.tensors:
+            start, end = t.data_offset, t.data_offset + t.n_bytes
+            parts += [self._buf[start : min(start + edge, end)], self._buf[max(end - edge, start) : end]]
+        return b"".join(parts)
+
 
 class _Cursor:
     """Reads the map front to back, every read checked against the file's size."""

@@ -30,6 +30,7 @@ from tokenmill.models import CausalLM
 from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
 from tokenmill.models.packed_embedding import PackedEmbedding
+from tokenmill.weights.packed_cache import PackedCache
 
 Value = torch.Tensor | RawBlocks
 Tensors = Iterable[tuple[str, Value, str]]  # (HF tensor name, value, where it came from)
@@ -68,6 +69,7 @@ class _Fill:
     dtype: torch.dtype
     device: torch.device
     ops: Any | None = None  # the compiled kernels, which repack blocks in one pass (else torch does)
+    cache: PackedCache | None = None  # weights packed by an earlier start, mapped (weights/packed_cache.py)
     filled: dict[str, set[int]] = field(default_factory=dict)
     blocks: dict[str, dict[int, RawBlocks]] = field(default_factory=dict)  # a weight's shards so far
     # whole weights, packed as soon as complete: one format, or one per shard (in shard order)
@@ -98,10 +100,20 @@ class _Fill:
         if whole or fused is None or set(held) == {idx for _, idx in STACKED_PARAMS[fused]}:  # complete: pack it now
             del self.blocks[name]
             parts = [held[i] for i in sorted(held)]
+            module = name.removesuffix(".weight")
             if len({p.format for p in parts}) == 1:
-                self.packed[name] = pack_raw(RawBlocks.cat(parts), self.ops)
+                rows = sum(p.shape[0] for p in parts)
+                cached = self.cached(module, parts[0].format, rows, parts[0].k)
+                self.packed[name] = cached or pack_raw(RawBlocks.cat(parts), self.ops)
             else:  # shards of several formats: each keeps its own
-                self.packed[name] = [pack_raw(p, self.ops) for p in parts]
+                self.packed[name] = [self.pack(f"{module}.parts.{i}", p) for i, p in enumerate(parts)]
+
+    def cached(self, module: str, fmt: str, rows: int, k: int) -> PackedWeight | None:
+        return self.cache.take(module, fmt, rows, k) if self.cache is not None else None
+
+    def pack(self, module: str, blocks: RawBlocks) -> PackedWeight:
+        """Module `module`'s weight from the blocks: as an earlier start packed it, where cached, else packed now."""
+        return self.cached(module, blocks.format, *blocks.shape) or pack_raw(blocks, self.ops)
 
     def _allocate(self, name: str) -> None:
         shape = self.model.get_parameter(name).shape
@@ -124,13 +136,15 @@ def load_weights(
     device: torch.device,
     hf_layout: bool = True,
     config_source: str = "config.json",
+    cache: PackedCache | None = None,
 ) -> CausalLM:
     """Fill `model` (built on the meta device) from `tensors`, HF-named. `hf_layout`: the family's
-    `hf_transposed` tensors are stored [in, out] (a GGUF stores every weight [out, in] already)."""
+    `hf_transposed` tensors are stored [in, out] (a GGUF stores every weight [out, in] already). `cache`: weights in
+    blocks are taken from it where an earlier start packed them."""
     cfg = model.config
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
     shard_sizes = _shard_sizes(cfg)
-    fill = _Fill(model, dtype, device, _repacker(device))
+    fill = _Fill(model, dtype, device, _repacker(device), cache)
     tied_head: PackedWeight | None = None
     embedding = _embedding_name(model)
     for hf_name, tensor, where in tensors:
@@ -180,7 +194,7 @@ def _place_blocks(
         fill.block(name, shard, blocks, whole=whole)
         return None
     if cpu and is_embedding:
-        packed = pack_raw(blocks, fill.ops)
+        packed = fill.pack(name.removesuffix(".weight"), blocks)
         if fill.ops is not None and fill.dtype in (torch.bfloat16, torch.float32):
             parent, _, child = name.rpartition(".")[0].rpartition(".")
             setattr(model.get_submodule(parent), child, PackedEmbedding(packed, fill.dtype, fill.ops))

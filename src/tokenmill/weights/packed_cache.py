@@ -1,0 +1,200 @@
+"""A GGUF's weights as the kernels read them, kept between starts.
+
+The kernels read a weight in their own panels (kernels/panels.py), not in the file's ggml blocks, so a first load
+repacks every block tensor (seconds for a 1.5B model on 2 cores) and copies it into anonymous memory. Here the
+packed panels are written once to `$TOKENMILL_CACHE_DIR` (default ~/.cache/tokenmill)/packed/, and a later start
+maps that file in place instead: no repack, no copy, and the pages are the page cache's, shared by every process
+that serves the same file (as llama.cpp maps its GGUF).
+
+- One file per GGUF, keyed by the file's identity (resolved path, size, mtime, inode) and the compiled kernels'
+  identity (their source hash and ISA variant, which fix the panel layout). A changed file or a rebuilt kernel
+  gets a new key, and writing it removes the older entries of the same GGUF path.
+- Layout: `MAGIC`, the header's length (u64 little-endian), a JSON header {"source": the GGUF's path, "weights":
+  {module name: [offset, nbytes, format, out_features, in_features, padded_in]}}, then the panels, each on a
+  64-byte line, from a 4 KB page on. Writing an entry removes those whose GGUF no longer exists.
+- A first start moves the packed weights into the new file through a shared map, in place of the huge-page region
+  it would otherwise copy them into (kernels/placement.py; the file's pages stream as fast, measured on a Xeon),
+  so it writes nothing twice.
+- Written aside and renamed: a reader never sees half a file, and a file whose header or sizes do not add up is
+  ignored (and replaced). The map is copy-on-write, so a stray write could never reach the file.
+- The weights are keyed by module name: a linear's (`model.layers.0.mlp.down_proj`), a SegmentedLinear's parts
+  (`....qkv_proj.parts.1`) and a packed token embedding (`model.embed_tokens`). The loader takes each one it would
+  otherwise pack, checked against the format and shape it expects; anything missing is packed as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.formats import PackedWeight
+
+log = logging.getLogger("tokenmill.weights")
+
+MAGIC = b"TMPACK01"
+ALIGN, PAGE = 64, 4096
+_LEN = struct.Struct("<Q")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill") / "packed"
+
+
+def cache_path(source: Path, kernels_id: str, sample: bytes) -> Path:
+    """The cache file for GGUF `source` under kernels `kernels_id`: `<path hash>-<identity hash>.bin`. `sample`:
+    bytes of the file's contents (its header and each tensor's ends: GGUFFile.sample), so a file rewritten in place
+    within one tick of the clock, at the same size, still gets a new key."""
+    resolved = source.resolve()
+    st = resolved.stat()
+    identity = hashlib.sha256(f"{resolved}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{kernels_id}|".encode())
+    identity.update(MAGIC + sample)
+    stem = hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
+    return cache_root() / f"{stem}-{identity.hexdigest()[:16]}.bin"
+
+
+class PackedCache:
+    """The packed weights of one GGUF under one kernel build: those the cache file holds (mapped), and a tally of
+    the loader's lookups, so that `load` knows whether every weight came from the map."""
+
+    def __init__(self, path: Path, source: Path) -> None:
+        self.path, self.source = path, source
+        self.weights: dict[str, PackedWeight] = {}
+        self.hits = self.misses = 0
+        try:
+            self.weights = _read(path)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable or inconsistent: packed anew, rewritten
+            log.info("ignoring the packed-weight cache %s (%s)", path, e)
+
+    def take(self, name: str, fmt: str, out_features: int, in_features: int) -> PackedWeight | None:
+        """The cached weight of module `name`, if it has this format and shape; else None (counted as a miss)."""
+        w = self.weights.get(name)
+        if w is None or (w.format, w.out_features, w.in_features) != (fmt, out_features, in_features):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return w
+
+    @property
+    def complete(self) -> bool:
+        """Every weight the loader asked for came from the map."""
+        return self.hits > 0 and self.misses == 0
+
+    def place(self, model: nn.Module) -> bool:
+        """Move every packed weight of `model` into a new cache file, mapped shared, in module order (the order a
+        step reads them, as kernels/placement.py places them), then name the file: the weights are the file's
+        pages from now on, as on a later start. Older entries of the same GGUF go. False, with the model as it
+        was, where the file cannot be written (a read-only or full cache folder)."""
+        entries = _entries(model)
+        if not entries:
+            return False
+        staging = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            placed = _write(staging, entries, self.source)
+            staging.rename(self.path)
+        except OSError as e:
+            log.info("no packed-weight cache written to %s (%s)", self.path.parent, e.strerror or e)
+            with contextlib.suppress(OSError):
+                staging.unlink()
+            return False
+        for name, m in model.named_modules():
+            if name in entries:
+                m.data = placed[m.data.data_ptr()]  # the loaded buffer is freed once unused
+        self._drop_stale()
+        return True
+
+    def _drop_stale(self) -> None:
+        """Remove the other entries of this GGUF path (an older file, or kernels), and those whose GGUF is gone."""
+        stem = self.path.name.partition("-")[0]
+        for old in self.path.parent.glob("*.bin"):
+            if old == self.path:
+                continue
+            try:
+                if old.name.startswith(f"{stem}-") or not Path(_header(old)["source"]).exists():
+                    old.unlink()
+            except (OSError, ValueError, KeyError, TypeError):  # gone already, or not ours to judge
+                continue
+
+
+def _entries(model: nn.Module) -> dict[str, PackedWeight]:
+    """Module name -> packed weight, for every kernel linear and packed embedding of `model` on the CPU."""
+    from tokenmill.models.linear import KernelLinear
+    from tokenmill.models.packed_embedding import PackedEmbedding
+
+    found: dict[str, PackedWeight] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, KernelLinear) and m.data.device.type == "cpu":
+            found[name] = m.packed()
+        elif isinstance(m, PackedEmbedding):
+            found[name] = PackedWeight(m.data, m.format, m.num_embeddings, m.embedding_dim, m.padded_dim)
+    return found
+
+
+def _write(path: Path, entries: dict[str, PackedWeight], source: Path) -> dict[int, torch.Tensor]:
+    """Header and panels, the panels copied into the file through a shared map: {old data_ptr: its view there}. A
+    buffer shared by two modules (a tied LM head and its embedding) is written once."""
+    table: dict[str, list[Any]] = {}
+    at: dict[int, int] = {}  # data_ptr -> offset
+    buffers: list[torch.Tensor] = []
+    offset = 0
+    for name, w in entries.items():
+        ptr = w.data.data_ptr()
+        if ptr not in at:
+            at[ptr] = offset
+            buffers.append(w.data)
+            offset += -(-w.data.numel() // ALIGN) * ALIGN
+        table[name] = [at[ptr], w.data.numel(), w.format, w.out_features, w.in_features, w.padded_in]
+    text = json.dumps({"source": str(source.resolve()), "weights": table}).encode()
+    start = -(-(len(MAGIC) + _LEN.size + len(text)) // PAGE) * PAGE
+    with open(path, "w+b") as f:
+        f.write(MAGIC + _LEN.pack(len(text)) + text)
+        os.posix_fallocate(f.fileno(), 0, start + offset)  # the blocks now: a full disk fails here, never in the map
+        region = mmap.mmap(f.fileno(), start + offset, access=mmap.ACCESS_WRITE)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the map alive while any view lives
+    placed = {}
+    for data in buffers:
+        begin = start + at[data.data_ptr()]
+        placed[data.data_ptr()] = whole[begin : begin + data.numel()].copy_(data.reshape(-1))
+    return placed
+
+
+def _header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return _read_header(f)[0]
+
+
+def _read_header(f: BinaryIO) -> tuple[dict[str, Any], int]:
+    """(the header, where the panels start)."""
+    head = f.read(len(MAGIC) + _LEN.size)
+    if len(head) < len(MAGIC) + _LEN.size or head[: len(MAGIC)] != MAGIC:
+        raise ValueError("not a packed-weight cache file")
+    (length,) = _LEN.unpack(head[len(MAGIC) :])
+    header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not an object")
+    return header, -(-(len(MAGIC) + _LEN.size + length) // PAGE) * PAGE
+
+
+def _read(path: Path) -> dict[str, PackedWeight]:
+    with open(path, "rb") as f:
+        header, start = _read_header(f)
+        region = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # copy-on-write: the file is never written
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the map alive while any view lives
+    weights = {}
+    for name, (offset, nbytes, fmt, n, k, padded) in header["weights"].items():
+        if start + offset + nbytes > whole.numel():
+            raise ValueError(f"{name} runs past the end of the file")
+        weights[name] = PackedWeight(whole[start + offset : start + offset + nbytes], str(fmt), n, k, padded)
+    return weights

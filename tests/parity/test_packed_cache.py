@@ -1,0 +1,140 @@
+"""A GGUF's packed weights kept between starts (weights/packed_cache.py): the first load moves them into a cache
+file and serves from its pages, a later load maps that file instead of repacking, and a damaged, stale or
+unwritable cache never changes what the model computes."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.parity.test_gguf_kquants import _wide_llama
+from tests.parity.test_gguf_loading import PROMPTS, _greedy, _logits
+from tokenmill import LLM
+from tokenmill.bench.gguf_export import export_gguf
+from tokenmill.models.linear import KernelLinear, SegmentedLinear
+from tokenmill.models.packed_embedding import PackedEmbedding
+from tokenmill.weights import packed_cache
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps to see where weights lie")
+MIXED = {"blk.0.attn_v.weight": "q6_k", "blk.1.ffn_down.weight": "q5_0"}  # a SegmentedLinear, and a second type
+
+
+@pytest.fixture
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The cache folder, private to the test (the kernels' own cache, under the same variable, stays put)."""
+    folder = tmp_path / "packed"
+    monkeypatch.setattr(packed_cache, "cache_root", lambda: folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gguf_file(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Q4_K with Q6_K and Q5_0 mixed in, its token embedding in blocks too (a PackedEmbedding)."""
+    out = tmp_path_factory.mktemp("packed") / "q4_k.gguf"
+    return export_gguf(_wide_llama(make_checkpoint), out, "q4_k", overrides=MIXED)
+
+
+def _weights(llm: LLM) -> dict[str, torch.Tensor]:
+    """Module name -> its packed bytes, for every kernel linear and packed embedding."""
+    mods = llm.loaded.model.named_modules()
+    return {n: m.data for n, m in mods if isinstance(m, (KernelLinear, PackedEmbedding))}
+
+
+def _mapped_from(ptr: int) -> str:
+    """The file whose mapping holds address `ptr` ("" for anonymous memory)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= ptr < high:
+            return fields[5].strip() if len(fields) > 5 else ""
+    raise AssertionError(f"{ptr:#x} is not mapped")
+
+
+def _only_entry(root: Path) -> Path:
+    entries = list(root.glob("*.bin"))
+    assert len(entries) == 1, entries
+    return entries[0]
+
+
+def test_the_second_load_maps_what_the_first_packed(gguf_file: Path, root: Path) -> None:
+    first = LLM(str(gguf_file), dtype="float32")
+    entry = _only_entry(root)
+    written = entry.stat().st_mtime_ns
+    assert isinstance(first.loaded.model.model.layers[0].self_attn.qkv_proj, SegmentedLinear)
+    assert any(isinstance(m, PackedEmbedding) for m in first.loaded.model.modules())
+    for name, data in _weights(first).items():  # served from the new file's pages, not from a copy beside them
+        assert _mapped_from(data.data_ptr()) == str(entry), name
+    second = LLM(str(gguf_file), dtype="float32")
+    assert entry.stat().st_mtime_ns == written and _only_entry(root) == entry  # read, not written again
+    a, b = _weights(first), _weights(second)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert _mapped_from(b[name].data_ptr()) == str(entry), name
+        assert torch.equal(a[name], b[name]), name
+    plain = LLM(str(gguf_file), dtype="float32", weight_cache=False)  # packed from the file, in anonymous memory
+    assert all(_mapped_from(d.data_ptr()) != str(entry) for d in _weights(plain).values())
+    ids = plain.loaded.tokenizer.encode(PROMPTS[0])
+    assert torch.equal(_logits(second, ids), _logits(plain, ids))
+    assert _greedy(first, PROMPTS) == _greedy(second, PROMPTS) == _greedy(plain, PROMPTS)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "wrong shape"])
+def test_a_damaged_entry_is_packed_again(gguf_file: Path, root: Path, damage: str) -> None:
+    want = _greedy(LLM(str(gguf_file), dtype="float32", weight_cache=False), PROMPTS[:1])
+    LLM(str(gguf_file), dtype="float32")
+    entry = _only_entry(root)
+    size = entry.stat().st_size
+    raw = entry.read_bytes()
+    if damage == "truncated":  # a header that points past the end
+        damaged = raw[: size // 2]
+    elif damage == "garbage":
+        damaged = b"not a cache" + raw[11:]
+    else:  # a weight that claims another shape: that one is packed anew
+        damaged = raw.replace(b'"q4_k", 256, 256', b'"q4_k", 256, 512', 1)
+    assert damaged != raw
+    entry.write_bytes(damaged)
+    llm = LLM(str(gguf_file), dtype="float32")
+    assert _greedy(llm, PROMPTS[:1]) == want
+    assert _only_entry(root).stat().st_size == size  # written whole again
+    assert all(_mapped_from(d.data_ptr()) == str(entry) for d in _weights(llm).values())
+
+
+def test_a_rewritten_file_is_never_served_stale(make_checkpoint: Callable[..., Path], root: Path,
+                                               tmp_path: Path) -> None:  # fmt: skip
+    """The same path, rewritten with other weights at the same size: a new entry, and the old one removed."""
+    path = tmp_path / "model.gguf"
+    export_gguf(_wide_llama(make_checkpoint), path, "q4_k")
+    LLM(str(path), dtype="float32")
+    old = _only_entry(root)
+    other = make_checkpoint("llama", seed=1, hidden_size=256, intermediate_size=512, initializer_range=0.1)
+    export_gguf(other, path, "q4_k")
+    llm = LLM(str(path), dtype="float32")
+    assert _only_entry(root) != old
+    want = LLM(str(path), dtype="float32", weight_cache=False)
+    ids = want.loaded.tokenizer.encode(PROMPTS[0])
+    assert torch.equal(_logits(llm, ids), _logits(want, ids))
+
+
+def test_entries_of_deleted_files_go(make_checkpoint: Callable[..., Path], root: Path, tmp_path: Path) -> None:
+    ckpt = _wide_llama(make_checkpoint)
+    gone = export_gguf(ckpt, tmp_path / "gone.gguf", "q4_k")
+    LLM(str(gone), dtype="float32")
+    gone.unlink()
+    kept = export_gguf(ckpt, tmp_path / "kept.gguf", "q4_k")
+    LLM(str(kept), dtype="float32")
+    assert _only_entry(root).name.startswith(packed_cache.cache_path(kept, "", b"").name.partition("-")[0])
+
+
+def test_an_unwritable_cache_folder_changes_nothing(gguf_file: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(packed_cache, "cache_root", lambda: blocker / "packed")  # mkdir fails: not a directory
+    llm = LLM(str(gguf_file), dtype="float32")
+    assert all(_mapped_from(d.data_ptr()) in ("", "[heap]") for d in _weights(llm).values())  # placed as before
+    want = LLM(str(gguf_file), dtype="float32", weight_cache=False)
+    assert _greedy(llm, PROMPTS[:1]) == _greedy(want, PROMPTS[:1])
