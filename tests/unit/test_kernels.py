@@ -126,21 +126,25 @@ def test_integer_sums_do_not_saturate(ops: kernels.Kernels, fmt: str) -> None:
         torch.testing.assert_close(y, reference_linear(rows, packed), rtol=1e-5, atol=1e-3)  # saturation: off by 100s
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1"])
 def test_amx_int8_gives_the_bits_of_the_vnni_tiles(ops: kernels.Kernels, fmt: str) -> None:
-    """AMX's int8 tiles sum each block exactly, then scale it as the VNNI tiles do: the same bits, at every row
-    count, both row blocks and a lone last panel included."""
+    """AMX's int8 tiles sum each block (each sub-block, in the K family) exactly, then scale it as the VNNI tiles
+    do: the same bits, at every row count, both row blocks and a lone last panel included."""
     if not ops.module.amx_native():
         pytest.skip(NO_AMX)
-    packed = pack(torch.randn(80, 200), fmt)  # 5 panels: two pairs and one alone; K padded to 224
-    x = torch.randn(40, 200)
+    k = 512 if fmt.endswith("_k") else 200  # two superblocks; or K padded to 224
+    packed = pack(torch.randn(80, k), fmt)  # 5 panels: two pairs and one alone
+    x = torch.randn(40, k)
     before = ops.module.set_amx(0)
     try:
         integer = ops.linear(x, packed.data, packed.format_id, 80, packed.padded_in, None)
+        ints16 = ops.linear(x.bfloat16(), packed.data, packed.format_id, 80, packed.padded_in, None)
         ops.module.set_amx(1)
         for rows in (1, 7, 16, 17, 40):
             amx = ops.linear(x[:rows], packed.data, packed.format_id, 80, packed.padded_in, None)
             assert torch.equal(amx, integer[:rows]), rows
+            assert torch.equal(ops.linear(x[:rows].bfloat16(), packed.data, packed.format_id, 80, packed.padded_in,
+                                          None), ints16[:rows]), rows  # fmt: skip
     finally:
         ops.module.set_amx(before)
 

@@ -321,7 +321,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_native", &tmk::bf16_dot_native, "this build multiplies bf16 pairs with vdpbf16ps");
   m.def("amx_native", &tmk::amx_native, "this build and CPU multiply bf16 pairs and int8 blocks in AMX tiles (and may: Linux)");
   m.def("set_amx", [](int64_t mode) { return std::exchange(tmk::amx_mode, (int)mode); },
-        "AMX tiles for bf16, Q8_0, Q4_0: -1 from amx_min_rows where the CPU has them, 0 never, 1 from one row (tests)");
+        "AMX tiles for bf16 and the quantized formats: -1 from amx_min_rows where the CPU has them, 0 never, 1 from one row (tests)");
   m.def("set_blocked_rows", [](int64_t rows) { return std::exchange(tmk::blocked_rows, rows); },
         "rows from which every linear takes the cache-blocked GEMM (0: each format's default); returns the old one");
   m.def("set_kspans", [](bool on) { return std::exchange(tmk::kspans, on); },

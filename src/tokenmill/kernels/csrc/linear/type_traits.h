@@ -76,6 +76,11 @@ void run_amx_quant(const LinearArgs& a, int64_t p0, int64_t p1) {
   linear_amx_q<F>(a.x, a.M, a.ldx, a.w, a.N, a.K, a.bias, a.o32, a.o16, p0, p1);
 }
 
+template <Format F>
+void run_amx_kquant(const LinearArgs& a, int64_t p0, int64_t p1) {
+  linear_amx_k<F>(a.x, a.M, a.ldx, a.w, a.N, a.K, a.bias, a.o32, a.o16, p0, p1);
+}
+
 // The table. amx_min_rows: rows from which the AMX tiles take a weight's products; below, vdpbf16ps or vpdpbusd
 // tiles do (Q4_0 unpacks each block for the tiles, so it needs more rows to gain).
 // `static`, not `inline`: GCC makes an inline variable one object per process (STB_GNU_UNIQUE), so a process that
@@ -86,13 +91,13 @@ static constexpr FormatKernels kFormatKernels[] = {
     {Q8_0, "q8_0", true, true, false, run_quant<Q8_0>, nullptr, run_amx_quant<Q8_0>, false, 5, unpack_panel<Q8_0>},
     {Q4_0, "q4_0", true, false, false, run_quant<Q4_0>, nullptr, run_amx_quant<Q4_0>, false, 9, unpack_panel<Q4_0>},
     {F32, "f32", false, false, false, run_dense_f32, run_blocked<F32>, nullptr, false, 0, unpack_panel<F32>},
-    // the K family (linear/kformat.h): integer tiles at every row count
-    {Q4_K, "q4_k", true, false, false, run_kquant<Q4_K>, nullptr, nullptr, false, 0, unpack_panel<Q4_K>},
-    {Q5_K, "q5_k", true, false, false, run_kquant<Q5_K>, nullptr, nullptr, false, 0, unpack_panel<Q5_K>},
-    {Q6_K, "q6_k", true, false, false, run_kquant<Q6_K>, nullptr, nullptr, false, 0, unpack_panel<Q6_K>},
-    {Q5_0, "q5_0", true, false, false, run_kquant<Q5_0>, nullptr, nullptr, false, 0, unpack_panel<Q5_0>},
-    {Q5_1, "q5_1", true, false, false, run_kquant<Q5_1>, nullptr, nullptr, false, 0, unpack_panel<Q5_1>},
-    {Q4_1, "q4_1", true, false, false, run_kquant<Q4_1>, nullptr, nullptr, false, 0, unpack_panel<Q4_1>},
+    // the K family (linear/kformat.h): AMX unpacks each block for the tiles, as for Q4_0
+    {Q4_K, "q4_k", true, false, false, run_kquant<Q4_K>, nullptr, run_amx_kquant<Q4_K>, false, 9, unpack_panel<Q4_K>},
+    {Q5_K, "q5_k", true, false, false, run_kquant<Q5_K>, nullptr, run_amx_kquant<Q5_K>, false, 9, unpack_panel<Q5_K>},
+    {Q6_K, "q6_k", true, false, false, run_kquant<Q6_K>, nullptr, run_amx_kquant<Q6_K>, false, 9, unpack_panel<Q6_K>},
+    {Q5_0, "q5_0", true, false, false, run_kquant<Q5_0>, nullptr, run_amx_kquant<Q5_0>, false, 9, unpack_panel<Q5_0>},
+    {Q5_1, "q5_1", true, false, false, run_kquant<Q5_1>, nullptr, run_amx_kquant<Q5_1>, false, 9, unpack_panel<Q5_1>},
+    {Q4_1, "q4_1", true, false, false, run_kquant<Q4_1>, nullptr, run_amx_kquant<Q4_1>, false, 9, unpack_panel<Q4_1>},
 };
 constexpr bool table_in_order() {
   for (int f = 0; f < (int)(sizeof(kFormatKernels) / sizeof(kFormatKernels[0])); ++f)

@@ -24,11 +24,54 @@ namespace tmk {
 
 constexpr int MT_K512 = 8;  // rows per tile
 
+// Group g (4 k) of a block of 32: 16 channels x 4 k, each byte the channel's q (the low 4 bits from the nibbles,
+// plus 16 << p where bit plane p has the bit)
+template <Format F>
+inline __m512i kgroup512(const uint8_t* blk, int g) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i bytes = _mm256_loadu_si256((const __m256i*)(blk + g * 32));
+  __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
+                                 _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
+  for (int p = 0; p < kspec(F).planes; ++p) {
+    uint64_t bits;
+    std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
+    w = _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8((char)(16 << p)));
+  }
+  return w;
+}
+
+// Sub-block s of block j of a superblock: the 16 channels' scales and mins (d, dmin as they are where the format has
+// no sub-block scales)
+template <Format F>
+inline void kscales512(const KHeader<F>& h, int j, int s, __m512 d, __m512 dmin, __m512& scale, __m512& mins) {
+  constexpr KSpec S = kspec(F);
+  constexpr int NS = QK / S.sub;
+  scale = d, mins = dmin;
+  if constexpr (khas_sc(S)) {
+    scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)h.sc(j * NS + s)))));
+    if constexpr (S.has_min)
+      mins = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)h.mn(j * NS + s)))));
+  }
+}
+
+// Row x's integer sums over sub-block s of its block b (isum: 16 channels), scaled and added to its float sums acc:
+// the operations, in order, of every tile of the K family on 16 lanes (these and the AMX ones, arch/amx/)
+template <Format F>
+inline __m512 kfinish512(__m512i isum, const QRow& x, int64_t b, int s, __m512 scale, __m512 mins, __m512 acc) {
+  constexpr KSpec S = kspec(F);
+  constexpr int NS = QK / S.sub;
+  const int32_t sx = NS == 1 ? x.s[2 * b] + x.s[2 * b + 1] : x.s[2 * b + s];
+  __m512i tot = isum;
+  if constexpr (S.zero != 0) tot = _mm512_sub_epi32(tot, _mm512_set1_epi32(S.zero * sx));
+  __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(tot), scale);
+  if constexpr (S.has_min) t = _mm512_fnmadd_ps(mins, _mm512_set1_ps((float)sx), t);
+  return _mm512_fmadd_ps(t, _mm512_set1_ps(x.d[b]), acc);
+}
+
 template <Format F, int MT>
 inline void ktile512(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch) {
   constexpr KSpec S = kspec(F);
   constexpr int NS = QK / S.sub, G = S.sub / 4;  // sub-blocks per block of 32; groups per sub-block
-  const __m256i low = _mm256_set1_epi8(15);
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = s0 ? _mm512_loadu_ps(sums[m]) : _mm512_setzero_ps();
   for (int64_t sb = s0; sb < s1; ++sb) {
@@ -43,39 +86,19 @@ inline void ktile512(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1
       for (int s = 0; s < NS; ++s) {
         __m512i isum[MT];
         for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-#pragma GCC unroll 2
+#pragma GCC unroll 8
         for (int gg = 0; gg < G; ++gg) {
           const int g = s * G + gg;
-          const __m256i bytes = _mm256_loadu_si256((const __m256i*)(blk + g * 32));
-          __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
-                                         _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
-          for (int p = 0; p < S.planes; ++p) {
-            uint64_t bits;
-            std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
-            w = _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8((char)(16 << p)));
-          }
+          const __m512i w = kgroup512<F>(blk, g);
           for (int m = 0; m < MT; ++m) {
             int32_t four;
             std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
             isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(four));
           }
         }
-        __m512 scale = d, mins = dmin;
-        if constexpr (khas_sc(S)) {
-          scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                       _mm_loadu_si128((const __m128i*)h.sc(j * NS + s)))));
-          if constexpr (S.has_min)
-            mins = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                           _mm_loadu_si128((const __m128i*)h.mn(j * NS + s)))));
-        }
-        for (int m = 0; m < MT; ++m) {
-          const int32_t sx = NS == 1 ? x[m].s[2 * b] + x[m].s[2 * b + 1] : x[m].s[2 * b + s];
-          __m512i tot = isum[m];
-          if constexpr (S.zero != 0) tot = _mm512_sub_epi32(tot, _mm512_set1_epi32(S.zero * sx));
-          __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(tot), scale);
-          if constexpr (S.has_min) t = _mm512_fnmadd_ps(mins, _mm512_set1_ps((float)sx), t);
-          acc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(x[m].d[b]), acc[m]);
-        }
+        __m512 scale, mins;
+        kscales512<F>(h, j, s, d, dmin, scale, mins);
+        for (int m = 0; m < MT; ++m) acc[m] = kfinish512<F>(isum[m], x[m], b, s, scale, mins, acc[m]);
       }
     }
   }

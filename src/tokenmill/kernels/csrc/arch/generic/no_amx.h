@@ -14,6 +14,10 @@ inline void linear_amx(const uint16_t*, int64_t, int64_t, const uint8_t*, int64_
                        uint16_t*, int64_t, int64_t) {}
 
 template <Format F>
+void linear_amx_k(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, uint16_t*,
+                  int64_t, int64_t) {}
+
+template <Format F>
 void linear_amx_q(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, uint16_t*,
                   int64_t, int64_t) {}
 
