@@ -44,6 +44,9 @@ def gguf_tokenizer(path: Path, model_type: str | None = None) -> TokenizerBacken
         if _same_tokens(tok, reloaded):
             staging.rename(cached)
             verdict.judge(cached, reloaded, verdict.entry_of(cached))  # so the next start may skip transformers
+            # NOTE: every later start reads the kept folder, whose tokenizer class may add to what the GGUF gave
+            # (Qwen2's: NFC); this start tokenizes as they will.
+            tok = reloaded
     except OSError:  # a read-only home, or another process was first: no cache from us, same tokenizer
         pass
     finally:
