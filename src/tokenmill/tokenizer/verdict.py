@@ -84,29 +84,30 @@ def key(folder: Path) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
-def judge(folder: Path, hf: Any, entry: Path) -> str | None:
-    """Compare the lean tokenizer of `folder` with transformers' (`hf`) and record the verdict at `entry`; the
-    difference found (None: none)."""
+def judge(folder: Path, hf: Any, entry: Path) -> None:
+    """Compare the lean tokenizer of `folder` with transformers' (`hf`) and record the verdict at `entry`."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
     except OSError:
-        return "no writable cache"  # nothing could be recorded: spare the comparison
+        return  # nothing could be recorded: spare the comparison
     kept = None
     try:
         rebuilt = _rust_json(hf)
         if rebuilt is not None and rebuilt != _rust_json_of_file(folder / "tokenizer.json"):
             kept = entry.with_name(f"{entry.stem}.tokenizer.json")
             if not write_atomic(kept, rebuilt):
-                return "no writable cache"
+                return
         reason = probes.differences(hf, LeanTokenizer(folder, kept))
     except Exception as e:  # the lean tokenizer cannot read this folder
         reason = f"the lean tokenizer failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    if reason is not None and kept is not None:  # a verdict of "differs" loads no lean tokenizer
+        kept.unlink(missing_ok=True)
+        kept = None
     record = {"verdict": "same" if reason is None else "differs", "reason": reason, "folder": str(folder),
               "tokenizer_json": kept.name if kept is not None else None}  # fmt: skip
     if write_atomic(entry, json.dumps(record, indent=1)):
         log.info("tokenizer of %s compared with the lean one: %s (recorded for the next load)", folder,
                  "same" if reason is None else f"differs, {reason}")  # fmt: skip
-    return reason
 
 
 def _read(entry: Path) -> dict[str, Any] | None:
