@@ -66,11 +66,11 @@ CONVERSATIONS: list[tuple[list[dict[str, Any]], dict[str, Any]]] = [
 
 def differences(hf: Any, lean: Any) -> str | None:
     """`hf`: transformers' tokenizer; `lean`: a LeanTokenizer of the same folder. The first difference, in words."""
-    from transformers import TokenizersBackend
+    from transformers import PreTrainedTokenizerFast  # transformers 5's TokenizersBackend, under its older name
 
-    if not isinstance(hf, TokenizersBackend):
+    if not isinstance(hf, PreTrainedTokenizerFast):
         return f"transformers loads it as {type(hf).__name__}, not a tokenizers-backed class"
-    overridden = [m for m in _PYTHON_SIDE if getattr(type(hf), m) is not getattr(TokenizersBackend, m)]
+    overridden = [m for m in _PYTHON_SIDE if getattr(type(hf), m) is not getattr(PreTrainedTokenizerFast, m)]
     if overridden:
         return f"{type(hf).__name__} overrides {', '.join(overridden)}"
     for check in (_attributes, _encodings, _decodings, _chats):
