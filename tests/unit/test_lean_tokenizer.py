@@ -212,3 +212,27 @@ def test_options_only_transformers_has_go_to_it(tokenizer_dir: Path, tmp_path: P
         return city
 
     assert outcome(lean, messages, True, tools=[get_time]) == outcome(hf, messages, True, tools=[get_time])
+
+
+def test_wordpiece_space_cleanup_as_transformers(tmp_path: Path) -> None:
+    """A WordPiece tokenizer that asks for transformers' tokenization-space cleanup gets it from the lean one too
+    (and decodes through the windows: the Rust stream would not clean up)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import CORPUS
+
+    rust = RustTokenizer(models.WordPiece(unk_token="[UNK]"))
+    rust.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    rust.decoder = decoders.WordPiece()
+    rust.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[SEP]"]))
+    PreTrainedTokenizerFast(
+        tokenizer_object=rust, unk_token="[UNK]", sep_token="[SEP]", clean_up_tokenization_spaces=True
+    ).save_pretrained(str(tmp_path / "wordpiece"))
+    hf, lean = load_twice(tmp_path / "wordpiece", tmp_path / "cache")
+    for text in ["Hello , world . Do n't you 're ?", *TEXTS]:
+        ids = hf.encode(text, add_special_tokens=False)
+        assert lean.decode(ids) == hf.decode(ids)
+    assert lean.decode(hf.encode("Hello , world !", add_special_tokens=False)) == "Hello, world!"
+    assert lean.decode_stream([], True) is None

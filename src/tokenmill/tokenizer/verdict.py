@@ -34,11 +34,10 @@ FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "
          "chat_template.jinja", "config.json")  # fmt: skip
 
 
-def load(folder: Path, hf: Any = None) -> TokenizerBackend:
-    """The tokenizer of `folder` (its tokenizer.json and configs). `hf`: transformers' tokenizer of it, where the
-    caller has built one already."""
+def load(folder: Path) -> TokenizerBackend:
+    """The tokenizer of `folder` (its tokenizer.json and configs)."""
     if not (folder / "tokenizer.json").is_file():  # a slow (pure-Python) tokenizer, or a Hub name
-        return TransformersTokenizer(hf) if hf is not None else TransformersTokenizer.load(folder)
+        return TransformersTokenizer.load(folder)
     entry = entry_of(folder)
     recorded = _read(entry)
     if recorded is not None and recorded.get("verdict") == "same":
@@ -51,8 +50,8 @@ def load(folder: Path, hf: Any = None) -> TokenizerBackend:
             log.info("tokenizer of %s: the lean one failed to load (%s); comparing again", folder, e)
     elif recorded is not None:
         log.info("tokenizer of %s: transformers' (the lean one differs: %s)", folder, recorded.get("reason"))
-        return TransformersTokenizer(hf) if hf is not None else TransformersTokenizer.load(folder)
-    chosen = TransformersTokenizer(hf) if hf is not None else TransformersTokenizer.load(folder)
+        return TransformersTokenizer.load(folder)
+    chosen = TransformersTokenizer.load(folder)
     judge(folder, chosen.hf, entry)
     return chosen
 
