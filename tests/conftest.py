@@ -43,6 +43,18 @@ def build_tokenizer(out: Path, vocab_size: int = 384) -> Path:
     return out
 
 
+def load_twice(source: Path, cache_dir: Path, model_type: str | None = None) -> tuple[Any, Any]:
+    """`source`'s Tokenizer loaded twice with the cache `cache_dir`: the first load through transformers (it compares
+    the lean tokenizer with it), the second the lean one, where the comparison found no difference."""
+    from tokenmill.tokenizer import Tokenizer
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TOKENMILL_CACHE_DIR", str(cache_dir))
+        first, second = Tokenizer(source, model_type), Tokenizer(source, model_type)
+    assert (first.backend.name, second.backend.name) == ("transformers", "lean")
+    return first, second
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))

@@ -194,8 +194,8 @@ def test_the_tokenizer_class_named_by_the_model_type_tokenizes_as_transformers_o
     for i, model_type in enumerate((GGUFCheckpoint(path).hf_config()["model_type"], None)):
         monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / str(i)))  # each built afresh
         built.append(Tokenizer(path, model_type))
-    named, chosen = built
-    assert type(named.hf) is type(chosen.hf) and named.vocab_size == chosen.vocab_size
+    named, chosen = built  # first builds: transformers' tokenizers
+    assert type(named.backend.hf) is type(chosen.backend.hf) and named.vocab_size == chosen.vocab_size
     for text in [*PROMPTS, "Ünïcödé: café, 日本語 🙂", "  two spaces\n\tand a tab"]:
         assert named.encode(text) == chosen.encode(text)
     assert named.eos_token_id == chosen.eos_token_id and named.chat_template_text == chosen.chat_template_text

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.conftest import load_twice
 from tokenmill.engine.output_processor import OutputProcessor, SequenceText
 from tokenmill.outputs import RequestMetrics
 from tokenmill.sampling_params import SamplingParams
@@ -21,9 +24,11 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir: Path) -> Tokenizer:
-    return Tokenizer(tokenizer_dir)
+@pytest.fixture(scope="module", params=["transformers", "lean"])
+def tok(request: pytest.FixtureRequest, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The test tokenizer through transformers (a folder's first load) and the lean tokenizer (the next)."""
+    first, second = load_twice(tokenizer_dir, tmp_path_factory.mktemp("cache"))
+    return first if request.param == "transformers" else second
 
 
 def byte_ids(tok: Tokenizer, text: str) -> list[int]:
@@ -37,7 +42,7 @@ def byte_ids(tok: Tokenizer, text: str) -> list[int]:
             cs.append(256 + n)
             n += 1
     byte_char = dict(zip(bs, map(chr, cs)))
-    ids = tok.hf.convert_tokens_to_ids([byte_char[b] for b in text.encode()])
+    ids = [tok.token_to_id(byte_char[b]) for b in text.encode()]
     assert all(isinstance(i, int) for i in ids)  # every byte has its own token
     return list(ids)
 
@@ -78,7 +83,8 @@ def test_flush_releases_incomplete_tail_once(tok: Tokenizer) -> None:
 
 
 def test_special_tokens_skipped_or_kept(tok: Tokenizer) -> None:
-    end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    end = tok.token_to_id("<|im_end|>")
+    assert end is not None
     ids = [*tok.encode("Hi", add_special_tokens=False), end, *tok.encode(" there", add_special_tokens=False)]
     skipped = IncrementalDetokenizer(tok, [])
     assert "".join(skipped.add(i) for i in ids) + skipped.flush() == "Hi there"
@@ -134,16 +140,18 @@ def test_a_refused_window_goes_on_with_the_windows(tok: Tokenizer, at: int) -> N
     assert deltas == windows_only(tok, ids, prompt) and "".join(deltas) == TEXTS[1]
 
 
-def test_space_cleanup_keeps_the_windows(tokenizer_dir: Path) -> None:
+def test_space_cleanup_keeps_the_windows(tokenizer_dir: Path, tmp_path: Path) -> None:
     """transformers may clean up tokenization spaces after decoding where a tokenizer asks for it (transformers 5
     does so for WordPiece only); the Rust stream would not, so such a tokenizer decodes through the windows, and
     the deltas join to its decode."""
-    tok = Tokenizer(tokenizer_dir)
-    tok.hf.clean_up_tokenization_spaces = True
-    ids = tok.encode("Hello , world . Do n't", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, [])
-    assert detok.stream is None
-    assert "".join([detok.add(i) for i in ids] + [detok.flush()]) == tok.decode(ids)
+    folder = shutil.copytree(tokenizer_dir, tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    for tok in load_twice(folder, tmp_path / "cache"):
+        ids = tok.encode("Hello , world . Do n't", add_special_tokens=False)
+        detok = IncrementalDetokenizer(tok, [])
+        assert detok.stream is None
+        assert "".join([detok.add(i) for i in ids] + [detok.flush()]) == tok.decode(ids)
 
 
 def make_request(tok: Tokenizer, **params: object) -> Request:
@@ -237,8 +245,8 @@ def test_a_stop_string_in_text_held_back_at_the_end_still_stops(tok: Tokenizer) 
     checked too: the string stops it (reason and cut), rather than reaching the output."""
     partial = [
         (i, text)
-        for i in range(len(tok.hf))
-        if len(text := tok.hf.decode([i])) > 1 and text.endswith("\ufffd") and text[0].isalpha()
+        for i in range(tok.vocab_size)
+        if len(text := tok.decode([i], skip_special_tokens=False)) > 1 and text.endswith("\ufffd") and text[0].isalpha()
     ]
     if not partial:
         pytest.skip("this tokenizer has no token that ends in part of a character after a letter")
@@ -262,7 +270,7 @@ def test_each_tokens_own_bytes_and_top_logprobs_that_decode_alike(tok: Tokenizer
     text = "Say: wörld — ünïcode ✓ 日本語"
     ids = tok.encode(text, add_special_tokens=False)
     assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
-    partial = [i for i in range(len(tok.hf)) if tok.hf.decode([i]) == "\ufffd"][:2]
+    partial = [i for i in range(tok.vocab_size) if tok.decode([i], skip_special_tokens=False) == "\ufffd"][:2]
     assert len(partial) == 2, "the test tokenizer has byte tokens"
     a, b = partial
     assert tok.token_bytes(a) != tok.token_bytes(b) and len(tok.token_bytes(a)) == 1

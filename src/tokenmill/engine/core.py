@@ -60,7 +60,7 @@ class EngineCore:
         self.output = OutputProcessor(tokenizer)
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
-        self.structured = StructuredOutputManager(tokenizer.hf, vocab_size, eos_token_ids)  # grammars' matchers
+        self.structured = StructuredOutputManager(tokenizer.rust, vocab_size, eos_token_ids)  # grammars' matchers
         self.requests: dict[str, list[Request]] = {}  # parent request id -> its sequences
         self._seqs: dict[str, Request] = {}  # sequence (request) id -> sequence
         self.stats = EngineStats()

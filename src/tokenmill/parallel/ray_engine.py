@@ -115,7 +115,7 @@ class RayEngine:
                      **({} if address else {"num_cpus": max(size, 1)}))  # fmt: skip
         self.front = load_front(cfg)  # tokenizer, sampling defaults, EOS ids: no weights
         self.tokenizer = self.front.tokenizer
-        self.structured = StructuredOutputManager(self.tokenizer.hf, self.front.config.vocab_size,
+        self.structured = StructuredOutputManager(self.tokenizer.rust, self.front.config.vocab_size,
                                                   self.front.eos_token_ids)  # fmt: skip
         per = replace(cfg, threads=cfg.threads or 1)
         cls = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=0, max_concurrency=1000)(Replica)

@@ -145,7 +145,7 @@ def build_draft_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -
                         enable_prefix_caching=False, enforce_eager=True)  # fmt: skip
     draft = load(draft_cfg)
     max_len = min(max_len, draft.max_model_len)  # a draft with a shorter context drafts for shorter sequences
-    if draft.tokenizer.hf.get_vocab() != target.tokenizer.hf.get_vocab():
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ValueError(f"speculative_model={cfg.speculative_model!r} has another tokenizer than the model; "
                          "a draft model must share the target's vocabulary")  # fmt: skip
     # the pool holds every sequence that drafts at full length (max_model_len given: plan_num_blocks)

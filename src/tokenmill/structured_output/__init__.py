@@ -50,8 +50,10 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 class StructuredOutputManager:
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        self._hf, self.vocab_size, self._eos = hf_tokenizer, vocab_size, sorted(eos_token_ids)
+    def __init__(self, rust_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        """`rust_tokenizer`: the model's Rust `tokenizers.Tokenizer` (`Tokenizer.rust`; None for a slow tokenizer,
+        which grammars cannot use)."""
+        self._rust, self.vocab_size, self._eos = rust_tokenizer, vocab_size, sorted(eos_token_ids)
         self._backend: GrammarBackend | None = None
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._lock = threading.Lock()  # compile runs on callers' threads
@@ -76,7 +78,7 @@ class StructuredOutputManager:
     def _make_backend(self) -> GrammarBackend:
         from tokenmill.structured_output.guidance import GuidanceBackend
 
-        return GuidanceBackend(self._hf, self.vocab_size, self._eos)
+        return GuidanceBackend(self._rust, self.vocab_size, self._eos)
 
     # -- the engine thread ------------------------------------------------------------------------------------
     def add(self, seq_id: str, grammar: Grammar) -> None:

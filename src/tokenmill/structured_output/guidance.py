@@ -9,10 +9,10 @@ limits (lexer fuel, grammar size), so a hostile grammar fails with an error inst
 from __future__ import annotations
 
 import json
+from copy import copy
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import llguidance.torch
 import numpy as np
 import torch
@@ -44,8 +44,15 @@ class GuidanceGrammar:
 
 
 class GuidanceBackend:
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
+    def __init__(self, rust_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        """llguidance's token table from the Rust tokenizer's JSON, as `llguidance.hf.from_tokenizer` builds it
+        from a transformers tokenizer's backend (without importing transformers)."""
+        if rust_tokenizer is None:
+            raise ValueError("structured output needs a tokenizer with a tokenizer.json (a fast tokenizer)")
+        backend = copy(rust_tokenizer)  # padding and truncation off on a copy, as llguidance.hf does
+        backend.no_padding()
+        backend.no_truncation()
+        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token_ids)
         self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
 
     def compile(self, kind: str, text: str) -> GuidanceGrammar:

@@ -1,19 +1,20 @@
-"""The Hugging Face tokenizer, chat templates, and incremental detokenization that is safe for multi-byte UTF-8.
+"""The tokenizer, chat templates, and incremental detokenization that is safe for multi-byte UTF-8.
+
+A tokenizer folder loads without transformers (the lean tokenizer: lean.py) once its first load has seen
+transformers' tokenizer of it behave alike (verdict.py); else through transformers, as does a folder without a
+tokenizer.json. A GGUF's tokenizer is built by transformers once and kept as such a folder (gguf.py).
 
 Must not import torch: the server side uses it too.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.progress import progress
+from tokenmill.tokenizer.backend import TokenizerBackend
 
 # How many earlier tokens to re-decode with each new one, so word boundaries and spaces come out right.
 _CONTEXT_TOKENS = 5
@@ -35,71 +36,86 @@ class Tokenizer:
     def __init__(self, source: Path | str, model_type: str | None = None) -> None:
         """`model_type`: a GGUF's (its config's `model_type`), which names the tokenizer class at once; without it
         transformers reads the whole file's metadata again to learn it (seconds for a 150k vocabulary)."""
-        from transformers import AutoTokenizer
+        from tokenmill.tokenizer import gguf, verdict
 
         source = Path(source)
         try:
             if source.suffix.lower() == ".gguf":
-                self.hf = _gguf_tokenizer(source, model_type)
+                self.backend: TokenizerBackend = gguf.gguf_tokenizer(source, model_type)
             else:
-                self.hf = AutoTokenizer.from_pretrained(str(source))
+                self.backend = verdict.load(source)
         except Exception as e:
             raise ModelLoadError(f"cannot load the tokenizer from {source}: {str(e).splitlines()[0]}") from None
 
     @property
+    def rust(self) -> Any:
+        """The Rust `tokenizers.Tokenizer` it runs on (grammars build their token tables from it); None for a slow,
+        pure-Python tokenizer."""
+        return self.backend.rust
+
+    @property
     def vocab_size(self) -> int:
-        return len(self.hf)
+        return self.backend.vocab_size
 
     @property
     def eos_token_id(self) -> int | None:
-        eos = self.hf.eos_token_id
-        return eos if isinstance(eos, int) else None
+        return self.backend.eos_token_id
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return bool(self.backend.chat_template)
 
     @property
     def chat_template_text(self) -> str:
         """The chat template's source ("" without one; several named templates joined)."""
-        template = getattr(self.hf, "chat_template", None) or ""
+        template = self.backend.chat_template or ""
         return "\n".join(template.values()) if isinstance(template, dict) else str(template)
 
+    def get_vocab(self) -> dict[str, int]:
+        """Token text -> id, added tokens included."""
+        return self.backend.get_vocab()
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        return self.backend.encode(text, add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
+        return self.backend.decode(token_ids, skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for, part of a character included (its decoded text would end in U+FFFD
         there): a byte-level BPE's piece through GPT-2's byte alphabet, a SentencePiece byte piece (<0xE3>) as
         that byte and another piece with its word-start mark as a space; else (special tokens) its text."""
-        piece = self.hf.convert_ids_to_tokens(token_id)
+        piece = self.backend.id_to_token(token_id)
         if isinstance(piece, str):
             if self._byte_level and all(c in _BYTE_OF for c in piece):
                 return bytes(_BYTE_OF[c] for c in piece)
             if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 return bytes([int(piece[3:5], 16)])
-            if not self._byte_level and token_id not in self.hf.all_special_ids:
+            if not self._byte_level and token_id not in self._special_ids:
                 return piece.replace("\u2581", " ").encode()
         return self.decode([token_id], skip_special_tokens=False).encode()
 
     @cached_property
+    def _special_ids(self) -> frozenset[int | None]:
+        return frozenset(self.backend.all_special_ids)
+
+    @cached_property
     def _byte_level(self) -> bool:
         """The pieces are written in GPT-2's byte alphabet (GPT-2, Llama 3, Qwen and most BPEs since)."""
-        backend = getattr(self.hf, "backend_tokenizer", None)
-        return backend is not None and "ByteLevel" in type(backend.decoder).__name__ + str(backend.decoder)
+        rust = self.backend.rust
+        return rust is not None and "ByteLevel" in type(rust.decoder).__name__ + str(rust.decoder)
 
     def decode_stream(self, context: list[int], skip_special_tokens: bool) -> tuple[Any, Any] | None:
         """(the Rust tokenizer, a `tokenizers` DecodeStream primed with the token ids `context`), or None where
         the tokenizer has no Rust backend or transformers changes its decoded text afterwards (tokenization-space
         cleanup), which the stream would not."""
-        from tokenizers import Tokenizer as RustTokenizer
         from tokenizers.decoders import DecodeStream
 
-        rust = getattr(self.hf, "_tokenizer", None)
-        if not isinstance(rust, RustTokenizer) or getattr(self.hf, "clean_up_tokenization_spaces", False):
+        rust = self.backend.rust
+        if rust is None or self.backend.clean_up_tokenization_spaces:
             return None
         return rust, DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 
@@ -112,13 +128,11 @@ class Tokenizer:
         from jinja2 import TemplateError
 
         try:
-            rendered = self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
-            )
+            rendered = self.backend.render_chat(messages, add_generation_prompt, kwargs)
         except TemplateError as e:  # the template refused the conversation (raise_exception) or failed on it
             raise ValueError(f"the chat template failed on these messages: {e}") from None
         # The template already holds any BOS it wants; do not add another.
-        return self.encode(str(rendered), add_special_tokens=False)
+        return self.encode(rendered, add_special_tokens=False)
 
 
 class IncrementalDetokenizer:
@@ -174,46 +188,3 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         self.text += delta
         return delta
-
-
-_PROBE = "Hello, world! To be, or not to be: 12 ünïcödé 日本語 🙂\n\tdone."
-
-
-def _gguf_tokenizer(path: Path, model_type: str | None = None) -> Any:
-    """transformers builds a fast tokenizer (with the chat template and BOS/EOS) from the GGUF's metadata. That
-    takes a second or two for a 150k vocabulary, so the result is kept, keyed by the file's path, size and mtime,
-    in `$TOKENMILL_CACHE_DIR` (default ~/.cache/tokenmill)/gguf-tokenizers, once a reload of it is checked to
-    tokenize as the original (an architecture's tokenizer class can save what it cannot reload: Gemma's class
-    over a byte-level BPE). With `model_type`, AutoTokenizer takes the class from it (`tokenizer_type`) instead of
-    building the model's config from the file first, which reads every metadata array with the gguf package's
-    reader (on a Qwen2 file, 11.0 s instead of ~2 s: docs/benchmarks.md)."""
-    from transformers import AutoTokenizer
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
-
-    stat = path.resolve().stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-    root = Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
-    cached = root / "gguf-tokenizers" / key
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
-    known = model_type is not None and TOKENIZER_MAPPING_NAMES.get(model_type) is not None
-    with progress(f"building the tokenizer of {path.name} (once; cached)"):
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                            **({"tokenizer_type": model_type} if known else {}))  # fmt: skip
-    staging = cached.with_name(f"{key}.{os.getpid()}.tmp")
-    try:  # written aside and renamed, so a concurrent reader never sees half a cache entry
-        tok.save_pretrained(str(staging))
-        if _same_tokens(tok, AutoTokenizer.from_pretrained(str(staging))):
-            staging.rename(cached)
-    except OSError:  # a read-only home, or another process was first: no cache from us, same tokenizer
-        pass
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return tok
-
-
-def _same_tokens(a: Any, b: Any) -> bool:
-    try:
-        return bool(a.encode(_PROBE) == b.encode(_PROBE) and a.chat_template == b.chat_template)
-    except Exception:  # the tokenizers library raises a plain Exception for a token missing from the vocabulary
-        return False

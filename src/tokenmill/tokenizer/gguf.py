@@ -1,0 +1,61 @@
+"""The tokenizer stored in a GGUF file's metadata, built by transformers once and kept as a tokenizer folder."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tokenmill.progress import progress
+from tokenmill.tokenizer import verdict
+from tokenmill.tokenizer.backend import TokenizerBackend, cache_root
+from tokenmill.tokenizer.transformers_backend import TransformersTokenizer
+
+_PROBE = "Hello, world! To be, or not to be: 12 ünïcödé 日本語 🙂\n\tdone."
+
+
+def gguf_tokenizer(path: Path, model_type: str | None = None) -> TokenizerBackend:
+    """transformers builds a fast tokenizer (with the chat template and BOS/EOS) from the GGUF's metadata. That
+    takes a second or two for a 150k vocabulary, so the result is kept, keyed by the file's path, size and mtime,
+    in `$TOKENMILL_CACHE_DIR` (default ~/.cache/tokenmill)/gguf-tokenizers, once a reload of it is checked to
+    tokenize as the original (an architecture's tokenizer class can save what it cannot reload: Gemma's class
+    over a byte-level BPE). The kept folder then loads as any tokenizer folder does (`verdict`): from the second
+    start on, without transformers where the lean tokenizer matched it. With `model_type`, AutoTokenizer takes the
+    class from it (`tokenizer_type`) instead of building the model's config from the file first, which reads every
+    metadata array with the gguf package's reader (on a Qwen2 file, 11.0 s instead of ~2 s: docs/benchmarks.md)."""
+    stat = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    cached = cache_root() / "gguf-tokenizers" / key
+    if (cached / "tokenizer_config.json").is_file():
+        return verdict.load(cached)
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    known = model_type is not None and TOKENIZER_MAPPING_NAMES.get(model_type) is not None
+    with progress(f"building the tokenizer of {path.name} (once; cached)"):
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                            **({"tokenizer_type": model_type} if known else {}))  # fmt: skip
+    staging = cached.with_name(f"{key}.{os.getpid()}.tmp")
+    try:  # written aside and renamed, so a concurrent reader never sees half a cache entry
+        tok.save_pretrained(str(staging))
+        reloaded = AutoTokenizer.from_pretrained(str(staging))
+        if _same_tokens(tok, reloaded):
+            staging.rename(cached)
+            verdict.judge(cached, reloaded, verdict.entry_of(cached))  # so the next start may skip transformers
+            # NOTE: every later start reads the kept folder, whose tokenizer class may add to what the GGUF gave
+            # (Qwen2's: NFC); this start tokenizes as they will.
+            tok = reloaded
+    except OSError:  # a read-only home, or another process was first: no cache from us, same tokenizer
+        pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return TransformersTokenizer(tok)
+
+
+def _same_tokens(a: Any, b: Any) -> bool:
+    try:
+        return bool(a.encode(_PROBE) == b.encode(_PROBE) and a.chat_template == b.chat_template)
+    except Exception:  # the tokenizers library raises a plain Exception for a token missing from the vocabulary
+        return False
