@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.memory import trim
 from tokenmill.metrics import EngineSnapshot
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -339,6 +340,8 @@ class AsyncEngine:
                 if self.core.has_unfinished():
                     for out in self.core.step():
                         self._deliver(out.request_id, out)
+                    if not self.core.has_unfinished():  # just gone idle
+                        trim()
                 self._publish()
                 if not self.core.runner.alive:  # checked idle too: a dead tensor-parallel rank ends the engine
                     raise RuntimeError("a tensor-parallel worker process exited")
