@@ -18,19 +18,23 @@ namespace tmk {
 // A quantized activation row, in place of K floats: float d[nb], int32 o[nb][2] = {-8 s, -128 s} where s is the
 // block's sum of q (Q4_0's offsets: its tiles start a block's integer sums there, o[b][1] for the high nibbles kept
 // in place, 16 times their weight), int32 s[nb][2] = the sums of q over each half block (k 0-15, 16-31: the K family's
-// sub-blocks, linear/kformat.h), int8 q[K], and with VNNI, for Q8_0 weights, uint8 u[K] = q + 128 (the unsigned
-// side of vpdpbusd). 5 nb + K / 2 floats in all. qrow() is the one place that knows the layout.
+// sub-blocks, linear/kformat.h), float fs[nb][3] = the same two sums and the whole block's, as floats (exact: the
+// 16-lane K tiles broadcast them from memory instead of converting), int8 q[K], and with VNNI, for Q8_0 weights,
+// uint8 u[K] = q + 128 (the unsigned side of vpdpbusd). 8 nb + K / 2 floats in all. qrow() is the one place that
+// knows the layout.
 struct QRow {
   const float* d;
   const int32_t* o;
   const int32_t* s;
+  const float* fs;
   const int8_t* q;
   const uint8_t* u;
 };
 
 inline QRow qrow(const float* row, int64_t nb) {
-  const int8_t* q = (const int8_t*)(row + 5 * nb);
-  return {row, (const int32_t*)(row + nb), (const int32_t*)(row + 3 * nb), q, (const uint8_t*)q + nb * QK};
+  const int8_t* q = (const int8_t*)(row + 8 * nb);
+  return {row, (const int32_t*)(row + nb), (const int32_t*)(row + 3 * nb), row + 5 * nb, q,
+          (const uint8_t*)q + nb * QK};
 }
 
 // x[0..K) float32 -> the QRow layout at `dst` (which has room for K floats): per block of 32, d = max|x| / 127 and
@@ -43,6 +47,7 @@ inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = 
   const QRow row = qrow(dst, nb);
   int32_t* o = (int32_t*)row.o;
   int32_t* halves = (int32_t*)row.s;
+  float* fs = (float*)row.fs;
   int8_t* q = (int8_t*)row.q;
   for (int64_t b = b0; b < b1; ++b) {
     float d;
@@ -52,6 +57,7 @@ inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = 
     int32_t first = 0;
     for (int k = 0; k < QK / 2; ++k) first += q[b * QK + k];
     halves[2 * b] = first, halves[2 * b + 1] = sum - first;
+    fs[3 * b] = (float)first, fs[3 * b + 1] = (float)(sum - first), fs[3 * b + 2] = (float)sum;
   }
   if constexpr (TM_VNNI) {
     uint8_t* u = (uint8_t*)row.u;

@@ -60,11 +60,13 @@ template <Format F>
 inline __m512 kfinish512(__m512i isum, const QRow& x, int64_t b, int s, __m512 scale, __m512 mins, __m512 acc) {
   constexpr KSpec S = kspec(F);
   constexpr int NS = QK / S.sub;
-  const int32_t sx = NS == 1 ? x.s[2 * b] + x.s[2 * b + 1] : x.s[2 * b + s];
-  __m512i tot = isum;
-  if constexpr (S.zero != 0) tot = _mm512_sub_epi32(tot, _mm512_set1_epi32(S.zero * sx));
-  __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(tot), scale);
-  if constexpr (S.has_min) t = _mm512_fnmadd_ps(mins, _mm512_set1_ps((float)sx), t);
+  // the row's sum of q over the sub-block, as a float; every value below is an integer under 2^24, so exact, and
+  // the result the same bits as the 8-lane tiles' integer arithmetic (arch/avx2/ktile.h)
+  const __m512 sx = _mm512_set1_ps(x.fs[3 * b + (NS == 1 ? 2 : s)]);
+  __m512 tot = _mm512_cvtepi32_ps(isum);
+  if constexpr (S.zero != 0) tot = _mm512_fnmadd_ps(_mm512_set1_ps((float)S.zero), sx, tot);
+  __m512 t = _mm512_mul_ps(tot, scale);
+  if constexpr (S.has_min) t = _mm512_fnmadd_ps(mins, sx, t);
   return _mm512_fmadd_ps(t, _mm512_set1_ps(x.d[b]), acc);
 }
 
