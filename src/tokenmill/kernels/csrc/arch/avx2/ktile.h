@@ -122,12 +122,13 @@ inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, f
           }
         }
         for (int m = 0; m < MT; ++m) {
-          const int32_t sx = NS == 1 ? x[m].s[2 * b] + x[m].s[2 * b + 1] : x[m].s[2 * b + s];
-          const __m256 dx = _mm256_set1_ps(x[m].d[b]), fsx = _mm256_set1_ps((float)sx);
+          // the row's sum of q over the sub-block as a float (QRow::fs): every value here is an integer under 2^24,
+          // so the float arithmetic is exact, as the integer one was
+          const __m256 dx = _mm256_set1_ps(x[m].d[b]), fsx = _mm256_set1_ps(x[m].fs[3 * b + (NS == 1 ? 2 : s)]);
           for (int hh = 0; hh < 2; ++hh) {
-            __m256i tot = isum[m][hh];
-            if constexpr (S.zero != 0) tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(S.zero * sx));
-            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(tot), scale[hh]);
+            __m256 tot = _mm256_cvtepi32_ps(isum[m][hh]);
+            if constexpr (S.zero != 0) tot = _mm256_fnmadd_ps(_mm256_set1_ps((float)S.zero), fsx, tot);
+            __m256 t = _mm256_mul_ps(tot, scale[hh]);
             if constexpr (S.has_min) t = _mm256_fnmadd_ps(mins[hh], fsx, t);
             acc[m][hh] = _mm256_fmadd_ps(t, dx, acc[m][hh]);
           }
