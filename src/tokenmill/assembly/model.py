@@ -17,7 +17,7 @@ from tokenmill.kernels import CudaKernels, FusedOps, Kernels
 from tokenmill.kernels import active as active_kernels
 from tokenmill.kernels.cuda import cuda_kernels
 from tokenmill.kernels.cuda import unavailable as gpu_kernels_unavailable
-from tokenmill.memory import return_freed_memory
+from tokenmill.memory import return_freed_memory, trim
 from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
@@ -185,6 +185,7 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
     elif gpu_ops is not None:
         ops = gpu_ops
         bind_kernels(model, ops)
+    trim()  # what loading freed (the tokenizer's JSON, packing's scratch) leaves the arenas (memory.py)
     if cfg.batch_invariant:
         if not isinstance(ops, Kernels):
             raise ConfigError("batch_invariant needs tokenmill's compiled CPU kernels, and none could be built here")
