@@ -195,60 +195,68 @@ def test_the_demo_model_loads_by_the_name_the_server_gives_it() -> None:
     assert LLM(model="tokenmill-demo").loaded.path == DEMO_MODEL
 
 
+# The allocator tests run in a fresh Python: what earlier tests left in this process's arenas (a free chunk big
+# enough for the block) would decide them instead of the switch under test.
+_GLIBC = """
+import ctypes, sys, threading
+from tokenmill.memory import return_freed_memory, trim
+if not return_freed_memory():
+    print("not glibc"); sys.exit(0)
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+"""
+
+
+def _glibc_run(body: str) -> list[int]:
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("not Linux: glibc's allocator switches are all memory.py sets")
+    done = subprocess.run([sys.executable, "-c", _GLIBC + body], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "not glibc":
+        pytest.skip("not glibc: its mmap threshold and malloc_trim are the only allocator switches this sets")
+    return [int(x) for x in done.stdout.split()]
+
+
 def test_loading_a_model_fixes_the_allocators_mmap_threshold() -> None:
     """glibc raises its mmap threshold as large blocks are freed, after which freed activations stay resident
     (memory.py); a loaded model's process keeps it at 128 KB: a 1 MB block is mapped, and unmapped when freed."""
-    import ctypes
-    import sys
-
-    from tokenmill.memory import return_freed_memory
-
-    if not sys.platform.startswith("linux") or not return_freed_memory():
-        pytest.skip("not glibc: its mmap threshold is the only allocator switch this sets")
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-
-    def mapped_kb() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmSize"))
-
-    libc.free(libc.malloc(8 << 20))  # glibc's own threshold would now rise to 8 MB: a 1 MB block from the heap
-    before = mapped_kb()
-    block = libc.malloc(1 << 20)
-    during = mapped_kb()
-    libc.free(block)
-    assert during - before >= 1000 and mapped_kb() - before < 1000  # mapped for the block, gone after it
+    before, during, after = _glibc_run("""
+libc.free(libc.malloc(8 << 20))  # glibc's own threshold would now rise to 8 MB: a 1 MB block from the heap
+before = status("VmSize")
+block = libc.malloc(1 << 20)
+during = status("VmSize")
+libc.free(block)
+print(before, during, status("VmSize"))
+""")
+    assert during - before >= 1000 and after - before < 1000  # mapped for the block, gone after it
 
 
 def test_trim_gives_freed_small_blocks_back() -> None:
     """Blocks under the mmap threshold stay in their arena when freed; `trim` (run by the engine when it goes idle)
-    hands their pages back: 64 MB of 1 KB blocks, freed, leave the resident set after it."""
-    import ctypes
-    import sys
-    import threading
-
-    from tokenmill.memory import return_freed_memory, trim
-
-    if not sys.platform.startswith("linux") or not return_freed_memory():
-        pytest.skip("not glibc: malloc_trim is glibc's")
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-
-    def resident_kb() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
-
-    def churn() -> None:  # in a thread of its own, as the engine's loop is: its own arena
-        blocks = [libc.malloc(1024) for _ in range(64 * 1024)]
-        for b in blocks:
-            ctypes.memset(b, 1, 1024)
-        for b in blocks:
-            libc.free(b)
-
-    worker = threading.Thread(target=churn)
-    worker.start()
-    worker.join()
-    before = resident_kb()
-    trim()
-    assert before - resident_kb() > 32 * 1024
+    hands their pages back: 64 MB of 1 KB blocks, all but one in 64 freed (the live ones keep glibc from giving back
+    the freed runs between them by itself), leave the resident set after it."""
+    start, held, trimmed = _glibc_run("""
+live = []
+def churn():  # in a thread of its own, as the engine's loop is: its own arena
+    blocks = [libc.malloc(1024) for _ in range(64 * 1024)]
+    for b in blocks:
+        ctypes.memset(b, 1, 1024)
+    for i, b in enumerate(blocks):
+        live.append(b) if i % 64 == 63 else libc.free(b)
+start = status("VmRSS")
+worker = threading.Thread(target=churn)
+worker.start()
+worker.join()
+held = status("VmRSS")
+trim()
+print(start, held, status("VmRSS"))
+""")
+    assert held - start > 48 * 1024  # the freed runs are still resident ...
+    assert held - trimmed > 32 * 1024  # ... until the trim
