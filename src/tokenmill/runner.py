@@ -97,6 +97,12 @@ class ModelRunner:
             gen = self._generators[seq.request_id] = torch.Generator().manual_seed(seed)
         return gen
 
+    def idle(self) -> None:
+        """Nothing runs: let go of what only a running step needs (the MLPs' scratch buffers)."""
+        release = getattr(self.model, "release_scratch", None)
+        if release is not None:
+            release()
+
     def close(self) -> None:
         """Release what outlives a step (a tensor-parallel runner's worker processes)."""
 

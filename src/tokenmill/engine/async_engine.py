@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.memory import trim
 from tokenmill.metrics import EngineSnapshot
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -341,7 +340,7 @@ class AsyncEngine:
                     for out in self.core.step():
                         self._deliver(out.request_id, out)
                     if not self.core.has_unfinished():  # just gone idle
-                        trim()
+                        self.core.idle()
                 self._publish()
                 if not self.core.runner.alive:  # checked idle too: a dead tensor-parallel rank ends the engine
                     raise RuntimeError("a tensor-parallel worker process exited")

@@ -20,6 +20,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.sequence_input import sequence_input
 from tokenmill.engine.validation import output_budget
 from tokenmill.kv_cache import KVManager
+from tokenmill.memory import trim
 from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
 from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.runner import ModelRunner
@@ -124,6 +125,12 @@ class EngineCore:
     def close(self) -> None:
         """Stop what runs beside the engine (tensor-parallel workers)."""
         self.runner.close()
+
+    def idle(self) -> None:
+        """No request is left: give back the memory only running steps use (the runner's scratch, then the
+        allocator's freed pages: memory.trim)."""
+        self.runner.idle()
+        trim()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
