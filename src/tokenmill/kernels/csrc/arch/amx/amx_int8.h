@@ -97,6 +97,17 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_q_pass(const int8_t
   }
 }
 
+// The rows of one pass (rows[b] in each of rb row blocks, from row m0) by its panels p, p + 1 (pb of them): their
+// float sums acc into out (the quantized passes' common tail: this file's and amx_kquant.h's)
+inline void amx_store_pass(float (*acc)[2][16][P], const int* rows, int rb, int pb, int64_t m0, int64_t p, int64_t N,
+                           const float* bias, float* out32, uint16_t* out16) {
+  for (int b = 0; b < rb; ++b)
+    for (int q = 0; q < pb; ++q) {
+      const int64_t n0 = (p + q) * P, n_valid = std::min<int64_t>(P, N - n0);
+      for (int m = 0; m < rows[b]; ++m) store_outputs(acc[b][q][m], m0 + 16 * b + m, n0, n_valid, N, bias, out32, out16);
+    }
+}
+
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias) for a Q8_0 or Q4_0 weight, x rows in the
 // QRow layout `ldx` floats apart (as linear_quant): 32 rows by 2 panels at a time.
 template <Format F>
@@ -120,12 +131,7 @@ __attribute__((target("amx-tile,amx-int8"))) void linear_amx_q(const float* x, i
       else if (rb == 2) amx_q_pass<F, 2, 1>(xq, xs, xr, ldx, w, nb, rows, acc);
       else if (pb == 2) amx_q_pass<F, 1, 2>(xq, xs, xr, ldx, w, nb, rows, acc);
       else amx_q_pass<F, 1, 1>(xq, xs, xr, ldx, w, nb, rows, acc);
-      for (int b = 0; b < rb; ++b)
-        for (int q = 0; q < pb; ++q) {
-          const int64_t n0 = (p + q) * P, n_valid = std::min<int64_t>(P, N - n0);
-          for (int m = 0; m < rows[b]; ++m)
-            store_outputs(acc[b][q][m], m0 + 16 * b + m, n0, n_valid, N, bias, out32, out16);
-        }
+      amx_store_pass(acc, rows, rb, pb, m0, p, N, bias, out32, out16);
     }
   }
   _tile_release();

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "arch/amx/amx_int8.h"
 #include "arch/amx/tiles.h"
 #include "arch/avx512bf16/ktile512.h"
 #include "arch/isa.h"
@@ -121,12 +122,7 @@ __attribute__((target("amx-tile,amx-int8"))) void linear_amx_k(const float* x, i
       else if (rb == 2) amx_k_pass<F, 2, 1>(rx, rx[0].q, xs, w, nsb, rows, acc);
       else if (pb == 2) amx_k_pass<F, 1, 2>(rx, rx[0].q, xs, w, nsb, rows, acc);
       else amx_k_pass<F, 1, 1>(rx, rx[0].q, xs, w, nsb, rows, acc);
-      for (int b = 0; b < rb; ++b)
-        for (int q = 0; q < pb; ++q) {
-          const int64_t n0 = (p + q) * P, n_valid = std::min<int64_t>(P, N - n0);
-          for (int m = 0; m < rows[b]; ++m)
-            store_outputs(acc[b][q][m], m0 + 16 * b + m, n0, n_valid, N, bias, out32, out16);
-        }
+      amx_store_pass(acc, rows, rb, pb, m0, p, N, bias, out32, out16);
     }
   }
   _tile_release();
