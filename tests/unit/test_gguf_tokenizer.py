@@ -1,0 +1,153 @@
+"""A GGUF's byte-level BPE tokenizer built from its metadata (tokenizer/gguf_bpe.py) behaves as the model's own
+tokenizer folder under transformers: Qwen2's, Llama 3's and GPT-2's split and normalizer, BOS, special and added
+tokens, decode and chat template (`probes.differences`). Made from the tiny trained tokenizer in every family, and
+from the real Qwen2, Llama 3 and GPT-2 tokenizers where ../shared holds them. The first start builds it without
+importing transformers; later starts read the kept folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_tokenizer_verdict import load_elsewhere
+from tokenmill.tokenizer import Tokenizer, gguf_bpe, probes
+from tokenmill.tokenizer.lean import LeanTokenizer
+from tokenmill.weights.gguf_reader import GGUFFile
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "tokenizers"
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+
+def _styled(tokenizer_dir: Path, out: Path, arch: str) -> Path:
+    """The tiny tokenizer as Llama 3 shapes its own (Llama 3's split, whole words found in the vocabulary taken
+    without merging, BOS before every sequence) or Qwen2 (Qwen2's split, NFC); GPT-2's as it is."""
+    if arch == "gpt2":
+        return tokenizer_dir
+    shutil.copytree(tokenizer_dir, out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    split = gguf_bpe.LLAMA3_SPLIT if arch == "llama" else gguf_bpe.QWEN2_SPLIT
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ]}  # fmt: skip
+    if arch != "llama":
+        spec["normalizer"] = {"type": "NFC"}
+    else:
+        spec["model"]["ignore_merges"] = True
+        bos = next(t for t in spec["added_tokens"] if t["content"] == "<|endoftext|>")
+        spec["post_processor"] = _bos_template(bos["content"], bos["id"])
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    return out
+
+
+def _bos_template(bos: str, bos_id: int) -> dict[str, object]:
+    special = [{"SpecialToken": {"id": bos, "type_id": 0}}, {"SpecialToken": {"id": bos, "type_id": 1}}]
+    a, b = {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}
+    return {"type": "TemplateProcessing", "single": [special[0], a], "pair": [special[0], a, special[1], b],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}  # fmt: skip
+
+
+def _exported(tokenizer: Path, arch: str, out: Path) -> tuple[Path, Path]:
+    """(a tiny `arch` checkpoint folder with `tokenizer`, its f32 GGUF)."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.bench.gguf_export import export_gguf
+    from tokenmill.make_model import hf_config, write_checkpoint
+
+    size = len(AutoTokenizer.from_pretrained(str(tokenizer)))
+    folder = write_checkpoint(hf_config(arch, vocab_size=size, **SMALL), tokenizer, out / "hf")
+    return folder, export_gguf(folder, out / "model.gguf", "f32", name="tiny-random")
+
+
+def _built(gguf_path: Path, out: Path) -> LeanTokenizer:
+    built = gguf_bpe.build(GGUFFile(gguf_path))
+    assert built is not None, "a byte-level BPE file of a family gguf_bpe builds"
+    out.mkdir()
+    (out / "tokenizer.json").write_text(built.tokenizer_json)
+    (out / "tokenizer_config.json").write_text(json.dumps(built.config))
+    if built.chat_template is not None:
+        (out / "chat_template.jinja").write_text(built.chat_template)
+    return LeanTokenizer(out)
+
+
+def _assert_same_as_the_folder(folder: Path, gguf_path: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    assert probes.differences(AutoTokenizer.from_pretrained(str(folder)), _built(gguf_path, out)) is None
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "gpt2"])
+def test_the_tiny_tokenizer_in_every_family(arch: str, tokenizer_dir: Path, tmp_path: Path) -> None:
+    folder, path = _exported(_styled(tokenizer_dir, tmp_path / "tok", arch), arch, tmp_path)
+    pre = GGUFFile(path).fields["tokenizer.ggml.pre"].contents()
+    assert pre == {"qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama-bpe", "gpt2": "gpt-2"}[arch]
+    _assert_same_as_the_folder(folder, path, tmp_path / "built")
+    if arch == "llama":  # the file asks for BOS, and the built tokenizer adds it
+        built = LeanTokenizer(tmp_path / "built")
+        assert built.encode("Hello", True)[0] == built.token_to_id("<|endoftext|>")
+        assert built.encode("Hello", True)[1:] == built.encode("Hello", False)
+
+
+@pytest.mark.parametrize(("name", "arch"), [("qwen2", "qwen2"), ("llama3", "llama"), ("gpt2", "gpt2")])
+def test_the_real_tokenizers(name: str, arch: str, tmp_path: Path) -> None:
+    if not (SHARED / name / "tokenizer.json").is_file():
+        pytest.skip(f"no {SHARED / name}: the real tokenizers come with ../shared, beside the repository")
+    folder, path = _exported(SHARED / name, arch, tmp_path)
+    _assert_same_as_the_folder(folder, path, tmp_path / "built")
+
+
+def test_other_kinds_are_left_to_transformers(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """A llama file with GPT-2's split is no family gguf_bpe knows: None, and transformers builds it."""
+    from tokenmill.bench.gguf_export import export_gguf
+
+    path = export_gguf(make_checkpoint("llama"), tmp_path / "tiny.gguf", "f32", name="tiny-random")
+    assert gguf_bpe.build(GGUFFile(path)) is None
+    assert load_elsewhere(path, tmp_path / "cache", "llama") == ["transformers", "True"]
+
+
+def test_the_first_start_needs_no_transformers_and_the_second_reads_the_kept_folder(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenmill.bench.gguf_export import export_gguf
+
+    path = export_gguf(make_checkpoint("qwen2"), tmp_path / "tiny.gguf", "f32", name="tiny-random")
+    cache = tmp_path / "cache"
+    assert load_elsewhere(path, cache, "qwen2") == ["lean", "False"]
+    (kept,) = (cache / "gguf-tokenizers").iterdir()
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(cache))
+    monkeypatch.setattr(gguf_bpe, "build", lambda _: pytest.fail("built again although a kept folder exists"))
+    second = Tokenizer(path, "qwen2")
+    assert second.backend.name == "lean"
+    assert Path(second.backend.folder) == kept  # type: ignore[attr-defined]
+
+
+def test_a_damaged_kept_folder_is_built_again(make_checkpoint: Callable[..., Path], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from tokenmill.bench.gguf_export import export_gguf
+
+    path = export_gguf(make_checkpoint("qwen2"), tmp_path / "tiny.gguf", "f32", name="tiny-random")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    first = Tokenizer(path, "qwen2")
+    (kept,) = (tmp_path / "cache" / "gguf-tokenizers").iterdir()
+    (kept / "tokenizer.json").write_text("{ not json")
+    again = Tokenizer(path, "qwen2")
+    assert again.backend.name == "lean"
+    assert again.encode("Hello world! ünï") == first.encode("Hello world! ünï")
+    assert json.loads((kept / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+
+
+def test_an_unwritable_cache_still_gives_the_tokenizer(make_checkpoint: Callable[..., Path], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from tokenmill.bench.gguf_export import export_gguf
+
+    path = export_gguf(make_checkpoint("qwen2"), tmp_path / "tiny.gguf", "f32", name="tiny-random")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(blocked))
+    tok = Tokenizer(path, "qwen2")
+    assert tok.backend.name == "lean"
+    assert tok.decode(tok.encode("Hello world")) == "Hello world"
