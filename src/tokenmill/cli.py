@@ -104,16 +104,23 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return {f.name: getattr(a, f.name) for f in fields(EngineConfig) if f.name not in _NOT_FLAGS}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """`command`: the one asked for, where known; another's than bench's leaves the bench modes' parsers (and their
+    imports: httpx, the harness) out of a server's start."""
     parser = _Parser(prog="tokenmill", description="A fast, exact, readable LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     _generate_args(sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal"))
     _serve_args(sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API"))
 
-    from tokenmill.bench.cli import add_bench_parser
+    if command in (None, "bench"):
+        from tokenmill.bench.cli import add_bench_parser
 
-    add_bench_parser(sub, _engine_args)
+        add_bench_parser(sub, _engine_args)
+    else:
+        from tokenmill.bench.cli import BENCH_HELP
+
+        sub.add_parser("bench", help=BENCH_HELP)
 
     env = sub.add_parser("env", help="print the CPU, its ISA, which kernel path runs and why, and torch's threads")
     env.add_argument("--bandwidth", action="store_true", help="also measure the memory read bandwidth (seconds)")
@@ -335,10 +342,11 @@ def cmd_make_model(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     handlers = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "make-model": cmd_make_model,
                 "env": cmd_env}  # fmt: skip
+    given = sys.argv[1:] if argv is None else argv
+    parser = build_parser(given[0] if given and given[0] in handlers else None)
+    args = parser.parse_args(argv)
     handler = handlers[args.command]
     try:
         return handler(args)

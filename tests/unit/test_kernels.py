@@ -9,6 +9,7 @@ are checked byte for byte against the gguf package's (ggml's reference rounding)
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -353,7 +354,6 @@ def test_two_installs_of_the_same_sources_build_in_folders_of_their_own(
     """torch writes the sources' paths into a build folder's build.ninja, so two installs of the same sources (two
     venvs, a clone beside a wheel) that shared a folder recompiled there each time the other had loaded. Each
     source folder gets its own build; the same folder keeps its key."""
-    import shutil
 
     from tokenmill.kernels import build
 
@@ -363,6 +363,29 @@ def test_two_installs_of_the_same_sources_build_in_folders_of_their_own(
     shutil.copytree(build.CSRC, copy)
     monkeypatch.setattr(build, "CSRC", copy)
     assert build.build_key("scalar") != here
+
+
+def test_a_built_variant_loads_without_torchs_build_machinery_and_a_damaged_one_is_built_again(
+    tmp_path: Path,
+) -> None:
+    """A start with the variant built imports the module itself: torch's cpp_extension (and setuptools, 0.4-0.6 s)
+    stays out. A module that does not import (a link cut short) is built again."""
+    from tokenmill.kernels.build import build_key, cache_root, load
+    from tokenmill.kernels.isa import LANES
+
+    load("scalar")
+    folder = tmp_path / "kernels" / build_key("scalar")
+    shutil.copytree(cache_root() / build_key("scalar"), folder)
+    code = ("import sys; from tokenmill.kernels.build import load; m = load('scalar'); "
+            "print(m.lanes, 'torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")  # fmt: skip
+    env = {**os.environ, "TOKENMILL_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == [str(LANES["scalar"]), "False", "False"], done.stderr
+    (so,) = folder.glob("*.so")
+    so.write_bytes(so.read_bytes()[:4096])  # what a link killed midway leaves
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.split()[0] == str(LANES["scalar"]), done.stderr
+    assert so.stat().st_size > 4096
 
 
 def test_without_a_compiler_the_pure_torch_path_runs_and_says_so_once(tmp_path: Path) -> None:

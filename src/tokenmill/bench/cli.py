@@ -10,10 +10,11 @@ from typing import Any
 from tokenmill.errors import TokenmillError
 
 SUBCOMMANDS = ("latency", "throughput", "serve", "compare", "sweep", "report")
+BENCH_HELP = "measure: latency, throughput, serve, compare, sweep, report"
 
 
 def add_bench_parser(sub: Any, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    bench = sub.add_parser("bench", help="measure: latency, throughput, serve, compare, sweep, report")
+    bench = sub.add_parser("bench", help=BENCH_HELP)
     bsub = bench.add_subparsers(dest="bench_command", required=True, parser_class=type(bench))
     from tokenmill.bench.compare import add_compare_parser
     from tokenmill.bench.latency import add_latency_parser

@@ -3,7 +3,8 @@
 The cache key holds the torch version, the variant and a hash of the sources, their folder and the flags, so a
 build for AVX-512 is never loaded on an AVX2 machine, an edited source is rebuilt, and two installs never rebuild
 each other's. Builds go to `$TOKENMILL_CACHE_DIR` (default `~/.cache/tokenmill`)/kernels/<key>; the first build of
-a variant takes about a minute on two cores, later loads are instant.
+a variant takes about a minute on two cores. A later load imports the built module itself: torch's
+`cpp_extension.load` would first import setuptools and run ninja to find nothing to do (0.4-0.6 s of every start).
 """
 
 from __future__ import annotations
@@ -60,8 +61,6 @@ def build_key(level: str) -> str:
 
 def load(level: str) -> ModuleType:
     """The compiled module for `level`, building it first if the cache has none."""
-    from torch.utils import cpp_extension
-
     key = build_key(level)
     directory = cache_root() / key
     try:
@@ -71,6 +70,10 @@ def load(level: str) -> ModuleType:
             f"cannot create the kernel cache {directory} ({e.strerror}; set TOKENMILL_CACHE_DIR to a writable folder)"
         ) from e
     name = f"tokenmill_kernels_{key.replace('.', '_').replace('-', '_')}"
+    if (built := _built(name, directory)) is not None:
+        return built
+    from torch.utils import cpp_extension
+
     if not any(directory.glob(f"{name}*.so")):
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:
@@ -86,6 +89,42 @@ def load(level: str) -> ModuleType:
     except Exception as e:  # no compiler, no ninja, a compiler that rejects the flags: the caller falls back
         first = str(e).strip().splitlines()
         raise KernelBuildError(f"{type(e).__name__}: {first[0] if first else e}") from e
+
+
+def _built(name: str, directory: Path) -> ModuleType | None:
+    """The module built before in `directory` (the key names its sources, flags and torch), imported as torch's
+    loader imports it; None where there is none, or it does not import (a build cut short: built again)."""
+    import importlib.util
+
+    path = directory / f"{name}.so"
+    if not path.is_file():
+        return None
+    with _build_lock(directory):  # not while another process is still writing it
+        if not _whole_elf(path):  # loading a cut file would kill the process (SIGBUS), not raise
+            path.unlink(missing_ok=True)
+            return None
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except ImportError:
+            path.unlink(missing_ok=True)
+            return None
+    return module
+
+
+def _whole_elf(path: Path) -> bool:
+    """Whether `path` is a 64-bit ELF file that reaches its section headers, which the linker writes last."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if len(head) < 64 or head[:5] != b"\x7fELF\x02":
+        return False
+    (table,), (entry, count) = struct.unpack_from("<Q", head, 0x28), struct.unpack_from("<HH", head, 0x3A)
+    return bool(table + entry * count <= path.stat().st_size)
 
 
 def _compile(cpp_extension: Any, name: str, level: str, directory: Path) -> ModuleType:
