@@ -47,3 +47,24 @@ def trim() -> bool:
     Python objects, tokenizer and scratch buffers) is not held while nothing runs. True where it freed any."""
     libc = _glibc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+def machine_bytes() -> int | None:
+    """The memory this process may use: the machine's, or its cgroup's limit where lower (a container's); None where
+    neither can be read."""
+    import os
+
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no such sysconf name on this platform
+        return None
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            with open(limit) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+        break
+    return int(total)

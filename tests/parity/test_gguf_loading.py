@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -285,6 +286,44 @@ def test_cli_reports_a_bad_gguf_in_one_line(exported: Callable[..., Any], tmp_pa
     (tmp_path / "cut.gguf").write_bytes(good.read_bytes()[:-1000])
     assert_one_line_error(run_cli("generate", str(tmp_path / "cut.gguf"), "--prompt", "x"), "truncated or corrupt")
     assert_one_line_error(run_cli("generate", str(tmp_path / "none.gguf"), "--prompt", "x"), "does not exist")
+
+
+def test_a_file_larger_than_memory_fails_in_one_line_before_loading(
+    exported: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The tiny model's file, with one more tensor declared as large as the machine's memory and a GiB: a sparse
+    file, so nothing that large is written or read."""
+    import gguf
+
+    from tests.unit.test_cli import assert_one_line_error, run_cli
+    from tokenmill.memory import machine_bytes
+
+    have = machine_bytes()
+    if have is None:
+        pytest.skip("this platform tells no memory size (sysconf), so there is no limit to exceed")
+    _, good = exported("llama")
+    reader = gguf.GGUFReader(good)
+    big = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(big, arch="llama")
+    for name, kv in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            sub = kv.types[1] if len(kv.types) > 1 else None
+            writer.add_key_value(name, kv.contents(), kv.types[0], sub_type=sub)
+    rows = (have + 2**30) // (4 * 4096) + 1
+    for t in [*reader.tensors, None]:
+        shape, nbytes = ((4096, rows), rows * 4096 * 4) if t is None else (tuple(t.shape), int(t.n_bytes))
+        raw = gguf.GGMLQuantizationType.F32 if t is None else t.tensor_type
+        writer.add_tensor_info("spare.weight" if t is None else t.name, shape[::-1] if t is None else shape,
+                               np.dtype(np.float32), nbytes, raw_dtype=raw)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with open(big, "r+b") as f:
+        f.truncate(f.seek(0, 2) + sum(int(t.n_bytes) for t in reader.tensors) + rows * 4096 * 4 + 2**20)
+    result = run_cli("generate", str(big), "--prompt", "x")
+    assert_one_line_error(result, "more than this machine's")
+    assert "big.gguf" in result.stderr
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2-tied", "gemma3", "phi3"])

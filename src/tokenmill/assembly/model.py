@@ -17,7 +17,7 @@ from tokenmill.kernels import CudaKernels, FusedOps, Kernels
 from tokenmill.kernels import active as active_kernels
 from tokenmill.kernels.cuda import cuda_kernels
 from tokenmill.kernels.cuda import unavailable as gpu_kernels_unavailable
-from tokenmill.memory import return_freed_memory, trim
+from tokenmill.memory import machine_bytes, return_freed_memory, trim
 from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
@@ -141,6 +141,8 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         model_config = shard.local_config(model_config)
     if gguf and cfg.quantization != "none":
         _check_gguf_quantization(gguf, cfg.quantization)
+    if resolve_device(cfg.device).type == "cpu":
+        _check_fits(path, gguf, cfg.tensor_parallel_size)
     max_len = cfg.max_model_len or model_config.max_position_embeddings
     if max_len > model_config.max_position_embeddings:
         raise ValueError(
@@ -231,6 +233,19 @@ def _ticking(tensors: Iterator[Any], advance: Any) -> Iterator[Any]:
     for item in tensors:
         yield item
         advance()
+
+
+def _check_fits(path: Path, gguf: GGUFCheckpoint | None, ranks: int) -> None:
+    """A checkpoint whose weights (this rank's share) exceed the machine's memory fails here, in one line, before any
+    weight is read: mapped, it would start and then page from disk at every step."""
+    have = machine_bytes()
+    files = [] if gguf else sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    need = (sum(t.n_bytes for t in gguf.reader.tensors) if gguf else sum(f.stat().st_size for f in files)) // ranks
+    if have is not None and need > have:
+        raise ModelLoadError(
+            f"{path.name}: its weights take {need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB "
+            "of memory; pick a smaller model or a smaller quantization (Q4_K_M: about 0.6 bytes per weight)"
+        )
 
 
 def _check_gguf_quantization(gguf: GGUFCheckpoint, quantization: str) -> None:
