@@ -178,9 +178,11 @@ Batching = Literal["continuous", "static"]
 BATCHING_MODES: tuple[str, ...] = ("continuous", "static")
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
-Quantization = Literal["none", "int8", "int4", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1"]
-# int8 / int4: ggml's Q8_0 / Q4_0 blocks; the rest: ggml's types of those names (kernels/kformats.py)
-QUANTIZATION_MODES: tuple[str, ...] = ("none", "int8", "int4", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1")
+Quantization = Literal["none", "int8", "int4", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1", "q4_k_m", "q5_k_m"]
+# int8 / int4: ggml's Q8_0 / Q4_0 blocks; q4_k ... q4_1: ggml's types of those names (kernels/kformats.py);
+# q4_k_m / q5_k_m: llama-quantize's mixes of them (models/quant_mix.py)
+QUANTIZATION_MODES: tuple[str, ...] = ("none", "int8", "int4", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1",
+                                       "q4_k_m", "q5_k_m")  # fmt: skip
 
 
 @dataclass(frozen=True)

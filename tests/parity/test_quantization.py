@@ -46,14 +46,17 @@ def test_int4_stays_close_to_bf16(reference: tuple[LoadedModel, Score]) -> None:
     assert abs(q["perplexity_change"]) <= 0.05, q
 
 
-@pytest.mark.parametrize(("quantization", "bar"), [("q6_k", 0.98), ("q5_k", 0.96), ("q4_k", 0.93)])
+@pytest.mark.parametrize(("quantization", "bar"), [("q6_k", 0.98), ("q5_k", 0.96), ("q4_k", 0.93),
+                                                   ("q5_k_m", 0.975), ("q4_k_m", 0.96)])  # fmt: skip
 def test_k_quants_stay_close_to_bf16(reference: tuple[LoadedModel, Score], quantization: str, bar: float) -> None:
     """ggml's K-quants, quantized by our port of its reference quantizer (the demo model's rows are whole
-    superblocks of 256, so no tensor falls back). Measured (Xeon): q6_k 0.987, q5_k 0.973, q4_k 0.950 top-1
-    agreement; Q4_0 gives 0.943."""
+    superblocks of 256, so no tensor falls back), and llama-quantize's Q4_K_M / Q5_K_M mixes of them. Measured
+    (Xeon): q6_k 0.987, q5_k_m 0.983, q5_k 0.973, q4_k_m 0.971, q4_k 0.950 top-1 agreement; Q4_0 gives 0.943."""
     target.cpu_only()
     loaded = load(EngineConfig(dtype="bfloat16", quantization=quantization))
-    assert set(loaded.kernels) == {quantization}
+    base = quantization.removesuffix("_m")
+    # a mix: the LM head, and V and down in layers 2 and 5 of the six (quant_mix.more_bits), in Q6_K
+    assert loaded.kernels == ({base: 22, "q6_k": 5} if quantization.endswith("_m") else {base: loaded.kernels[base]})
     q = compare(reference[1], score(loaded, VAL_TEXT))
     assert q["top1_agreement"] >= bar, q
     assert abs(q["perplexity_change"]) <= 0.01, q
@@ -93,13 +96,18 @@ def test_compile_keeps_logits_and_greedy_tokens(make_checkpoint: Callable[..., P
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "q4_k_m"])
 def test_quantized_batch_equals_each_alone(make_checkpoint: Callable[..., Path], quantization: str) -> None:
     """Batching a quantized model keeps each prompt's greedy output, though the batch's prefill (over 8 rows)
     takes the dequantized GEMM where a short prompt alone takes the weight-only kernel."""
     from tokenmill import LLM, SamplingParams
 
-    folder = make_checkpoint("llama", initializer_range=0.1)
+    if quantization.endswith("_m"):  # rows of whole superblocks, and layers enough for the mix to differ by layer
+        target.cpu_only()
+        folder = make_checkpoint("llama", initializer_range=0.1, hidden_size=256, intermediate_size=512,
+                                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    else:
+        folder = make_checkpoint("llama", initializer_range=0.1)
     llm = LLM(str(folder), dtype="bfloat16", device=target.DEVICE, quantization=quantization)
     prompts = [{"prompt_token_ids": list(range(7 + i, 7 + 5 * i + 3))} for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -251,7 +251,7 @@ def _check_fits(path: Path, gguf: GGUFCheckpoint | None, ranks: int) -> None:
 def _check_gguf_quantization(gguf: GGUFCheckpoint, quantization: str) -> None:
     """A GGUF's block weights run in their own formats; --quantization may only ask for that same one."""
     held = gguf.block_formats()
-    wanted = FORMAT_OF_QUANTIZATION[quantization]
+    wanted = FORMAT_OF_QUANTIZATION.get(quantization)  # (a mix: none of them alone)
     if held and held != {wanted}:
         names = {"q8_0": "Q8_0 (int8)", "q4_0": "Q4_0 (int4)"}
         raise ConfigError(

@@ -34,6 +34,7 @@ from tokenmill.config import QUANTIZATION_MODES
 from tokenmill.kernels import CudaKernels, Kernels, formats
 from tokenmill.kernels.isa import cpu_flags
 from tokenmill.kernels.placement import ALIGN, place_buffers
+from tokenmill.models import quant_mix
 from tokenmill.models.packed_embedding import PackedEmbedding
 
 # Rows above which a bf16 product goes to oneDNN where it has a native bf16 GEMM. Elsewhere the kernel's blocked
@@ -230,8 +231,28 @@ def packing_unsupported(dtype: torch.dtype) -> str | None:
     return None
 
 
+def _mixed(linear: nn.Linear, shards: list[tuple[int, str]], ops: Kernels | None) -> KernelLinear | SegmentedLinear:
+    """`linear` packed as `shards` (rows, format) say (quant_mix): one KernelLinear, or one per shard."""
+    if len(shards) == 1:
+        return KernelLinear.from_linear(linear, shards[0][1], ops)
+    parts, start = [], 0
+    for rows, fmt in shards:
+        shard = nn.Linear(linear.in_features, rows, bias=linear.bias is not None, device="meta")
+        shard.weight = nn.Parameter(linear.weight.detach()[start : start + rows], requires_grad=False)
+        if linear.bias is not None:
+            shard.bias = nn.Parameter(linear.bias.detach()[start : start + rows], requires_grad=False)
+        parts.append(KernelLinear.from_linear(shard, fmt, ops))
+        start += rows
+    return SegmentedLinear(parts)
+
+
 def _kind(quantization: str, device: torch.device, dtype: torch.dtype, pack: bool, cpu_kernels: bool) -> str:
-    """What every linear of this model becomes: a kernel format, 'packed' (oneDNN) or 'plain'."""
+    """What every linear of this model becomes: a kernel format, 'mix' (quant_mix picks per linear), 'packed'
+    (oneDNN) or 'plain'."""
+    if quantization in quant_mix.MIXES:
+        if device.type != "cpu":
+            raise ValueError(f"--quantization {quantization} runs on the CPU kernels only; on a GPU use int8 or int4")
+        return "mix"
     if quantization in FORMAT_OF_QUANTIZATION:
         if device.type != "cpu" and quantization in formats.kformats.KSPECS:
             raise ValueError(f"--quantization {quantization} runs on the CPU kernels only; on a GPU use int8 or int4")
@@ -264,8 +285,9 @@ def prepare_linears(
         raise ValueError(f"quantization={quantization!r} is not supported; allowed: {', '.join(QUANTIZATION_MODES)}")
     use_kernels = device.type == "cpu" and cpu_kernels
     counts: dict[str, int] = {}
+    n_layers = quant_mix.layer_count(model) if quantization in quant_mix.MIXES else 0
     # NOTE: hold on to parents only, so each replaced dense weight is freed as soon as its module is swapped
-    for parent in [m for m in model.modules() if not isinstance(m, nn.Linear)]:
+    for where, parent in [(n, m) for n, m in model.named_modules() if not isinstance(m, nn.Linear)]:
         for name, child in list(parent.named_children()):
             if isinstance(child, KernelLinear) and gpu_ops is not None and child.format in ("q8_0", "q4_0"):
                 setattr(parent, name, CudaBlockLinear.from_kernel_linear(child, gpu_ops))
@@ -283,6 +305,13 @@ def prepare_linears(
                 if kind == "plain":
                     continue
                 new: nn.Module
+                if kind == "mix":
+                    shards = quant_mix.formats_for(quantization, f"{where}.{name}".lstrip("."), parent, n_layers)
+                    new = _mixed(child, shards, kernels.active() if use_kernels else None)
+                    setattr(parent, name, new)
+                    for fmt in [p.format for p in new.parts] if isinstance(new, SegmentedLinear) else [new.format]:
+                        counts[str(fmt)] = counts.get(str(fmt), 0) + 1
+                    continue
                 if kind == "packed":
                     new = PackedLinear(child)
                 elif gpu_ops is not None and kind in ("q8_0", "q4_0"):
