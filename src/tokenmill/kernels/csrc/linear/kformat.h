@@ -26,7 +26,7 @@
 // Q5_0 5.5 (the same), Q5_1 6 (the same), Q4_1 5 (the same), IQ4_NL 4.5 (the same), IQ4_XS 4.3125 (4.25).
 //
 // The product against a row quantized to Q8_0 blocks (linear/qrow.h): per sub-block the exact integer sum
-// isum = sum of q * qx, then out += dx * (scale * (isum - zero * sx) - min * sx), sx the row's sum of qx over the
+// isum = sum of v(q) * qx, then out += dx * (scale * (isum - zero * sx) - min * sx), sx the row's sum of qx over the
 // sub-block (QRow::s). That is ggml's own arithmetic (it quantizes the rows to Q8_K: one scale per 256 instead).
 // IQ4's v(q) - zero is the signed table entry (-127 .. 113), so isum - 128 sx is ggml's sum of table * qx exactly.
 #pragma once
@@ -39,8 +39,8 @@
 
 namespace tmk {
 
-// IQ4_NL's 16 non-linear levels (ggml's kvalues_iq4nl: -127, -104, ..., 113), each + 128: unsigned bytes, as
-// vpdpbusd multiplies them (the signed table is kIq4Signed, for vpmaddubsw's sign trick: arch/avx2/ktile.h)
+// IQ4's 16 non-linear levels (ggml's kvalues_iq4nl), as they are (vpmaddubsw's sign trick takes them:
+// arch/avx2/ktile.h) and + 128, the unsigned bytes vpdpbusd and TDPBSUD multiply (v(q) everywhere else)
 alignas(16) constexpr int8_t kIq4Signed[16] = {-127, -104, -83, -65, -49, -35, -22, -10,  //
                                                1,    13,   25,  38,  53,  69,  89,  113};
 alignas(16) constexpr uint8_t kIq4Unsigned[16] = {1,   24,  45,  63,  79,  93,  106, 118,  //
