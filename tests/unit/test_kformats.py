@@ -1,4 +1,5 @@
-"""The K family (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1) from a GGUF's bytes to the kernels' product, on every variant.
+"""The K family (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1, IQ4_NL, IQ4_XS) from a GGUF's bytes to the kernels' product, on
+every variant.
 
 A GGUF block is any bytes, so the blocks here are random bytes (with finite fp16 scales): their numbers must be the
 gguf package's dequantization exactly, they must repack into the kernels' panels without loss, and every kernel
@@ -12,15 +13,19 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.conftest import kernel_levels
+from tests.unit.test_kernels import NO_AMX
 from tokenmill import kernels
 from tokenmill.kernels import kformats
-from tokenmill.kernels.formats import FORMATS, PackedWeight, pack_block_weight, reference_linear, unpack
+from tokenmill.kernels.formats import FORMATS, PackedWeight, pack, pack_block_weight, reference_linear, unpack
 from tokenmill.kernels.kformats import KSPECS, decode_gguf_rows
 
-GGML_TYPE = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q5_0": "Q5_0", "q5_1": "Q5_1", "q4_1": "Q4_1"}
+GGML_TYPE = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q5_0": "Q5_0", "q5_1": "Q5_1", "q4_1": "Q4_1",
+             "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS"}  # fmt: skip
 # the fp16 fields of each block: (byte offset, scale); the other bytes stay random
 HALVES = {"q4_k": [(0, 0.02), (2, 0.01)], "q5_k": [(0, 0.02), (2, 0.01)], "q6_k": [(208, 0.004)],
-          "q5_0": [(0, 0.05)], "q5_1": [(0, 0.05), (2, 0.3)], "q4_1": [(0, 0.05), (2, 0.3)]}  # fmt: skip
+          "q5_0": [(0, 0.05)], "q5_1": [(0, 0.05), (2, 0.3)], "q4_1": [(0, 0.05), (2, 0.3)],
+          "iq4_nl": [(0, 0.005)], "iq4_xs": [(0, 0.0005)]}  # fmt: skip
 ROWS = [1, 2, 3, 4, 5, 8, 9, 13, 17, 70]  # every tile size, tiles split evenly, and a second block of 64 rows
 
 
@@ -105,17 +110,18 @@ def test_a_row_gives_the_same_bits_alone_in_a_batch_and_in_spans(ops: kernels.Ke
 @pytest.mark.parametrize("fmt", list(KSPECS))
 def test_integer_sums_do_not_saturate(ops: kernels.Kernels, fmt: str) -> None:
     """Every q at its largest against rows quantized to +127 and -127: the 16-bit sums of the AVX2 tiles are at
-    their bound, and widen before they overflow."""
+    their bound, and widen before they overflow. IQ4's largest values: 113 (unsigned 241, vpdpbusd's) and -127
+    (|-127|, the sign trick's of vpmaddubsw)."""
     spec = KSPECS[fmt]
     n, k = 16, spec.sb * 2
     w = decode_gguf_rows(fmt, torch.from_numpy(random_rows(fmt, n, k, seed=3)), k)
-    top = (1 << (4 + spec.planes)) - 1
-    packed = pack_block_weight(kformats.KBlockWeight(fmt, torch.full_like(w.q, top), w.d, w.dmin, w.sc, w.mn))
-    x = torch.ones(2, k)
-    x[1] = -1
-    expected = reference_linear(x, packed)
-    atol = 1e-5 * expected.abs().max().item()
-    torch.testing.assert_close(_linear(ops, packed, x, None), expected, rtol=1e-5, atol=atol)
+    for top in [15, 0] if spec.table else [(1 << (4 + spec.planes)) - 1]:
+        packed = pack_block_weight(kformats.KBlockWeight(fmt, torch.full_like(w.q, top), w.d, w.dmin, w.sc, w.mn))
+        x = torch.ones(2, k)
+        x[1] = -1
+        expected = reference_linear(x, packed)
+        atol = 1e-5 * expected.abs().max().item()
+        torch.testing.assert_close(_linear(ops, packed, x, None), expected, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", *KSPECS])
@@ -134,3 +140,48 @@ def test_the_kernels_repack_a_gguf_tensor_into_the_bytes_torch_packs(ops: kernel
     blocks = RawBlocks(fmt, raw, k)
     ours, want = pack_raw(blocks, ops), pack_raw(blocks, None)
     assert ours.format == want.format and torch.equal(ours.data, want.data)
+
+
+IQ4 = [f for f, spec in KSPECS.items() if spec.table]
+
+
+@pytest.mark.parametrize("fmt", IQ4)
+def test_iq4_gives_the_same_bits_on_every_simd_variant(fmt: str) -> None:
+    """IQ4's sums are exact on every path (vpdpbusd on the unsigned table, or vpmaddubsw's sign trick on the signed
+    one, on 8 or 16 lanes) and scaled alike: the same bits from every SIMD variant, 1 to 40 rows."""
+    simd = [level for level in kernel_levels() if level != "scalar"]
+    if len(simd) < 2:
+        pytest.skip(f"one SIMD variant runs here ({simd}): nothing to compare it with")
+    n, k = 80, 2 * KSPECS[fmt].sb
+    packed = pack_block_weight(decode_gguf_rows(fmt, torch.from_numpy(random_rows(fmt, n, k, seed=5)), k))
+    x = torch.randn(40, k)
+    for rows in (1, 3, 4, 8, 9, 16, 40):
+        outs = [_linear(kernels.variant(level), packed, x[:rows], None) for level in simd]
+        for level, out in zip(simd[1:], outs[1:], strict=True):
+            assert torch.equal(out, outs[0]), (level, rows)
+
+
+@pytest.mark.parametrize("fmt", IQ4)
+def test_iq4_on_amx_gives_the_bits_of_the_vnni_tiles(ops: kernels.Kernels, fmt: str) -> None:
+    """AMX multiplies IQ4's unsigned table values by the signed rows (TDPBSUD) into the VNNI tiles' exact sums, and
+    scales them alike: the same bits at every row count, both row blocks and a lone last panel included."""
+    if not ops.module.amx_native():
+        pytest.skip(NO_AMX)
+    n, k = 80, 2 * KSPECS[fmt].sb  # 5 panels: two pairs and one alone
+    packed = pack_block_weight(decode_gguf_rows(fmt, torch.from_numpy(random_rows(fmt, n, k, seed=6)), k))
+    x = torch.randn(40, k)
+    before = ops.module.set_amx(0)
+    try:
+        integer = _linear(ops, packed, x, None)
+        ops.module.set_amx(1)
+        for rows in (1, 7, 16, 17, 40):
+            assert torch.equal(_linear(ops, packed, x[:rows], None), integer[:rows]), rows
+    finally:
+        ops.module.set_amx(before)
+
+
+@pytest.mark.parametrize("fmt", IQ4)
+def test_iq4_is_not_a_quantization_target(fmt: str) -> None:
+    """IQ4 loads from GGUF files only: packing a float weight to it is refused with the reason, not done wrong."""
+    with pytest.raises(ValueError, match="GGUF files only"):
+        pack(torch.randn(16, 256), fmt)

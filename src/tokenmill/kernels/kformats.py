@@ -1,11 +1,14 @@
-"""The K family of weight formats: ggml's K-quants (Q4_K, Q5_K, Q6_K) and the legacy Q5_0, Q5_1 and Q4_1 that
-llama-quantize falls back to, as GGUF files hold them and as the kernels multiply them (csrc/linear/kformat.h
-draws the panel layout; this module packs it with torch ops).
+"""The K family of weight formats: ggml's K-quants (Q4_K, Q5_K, Q6_K), the legacy Q5_0, Q5_1 and Q4_1 that
+llama-quantize falls back to, and the non-linear IQ4_NL and IQ4_XS, as GGUF files hold them and as the kernels
+multiply them (csrc/linear/kformat.h draws the panel layout; this module packs it with torch ops).
 
-Each is an unsigned q of 4, 5 or 6 bits per weight and, per sub-block, w = scale * (q - zero) - min:
+Each is an unsigned q of 4, 5 or 6 bits per weight, its value v(q), and per sub-block w = scale * (v(q) - zero) - min:
 - Q4_K, Q5_K: superblocks of 256 (fp16 d, dmin), 8 sub-blocks of 32 with 6-bit sc, mn: scale = d sc, min = dmin mn;
 - Q6_K: superblocks of 256 (fp16 d), 16 sub-blocks of 16 with int8 sc: scale = d sc, zero = 32;
-- Q5_0: blocks of 32, fp16 d, zero = 16; Q5_1 / Q4_1: blocks of 32, fp16 d and m: min = -m.
+- Q5_0: blocks of 32, fp16 d, zero = 16; Q5_1 / Q4_1: blocks of 32, fp16 d and m: min = -m;
+- IQ4_NL: blocks of 32, fp16 d; IQ4_XS: superblocks of 256 (fp16 d), 8 sub-blocks of 32 with sc = (6-bit scale) - 32:
+  scale = d sc. Their 4-bit q index ggml's table of 16 levels (`IQ4_LEVELS`): v(q) = level + 128, zero = 128.
+v(q) is q itself but for IQ4.
 `decode_gguf_rows` takes a GGUF tensor's block bytes apart into those numbers (`KBlockWeight`), and
 `pack_kblocks` lays them out as the kernels read them: the numbers are ggml's own, so nothing is re-quantized and
 the product is the one llama.cpp computes (up to the activations' quantization: Q8_0 blocks here, Q8_K there).
@@ -28,6 +31,7 @@ class KSpec:
     has_min: bool
     zero: int
     gguf_bytes: int  # bytes of one ggml block (a superblock)
+    table: bool = False  # q indexes IQ4_LEVELS (v(q) = level + 128), else v(q) = q
 
     @property
     def subs(self) -> int:
@@ -58,14 +62,29 @@ KSPECS = {
     "q5_0": KSpec(32, 32, 1, False, 16, 22),
     "q5_1": KSpec(32, 32, 1, True, 0, 24),
     "q4_1": KSpec(32, 32, 0, True, 0, 20),
+    "iq4_nl": KSpec(32, 32, 0, False, 128, 18, table=True),
+    "iq4_xs": KSpec(256, 32, 0, False, 128, 136, table=True),
 }
-GGUF_KTYPES = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_1": "q4_1"}
+GGUF_KTYPES = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_1": "q4_1",
+               "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs"}  # fmt: skip
+# ggml's kvalues_iq4nl: the 16 levels of IQ4_NL and IQ4_XS, w = scale * level
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# the formats --quantization makes (kquantize.py): the gguf package has no reference quantizer for IQ4 to match
+QUANTIZABLE = tuple(f for f, spec in KSPECS.items() if not spec.table)
+
+
+def values(fmt: str, q: torch.Tensor) -> torch.Tensor:
+    """v(q) as float32: q itself, or for IQ4 its level + 128 (the unsigned bytes the kernels multiply)."""
+    if not KSPECS[fmt].table:
+        return q.float()
+    return (torch.tensor(IQ4_LEVELS, dtype=torch.float32) + 128)[q.long()]
 
 
 @dataclass(frozen=True)
 class KBlockWeight:
-    """A weight in one of the K family's blocks, as numbers: q uint8 [N, K] (0 .. 2^bits - 1), d fp16 [N, K/sb],
-    dmin fp16 [N, K/sb] (formats with a min), sc int8 and mn uint8 [N, K/sub] (formats with sub-blocks)."""
+    """A weight in one of the K family's blocks, as numbers: q uint8 [N, K] (0 .. 2^bits - 1; IQ4's table indices),
+    d fp16 [N, K/sb], dmin fp16 [N, K/sb] (formats with a min), sc int8 and mn uint8 [N, K/sub] (formats with
+    sub-blocks)."""
 
     format: str
     q: torch.Tensor
@@ -88,7 +107,7 @@ class KBlockWeight:
         scale = self.d.float().repeat_interleave(spec.subs, dim=1)  # [N, K/sub]
         if spec.has_sc:
             scale = scale * self.sc.float()  # type: ignore[union-attr]
-        w = scale[..., None] * (self.q.float().view(n, -1, spec.sub) - spec.zero)
+        w = scale[..., None] * (values(self.format, self.q).view(n, -1, spec.sub) - spec.zero)
         if spec.has_min:
             mins = self.dmin.float().repeat_interleave(spec.subs, dim=1)  # type: ignore[union-attr]
             w = w - (mins * self.mn.float() if spec.has_sc else mins)[..., None]  # type: ignore[union-attr]
@@ -108,6 +127,16 @@ def _scales_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], dim=1)
     mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
     return sc.to(torch.int8), mn.to(torch.uint8)
+
+
+def _scales_iq4_xs(s: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS's scales_h (u16) and scales_l[4] [R, 6] -> int8 sc [R, 8]: sub-block j's 6-bit scale (scales_l's
+    nibble j, low first, under bits 2j, 2j + 1 of scales_h) less 32."""
+    s = s.to(torch.int32)
+    high = s[:, 0] | (s[:, 1] << 8)  # [R]
+    low = torch.stack([s[:, 2:6] & 15, s[:, 2:6] >> 4], dim=2).reshape(-1, 8)  # [R, 8]
+    top = (high[:, None] >> (2 * torch.arange(8, dtype=torch.int32))) & 3
+    return (low | (top << 4)).sub(32).to(torch.int8)
 
 
 def _nibbles_k(qs: torch.Tensor) -> torch.Tensor:
@@ -130,13 +159,18 @@ def decode_gguf_rows(fmt: str, raw: torch.Tensor, k: int) -> KBlockWeight:
             qh = blocks[:, 16:48].to(torch.int32)
             bit = (qh[:, None, :] >> torch.arange(8, dtype=torch.int32)[None, :, None]) & 1  # [R, 8 subs, 32]
             q = q | (bit.reshape(-1, 256) << 4).to(torch.uint8)
+    elif fmt == "iq4_xs":  # {d, scales_h u16, scales_l[4], qs[128]}: each 16 bytes of qs a sub-block, as Q4_0's
+        d = _u16(blocks[:, 0:2])
+        sc = _scales_iq4_xs(blocks[:, 2:8])
+        qs = blocks[:, 8:].reshape(-1, 8, 16)
+        q = torch.cat([qs & 15, qs >> 4], dim=2).reshape(-1, 256)
     elif fmt == "q6_k":  # {ql[128], qh[64], scales[16] int8, d}
         ql, qh = blocks[:, :128].reshape(-1, 2, 2, 32), blocks[:, 128:192].reshape(-1, 2, 1, 32)
         low = torch.cat([ql & 15, ql >> 4], dim=2)  # [R, half, 4 quarters, 32]: ql[l], ql[l+32], then their highs
         high = (qh >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 4, 1)) & 3
         q = (low | (high << 4)).reshape(-1, 256)
         sc, d = blocks[:, 192:208].contiguous().view(torch.int8), _u16(blocks[:, 208:210])
-    else:  # q5_0 {d, qh u32, qs[16]}, q5_1 {d, m, qh, qs[16]}, q4_1 {d, m, qs[16]}
+    else:  # q5_0 {d, qh u32, qs[16]}, q5_1 {d, m, qh, qs[16]}, q4_1 {d, m, qs[16]}, iq4_nl {d, qs[16]}
         d = _u16(blocks[:, 0:2])
         if spec.has_min:
             dmin = -_u16(blocks[:, 2:4])  # w = d q + m = d q - (-m)
@@ -167,6 +201,13 @@ def encode_gguf_rows(w: KBlockWeight) -> torch.Tensor:
             bits = ((q.view(-1, 8, 32) >> 4) & 1).to(torch.int32) << torch.arange(8, dtype=torch.int32)[None, :, None]
             parts.append(bits.sum(1).to(torch.uint8))  # qh[l]: bit j from sub-block j
         parts.append(qs)
+    elif w.format == "iq4_xs":
+        ls = w.sc.reshape(-1, 8).to(torch.int32) + 32  # type: ignore[union-attr]
+        high = ((ls >> 4) << (2 * torch.arange(8, dtype=torch.int32))).sum(1)  # [R] scales_h
+        low = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).to(torch.uint8)  # [R, 4] scales_l
+        subs = q.view(-1, 8, 2, 16)  # [R, sub-block, low/high nibble, 16]
+        qs = (subs[:, :, 0] | (subs[:, :, 1] << 4)).reshape(-1, 128)
+        parts = [*halves, torch.stack([high & 255, high >> 8], dim=1), low, qs]
     elif w.format == "q6_k":
         quarters = q.view(-1, 2, 4, 32)  # [R, half, t, l]: k = 128 half + 32 t + l
         low = quarters & 15

@@ -180,6 +180,8 @@ def quantize_k(w: torch.Tensor, fmt: str) -> KBlockWeight:
     """A float weight [N, K] (K a multiple of the format's superblock) -> its blocks, as ggml's reference
     quantizer makes them."""
     spec = KSPECS[fmt]
+    if spec.table:  # (ggml's IQ4 quantizer searches scales; the gguf package has no reference of it to match)
+        raise ValueError(f"{fmt} weights load from GGUF files only: tokenmill does not quantize to {fmt}")
     if w.dim() != 2 or w.shape[1] % spec.sb:
         raise ValueError(f"{fmt} quantizes [N, K] weights with K a multiple of {spec.sb}, got {list(w.shape)}")
     x = w.detach().float().contiguous()

@@ -40,7 +40,7 @@ from tokenmill.models.packed_embedding import PackedEmbedding
 # Rows above which a bf16 product goes to oneDNN where it has a native bf16 GEMM. Elsewhere the kernel's blocked
 # GEMM beats unpacking to float32 for torch's sgemm at every size (Zen 3 AVX2: 1.1-1.6x, docs/archive/).
 KERNEL_MAX_ROWS = 64
-FORMAT_OF_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0", **{f: f for f in formats.kformats.KSPECS}}
+FORMAT_OF_QUANTIZATION = {"int8": "q8_0", "int4": "q4_0", **{f: f for f in formats.kformats.QUANTIZABLE}}
 
 
 class Linear(nn.Linear):

@@ -6,10 +6,10 @@ vocabulary) and dequantized, where needed, by the `gguf` package.
   table (no `output.weight`: tied embeddings; `attn_q.bias`: attention biases; `rope_freqs`: llama3 RoPE;
   `rope_factors_long/short`: Phi-3's LongRoPE). `attention.sliding_window` gives the `llama` arch (Mistral v0.1)
   and `phi3` a window in every layer (0: none, as Phi-4's files say).
-- Tensors: F32, F16 and BF16 load as they are. Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and Q4_1 (the Q4_K_M,
-  Q5_K_M and Q6_K mixes) arrive as `RawBlocks`, their rows of ggml blocks in the map itself, which the loader
-  repacks into the kernel formats in one pass, without re-quantizing (kernels/raw_blocks.py). The other ggml
-  types in `DEQUANTIZED` (Q2_K, Q3_K) are dequantized with a one-line notice.
+- Tensors: F32, F16 and BF16 load as they are. Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1 (the Q4_K_M,
+  Q5_K_M and Q6_K mixes), IQ4_NL and IQ4_XS arrive as `RawBlocks`, their rows of ggml blocks in the map itself,
+  which the loader repacks into the kernel formats in one pass, without re-quantizing (kernels/raw_blocks.py).
+  The other ggml types in `DEQUANTIZED` (Q2_K, Q3_K) are dequantized with a one-line notice.
 - llama.cpp's `llama` arch rotates interleaved pairs where HF rotates halves, and its converter permutes the Q/K
   rows for that; they are permuted back here. The other archs rotate halves, as HF does. `phi3` keeps q|k|v and
   gate|up fused, as HF's Phi-3 does. RoPE over part of the head (Phi-4-mini) is refused.

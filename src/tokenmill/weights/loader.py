@@ -6,11 +6,11 @@ Phi-3's, fills them whole). A family's `hf_transposed` tensors are stored [in, o
 around. Every parameter must be filled exactly once and every checkpoint tensor must land somewhere, so a
 mismatched checkpoint fails loudly.
 
-A tensor can also arrive as ggml blocks (`RawBlocks`: a GGUF's Q8_0/Q4_0, K-quants, Q5_0/Q5_1/Q4_1). On the
-CPU its linear becomes a `KernelLinear` of that format from the blocks as they are; a fused projection stays in
-blocks when all of its shards are blocks (or when it arrives whole: a phi3 GGUF's `attn_qkv`, `ffn_up`): one
-`KernelLinear` where they share a format, else a `SegmentedLinear` of one per shard. Anywhere else (another
-device, an embedding, blocks beside dense shards) it is dequantized.
+A tensor can also arrive as ggml blocks (`RawBlocks`: a GGUF's Q8_0/Q4_0, K-quants, Q5_0/Q5_1/Q4_1,
+IQ4_NL/IQ4_XS). On the CPU its linear becomes a `KernelLinear` of that format from the blocks as they are; a fused
+projection stays in blocks when all of its shards are blocks (or when it arrives whole: a phi3 GGUF's `attn_qkv`,
+`ffn_up`): one `KernelLinear` where they share a format, else a `SegmentedLinear` of one per shard. Anywhere else
+(another device, an embedding, blocks beside dense shards) it is dequantized.
 """
 
 from __future__ import annotations

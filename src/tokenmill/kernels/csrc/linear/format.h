@@ -6,7 +6,7 @@
 //   Q8_0:  K/32 blocks of { fp16 d[16]; int8  q[8][16][4] }  q[g][c][i] = w[c][4g + i];  w = d * q
 //   Q4_0:  K/32 blocks of { fp16 d[16]; uint8 q[8][8][4] }   q[g][c][i] = w[c][4g + i] | w[c + 8][4g + i] << 4
 //          (w in 0..15, the weight is d * (w - 8))
-//   K family (Q4_K, Q5_K, Q6_K and the legacy Q5_0, Q5_1, Q4_1): linear/kformat.h
+//   K family (Q4_K, Q5_K, Q6_K, the legacy Q5_0, Q5_1, Q4_1, and the non-linear IQ4_NL, IQ4_XS): linear/kformat.h
 // The dense formats keep a panel's weights k-major (for each k, the P channels side by side), so one vector load
 // gives W channels at one k; the quantized ones group 4 k per channel for 8-bit integer dot products (linear/quant.h).
 // Which kernels multiply each format: linear/type_traits.h.
@@ -18,17 +18,22 @@
 
 namespace tmk {
 
-enum Format { BF16 = 0, Q8_0 = 1, Q4_0 = 2, F32 = 3, Q4_K = 4, Q5_K = 5, Q6_K = 6, Q5_0 = 7, Q5_1 = 8, Q4_1 = 9 };
+enum Format {
+  BF16 = 0, Q8_0 = 1, Q4_0 = 2, F32 = 3, Q4_K = 4, Q5_K = 5, Q6_K = 6, Q5_0 = 7, Q5_1 = 8, Q4_1 = 9,
+  IQ4_NL = 10, IQ4_XS = 11
+};
 constexpr int QK = 32;  // weights per quantization block
 
 // The K family: every weight an unsigned q of 4, 5 or 6 bits, in superblocks of `sb` k whose sub-blocks of `sub` k
-// each have a scale (and a min): w = d * sc * (q - zero) - dmin * mn (linear/kformat.h gives the layout)
+// each have a scale (and a min): w = d * sc * (v(q) - zero) - dmin * mn, v(q) = q, or with `table` the 4-bit q's
+// entry of IQ4's table, offset to unsigned (linear/kformat.h gives the layout)
 struct KSpec {
   int sb;        // k per superblock: 256 (K-quants) or 32 (the legacy formats, one sub-block each)
   int sub;       // k per sub-block: 32, or 16 (Q6_K)
   int planes;    // bits above the low 4, one bit plane each: 0 (4-bit), 1 (5-bit), 2 (6-bit)
   bool has_min;  // the superblock has dmin and its sub-blocks mn (Q4_K, Q5_K, Q4_1, Q5_1)
-  int zero;      // subtracted from q before the scale: 32 (Q6_K), 16 (Q5_0), else 0
+  int zero;      // subtracted from v(q) before the scale: 32 (Q6_K), 16 (Q5_0), 128 (IQ4's offset table), else 0
+  bool table = false;  // v(q) = kIq4Unsigned[q] (IQ4_NL, IQ4_XS: linear/kformat.h), else q
 };
 // indexed by Format - Q4_K
 constexpr KSpec kSpecs[] = {
@@ -38,6 +43,8 @@ constexpr KSpec kSpecs[] = {
     {32, 32, 1, false, 16},  // Q5_0
     {32, 32, 1, true, 0},    // Q5_1
     {32, 32, 0, true, 0},    // Q4_1
+    {32, 32, 0, false, 128, true},   // IQ4_NL
+    {256, 32, 0, false, 128, true},  // IQ4_XS: int8 sc = ggml's 6-bit scale - 32
 };
 constexpr bool is_kfamily(Format f) { return f >= Q4_K; }
 constexpr KSpec kspec(Format f) { return kSpecs[f - Q4_K]; }
@@ -65,6 +72,7 @@ constexpr FormatLayout kLayouts[] = {
     {1, P * 4},                // F32: one k
     {256, ksb_bytes(kSpecs[0])}, {256, ksb_bytes(kSpecs[1])}, {256, ksb_bytes(kSpecs[2])},  // K-quants: superblocks
     {QK, ksb_bytes(kSpecs[3])},  {QK, ksb_bytes(kSpecs[4])},  {QK, ksb_bytes(kSpecs[5])},   // legacy: blocks
+    {QK, ksb_bytes(kSpecs[6])},  {256, ksb_bytes(kSpecs[7])},                               // IQ4_NL, IQ4_XS
 };
 
 // bytes of one quantized block of a panel: P fp16 scales, then P x 32 values (int8, or two 4-bit per byte)

@@ -1,13 +1,18 @@
-// The K family of quantized formats: ggml's K-quants (Q4_K, Q5_K, Q6_K) and the legacy formats llama-quantize
-// falls back to (Q5_0, Q5_1, Q4_1), each multiplied where it lies by the integer tiles of linear/kquant.h.
+// The K family of quantized formats: ggml's K-quants (Q4_K, Q5_K, Q6_K), the legacy formats llama-quantize
+// falls back to (Q5_0, Q5_1, Q4_1) and the non-linear IQ4_NL and IQ4_XS, each multiplied where it lies by the
+// integer tiles of linear/kquant.h.
 //
-// All of them are one shape (linear/format.h: KSpec): an unsigned q of 4, 5 or 6 bits per weight, and per
-// sub-block an affine map w = scale * (q - zero) - min, where
+// All of them are one shape (linear/format.h: KSpec): an unsigned q of 4, 5 or 6 bits per weight, its value v(q)
+// (q itself, or IQ4's table entry), and per sub-block an affine map w = scale * (v(q) - zero) - min, where
 //   Q4_K, Q5_K: superblocks of 256 = 8 sub-blocks of 32; scale = d * sc, min = dmin * mn (sc, mn 6-bit);
 //   Q6_K:       superblocks of 256 = 16 sub-blocks of 16; scale = d * sc (sc int8), zero = 32, no min;
-//   Q5_0:       blocks of 32; scale = d, zero = 16;   Q5_1, Q4_1: blocks of 32; scale = d, min = -m.
+//   Q5_0:       blocks of 32; scale = d, zero = 16;   Q5_1, Q4_1: blocks of 32; scale = d, min = -m;
+//   IQ4_NL:     blocks of 32; scale = d; v(q) = kIq4Unsigned[q] = ggml's kvalues_iq4nl[q] + 128, zero = 128;
+//   IQ4_XS:     superblocks of 256 = 8 sub-blocks of 32; scale = d * sc, sc = ggml's 6-bit scale - 32 (int8);
+//               v(q) and zero as IQ4_NL's.
 // Every one of those numbers is ggml's own (d, dmin, m fp16; sc, mn small integers), so a GGUF's blocks repack
-// without loss: only their order changes (kernels/kformats.py), and a few bits of padding.
+// without loss: only their order changes (kernels/kformats.py), and a few bits of padding. IQ4's 4-bit q stay
+// 4-bit in the panels: the tiles look their values up (a byte shuffle) as they unpack a group.
 //
 // A panel's superblock (P = 16 channels, sb k):
 //   header: fp16 d[P]; fp16 dmin[P] (has_min); int8 sc[subs][P]; uint8 mn[subs][P] (has_min)
@@ -18,11 +23,12 @@
 //     uint64 bits[planes][8] bit 4 + p of q: bit (4c + i) of bits[p][g] for channel c at k = 4g + i
 // so one 32-byte load and a shift give a group's 16 channels x 4 k as bytes, and each plane one 64-bit mask over
 // the same bytes. Bytes per weight: Q4_K 4.625 bits (ggml's 4.5), Q5_K 5.625 (5.5), Q6_K 6.5625 (the same),
-// Q5_0 5.5 (the same), Q5_1 6 (the same), Q4_1 5 (the same).
+// Q5_0 5.5 (the same), Q5_1 6 (the same), Q4_1 5 (the same), IQ4_NL 4.5 (the same), IQ4_XS 4.3125 (4.25).
 //
 // The product against a row quantized to Q8_0 blocks (linear/qrow.h): per sub-block the exact integer sum
-// isum = sum of q * qx, then out += dx * (scale * (isum - zero * sx) - min * sx), sx the row's sum of qx over the
+// isum = sum of v(q) * qx, then out += dx * (scale * (isum - zero * sx) - min * sx), sx the row's sum of qx over the
 // sub-block (QRow::s). That is ggml's own arithmetic (it quantizes the rows to Q8_K: one scale per 256 instead).
+// IQ4's v(q) - zero is the signed table entry (-127 .. 113), so isum - 128 sx is ggml's sum of table * qx exactly.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +38,14 @@
 #include "linear/format.h"
 
 namespace tmk {
+
+// IQ4's 16 non-linear levels (ggml's kvalues_iq4nl), as they are (vpmaddubsw's sign trick takes them:
+// arch/avx2/ktile.h) and + 128, the unsigned bytes vpdpbusd and TDPBSUD multiply (v(q) everywhere else)
+alignas(16) constexpr int8_t kIq4Signed[16] = {-127, -104, -83, -65, -49, -35, -22, -10,  //
+                                               1,    13,   25,  38,  53,  69,  89,  113};
+alignas(16) constexpr uint8_t kIq4Unsigned[16] = {1,   24,  45,  63,  79,  93,  106, 118,  //
+                                                  129, 141, 153, 166, 181, 197, 217, 241};
+static_assert(kIq4Unsigned[0] == kIq4Signed[0] + 128 && kIq4Unsigned[15] == kIq4Signed[15] + 128);
 
 // where a superblock header's parts start
 template <Format F>
@@ -56,7 +70,7 @@ struct KHeader {
   }
 };
 
-// channel c's q at k = kk of a block of 32 (0 .. 2^(4 + planes) - 1)
+// channel c's v(q) at k = kk of a block of 32 (q: 0 .. 2^(4 + planes) - 1; IQ4's: kIq4Unsigned[q])
 template <Format F>
 inline int32_t kvalue(const uint8_t* blk, int c, int kk) {
   const int g = kk / 4, i = kk % 4;
@@ -67,6 +81,7 @@ inline int32_t kvalue(const uint8_t* blk, int c, int kk) {
     std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
     v |= (int32_t)((bits >> (4 * c + i)) & 1) << (4 + p);
   }
+  if constexpr (kspec(F).table) return kIq4Unsigned[v];
   return v;
 }
 

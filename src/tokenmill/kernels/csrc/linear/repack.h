@@ -13,7 +13,8 @@
 
 namespace tmk {
 
-// one ggml block's numbers: q[0..sb) (0 .. 2^bits - 1; Q8_0's as int8 bits), d and dmin (fp16 bits), sc and mn
+// one ggml block's numbers: q[0..sb) (0 .. 2^bits - 1; Q8_0's as int8 bits; IQ4's table indices), d and dmin (fp16
+// bits), sc and mn
 struct GgmlBlock {
   uint8_t q[256];
   uint16_t d, dmin;
@@ -32,6 +33,8 @@ inline int64_t ggml_block_bytes(Format F) {
     case Q5_0: return 22;
     case Q5_1: return 24;
     case Q4_1: return 20;
+    case IQ4_NL: return 18;
+    case IQ4_XS: return 136;
     default: return 0;
   }
 }
@@ -45,14 +48,28 @@ inline void scale_min_k4(const uint8_t* s, int j, int8_t& sc, uint8_t& mn) {
   else sc = (int8_t)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4)), mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
 }
 
+// IQ4_XS {d, uint16 scales_h, scales_l[4], qs[128]}: sub-block j's 6-bit scale is scales_l's nibble j (low first)
+// and bits 2j, 2j + 1 of scales_h, less 32; its 32 q are qs[16 j ..] as Q4_0's block (low nibbles, then high)
+inline void read_iq4_xs(const uint8_t* b, GgmlBlock& o) {
+  o.d = u16_at(b);
+  const uint16_t high = u16_at(b + 2);
+  for (int j = 0; j < 8; ++j) {
+    o.sc[j] = (int8_t)((((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)) - 32);
+    const uint8_t* qs = b + 8 + 16 * j;
+    for (int l = 0; l < 16; ++l) o.q[32 * j + l] = qs[l] & 15, o.q[32 * j + 16 + l] = qs[l] >> 4;
+  }
+}
+
 template <Format F>
 inline void read_ggml_block(const uint8_t* b, GgmlBlock& o) {
-  if constexpr (F == Q8_0 || F == Q4_0) {
+  if constexpr (F == Q8_0 || F == Q4_0 || F == IQ4_NL) {  // {d, qs}: IQ4_NL's as Q4_0's
     o.d = u16_at(b);
     for (int j = 0; j < 16; ++j) {
       if constexpr (F == Q8_0) o.q[j] = b[2 + j], o.q[j + 16] = b[18 + j];
       else o.q[j] = b[2 + j] & 15, o.q[j + 16] = b[2 + j] >> 4;
     }
+  } else if constexpr (F == IQ4_XS) {
+    read_iq4_xs(b, o);
   } else if constexpr (F == Q4_K || F == Q5_K) {
     o.d = u16_at(b), o.dmin = u16_at(b + 2);
     for (int j = 0; j < 8; ++j) scale_min_k4(b + 4, j, o.sc[j], o.mn[j]);
@@ -170,7 +187,9 @@ inline void repack_panels(Format F, const uint8_t* src, int64_t row_bytes, int64
     case Q5_0: return repack_panels_t<Q5_0>(src, row_bytes, N, K, dst, p0, p1);
     case Q5_1: return repack_panels_t<Q5_1>(src, row_bytes, N, K, dst, p0, p1);
     case Q4_1: return repack_panels_t<Q4_1>(src, row_bytes, N, K, dst, p0, p1);
-    default: throw std::invalid_argument("repack_gguf takes ggml's Q8_0, Q4_0 and K-family blocks");
+    case IQ4_NL: return repack_panels_t<IQ4_NL>(src, row_bytes, N, K, dst, p0, p1);
+    case IQ4_XS: return repack_panels_t<IQ4_XS>(src, row_bytes, N, K, dst, p0, p1);
+    default: throw std::invalid_argument("repack_gguf takes ggml's Q8_0, Q4_0, K-family and IQ4 blocks");
   }
 }
 

@@ -91,13 +91,17 @@ static constexpr FormatKernels kFormatKernels[] = {
     {Q8_0, "q8_0", true, true, false, run_quant<Q8_0>, nullptr, run_amx_quant<Q8_0>, false, 5, unpack_panel<Q8_0>},
     {Q4_0, "q4_0", true, false, false, run_quant<Q4_0>, nullptr, run_amx_quant<Q4_0>, false, 9, unpack_panel<Q4_0>},
     {F32, "f32", false, false, false, run_dense_f32, run_blocked<F32>, nullptr, false, 0, unpack_panel<F32>},
-    // the K family (linear/kformat.h): AMX unpacks each block for the tiles, as for Q4_0
+    // the K family (linear/kformat.h), IQ4 included: AMX unpacks each block for the tiles, as for Q4_0
     {Q4_K, "q4_k", true, false, false, run_kquant<Q4_K>, nullptr, run_amx_kquant<Q4_K>, false, 9, unpack_panel<Q4_K>},
     {Q5_K, "q5_k", true, false, false, run_kquant<Q5_K>, nullptr, run_amx_kquant<Q5_K>, false, 9, unpack_panel<Q5_K>},
     {Q6_K, "q6_k", true, false, false, run_kquant<Q6_K>, nullptr, run_amx_kquant<Q6_K>, false, 9, unpack_panel<Q6_K>},
     {Q5_0, "q5_0", true, false, false, run_kquant<Q5_0>, nullptr, run_amx_kquant<Q5_0>, false, 9, unpack_panel<Q5_0>},
     {Q5_1, "q5_1", true, false, false, run_kquant<Q5_1>, nullptr, run_amx_kquant<Q5_1>, false, 9, unpack_panel<Q5_1>},
     {Q4_1, "q4_1", true, false, false, run_kquant<Q4_1>, nullptr, run_amx_kquant<Q4_1>, false, 9, unpack_panel<Q4_1>},
+    {IQ4_NL, "iq4_nl", true, false, false, run_kquant<IQ4_NL>, nullptr, run_amx_kquant<IQ4_NL>, false, 9,
+     unpack_panel<IQ4_NL>},
+    {IQ4_XS, "iq4_xs", true, false, false, run_kquant<IQ4_XS>, nullptr, run_amx_kquant<IQ4_XS>, false, 9,
+     unpack_panel<IQ4_XS>},
 };
 constexpr bool table_in_order() {
   for (int f = 0; f < (int)(sizeof(kFormatKernels) / sizeof(kFormatKernels[0])); ++f)

@@ -1,7 +1,8 @@
 // The K family (linear/kformat.h) on AMX-INT8: a block of 32 k of a panel is unpacked once into 8 rows of 16
-// channels x 4 k (each byte the channel's q, 0..63: kgroup512, the very bytes the VNNI tile multiplies), and one
-// TDPBSSD multiplies up to 16 quantized rows of x (QRow, read in place) by it into exact int32 sums, 16 x 16 in a
-// tile register. Q6_K's sub-blocks of 16 k have their own scales, so its blocks take two products of 16 k each.
+// channels x 4 k (each byte the channel's v(q): kgroup512, the very bytes the VNNI tile multiplies), and one
+// TDPBSSD (q 0..63, signed bytes as well) or, for IQ4's unsigned table values (1..241), TDPBSUD multiplies up to 16
+// quantized rows of x (QRow, read in place) by it into exact int32 sums, 16 x 16 in a tile register. Q6_K's
+// sub-blocks of 16 k have their own scales, so its blocks take two products of 16 k each.
 //
 // The sums leave the tiles per sub-block and are scaled into each row's float sums by kfinish512, the function the
 // VNNI tile (arch/avx512bf16/ktile512.h) calls, in the same order: the integer sums are exact either way, so a row's
@@ -22,6 +23,14 @@
 #include "linear/format.h"
 #include "linear/kformat.h"
 #include "linear/qrow.h"
+
+// tile c += tile a (the rows' signed bytes) x tile b (a sub-block's v(q)): the tile numbers are the instruction's
+// immediates, hence a macro
+#define TM_AMX_KDOT(F, c, a, b)                          \
+  do {                                                   \
+    if constexpr (kspec(F).table) _tile_dpbsud(c, a, b); \
+    else _tile_dpbssd(c, a, b);                          \
+  } while (0)
 
 namespace tmk {
 
@@ -65,19 +74,19 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_k_pass(const QRow* 
         _tile_zero(0);
         _tile_loadd(4, a, xs);
         _tile_loadd(6, unpacked[0][s * G], 64);
-        _tile_dpbssd(0, 4, 6);
+        TM_AMX_KDOT(F, 0, 4, 6);
         if constexpr (RB == 2) {
           _tile_zero(2);
           _tile_loadd(5, a + 16 * xs, xs);
-          _tile_dpbssd(2, 5, 6);
+          TM_AMX_KDOT(F, 2, 5, 6);
         }
         if constexpr (PB == 2) {
           _tile_zero(1);
           _tile_loadd(7, unpacked[1][s * G], 64);
-          _tile_dpbssd(1, 4, 7);
+          TM_AMX_KDOT(F, 1, 4, 7);
           if constexpr (RB == 2) {
             _tile_zero(3);
-            _tile_dpbssd(3, 5, 7);
+            TM_AMX_KDOT(F, 3, 5, 7);
           }
         }
         _tile_stored(0, c[0][0], 64);

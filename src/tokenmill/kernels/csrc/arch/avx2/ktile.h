@@ -6,6 +6,11 @@
 // vpmaddubsw's 16-bit pair sums saturate above 32767: a pair is at most 2 * 127 * (2^(4 + planes) - 1), so the
 // 16-bit sums widen to 32 bits every 8 groups (4-bit), 4 (5-bit) or 2 (6-bit), before they could. The sums are
 // exact either way; the scaling is linear/kformat.h's. linear/kquant.h picks this file on x86.
+//
+// IQ4 (the table formats) looks each nibble's value up with vpshufb. vpdpbusd takes the unsigned table (1 .. 241,
+// zero 128) as it takes any q; vpmaddubsw would saturate on it (2 * 241 * 127 > 32767), so without VNNI the tiles
+// take the signed table t and multiply |t| by qx with t's sign (vpsignb): 2 * 127 * 127 fits, the sums are of t * qx
+// itself (their zero 0: ksum_zero), and they widen every group.
 #pragma once
 
 #include <cstdint>
@@ -31,13 +36,26 @@ inline __m256i spread_bits(uint32_t bits) {
   return _mm256_cmpeq_epi8(bytes, bit);
 }
 
-// group g of a block: w[0] channels 0-7, w[1] 8-15, as q bytes [c][4 k]
+// the zero the integer sums carry (linear/kformat.h): the format's, but none for the signed IQ4 table (no VNNI)
+template <Format F>
+constexpr int ksum_zero() {
+  return kspec(F).table && !TM_VNNI ? 0 : kspec(F).zero;
+}
+
+// group g of a block: w[0] channels 0-7, w[1] 8-15, as q bytes [c][4 k] (IQ4: their table values, signed
+// without VNNI)
 template <Format F>
 inline void kgroup(const uint8_t* blk, int g, __m256i* w) {
   const __m256i low = _mm256_set1_epi8(15);
   const __m256i bytes = _mm256_loadu_si256((const __m256i*)(blk + g * 32));
   w[0] = _mm256_and_si256(bytes, low);
   w[1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+  if constexpr (kspec(F).table) {
+    const __m256i lut = _mm256_broadcastsi128_si256(
+        _mm_load_si128(TM_VNNI ? (const __m128i*)kIq4Unsigned : (const __m128i*)kIq4Signed));
+    w[0] = _mm256_shuffle_epi8(lut, w[0]);
+    w[1] = _mm256_shuffle_epi8(lut, w[1]);
+  }
   for (int p = 0; p < kspec(F).planes; ++p) {
     uint64_t bits;
     std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
@@ -47,14 +65,14 @@ inline void kgroup(const uint8_t* blk, int g, __m256i* w) {
   }
 }
 
-// MT rows' exact sums of q * qx over sub-block s of block b (groups [s G, (s + 1) G)) -> isum[m][half]
+// MT rows' exact sums of v(q) * qx over sub-block s of block b (groups [s G, (s + 1) G)) -> isum[m][half]
 template <Format F, int MT>
 inline void ksub_sums(const uint8_t* blk, const QRow* x, int64_t b, int s, __m256i (*isum)[2]) {
   constexpr KSpec S = kspec(F);
   constexpr int G = S.sub / 4;  // groups per sub-block
   for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
 #if !TM_VNNI
-  constexpr int WIDEN = S.planes == 0 ? 8 : (S.planes == 1 ? 4 : 2);
+  constexpr int WIDEN = S.table ? 1 : (S.planes == 0 ? 8 : (S.planes == 1 ? 4 : 2));
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i p16[MT][2];
   for (int m = 0; m < MT; ++m) p16[m][0] = p16[m][1] = _mm256_setzero_si256();
@@ -63,6 +81,10 @@ inline void ksub_sums(const uint8_t* blk, const QRow* x, int64_t b, int s, __m25
     const int g = s * G + gg;
     __m256i w[2];
     kgroup<F>(blk, g, w);
+#if !TM_VNNI
+    __m256i mag[2] = {w[0], w[1]};  // the unsigned side of vpmaddubsw: q, or IQ4's |t| (no entry is 0)
+    if constexpr (S.table) mag[0] = _mm256_abs_epi8(w[0]), mag[1] = _mm256_abs_epi8(w[1]);
+#endif
     for (int m = 0; m < MT; ++m) {
       int32_t four;
       std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
@@ -71,8 +93,11 @@ inline void ksub_sums(const uint8_t* blk, const QRow* x, int64_t b, int s, __m25
       isum[m][0] = tm_dpbusd256(isum[m][0], w[0], xb);
       isum[m][1] = tm_dpbusd256(isum[m][1], w[1], xb);
 #else
-      p16[m][0] = _mm256_add_epi16(p16[m][0], _mm256_maddubs_epi16(w[0], xb));
-      p16[m][1] = _mm256_add_epi16(p16[m][1], _mm256_maddubs_epi16(w[1], xb));
+      for (int hh = 0; hh < 2; ++hh) {
+        __m256i xs = xb;  // the signed side: qx, or IQ4's qx with t's sign
+        if constexpr (S.table) xs = _mm256_sign_epi8(xb, w[hh]);
+        p16[m][hh] = _mm256_add_epi16(p16[m][hh], _mm256_maddubs_epi16(mag[hh], xs));
+      }
 #endif
     }
 #if !TM_VNNI
@@ -91,7 +116,7 @@ inline void ksub_sums(const uint8_t* blk, const QRow* x, int64_t b, int s, __m25
 template <Format F, int MT>
 inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch) {
   constexpr KSpec S = kspec(F);
-  constexpr int NS = QK / S.sub;
+  constexpr int NS = QK / S.sub, Z = ksum_zero<F>();
   __m256 acc[MT][2];
   for (int m = 0; m < MT; ++m)
     for (int hh = 0; hh < 2; ++hh) acc[m][hh] = s0 ? _mm256_loadu_ps(sums[m] + 8 * hh) : _mm256_setzero_ps();
@@ -127,7 +152,7 @@ inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, f
           const __m256 dx = _mm256_set1_ps(x[m].d[b]), fsx = _mm256_set1_ps(x[m].fs[3 * b + (NS == 1 ? 2 : s)]);
           for (int hh = 0; hh < 2; ++hh) {
             __m256 tot = _mm256_cvtepi32_ps(isum[m][hh]);
-            if constexpr (S.zero != 0) tot = _mm256_fnmadd_ps(_mm256_set1_ps((float)S.zero), fsx, tot);
+            if constexpr (Z != 0) tot = _mm256_fnmadd_ps(_mm256_set1_ps((float)Z), fsx, tot);
             __m256 t = _mm256_mul_ps(tot, scale[hh]);
             if constexpr (S.has_min) t = _mm256_fnmadd_ps(mins[hh], fsx, t);
             acc[m][hh] = _mm256_fmadd_ps(t, dx, acc[m][hh]);

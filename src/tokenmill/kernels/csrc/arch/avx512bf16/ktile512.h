@@ -1,6 +1,7 @@
 // The K family's tiles with AVX-512 VNNI: one zmm register holds a group's 16 channels x 4 k (the nibble bytes'
 // low halves for channels 0-7, their high halves for 8-15), and each bit plane's 64-bit mask adds 16 << p to exactly
-// the bytes it covers (a masked byte add, AVX-512 BW). One vpdpbusd per row and group does 64 products.
+// the bytes it covers (a masked byte add, AVX-512 BW); IQ4's nibbles become their unsigned table values (vpshufb).
+// One vpdpbusd per row and group does 64 products.
 //
 // The integer sums and their scaling are arch/avx2/ktile.h's (linear/kformat.h), lane for lane. Tiles of up to 8
 // rows; 1-3 rows on a Zen 4 take the ymm tiles, as the Q8_0/Q4_0 tiles do (arch/avx512bf16/qtile512.h says why).
@@ -24,14 +25,16 @@ namespace tmk {
 
 constexpr int MT_K512 = 8;  // rows per tile
 
-// Group g (4 k) of a block of 32: 16 channels x 4 k, each byte the channel's q (the low 4 bits from the nibbles,
-// plus 16 << p where bit plane p has the bit)
+// Group g (4 k) of a block of 32: 16 channels x 4 k, each byte the channel's v(q) (the low 4 bits from the
+// nibbles, plus 16 << p where bit plane p has the bit; IQ4's looked up in kIq4Unsigned, one vpshufb)
 template <Format F>
 inline __m512i kgroup512(const uint8_t* blk, int g) {
   const __m256i low = _mm256_set1_epi8(15);
   const __m256i bytes = _mm256_loadu_si256((const __m256i*)(blk + g * 32));
   __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
                                  _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
+  if constexpr (kspec(F).table)
+    w = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)kIq4Unsigned)), w);
   for (int p = 0; p < kspec(F).planes; ++p) {
     uint64_t bits;
     std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
