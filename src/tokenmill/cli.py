@@ -306,7 +306,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     engine_kwargs = _engine_kwargs(a) if hasattr(a, "kv_cache") else {}
     path = run_bench(a, engine_kwargs)
-    print(f"results: {path}", file=sys.stderr)
+    if path is not None:
+        print(f"results: {path}", file=sys.stderr)
     return 0
 
 

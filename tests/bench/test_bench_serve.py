@@ -166,3 +166,22 @@ def test_server_peers_bad_spec(spec: str) -> None:
 
     with pytest.raises(ValueError, match="LABEL=http"):
         parse_peers(spec)
+
+
+def test_flops_model_adds_the_runs_model_gflops_and_their_share_of_each_peak(
+    server: Server, make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """--flops-model: the summary's model GFLOPS are bench/flops.py's formula over the run's own tokens and duration,
+    each probed peak has its share, and the report and side-by-side table show them (no speed asserted)."""
+    from tokenmill.bench.flops import matmul_params, model_flops
+
+    checkpoint = make_checkpoint("qwen2", initializer_range=0.1)
+    run, summary, _ = bench(server, tmp_path, "--num-prompts", "2", "--flops-model", str(checkpoint))
+    f = summary["flops"]
+    body, head = matmul_params(str(checkpoint))
+    ops = model_flops(body, head, summary["total_input_tokens"], summary["total_output_tokens"], 2)
+    assert f["model_gflops"] == pytest.approx(ops / summary["duration_s"] / 1e9)
+    for p in f["peaks"]:
+        assert math.isfinite(p["giga_ops"]) and p["giga_ops"] > 0
+        assert p["share"] == pytest.approx(f["model_gflops"] / p["giga_ops"])
+    assert "| model GFLOPS (linears; formula below) |" in (run / "report.md").read_text()

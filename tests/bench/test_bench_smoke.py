@@ -120,6 +120,12 @@ def test_throughput(model: Path, tmp_path: Path) -> None:
     assert len(rows) == 5 and all(r["output_tokens"] == 4 for r in rows)
     s = json.loads((run / "summary/summary.json").read_text())
     assert_positive(s, "output_tokens_per_sec", "total_tokens_per_sec", "requests_per_sec", "duration_s")
+    # the model GFLOPS: 5 requests of 8 prompt + 4 generated tokens (flops.model_flops) over the run's duration
+    from tokenmill.bench.flops import matmul_params, model_flops
+
+    body, head = matmul_params(str(model))
+    assert s["flops"]["model_gflops"] == pytest.approx(model_flops(body, head, 40, 20, 5) / s["duration_s"] / 1e9)
+    assert "| model GFLOPS (linears; formula below) |" in (run / "report.md").read_text()
 
 
 @pytest.mark.parametrize("experiment", ["kv_cache", "prompt_length", "switches", "spec_decode"])

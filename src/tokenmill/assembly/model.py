@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterator
@@ -17,11 +18,18 @@ from tokenmill.kernels import CudaKernels, FusedOps, Kernels
 from tokenmill.kernels import active as active_kernels
 from tokenmill.kernels.cuda import cuda_kernels
 from tokenmill.kernels.cuda import unavailable as gpu_kernels_unavailable
+from tokenmill.kernels.formats import pack as pack_weight
 from tokenmill.memory import machine_bytes, return_freed_memory, trim
 from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels
-from tokenmill.models.linear import FORMAT_OF_QUANTIZATION, make_row_invariant, place_weights, prepare_linears
+from tokenmill.models.linear import (
+    FORMAT_OF_QUANTIZATION,
+    linear_format,
+    make_row_invariant,
+    place_weights,
+    prepare_linears,
+)
 from tokenmill.models.sharding import Shard, check_shardable, split_head, wrap_row_parallel
 from tokenmill.progress import progress
 from tokenmill.sampling_params import SamplingParams
@@ -168,8 +176,12 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         tensors: Iterator[tuple[str, torch.Tensor, str]] = ((n, t, str(f)) for n, t, f in iter_tensors(path))
         if shard is not None:
             tensors = shard.stream(tensors, full_config)
+        # each dense linear packed as it completes (unless a tensor-parallel shard splits its head first): the
+        # file's pages plus one packed copy, never every weight dense and packed at once (weights/loader.py)
+        fmt = None if shard else linear_format(cfg.quantization, device, dtype, cfg.pack_weights, cfg.cpu_kernels)
+        packer = None if fmt is None else functools.partial(pack_weight, fmt=fmt)
         with progress(f"loading {path.name}", total=count_tensors(path)) as advance:
-            load_weights(model, _ticking(tensors, advance), str(path), dtype, device)
+            load_weights(model, _ticking(tensors, advance), str(path), dtype, device, packer=packer)
     if shard is not None:
         split_head(model, shard)  # before packing: its rows become a kernel linear like any other
     gpu_ops = _gpu_kernels(cfg, device)

@@ -1,4 +1,4 @@
-"""`tokenmill bench <latency|throughput|serve|compare|sweep|report>`: parsers and dispatch."""
+"""`tokenmill bench <latency|throughput|serve|compare|sweep|report|probe>`: parsers and dispatch."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 from tokenmill.errors import TokenmillError
 
-SUBCOMMANDS = ("latency", "throughput", "serve", "compare", "sweep", "report")
-BENCH_HELP = "measure: latency, throughput, serve, compare, sweep, report"
+SUBCOMMANDS = ("latency", "throughput", "serve", "compare", "sweep", "report", "probe")
+BENCH_HELP = "measure: latency, throughput, serve, compare, sweep, report, probe"
 
 
 def add_bench_parser(sub: Any, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -31,6 +31,9 @@ def add_bench_parser(sub: Any, engine_args: Callable[[argparse.ArgumentParser], 
     from tokenmill.bench.serve import add_serve_parser
 
     add_serve_parser(bsub)
+    from tokenmill.bench.probe import add_probe_parser
+
+    add_probe_parser(bsub)
 
 
 def require_bench_extra() -> None:
@@ -43,7 +46,12 @@ def require_bench_extra() -> None:
         ) from None
 
 
-def run_bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path:
+def run_bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path | None:
+    if args.bench_command == "probe":  # prints, draws nothing: no matplotlib needed
+        from tokenmill.bench.probe import run_probe
+
+        run_probe(args)
+        return None
     require_bench_extra()
     if args.bench_command == "latency":
         from tokenmill.bench.latency import run_latency

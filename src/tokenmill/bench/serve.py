@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from tokenmill.bench.flops import FORMULA, flops_basis, report_rows, run_flops
 from tokenmill.bench.plots import cdf_plot
 from tokenmill.bench.prompts import TokenCounter, fit_text
 from tokenmill.bench.stats import summarize
@@ -283,12 +284,17 @@ def render_report(plan: Plan, args: argparse.Namespace, s: dict[str, Any]) -> st
                 "request_throughput", "output_throughput", "total_token_throughput", "goodput"):  # fmt: skip
         if key in s:
             lines.append(f"| {key} | {f(s[key])} |")
+    if "flops" in s:
+        lines += report_rows(s["flops"])
     lines += ["", "| latency (ms) | mean | std | p50 | p90 | p99 | n |", "|---|---|---|---|---|---|---|"]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         m = s[key]
         lines.append(f"| {key[:-3].upper()} | " + " | ".join(f(m[k]) for k in ("mean", "std", "p50", "p90", "p99", "n"))
                      + " |")  # fmt: skip
     lines += ["", "![TTFT CDF](plots/ttft_cdf.png) ![ITL CDF](plots/itl_cdf.png)", ""]
+    if "flops" in s:
+        lines += [f"{FORMULA}, over the completed requests' tokens and the run's duration; the peaks probed here "
+                  "before the first run, on as many threads as the server (--probe-threads).", ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -351,6 +357,8 @@ def run_workload(args: argparse.Namespace, workload: str) -> Path:
             close()
         _finish_rows(rows, counter)
     summary = {"workload": workload, **summarize_rows(rows, duration, slos)}
+    if getattr(args, "flops_basis", None):
+        summary["flops"] = run_flops(args.flops_basis, summary)
     run.save_raw(rows)
     run.save_summary(summary)
     ok = [r for r in rows if r["ok"]]
@@ -373,6 +381,7 @@ def run_serve(args: argparse.Namespace) -> Path:
 
     parse_goodput(args.goodput)  # fail fast on a bad spec
     peers = parse_peers(args.server_peers)
+    args.flops_basis = flops_basis(args.flops_model, args.probe_threads) if args.flops_model else None
     names = [w for w in WORKLOADS if w != "custom"] if args.workload == "all" else [args.workload]
     runs = [run_workload(args, w) for w in names]
     for label, url, model in peers:
@@ -406,5 +415,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-p", type=float, default=None, help="with --temperature: min_p, sent where given (0: off)")
     p.add_argument("--output-dir", default="./bench-results")
     p.add_argument("--server-label", default="tokenmill", help="backend name in index.csv")
+    p.add_argument("--flops-model", default=None, metavar="PATH",
+                   help="the served model's folder or GGUF: report its model GFLOPS and their share of this machine's "
+                   "arithmetic peaks (probed before the first run)")  # fmt: skip
+    p.add_argument("--probe-threads", type=int, default=None, help="with --flops-model: the server's threads")
     p.add_argument("--server-peers", default=None, metavar="LABEL=URL[@MODEL],...",
                    help="also run the workload against these servers, one after another, and tabulate")  # fmt: skip

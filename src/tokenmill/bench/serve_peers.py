@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from tokenmill.bench.flops import fma_share
+
 
 def parse_peers(spec: str | None) -> list[tuple[str, str, str | None]]:
     """`llama=http://h:8080,hf=http://h:8081@Qwen` -> [(label, url, model or None), ...]."""
@@ -50,8 +52,8 @@ def side_by_side(run_dirs: list[Path], out_dir: Path) -> Path:
     """One markdown table over finished serve runs; written to OUT_DIR/serve-side-by-side-<time>.md."""
     lines = [
         "| server | workload | concurrency | ok/sent | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
-        "| E2E p50 ms | run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| E2E p50 ms | model GFLOPS | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in run_dirs:
         m: dict[str, Any] = json.loads((d / "manifest.json").read_text())
@@ -61,7 +63,7 @@ def side_by_side(run_dirs: list[Path], out_dir: Path) -> Path:
             f"| {c['server_label']} | {s['workload']} | {c.get('max_concurrency') or '-'} | "
             f"{s['requests_completed']}/{s['requests_sent']} | {s['output_throughput']:.1f} | "
             f"{s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {s['tpot_ms']['p50']:.1f} | "
-            f"{s['e2e_ms']['p50']:.0f} | {d.name} |"
+            f"{s['e2e_ms']['p50']:.0f} | {fma_share(s['flops']) if 'flops' in s else '-'} | {d.name} |"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"serve-side-by-side-{time.strftime('%Y%m%d-%H%M%S')}.md"

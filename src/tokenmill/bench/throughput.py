@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench.flops import FORMULA, compute_peaks, flops_summary, matmul_params, report_rows
 from tokenmill.bench.latency import peak_rss_mb
 from tokenmill.bench.plots import cdf_plot
 from tokenmill.bench.stats import summarize
@@ -81,6 +82,7 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> P
         "offline throughput: per-request latency",
     )
     result.update(backend="tokenmill", peak_rss_mb=peak_rss_mb())
+    result["flops"] = _flops(llm, rows, result["duration_s"])
     run.save_summary(result)
     report = (
         f"# throughput: {Path(config['model']).name}, {args.num_prompts} prompts x {args.input_len} in / "
@@ -89,7 +91,10 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> P
         f"| total tok/s | {result['total_tokens_per_sec']:.1f} |\n"
         f"| requests/s | {result['requests_per_sec']:.3f} |\n"
         f"| mean / max batch | {result['mean_batch_size']:.1f} / {result['max_batch_size']} |\n"
-        f"| duration s | {result['duration_s']:.1f} |\n\nCommand: `{run.manifest['command']}`\n"
+        f"| duration s | {result['duration_s']:.1f} |\n"
+        + "\n".join(report_rows(result["flops"]))
+        + f"\n\n{FORMULA}. The peaks were probed after the run.\n\n"
+        f"Command: `{run.manifest['command']}`\n"
     )
     print(report)
     return run.finish(
@@ -99,6 +104,13 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> P
         "tokenmill",
         warmup_excluded=bool(args.warmup),
     )
+
+
+def _flops(llm: Any, rows: list[dict[str, Any]], duration_s: float) -> dict[str, Any]:
+    """The run's model GFLOPS and its share of each arithmetic peak, probed now on the model's threads."""
+    body, head = matmul_params(str(llm.loaded.path))
+    prompt, output = sum(r["prompt_tokens"] for r in rows), sum(r["output_tokens"] for r in rows)
+    return flops_summary(body, head, prompt, output, len(rows), duration_s, compute_peaks())
 
 
 def add_throughput_parser(sub: Any, engine_args: Any) -> None:

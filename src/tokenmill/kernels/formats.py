@@ -34,6 +34,10 @@ def format_name(format_id: int) -> str:
 
 
 CHUNK_ROWS = 4096  # rows quantized at a time: bounds the float32 temporaries of a 150k-row LM head
+# and at most ~this many bytes of float32 rows a chunk: the temporaries of quantizing one (a K-quant's ~8x its
+# float32 rows) stay ~130 MB whatever the weight, where 4096 rows of a wide weight took over a GB. Smaller chunks
+# quantize K-quants slower (4 MB: 1.7-1.9x the time of 16 MB on a 1536 x 8960 weight; Xeon, 2026-11-29)
+CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -102,13 +106,20 @@ def pack(w: torch.Tensor, fmt: str) -> PackedWeight:
     fmt = format_for(fmt, k)
     kp = {"f32": k, "bf16": k + k % 2}.get(fmt, -(-k // BLOCK) * BLOCK)
     n_padded = -(-n // PANEL) * PANEL
-    chunks = []
-    for start in range(0, n, CHUNK_ROWS):  # CHUNK_ROWS is a multiple of PANEL: chunks are whole panels
-        rows = w[start : start + CHUNK_ROWS].detach()
+    step = max(PANEL, min(CHUNK_ROWS, CHUNK_BYTES // (4 * kp) // PANEL * PANEL))  # whole panels a chunk
+    out: torch.Tensor | None = None  # [panels x panel bytes] uint8, written chunk by chunk (no second copy)
+    for start in range(0, n, step):
+        rows = w[start : start + step].detach()
         if kp != k:
             rows = torch.nn.functional.pad(rows.float(), (0, kp - k))
-        chunks.append(_pack_rows(rows, fmt, min(CHUNK_ROWS, n_padded - start)))
-    return PackedWeight(torch.cat(chunks), fmt, n, k, kp)
+        panels = min(step, n_padded - start) // PANEL
+        chunk = _pack_rows(rows, fmt, panels * PANEL)
+        if out is None:
+            out = torch.empty(n_padded // PANEL * (chunk.numel() // panels), dtype=torch.uint8)
+        at = start // PANEL * (chunk.numel() // panels)
+        out[at : at + chunk.numel()] = chunk
+    assert out is not None, "a weight has at least one row"
+    return PackedWeight(out, fmt, n, k, kp)
 
 
 def _pack_rows(rows: torch.Tensor, fmt: str, n_padded: int) -> torch.Tensor:

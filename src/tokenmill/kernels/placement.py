@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -42,17 +43,31 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     return whole[start : start + nbytes]
 
 
-def place_buffers(buffers: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+def place_buffers(
+    buffers: list[torch.Tensor], swap: Callable[[int, torch.Tensor], None] | None = None
+) -> dict[int, torch.Tensor]:
     """Copy `buffers` into one huge-page region, in order, each on a cache line: {old data_ptr: its copy}, or {}
-    where no region could be had (the buffers then stay where they are). A buffer listed twice is copied once."""
+    where no region could be had (the buffers then stay where they are). A buffer listed twice is copied once.
+
+    With `swap`, called as swap(old data_ptr, copy) right after each copy, the list is emptied and each buffer let go
+    once copied: where `swap` drops its holders' last references, the old buffer is freed before the next is copied,
+    so the weights are never held twice (the region's pages are only backed as they are written)."""
     unique = list({b.data_ptr(): b for b in buffers}.values())
     sizes = [-(-b.numel() // ALIGN) * ALIGN for b in unique]
     region = huge_page_buffer(sum(sizes))
     if region is None:
         return {}
+    if swap is not None:
+        buffers.clear()
     placed: dict[int, torch.Tensor] = {}
     offset = 0
-    for buffer, size in zip(unique, sizes, strict=True):
-        placed[buffer.data_ptr()] = region[offset : offset + buffer.numel()].copy_(buffer)
+    for i, size in enumerate(sizes):
+        buffer = unique[i]
+        unique[i] = region[:0]  # (this list's reference goes with it)
+        ptr = buffer.data_ptr()
+        placed[ptr] = region[offset : offset + buffer.numel()].copy_(buffer)
+        del buffer
+        if swap is not None:
+            swap(ptr, placed[ptr])
         offset += size
     return placed

@@ -271,6 +271,18 @@ def _kind(quantization: str, device: torch.device, dtype: torch.dtype, pack: boo
     return "bf16" if dtype == torch.bfloat16 else "f32"
 
 
+def linear_format(
+    quantization: str, device: torch.device, dtype: torch.dtype, pack: bool, cpu_kernels: bool
+) -> str | None:
+    """The kernel format every dense linear of a model becomes in `prepare_linears` (a KernelLinear on the CPU), or
+    None where they become something else (oneDNN's packing, torch's own modules, a GPU's): the loader packs each
+    weight in it as soon as the weight is complete (weights/loader.py)."""
+    if device.type != "cpu" or quantization not in QUANTIZATION_MODES:
+        return None
+    kind = _kind(quantization, device, dtype, pack, cpu_kernels)
+    return kind if kind in formats.FORMATS else None
+
+
 def prepare_linears(
     model: nn.Module, quantization: str, device: torch.device, pack_weights: bool = False, cpu_kernels: bool = True,
     gpu_ops: CudaKernels | None = None,
@@ -350,14 +362,28 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def _holders(owners: list[KernelLinear | PackedEmbedding]) -> dict[int, list[KernelLinear | PackedEmbedding]]:
+    """{data_ptr: the modules holding that packed buffer} (no reference to a buffer itself kept)."""
+    holders: dict[int, list[KernelLinear | PackedEmbedding]] = {}
+    for module in owners:
+        holders.setdefault(module.data.data_ptr(), []).append(module)
+    return holders
+
+
 def place_weights(model: nn.Module) -> int:
     """Move every kernel linear's packed weight (its `data` buffer) into one huge-page region, in module order
-    (kernels/placement.py says why); returns the bytes moved (0 where nothing moved)."""
+    (kernels/placement.py says why); returns the bytes moved (0 where nothing moved). Each weight's modules take
+    its copy as soon as it is made, so the old buffer is freed before the next is copied: the packed weights are
+    never held twice."""
     linears = [m for m in model.modules() if isinstance(m, KernelLinear) and m.data.device.type == "cpu"]
-    placed = place_buffers([m.data for m in linears])
     # (a packed embedding shares a tied LM head's panels: it follows them, or the old buffer would stay alive)
-    holders: list[KernelLinear | PackedEmbedding] = [*linears]
-    holders += [m for m in model.modules() if isinstance(m, PackedEmbedding)]
-    for module in holders:
-        module.data = placed.get(module.data.data_ptr(), module.data)  # the loaded buffer is freed once unused
+    holders = _holders([*linears, *(m for m in model.modules() if isinstance(m, PackedEmbedding))])
+
+    def swap(ptr: int, copy: torch.Tensor) -> None:
+        for module in holders.pop(ptr, []):
+            module.data = copy
+
+    buffers = [m.data for m in linears]
+    del linears
+    placed = place_buffers(buffers, swap)
     return sum(-(-t.numel() // ALIGN) * ALIGN for t in placed.values())

@@ -11,11 +11,16 @@ IQ4_NL/IQ4_XS). On the CPU its linear becomes a `KernelLinear` of that format fr
 projection stays in blocks when all of its shards are blocks (or when it arrives whole: a phi3 GGUF's `attn_qkv`,
 `ffn_up`): one `KernelLinear` where they share a format, else a `SegmentedLinear` of one per shard. Anywhere else
 (another device, an embedding, blocks beside dense shards) it is dequantized.
+
+With a `packer` (the CPU kernels' format every dense linear becomes: models/linear.py, `linear_format`), a linear's
+weight is packed as soon as it is complete: straight from the file's mapped pages, or from the one fused weight
+being gathered, which is then let go. So a safetensors folder takes at most its file's pages plus one packed copy
+of the weights (and one weight in flight), never a dense copy of them all before packing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +39,7 @@ from tokenmill.weights.packed_cache import PackedCache
 
 Value = torch.Tensor | RawBlocks
 Tensors = Iterable[tuple[str, Value, str]]  # (HF tensor name, value, where it came from)
+Packer = Callable[[torch.Tensor], PackedWeight]  # a dense [N, K] weight -> its packed form
 
 
 def _shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
@@ -70,6 +76,7 @@ class _Fill:
     device: torch.device
     ops: Any | None = None  # the compiled kernels, which repack blocks in one pass (else torch does)
     cache: PackedCache | None = None  # weights packed by an earlier start, mapped (weights/packed_cache.py)
+    packer: Packer | None = None  # dense linear weights packed as each is complete (else prepare_linears does)
     filled: dict[str, set[int]] = field(default_factory=dict)
     blocks: dict[str, dict[int, RawBlocks]] = field(default_factory=dict)  # a weight's shards so far
     # whole weights, packed as soon as complete: one format, or one per shard (in shard order)
@@ -108,6 +115,21 @@ class _Fill:
             else:  # shards of several formats: each keeps its own
                 self.packed[name] = [self.pack(f"{module}.parts.{i}", p) for i, p in enumerate(parts)]
 
+    def settle(self, name: str) -> None:
+        """Pack parameter `name` now where the packer takes it: a linear's dense weight, complete (every shard of a
+        fused one in). Its values are read once, from the file's pages or the fused weight's gathering tensor, which
+        is let go (the parameter back on the meta device): only the packed copy stays."""
+        if self.packer is None or name in self.blocks or name in self.packed or not name.endswith(".weight"):
+            return
+        module = self.model.get_submodule(name.rpartition(".")[0])
+        fused = _whole(name)
+        if not isinstance(module, nn.Linear) or module.weight.device.type == "meta":
+            return
+        if fused and self.filled.get(name, set()) != {idx for _, idx in STACKED_PARAMS[fused]}:
+            return
+        self.packed[name] = self.packer(module.weight.detach())  # [N, K] -> panels
+        _set_param(self.model, name, torch.empty(module.weight.shape, dtype=self.dtype, device="meta"))
+
     def cached(self, module: str, fmt: str, rows: int, k: int) -> PackedWeight | None:
         return self.cache.take(module, fmt, rows, k) if self.cache is not None else None
 
@@ -137,14 +159,16 @@ def load_weights(
     hf_layout: bool = True,
     config_source: str = "config.json",
     cache: PackedCache | None = None,
+    packer: Packer | None = None,
 ) -> CausalLM:
     """Fill `model` (built on the meta device) from `tensors`, HF-named. `hf_layout`: the family's
     `hf_transposed` tensors are stored [in, out] (a GGUF stores every weight [out, in] already). `cache`: weights in
-    blocks are taken from it where an earlier start packed them."""
+    blocks are taken from it where an earlier start packed them. `packer`: dense linear weights packed as each is
+    complete (the module docstring says why)."""
     cfg = model.config
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
     shard_sizes = _shard_sizes(cfg)
-    fill = _Fill(model, dtype, device, _repacker(device), cache)
+    fill = _Fill(model, dtype, device, _repacker(device), cache, packer)
     tied_head: PackedWeight | None = None
     embedding = _embedding_name(model)
     for hf_name, tensor, where in tensors:
@@ -168,6 +192,7 @@ def load_weights(
         else:
             fill.dense(name, shard, tensor, whole=fused is None)
         fill.filled.setdefault(name, set()).update(shards)
+        fill.settle(name)
 
     _check_complete(params, fill.filled, source)
     for name, packed in fill.packed.items():

@@ -26,6 +26,7 @@
 #include "linear/type_traits.h"
 #include "ops/fused.h"
 #include "ops/logprobs.h"
+#include "ops/peak.h"
 #include "ops/sample.h"
 #include "stack/pool.h"
 #include "stack/stack.h"
@@ -327,6 +328,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_kspans", [](bool on) { return std::exchange(tmk::kspans, on); },
         "register tiles over K spans where a panel takes several (tests, A/B); returns the old setting");
   m.def("read_sum", &tmk::read_sum, "stream a buffer once (the bandwidth probe)");
+  m.def("peak_kinds", &tmk::peak_kinds, "the arithmetic peaks this build and CPU can probe: (kind, instruction, unit)");
+  m.def("peak_probe", &tmk::peak_probe, "rounds of one instruction's chains on every thread: (operations, checksum)",
+        nogil());
   m.def(
       "contention_rests",
       [](const std::vector<std::pair<double, double>>& programs) {
@@ -363,5 +367,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stage_of", &tmk::DecodeStack::stage_of, "stage i's kind and layer (-1: after the last layer)");
   m.attr("lanes") = tmk::W;
   m.attr("panel") = tmk::P;
+  m.attr("peak_chains") = tmk::kChains;  // accumulators a thread's vector peak chains run (ops/peak.h)
   m.attr("attention_split") = tmk::kSplit;  // positions per split of decode attention (attention/common.h)
 }
