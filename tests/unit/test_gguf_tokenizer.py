@@ -16,7 +16,7 @@ import pytest
 from tests.unit.test_tokenizer_verdict import load_elsewhere
 from tokenmill.tokenizer import Tokenizer, gguf_bpe, probes
 from tokenmill.tokenizer.lean import LeanTokenizer
-from tokenmill.weights.gguf_reader import GGUFFile
+from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "tokenizers"
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
@@ -64,7 +64,7 @@ def _exported(tokenizer: Path, arch: str, out: Path) -> tuple[Path, Path]:
 
 
 def _built(gguf_path: Path, out: Path) -> LeanTokenizer:
-    built = gguf_bpe.build(GGUFFile(gguf_path))
+    built = gguf_bpe.build(GGUFCheckpoint(gguf_path).metadata)
     assert built is not None, "a byte-level BPE file of a family gguf_bpe builds"
     out.mkdir()
     (out / "tokenizer.json").write_text(built.tokenizer_json)
@@ -83,7 +83,7 @@ def _assert_same_as_the_folder(folder: Path, gguf_path: Path, out: Path) -> None
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "gpt2"])
 def test_the_tiny_tokenizer_in_every_family(arch: str, tokenizer_dir: Path, tmp_path: Path) -> None:
     folder, path = _exported(_styled(tokenizer_dir, tmp_path / "tok", arch), arch, tmp_path)
-    pre = GGUFFile(path).fields["tokenizer.ggml.pre"].contents()
+    pre = GGUFCheckpoint(path).metadata("tokenizer.ggml.pre")
     assert pre == {"qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama-bpe", "gpt2": "gpt-2"}[arch]
     _assert_same_as_the_folder(folder, path, tmp_path / "built")
     if arch == "llama":  # the file asks for BOS, and the built tokenizer adds it
@@ -100,12 +100,29 @@ def test_the_real_tokenizers(name: str, arch: str, tmp_path: Path) -> None:
     _assert_same_as_the_folder(folder, path, tmp_path / "built")
 
 
+def _load_front_elsewhere(path: Path, cache: Path) -> list[str]:
+    """A fresh Python loads the model's front (config and tokenizer) as the server does: [the tokenizer's backend,
+    whether transformers got imported]."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from tokenmill.assembly.model import load_front; from tokenmill.config import EngineConfig; "
+            "tok = load_front(EngineConfig(model=sys.argv[1])).tokenizer; "
+            "print(tok.backend.name, 'transformers' in sys.modules)")  # fmt: skip
+    env = {**os.environ, "TOKENMILL_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
 def test_other_kinds_are_left_to_transformers(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     """A llama file with GPT-2's split is no family gguf_bpe knows: None, and transformers builds it."""
     from tokenmill.bench.gguf_export import export_gguf
 
     path = export_gguf(make_checkpoint("llama"), tmp_path / "tiny.gguf", "f32", name="tiny-random")
-    assert gguf_bpe.build(GGUFFile(path)) is None
+    assert gguf_bpe.build(GGUFCheckpoint(path).metadata) is None
     assert load_elsewhere(path, tmp_path / "cache", "llama") == ["transformers", "True"]
 
 
@@ -116,11 +133,11 @@ def test_the_first_start_needs_no_transformers_and_the_second_reads_the_kept_fol
 
     path = export_gguf(make_checkpoint("qwen2"), tmp_path / "tiny.gguf", "f32", name="tiny-random")
     cache = tmp_path / "cache"
-    assert load_elsewhere(path, cache, "qwen2") == ["lean", "False"]
+    assert _load_front_elsewhere(path, cache) == ["lean", "False"]
     (kept,) = (cache / "gguf-tokenizers").iterdir()
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(cache))
     monkeypatch.setattr(gguf_bpe, "build", lambda _: pytest.fail("built again although a kept folder exists"))
-    second = Tokenizer(path, "qwen2")
+    second = Tokenizer(path, "qwen2", GGUFCheckpoint(path).metadata)
     assert second.backend.name == "lean"
     assert Path(second.backend.folder) == kept  # type: ignore[attr-defined]
 
@@ -131,10 +148,10 @@ def test_a_damaged_kept_folder_is_built_again(make_checkpoint: Callable[..., Pat
 
     path = export_gguf(make_checkpoint("qwen2"), tmp_path / "tiny.gguf", "f32", name="tiny-random")
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
-    first = Tokenizer(path, "qwen2")
+    first = Tokenizer(path, "qwen2", GGUFCheckpoint(path).metadata)
     (kept,) = (tmp_path / "cache" / "gguf-tokenizers").iterdir()
     (kept / "tokenizer.json").write_text("{ not json")
-    again = Tokenizer(path, "qwen2")
+    again = Tokenizer(path, "qwen2", GGUFCheckpoint(path).metadata)
     assert again.backend.name == "lean"
     assert again.encode("Hello world! ünï") == first.encode("Hello world! ünï")
     assert json.loads((kept / "tokenizer.json").read_text())["model"]["type"] == "BPE"
@@ -148,6 +165,6 @@ def test_an_unwritable_cache_still_gives_the_tokenizer(make_checkpoint: Callable
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the cache folder would be")
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(blocked))
-    tok = Tokenizer(path, "qwen2")
+    tok = Tokenizer(path, "qwen2", GGUFCheckpoint(path).metadata)
     assert tok.backend.name == "lean"
     assert tok.decode(tok.encode("Hello world")) == "Hello world"

@@ -130,7 +130,7 @@ def load_front(cfg: EngineConfig) -> LoadedModel:
     """What a front end needs of the model (configs, tokenizer, sampling defaults, EOS ids), without weights."""
     path, gguf, hf_config, config = read_checkpoint(cfg)
     generation = {} if gguf else read_json(path / "generation_config.json", required=False)
-    tokenizer = Tokenizer(path, hf_config.get("model_type"))
+    tokenizer = Tokenizer(path, hf_config.get("model_type"), gguf.metadata if gguf else None)
     return LoadedModel(path, config, tokenizer, None, torch.device("cpu"), torch.float32,  # type: ignore[arg-type]
                        config.max_position_embeddings, generation)  # fmt: skip
 
@@ -162,7 +162,7 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         resolved = f"{device.type} {str(dtype).removeprefix('torch.')}"
         raise ConfigError(f"batch_invariant runs on the CPU in bfloat16 or float32; this model resolved to "
                           f"{resolved}: pass --device cpu and --dtype")  # fmt: skip
-    tokenizer = Tokenizer(path, hf_config.get("model_type"))
+    tokenizer = Tokenizer(path, hf_config.get("model_type"), gguf.metadata if gguf else None)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with torch.device("meta"):

@@ -195,6 +195,7 @@ def run_compare(args: argparse.Namespace) -> Path:
     from tokenmill.assembly.model import default_model_ref
     from tokenmill.tokenizer import Tokenizer
     from tokenmill.weights import resolve_model
+    from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint
 
     model = str(resolve_model(args.model or default_model_ref()))
     gguf_model = model.lower().endswith(".gguf")
@@ -204,7 +205,7 @@ def run_compare(args: argparse.Namespace) -> Path:
         raise ValueError(f"--rounds must be at least 1, not {args.rounds}")
     parsed = parse_backends(args.backends, args.dtype, gguf_model)
     backends = [label(n, v) for n, v in parsed]
-    tok = Tokenizer(model)
+    tok = Tokenizer(model, None, GGUFCheckpoint(Path(model)).metadata if gguf_model else None)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(tok.vocab_size) for _ in range(args.prompt_tokens)] for _ in range(args.num_prompts)]
     config = {

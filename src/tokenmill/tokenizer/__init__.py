@@ -33,15 +33,17 @@ _BYTE_OF = _byte_alphabet()
 class Tokenizer:
     """The tokenizer of a checkpoint folder, or the one stored in a GGUF file's metadata."""
 
-    def __init__(self, source: Path | str, model_type: str | None = None) -> None:
+    def __init__(self, source: Path | str, model_type: str | None = None, gguf_metadata: Any = None) -> None:
         """`model_type`: a GGUF's (its config's `model_type`), which names the tokenizer class at once; without it
-        transformers reads the whole file's metadata again to learn it (seconds for a 150k vocabulary)."""
+        transformers reads the whole file's metadata again to learn it (seconds for a 150k vocabulary).
+        `gguf_metadata`: a GGUF's metadata, key -> value (GGUFCheckpoint.metadata), from which a byte-level BPE
+        tokenizer is built without transformers (tokenizer/gguf_bpe.py)."""
         from tokenmill.tokenizer import gguf, verdict
 
         source = Path(source)
         try:
             if source.suffix.lower() == ".gguf":
-                self.backend: TokenizerBackend = gguf.gguf_tokenizer(source, model_type)
+                self.backend: TokenizerBackend = gguf.gguf_tokenizer(source, model_type, gguf_metadata)
             else:
                 self.backend = verdict.load(source)
         except Exception as e:

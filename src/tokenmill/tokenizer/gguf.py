@@ -21,9 +21,12 @@ from tokenmill.tokenizer.transformers_backend import TransformersTokenizer
 _PROBE = "Hello, world! To be, or not to be: 12 ünïcödé 日本語 🙂\n\tdone."
 
 
-def gguf_tokenizer(path: Path, model_type: str | None = None) -> TokenizerBackend:
-    """A byte-level BPE file's tokenizer is built from its metadata by `gguf_bpe` (half a second for a 150k
-    vocabulary, no transformers import) and kept as a folder, which later starts load as the lean tokenizer.
+def gguf_tokenizer(
+    path: Path, model_type: str | None = None, meta: gguf_bpe.Metadata | None = None
+) -> TokenizerBackend:
+    """A byte-level BPE file's tokenizer is built from its metadata (`meta`, read by the weights layer) by
+    `gguf_bpe` (half a second for a 150k vocabulary, no transformers import) and kept as a folder, which later
+    starts load as the lean tokenizer.
 
     Any other kind: transformers builds a fast tokenizer (with the chat template and BOS/EOS) from the GGUF's
     metadata. That takes seconds for a 150k vocabulary, so the result is kept, keyed by the file's path, size and
@@ -39,9 +42,7 @@ def gguf_tokenizer(path: Path, model_type: str | None = None) -> TokenizerBacken
     cached = cache_root() / "gguf-tokenizers" / key
     if (cached / "tokenizer_config.json").is_file() and (kept := _load_kept(cached)) is not None:
         return kept
-    from tokenmill.weights.gguf_reader import GGUFFile
-
-    built = gguf_bpe.build(GGUFFile(path))
+    built = gguf_bpe.build(meta) if meta is not None else None
     if built is not None:
         return LeanTokenizer(_keep(built, cached))
     from transformers import AutoTokenizer

@@ -11,12 +11,13 @@ Only pairs of (architecture, pre-tokenizer) whose result is tested against trans
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from tokenmill.weights.gguf_reader import GGUFFile
+Metadata = Callable[[str], Any]  # a GGUF metadata key -> its value (lists for arrays), None where absent
 
 REVISION = 1  # raise it when what this builds changes: the folders built before are then built again
 
@@ -54,27 +55,27 @@ class BuiltTokenizer:
     chat_template: str | None
 
 
-def build(gguf: GGUFFile) -> BuiltTokenizer | None:
-    """The file's tokenizer, or None where this module does not build its kind (transformers then does)."""
-    meta = gguf.fields
-    if _value(gguf, "tokenizer.ggml.model") != "gpt2" or "tokenizer.ggml.merges" not in meta:
+def build(meta: Metadata) -> BuiltTokenizer | None:
+    """The tokenizer of the file whose metadata `meta` reads (the weights layer reads the file: GGUFCheckpoint), or
+    None where this module does not build its kind (transformers then does)."""
+    if meta("tokenizer.ggml.model") != "gpt2":
         return None
-    family = FAMILIES.get((_value(gguf, "general.architecture"), _value(gguf, "tokenizer.ggml.pre") or "default"))
-    if family is None:
+    family = FAMILIES.get((meta("general.architecture"), meta("tokenizer.ggml.pre") or "default"))
+    merges: list[str] | None = meta("tokenizer.ggml.merges")
+    if family is None or merges is None:
         return None
-    tokens: list[str] = meta["tokenizer.ggml.tokens"].contents()
-    merges: list[str] = meta["tokenizer.ggml.merges"].contents()
-    types = meta["tokenizer.ggml.token_type"].value if "tokenizer.ggml.token_type" in meta else np.zeros(0)
-    named = {name: _token(gguf, tokens, f"tokenizer.ggml.{key}")
+    tokens: list[str] = meta("tokenizer.ggml.tokens")
+    types = np.asarray(meta("tokenizer.ggml.token_type") or [], dtype=np.int64)
+    named = {name: _token(meta, tokens, f"tokenizer.ggml.{key}")
              for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                                ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}  # fmt: skip
-    add_bos, add_eos = (bool(_value(gguf, f"tokenizer.ggml.add_{k}_token") or False) for k in ("bos", "eos"))
+    add_bos, add_eos = (bool(meta(f"tokenizer.ggml.add_{k}_token") or False) for k in ("bos", "eos"))
     rust = _rust_tokenizer(tokens, merges, types, family)
     _post_process(rust, named, add_bos, add_eos)
     config: dict[str, Any] = {**named, "add_bos_token": add_bos, "add_eos_token": add_eos,
                               "clean_up_tokenization_spaces": False, "tokenizer_class": "PreTrainedTokenizerFast",
                               "built_by": f"tokenmill gguf_bpe {REVISION}"}  # fmt: skip
-    template = _value(gguf, "tokenizer.chat_template")
+    template = meta("tokenizer.chat_template")
     return BuiltTokenizer(rust.to_str(), config, template if isinstance(template, str) else None)
 
 
@@ -119,11 +120,6 @@ def _post_process(rust: Any, named: dict[str, str | None], add_bos: bool, add_eo
     )
 
 
-def _value(gguf: GGUFFile, key: str) -> Any:
-    found = gguf.fields.get(key)
-    return None if found is None else found.contents()
-
-
-def _token(gguf: GGUFFile, tokens: list[str], key: str) -> str | None:
-    index = _value(gguf, key)
+def _token(meta: Metadata, tokens: list[str], key: str) -> str | None:
+    index = meta(key)
     return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None

@@ -72,6 +72,10 @@ class GGUFCheckpoint:
                 raise ModelLoadError(f"{path}: tensor {t.name} is {kind}, a type tokenmill does not load; "
                                      f"supported: {', '.join(supported)}")  # fmt: skip
 
+    def metadata(self, key: str) -> Any:
+        """One metadata key's value (a list for an array), None where the file has no such key."""
+        return self._field(key)
+
     def _field(self, key: str, default: Any = None) -> Any:
         from tokenmill.weights.gguf_reader import GGUFError
 
