@@ -82,6 +82,30 @@ def test_the_second_load_maps_what_the_first_packed(gguf_file: Path, root: Path)
     assert _greedy(first, PROMPTS) == _greedy(second, PROMPTS) == _greedy(plain, PROMPTS)
 
 
+def test_a_float_ggufs_dense_weights_and_tied_head_come_from_the_cache_too(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, root: Path
+) -> None:
+    """A BF16 GGUF: its linears are packed at the first load (the embedding stays dense, the tied LM head a kernel
+    linear over it); the second maps every one of them from the entry, writes nothing, and computes the same."""
+    ckpt = make_checkpoint("llama", hidden_size=256, intermediate_size=512, tie_word_embeddings=True)
+    path = export_gguf(ckpt, tmp_path / "bf16.gguf", "bf16")
+    first = LLM(str(path), dtype="bfloat16")
+    entry = _only_entry(root)
+    written = entry.stat().st_mtime_ns
+    second = LLM(str(path), dtype="bfloat16")
+    assert entry.stat().st_mtime_ns == written and _only_entry(root) == entry  # read, not written again
+    weights = _weights(second)
+    assert "lm_head" in weights and {m.format for m in second.loaded.model.modules() if isinstance(m, KernelLinear)} \
+        == {"bf16"}  # fmt: skip
+    for name, data in weights.items():
+        assert _mapped_from(data.data_ptr()) == str(entry), name
+        assert torch.equal(data, _weights(first)[name]), name
+    plain = LLM(str(path), dtype="bfloat16", weight_cache=False)
+    ids = plain.loaded.tokenizer.encode(PROMPTS[0])
+    assert torch.equal(_logits(second, ids), _logits(plain, ids))
+    assert _greedy(second, PROMPTS) == _greedy(plain, PROMPTS)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "wrong shape"])
 def test_a_damaged_entry_is_packed_again(gguf_file: Path, root: Path, damage: str) -> None:
     want = _greedy(LLM(str(gguf_file), dtype="float32", weight_cache=False), PROMPTS[:1])

@@ -168,18 +168,19 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
     with torch.device("meta"):
         model = family.model_class(model_config)
     cache = _packed_cache(cfg, gguf, device) if gguf else None
+    # each dense linear packed as it completes (unless a tensor-parallel shard splits its head first): the file's
+    # pages plus one packed copy, never every weight dense and packed at once; a GGUF's taken from its packed cache
+    # where an earlier start put it there (weights/loader.py)
+    fmt = None if shard else linear_format(cfg.quantization, device, dtype, cfg.pack_weights, cfg.cpu_kernels)
+    packer = None if fmt is None else functools.partial(pack_weight, fmt=fmt)
     if gguf:
         with progress(f"loading {path.name}", total=len(gguf.tensors)) as advance:
             load_weights(model, _ticking(gguf.iter_tensors(hf_config), advance), str(path), dtype, device, False,
-                         "its GGUF metadata", cache)  # fmt: skip
+                         "its GGUF metadata", cache, packer, fmt)  # fmt: skip
     else:
         tensors: Iterator[tuple[str, torch.Tensor, str]] = ((n, t, str(f)) for n, t, f in iter_tensors(path))
         if shard is not None:
             tensors = shard.stream(tensors, full_config)
-        # each dense linear packed as it completes (unless a tensor-parallel shard splits its head first): the
-        # file's pages plus one packed copy, never every weight dense and packed at once (weights/loader.py)
-        fmt = None if shard else linear_format(cfg.quantization, device, dtype, cfg.pack_weights, cfg.cpu_kernels)
-        packer = None if fmt is None else functools.partial(pack_weight, fmt=fmt)
         with progress(f"loading {path.name}", total=count_tensors(path)) as advance:
             load_weights(model, _ticking(tensors, advance), str(path), dtype, device, packer=packer)
     if shard is not None:

@@ -29,7 +29,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
-from tokenmill.kernels.formats import PackedWeight
+from tokenmill.kernels.formats import PackedWeight, format_for
 from tokenmill.kernels.raw_blocks import RawBlocks, dequantize_raw, pack_raw
 from tokenmill.models import CausalLM
 from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
@@ -77,6 +77,7 @@ class _Fill:
     ops: Any | None = None  # the compiled kernels, which repack blocks in one pass (else torch does)
     cache: PackedCache | None = None  # weights packed by an earlier start, mapped (weights/packed_cache.py)
     packer: Packer | None = None  # dense linear weights packed as each is complete (else prepare_linears does)
+    pack_format: str | None = None  # the packer's format: a dense weight is taken from `cache` where packed in it
     filled: dict[str, set[int]] = field(default_factory=dict)
     blocks: dict[str, dict[int, RawBlocks]] = field(default_factory=dict)  # a weight's shards so far
     # whole weights, packed as soon as complete: one format, or one per shard (in shard order)
@@ -127,7 +128,10 @@ class _Fill:
             return
         if fused and self.filled.get(name, set()) != {idx for _, idx in STACKED_PARAMS[fused]}:
             return
-        self.packed[name] = self.packer(module.weight.detach())  # [N, K] -> panels
+        rows, k = module.weight.shape
+        cached = self.cached(name.removesuffix(".weight"), format_for(self.pack_format, k), rows, k) if (
+            self.pack_format) else None  # fmt: skip
+        self.packed[name] = cached or self.packer(module.weight.detach())  # [N, K] -> panels
         _set_param(self.model, name, torch.empty(module.weight.shape, dtype=self.dtype, device="meta"))
 
     def cached(self, module: str, fmt: str, rows: int, k: int) -> PackedWeight | None:
@@ -160,15 +164,17 @@ def load_weights(
     config_source: str = "config.json",
     cache: PackedCache | None = None,
     packer: Packer | None = None,
+    pack_format: str | None = None,
 ) -> CausalLM:
     """Fill `model` (built on the meta device) from `tensors`, HF-named. `hf_layout`: the family's
     `hf_transposed` tensors are stored [in, out] (a GGUF stores every weight [out, in] already). `cache`: weights in
     blocks are taken from it where an earlier start packed them. `packer`: dense linear weights packed as each is
-    complete (the module docstring says why)."""
+    complete (the module docstring says why); `pack_format`, its format, takes them from `cache` where an earlier
+    start packed them (a BF16 or F32 GGUF's)."""
     cfg = model.config
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
     shard_sizes = _shard_sizes(cfg)
-    fill = _Fill(model, dtype, device, _repacker(device), cache, packer)
+    fill = _Fill(model, dtype, device, _repacker(device), cache, packer, pack_format)
     tied_head: PackedWeight | None = None
     embedding = _embedding_name(model)
     for hf_name, tensor, where in tensors:
@@ -200,6 +206,8 @@ def load_weights(
     if cfg.tie_word_embeddings:
         if tied_head is not None:
             model.lm_head = KernelLinear(tied_head, None, None)  # type: ignore[assignment]
+        elif (kept := _cached_head(fill, model)) is not None:
+            model.lm_head = kept  # type: ignore[assignment]
         else:
             model.lm_head.weight = model.embeddings().weight
     for module in model.modules():
@@ -228,6 +236,15 @@ def _place_blocks(
         return packed
     fill.dense(name, shard, dequantize_raw(blocks, fill.ops), whole=whole)
     return None
+
+
+def _cached_head(fill: _Fill, model: CausalLM) -> KernelLinear | None:
+    """A tied LM head over a dense embedding, as an earlier start packed it (prepare_linears packs it otherwise)."""
+    if fill.pack_format is None or fill.cache is None:
+        return None
+    rows, k = model.embeddings().weight.shape
+    cached = fill.cached("lm_head", format_for(fill.pack_format, k), rows, k)
+    return None if cached is None else KernelLinear(cached, None, None)
 
 
 def _repacker(device: torch.device) -> Any | None:
