@@ -116,13 +116,16 @@ def _built(name: str, directory: Path) -> ModuleType | None:
 
 
 def _whole_elf(path: Path) -> bool:
-    """Whether `path` is a 64-bit ELF file that reaches its section headers, which the linker writes last."""
+    """Whether `path` reaches its section headers, which the linker writes last (a 64-bit ELF file; another
+    platform's format is left to the import to judge)."""
     import struct
 
     with open(path, "rb") as f:
         head = f.read(64)
-    if len(head) < 64 or head[:5] != b"\x7fELF\x02":
+    if len(head) < 64:
         return False
+    if head[:5] != b"\x7fELF\x02":
+        return True
     (table,), (entry, count) = struct.unpack_from("<Q", head, 0x28), struct.unpack_from("<HH", head, 0x3A)
     return bool(table + entry * count <= path.stat().st_size)
 
