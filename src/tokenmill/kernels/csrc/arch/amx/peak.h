@@ -22,6 +22,17 @@ __attribute__((target("amx-tile"))) inline void amx_configure_peak() {
   _tile_loadconfig(&c);
 }
 
+// The tiles configured, the accumulators zeroed and both operand tiles loaded from `operand` (16 rows of 64 bytes)
+__attribute__((target("amx-tile"))) inline void amx_peak_start(const void* operand) {
+  amx_configure_peak();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, operand, 64);
+  _tile_loadd(5, operand, 64);
+}
+
 // The sum of every element of the four accumulator tiles (float32 or int32), then the tiles released
 template <typename T>
 __attribute__((target("amx-tile"))) inline double amx_peak_sums() {
@@ -45,13 +56,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline double amx_peak_bf16(int64_t
   alignas(64) uint16_t operand[16][32];
   for (auto& row : operand)
     for (auto& x : row) x = (uint16_t)(bits >> 16);
-  amx_configure_peak();
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_loadd(4, operand, 64);
-  _tile_loadd(5, operand, 64);
+  amx_peak_start(operand);
   for (int64_t i = 0; i < iters; ++i) {
     _tile_dpbf16ps(0, 4, 5);
     _tile_dpbf16ps(1, 4, 5);
@@ -66,13 +71,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline double amx_peak_bf16(int64_t
 __attribute__((target("amx-tile,amx-int8"))) inline double amx_peak_int8(int64_t iters, int8_t value) {
   alignas(64) int8_t operand[16][64];
   std::memset(operand, value, sizeof(operand));
-  amx_configure_peak();
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_loadd(4, operand, 64);
-  _tile_loadd(5, operand, 64);
+  amx_peak_start(operand);
   for (int64_t i = 0; i < iters; ++i) {
     _tile_dpbusd(0, 4, 5);
     _tile_dpbusd(1, 4, 5);
