@@ -249,13 +249,11 @@ def _mixed(linear: nn.Linear, shards: list[tuple[int, str]], ops: Kernels | None
 def _kind(quantization: str, device: torch.device, dtype: torch.dtype, pack: bool, cpu_kernels: bool) -> str:
     """What every linear of this model becomes: a kernel format, 'mix' (quant_mix picks per linear), 'packed'
     (oneDNN) or 'plain'."""
+    if device.type != "cpu" and (quantization in quant_mix.MIXES or quantization in formats.kformats.KSPECS):
+        raise ValueError(f"--quantization {quantization} runs on the CPU kernels only; on a GPU use int8 or int4")
     if quantization in quant_mix.MIXES:
-        if device.type != "cpu":
-            raise ValueError(f"--quantization {quantization} runs on the CPU kernels only; on a GPU use int8 or int4")
         return "mix"
     if quantization in FORMAT_OF_QUANTIZATION:
-        if device.type != "cpu" and quantization in formats.kformats.KSPECS:
-            raise ValueError(f"--quantization {quantization} runs on the CPU kernels only; on a GPU use int8 or int4")
         return FORMAT_OF_QUANTIZATION[quantization]
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return "plain"
