@@ -178,4 +178,6 @@ def test_files_from_llama_quantize_load_what_they_hold(
     assert _assert_linears_hold_the_file(gg, out) > 0
     ref = LLM(str(out), dtype="float32", cpu_kernels=False)
     ids = gg.loaded.tokenizer.encode(PROMPTS[0])
-    torch.testing.assert_close(_logits(gg, ids), _logits(ref, ids), rtol=0, atol=5e-2)
+    # as above; the file's K-quant tensors take rows with one scale per superblock (as ggml's Q8_K), so an activation
+    # that rounds the other way moves by a coarser step
+    torch.testing.assert_close(_logits(gg, ids), _logits(ref, ids), rtol=0, atol=8e-2)

@@ -15,10 +15,11 @@ from tests.parity.test_gguf_loading import GREEDY, PROMPTS, SPREAD, _greedy, _ke
 from tokenmill import LLM
 from tokenmill.bench.gguf_export import export_gguf
 from tokenmill.kernels import formats
-from tokenmill.models.linear import KernelLinear, SegmentedLinear
+from tokenmill.models.linear import SegmentedLinear
 from tokenmill.models.packed_embedding import PackedEmbedding
 
-K_TYPES = {"blk.0.attn_v.weight": "q6_k", "blk.1.ffn_down.weight": "q5_k", "blk.0.ffn_down.weight": "q5_0",
+K_TYPES = {"blk.0.attn_v.weight": "q6_k", "blk.1.attn_v.weight": "q8_0", "blk.1.ffn_down.weight": "q5_k",
+           "blk.0.ffn_down.weight": "q5_0",
            "blk.1.attn_output.weight": "q4_1", "blk.0.attn_output.weight": "q5_1",
            "token_embd.weight": "f32"}  # fmt: skip
 
@@ -33,12 +34,14 @@ def test_k_family_tensors_run_in_their_own_kernels(make_checkpoint: Callable[...
     keeps one kernel linear per shard, and the kernels' logits are the pure-torch reference's."""
     path = export_gguf(_wide_llama(make_checkpoint), tmp_path / "q4_k.gguf", "q4_k", overrides=K_TYPES)
     gg = LLM(str(path), dtype="float32")
-    assert set(gg.loaded.kernels) == {"q4_k", "q6_k", "q5_k", "q5_0", "q4_1", "q5_1"}
+    assert set(gg.loaded.kernels) == {"q4_k", "q6_k", "q8_0", "q5_k", "q5_0", "q4_1", "q5_1"}
     layers = gg.loaded.model.model.layers
     qkv = layers[0].self_attn.qkv_proj
     assert isinstance(qkv, SegmentedLinear) and [p.format for p in qkv.parts] == ["q4_k", "q4_k", "q6_k"]
-    assert isinstance(layers[1].self_attn.qkv_proj, KernelLinear)  # all of one type: one linear
-    assert gg.engine.runner.decode_stack is not None  # which decodes the mixed qkv as segments
+    # a Q8_0 v beside K-quants: both shards read rows with one scale per superblock (and Q8_0's unsigned copy)
+    qkv1 = layers[1].self_attn.qkv_proj
+    assert isinstance(qkv1, SegmentedLinear) and [p.row_group for p in qkv1.parts] == [0, 0, 256]
+    assert gg.engine.runner.decode_stack is not None  # which decodes the mixed qkvs as segments
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     for name, module in [("blk.0.attn_v.weight", qkv.parts[2]), ("blk.1.ffn_down.weight", layers[1].mlp.down_proj),
                          ("blk.0.ffn_down.weight", layers[0].mlp.down_proj),

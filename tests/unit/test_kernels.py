@@ -192,6 +192,19 @@ def test_activation_quantization_equals_the_reference(ops: kernels.Kernels) -> N
     assert q[0, 1].item() == -14 and q[0, 2].item() == -14  # -14.5 and -13.5: ties to even
 
 
+def test_k_quant_rows_take_one_scale_per_superblock(ops: kernels.Kernels) -> None:
+    """The K-quants' rows (as ggml's Q8_K): one scale per 256 values, set by the largest of them, in each of its
+    blocks of 32; bit for bit the reference's."""
+    x = torch.randn(3, 512)
+    x[1, 300] = 50.0  # the second superblock's largest: its scale, and only its
+    q, d = ops.quantize_rows(x, 256)
+    q_ref, d_ref = quantize_activations(x, 256)
+    assert torch.equal(d, d_ref) and torch.equal(q, q_ref)
+    assert d.shape == (3, 16) and torch.equal(d.view(3, 2, 8), d.view(3, 2, 8)[:, :, :1].expand(3, 2, 8))
+    assert d[1, 8].item() == pytest.approx(50.0 / 127) and q[1, 300].item() == 127 and d[1, 0] < d[1, 8] / 5
+    assert torch.equal(quantize_activations(x[:, :256], 256)[0], q[:, :256])  # superblocks apart
+
+
 def test_activation_quantization_rounds_to_the_nearest_step() -> None:
     x = torch.randn(5, 96) * torch.linspace(0.01, 10, 5)[:, None]
     x[1, :32] = 0.0  # an all-zero block: scale 0, values 0

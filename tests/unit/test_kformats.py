@@ -19,6 +19,7 @@ from tokenmill import kernels
 from tokenmill.kernels import kformats
 from tokenmill.kernels.formats import FORMATS, PackedWeight, pack, pack_block_weight, reference_linear, unpack
 from tokenmill.kernels.kformats import KSPECS, decode_gguf_rows
+from tokenmill.models.linear import KernelLinear, SegmentedLinear
 
 GGML_TYPE = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q5_0": "Q5_0", "q5_1": "Q5_1", "q4_1": "Q4_1",
              "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS"}  # fmt: skip
@@ -185,3 +186,19 @@ def test_iq4_is_not_a_quantization_target(fmt: str) -> None:
     """IQ4 loads from GGUF files only: packing a float weight to it is refused with the reason, not done wrong."""
     with pytest.raises(ValueError, match="GGUF files only"):
         pack(torch.randn(16, 256), fmt)
+
+
+def test_a_fused_projections_shards_read_rows_quantized_alike(ops: kernels.Kernels) -> None:
+    """A qkv of a Q5_0 and a Q6_K shard (rows quantized once for both in the decode stack, linear/segments.h): the
+    Q5_0 shard too multiplies rows with one scale per superblock, in the kernel and in its torch reference."""
+    k = 512
+    parts = [pack_block_weight(decode_gguf_rows(fmt, torch.from_numpy(random_rows(fmt, n, k, seed=5)), k))
+             for fmt, n in (("q5_0", 32), ("q6_k", 16))]  # fmt: skip
+    fused = SegmentedLinear([KernelLinear(p, None, ops) for p in parts])
+    assert [p.row_group for p in fused.parts] == [256, 0]  # 0: the format's own (Q6_K's 256)
+    x = torch.randn(5, k)
+    x[:, 40] = 30.0  # one large activation: a scale per block of 32 and one per 256 differ
+    got = fused(x)
+    want = torch.cat([reference_linear(x, parts[0], None, 256), reference_linear(x, parts[1])], dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    assert not torch.allclose(got[:, :32], reference_linear(x, parts[0]), rtol=1e-4, atol=1e-3)

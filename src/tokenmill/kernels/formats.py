@@ -27,6 +27,7 @@ from tokenmill.kernels.panels import BLOCK, FORMATS, PANEL
 
 __all__ = ["BLOCK", "FORMATS", "PANEL"]
 QUANTIZED = ("q8_0", "q4_0", *kformats.KSPECS)  # the formats whose kernels multiply quantized activation rows
+ROW_GROUP = {"q4_k": 256, "q5_k": 256, "q6_k": 256}  # k per activation scale where not 32 (linear/format.h)
 
 
 def format_name(format_id: int) -> str:
@@ -188,25 +189,34 @@ def unpack(p: PackedWeight) -> torch.Tensor:
     return w[: p.out_features, : p.in_features]
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32) -> (int8 q [M, K], float32 d [M, K/32]), as the kernels quantize each row
-    before an integer dot product (qdot.h): ggml's Q8_0 (d = max|x| / 127, q = x / d rounded to nearest, ties to
-    even, as ggml's AVX2 quantize_row_q8_0) with d kept in float32."""
+def quantize_activations(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of `group`) -> (int8 q [M, K], float32 d [M, K/32]), as the kernels quantize each row
+    before an integer dot product (linear/qrow.h): ggml's Q8_0 (d = max|x| / 127 per block of 32, q = x / d rounded
+    to nearest, ties to even, as ggml's AVX2 quantize_row_q8_0) with d kept in float32; with `group` 256, as for
+    the K-quants (ggml's Q8_K), one d per 256 values, repeated in each of its blocks."""
     m, k = x.shape
-    blocks = x.float().view(m, k // BLOCK, BLOCK)
-    d = blocks.abs().amax(dim=-1) / 127.0
+    groups = x.float().view(m, k // group, group)
+    d = groups.abs().amax(dim=-1) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
-    return q.view(m, k), d
+    q = torch.round(groups * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(m, k), d.repeat_interleave(group // BLOCK, dim=1)
 
 
-def reference_linear(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def row_group(fmt: str) -> int:
+    """k per activation scale in the rows the format's kernels read (linear/format.h: row_group)."""
+    return ROW_GROUP.get(fmt, BLOCK)
+
+
+def reference_linear(
+    x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None = None, group: int = 0
+) -> torch.Tensor:
     """x [M, K] @ the packed weight^T (+ bias) in float32, as the kernels compute it: the quantized formats
-    multiply by the activations quantized per row (up to float rounding, the kernels' exact integer sums)."""
+    multiply by the activations quantized per row (up to float rounding, the kernels' exact integer sums), one scale
+    per `group` k where that is more than the format's own (a fused projection's segments: models/linear.py)."""
     x = x.float()
     if p.format in QUANTIZED:
         xp = torch.nn.functional.pad(x, (0, p.padded_in - p.in_features))
-        q, d = quantize_activations(xp)
+        q, d = quantize_activations(xp, max(group, row_group(p.format)))
         x = (q.float().view(*d.shape, BLOCK) * d[..., None]).view(xp.shape)[:, : p.in_features]
     return torch.nn.functional.linear(x, unpack(p), bias)
 

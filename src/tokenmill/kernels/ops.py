@@ -47,7 +47,7 @@ class Kernels:
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
         self.module.linear(
             x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], packed.data_ptr(), format_id, n, k,
-            0 if bias is None else bias.data_ptr(), out.data_ptr(),
+            0 if bias is None else bias.data_ptr(), out.data_ptr(), 0,
         )  # fmt: skip
         return out
 
@@ -74,15 +74,18 @@ class Kernels:
         self.module.unpack_rows(packed.data_ptr(), format_id, k, ids.data_ptr(), ids.numel(), out.data_ptr())
         return out
 
-    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 x [M, K] (K a multiple of 32) -> (int8 q [M, K], float32 d [M, K/32]), as the quantized linears
-        quantize their input (formats.quantize_activations is the reference)."""
-        if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] % BLOCK:
-            raise ValueError(f"x must be float32 [M, K] with K a multiple of {BLOCK}, got {tuple(x.shape)} {x.dtype}")
+    def quantize_rows(self, x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 x [M, K] (K a multiple of `group`: 32, or 256 as for the K-quants) -> (int8 q [M, K], float32
+        d [M, K/32]), as the quantized linears quantize their input (formats.quantize_activations is the
+        reference)."""
+        if group not in (BLOCK, 256):
+            raise ValueError(f"group must be {BLOCK} or 256, got {group}")
+        if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] % group:
+            raise ValueError(f"x must be float32 [M, K] with K a multiple of {group}, got {tuple(x.shape)} {x.dtype}")
         x = x.contiguous()
         q = torch.empty(x.shape, dtype=torch.int8)
         d = torch.empty(x.shape[0], x.shape[1] // BLOCK, dtype=torch.float32)
-        self.module.quantize_rows(x.data_ptr(), x.shape[0], x.shape[1], d.data_ptr(), q.data_ptr())
+        self.module.quantize_rows(x.data_ptr(), x.shape[0], x.shape[1], d.data_ptr(), q.data_ptr(), group)
         return q, d
 
     def decode_stack(

@@ -79,6 +79,7 @@ class KernelLinear(nn.Module):
         self.in_features, self.out_features, self.format = packed.in_features, packed.out_features, packed.format
         self.padded_in, self.format_id, self.ops = packed.padded_in, packed.format_id, ops
         self.row_invariant = False  # `make_row_invariant`: each row's result whatever the rows beside it
+        self.row_group = 0  # k per activation scale where a SegmentedLinear asks for more than the format's (0: its)
         self.register_buffer("data", packed.data)  # uint8 panels (kernels/formats.py)
         self.register_buffer("bias", None if bias is None else bias.detach().float())  # [N] float32
 
@@ -116,7 +117,7 @@ class KernelLinear(nn.Module):
             bias = 0 if self.bias is None else self.bias.data_ptr()
             self.ops.module.linear(x2.data_ptr(), x2.dtype == torch.bfloat16, rows, self.in_features,
                                    self.data.data_ptr(), self.format_id, self.out_features, self.padded_in, bias,
-                                   y.data_ptr())  # fmt: skip
+                                   y.data_ptr(), self.row_group)  # fmt: skip
         else:
             y = self._dense(x2)
         return y.view(*x.shape[:-1], self.out_features)
@@ -126,7 +127,8 @@ class KernelLinear(nn.Module):
             if x.device.type != "cpu":  # a GPU's weight-only product: the weight dequantized, x as it is (W8A16)
                 bias = None if self.bias is None else self.bias.to(x.dtype)
                 return F.linear(x, formats.unpack(self.packed()).to(x.dtype), bias)
-            return formats.reference_linear(x, self.packed(), self.bias).to(x.dtype)  # the kernel's product, in torch
+            # the kernel's product, in torch
+            return formats.reference_linear(x, self.packed(), self.bias, self.row_group).to(x.dtype)
         if self.ops is not None:
             w = self.ops.unpack(self.data, self.format_id, self.out_features, self.padded_in)[:, : self.in_features]
         else:
@@ -139,10 +141,15 @@ class KernelLinear(nn.Module):
 class SegmentedLinear(nn.Module):
     """A fused projection whose shards arrived in different block formats (a Q4_K_M GGUF's attn_q and attn_k in
     Q4_K beside an attn_v in Q6_K): each shard keeps its own format as a `KernelLinear`, and their outputs are
-    concatenated. No shard is converted, so nothing is lost and none takes more memory than its file."""
+    concatenated. No shard is converted, so nothing is lost and none takes more memory than its file. The rows are
+    quantized alike for every shard, as the decode stack readies them once for all (linear/segments.h): one scale
+    per superblock where a shard is a K-quant."""
 
     def __init__(self, parts: list[KernelLinear]) -> None:
         super().__init__()
+        group = max(formats.row_group(p.format) for p in parts)
+        for p in parts:
+            p.row_group = group if group > formats.row_group(p.format) else 0
         self.parts = nn.ModuleList(parts)
         self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
 

@@ -34,10 +34,13 @@
 namespace tmk {
 
 // out[M, N] = x[M, Kx] @ w^T (+ bias): x and out bfloat16 (`bf16` true) or float32, bias float32 or none;
-// the weight packed in `format` with N outputs and K inputs (Kx <= K: K padded to whole blocks)
+// the weight packed in `format` with N outputs and K inputs (Kx <= K: K padded to whole blocks); `group`: k per
+// activation scale where a fused projection's segments ask for more than this format's (linear/segments.h), else 0
 void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, int64_t format, int64_t N, int64_t K,
-            uintptr_t bias_ptr, uintptr_t out_ptr) {
+            uintptr_t bias_ptr, uintptr_t out_ptr, int64_t group) {
   const auto F = static_cast<Format>(format);
+  RowPrep how = row_prep(F);
+  how.group = std::max(how.group, group);
   const int64_t e = bf16 ? 2 : 4;
   thread_local std::vector<float> xf;  // activations as the kernels read them, reused from call to call
   const bool pairs = pairs_apply(F, bf16, Kx, K);
@@ -45,7 +48,7 @@ void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, 
   float* xf_ptr = xf.data();  // (a thread_local named in the lambda is the worker's own)
   if (!pairs)
     at::parallel_for(0, M, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) prep_row((const char*)x_ptr + i * Kx * e, bf16, Kx, K, F, xf_ptr + i * K);
+      for (int64_t i = begin; i < end; ++i) prep_row((const char*)x_ptr + i * Kx * e, bf16, Kx, K, how, xf_ptr + i * K);
     });
   const float* bias = (const float*)bias_ptr;
   float* o32 = bf16 ? nullptr : (float*)out_ptr;
@@ -60,12 +63,13 @@ void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, 
   });
 }
 
-// float32 x[M, K] (K a multiple of 32) -> d[M, K/32] float32 and q[M, K] int8, as the quantized linears see x
-void quantize_rows(uintptr_t x_ptr, int64_t M, int64_t K, uintptr_t d_ptr, uintptr_t q_ptr) {
+// float32 x[M, K] (K a multiple of `group`: 32, or 256 for the K-quants) -> d[M, K/32] float32 and q[M, K] int8, as
+// the quantized linears see x
+void quantize_rows(uintptr_t x_ptr, int64_t M, int64_t K, uintptr_t d_ptr, uintptr_t q_ptr, int64_t group) {
   std::vector<float> row(K);
   const int64_t nb = K / QK;
   for (int64_t m = 0; m < M; ++m) {
-    quantize_row((const float*)x_ptr + m * K, K, row.data());
+    quantize_row((const float*)x_ptr + m * K, K, row.data(), false, 0, -1, group);
     std::memcpy((float*)d_ptr + m * nb, row.data(), nb * 4);
     std::memcpy((int8_t*)q_ptr + m * K, qrow(row.data(), nb).q, K);
   }

@@ -48,6 +48,11 @@ constexpr KSpec kSpecs[] = {
 };
 constexpr bool is_kfamily(Format f) { return f >= Q4_K; }
 constexpr KSpec kspec(Format f) { return kSpecs[f - Q4_K]; }
+// The K-quants proper (Q4_K, Q5_K, Q6_K): their rows are quantized with one scale per superblock of 256 (ggml's
+// Q8_K), and each superblock's sub-block products are summed in integers (linear/kformat.h)
+constexpr bool ksuper(Format f) { return f == Q4_K || f == Q5_K || f == Q6_K; }
+// k per activation scale in the rows a format's tiles read (linear/qrow.h)
+constexpr int64_t row_group(Format f) { return ksuper(f) ? 256 : QK; }
 constexpr int ksubs(KSpec s) { return s.sb / s.sub; }  // sub-blocks per superblock
 constexpr bool khas_sc(KSpec s) { return ksubs(s) > 1; }  // one sub-block: its scale is d, its min dmin
 // a superblock's header: fp16 d[P]; fp16 dmin[P] (has_min); int8 sc[subs][P] and uint8 mn[subs][P] (has_min), the

@@ -25,10 +25,15 @@
 // the same bytes. Bytes per weight: Q4_K 4.625 bits (ggml's 4.5), Q5_K 5.625 (5.5), Q6_K 6.5625 (the same),
 // Q5_0 5.5 (the same), Q5_1 6 (the same), Q4_1 5 (the same), IQ4_NL 4.5 (the same), IQ4_XS 4.3125 (4.25).
 //
-// The product against a row quantized to Q8_0 blocks (linear/qrow.h): per sub-block the exact integer sum
-// isum = sum of v(q) * qx, then out += dx * (scale * (isum - zero * sx) - min * sx), sx the row's sum of qx over the
-// sub-block (QRow::s). That is ggml's own arithmetic (it quantizes the rows to Q8_K: one scale per 256 instead).
-// IQ4's v(q) - zero is the signed table entry (-127 .. 113), so isum - 128 sx is ggml's sum of table * qx exactly.
+// The product against a quantized row (linear/qrow.h): per sub-block the exact integer sum isum = sum of v(q) * qx,
+// and sx the row's sum of qx over the sub-block (QRow::s). The K-quants (Q4_K, Q5_K, Q6_K: ksuper) take rows with
+// one scale per superblock, as ggml's Q8_K, and sum a superblock in integers before any float:
+//   T = sum of sc * isum, F = sum of f * sx (f = mn with mins, sc with a zero: exact in float, under 2^24)
+//   out += dx * (d * (T - zero * F) - dmin * F)
+// (ggml's own arithmetic), so the scales cost once per superblock and the AMX tiles can take a superblock at once
+// (arch/amx/amx_ksuper.h). The others take rows with a scale per block of 32, and per sub-block
+// out += dx * (scale * (isum - zero * sx) - min * sx). IQ4's v(q) - zero is the signed table entry (-127 .. 113), so
+// isum - 128 sx is ggml's sum of table * qx exactly.
 #pragma once
 
 #include <cstdint>

@@ -57,17 +57,26 @@ inline int64_t panels_per_chunk(Format F, int64_t K, int64_t M, int64_t bytes) {
   return amx_even(F, M, std::max<int64_t>(1, bytes / (panel_bytes(F, K) * (1 + M / 8))));
 }
 
+// How prep_row readies the rows for a format's tiles: quantized to the QRow layout (with the unsigned copy of
+// Q8_0's VNNI tiles), one scale per `group` k (linear/qrow.h)
+struct RowPrep {
+  bool quantized, unsigned_copy;
+  int64_t group;
+};
+inline RowPrep row_prep(Format F) {
+  const FormatKernels& t = format_kernels(F);
+  return {t.quantized_rows, t.unsigned_rows, row_group(F)};
+}
+
 // One activation row (bfloat16 or float32, Kx wide) as the kernels read it, in `dst` (room for K floats): float32,
 // zero-padded to K; for the quantized formats, quantized to the QRow layout (linear/qrow.h). Only its values
-// [k0, k1) where k1 >= 0 (multiples of QK: the row in parts, by threads).
-inline void prep_row(const void* src, bool bf16, int64_t Kx, int64_t K, Format F, float* dst, int64_t k0 = 0,
+// [k0, k1) where k1 >= 0 (multiples of the prep's group: the row in parts, by threads).
+inline void prep_row(const void* src, bool bf16, int64_t Kx, int64_t K, RowPrep how, float* dst, int64_t k0 = 0,
                      int64_t k1 = -1) {
   thread_local std::vector<float> staged;
   if (k1 < 0) k1 = K;
-  const FormatKernels& t = format_kernels(F);
-  const bool quant = t.quantized_rows;
   float* f = dst;
-  if (quant) staged.resize(K), f = staged.data();
+  if (how.quantized) staged.resize(K), f = staged.data();
   const int64_t kx = std::min(std::max(Kx, k0), k1);  // [k0, kx) from src, [kx, k1) padding
   if (bf16) {
     const uint16_t* s = (const uint16_t*)src;
@@ -79,7 +88,7 @@ inline void prep_row(const void* src, bool bf16, int64_t Kx, int64_t K, Format F
     std::memcpy(f + k0, (const float*)src + k0, (kx - k0) * 4);
   }
   std::fill(f + kx, f + k1, 0.f);
-  if (quant) quantize_row(f, K, dst, t.unsigned_rows, k0 / QK, k1 / QK);
+  if (how.quantized) quantize_row(f, K, dst, how.unsigned_copy, k0 / QK, k1 / QK, how.group);
 }
 
 }  // namespace tmk

@@ -2,6 +2,7 @@
 // scale per block), the quantized formats' integer tiles' input (linear/quant.h).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "arch/isa.h"
@@ -37,20 +38,26 @@ inline QRow qrow(const float* row, int64_t nb) {
           (const uint8_t*)q + nb * QK};
 }
 
-// x[0..K) float32 -> the QRow layout at `dst` (which has room for K floats): per block of 32, d = max|x| / 127 and
-// q = x / d rounded to nearest, ties to even (as ggml's AVX2 quantize_row_q8_0), the scale kept in float32; with
-// `for_q8_0` and VNNI also u = q + 128. Only the blocks [b0, b1) where b1 >= 0 (the row in parts, by threads).
+// x[0..K) float32 -> the QRow layout at `dst` (which has room for K floats): per group of `group` k (32, or 256 for
+// the K-quants' superblocks, as ggml's Q8_K), d = max|x| / 127, kept in float32 in each of the group's blocks, and
+// q = x / d rounded to nearest, ties to even (as ggml's AVX2 quantize_row_q8_0); with `for_q8_0` and VNNI also
+// u = q + 128. Only the blocks [b0, b1) where b1 >= 0 (the row in parts, by threads: whole groups).
 inline void quantize_row(const float* x, int64_t K, float* dst, bool for_q8_0 = false, int64_t b0 = 0,
-                         int64_t b1 = -1) {
-  const int64_t nb = K / QK;
+                         int64_t b1 = -1, int64_t group = QK) {
+  const int64_t nb = K / QK, per = group / QK;
   if (b1 < 0) b1 = nb;
   const QRow row = qrow(dst, nb);
   int32_t* o = (int32_t*)row.o;
   int32_t* halves = (int32_t*)row.s;
   float* fs = (float*)row.fs;
   int8_t* q = (int8_t*)row.q;
+  float d = 0.f;
   for (int64_t b = b0; b < b1; ++b) {
-    float d;
+    if ((b - b0) % per == 0) {
+      float amax = 0.f;
+      for (int64_t i = b; i < std::min(b + per, b1); ++i) amax = std::max(amax, block_amax(x + i * QK));
+      d = amax / 127.f;
+    }
     const int32_t sum = quantize_block(x + b * QK, q + b * QK, d);
     dst[b] = d;
     o[2 * b] = -8 * sum, o[2 * b + 1] = -128 * sum;

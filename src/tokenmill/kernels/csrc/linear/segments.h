@@ -25,11 +25,17 @@ inline Segment segment(const LinearSpec& w, int s) {
   return s == 0 ? Segment{w[0], w[1], 0} : Segment{w[2 + 3 * s], w[3 + 3 * s], w[4 + 3 * s]};
 }
 
-// the format the rows are readied for (prep_row): the first segment's, or Q8_0 where a segment is Q8_0
-inline Format row_format(const LinearSpec& w) {
-  for (int s = 1; s < 3; ++s)
-    if (segment(w, s).weight && segment(w, s).format == Q8_0) return Q8_0;
-  return (Format)w[1];
+// how the rows are readied for all segments (prep_row): as the first segment's format asks, with Q8_0's unsigned
+// copy where a segment is Q8_0, and one scale per superblock where a segment is a K-quant (the other formats read a
+// scale per block of 32 and take any group)
+inline RowPrep row_prep(const LinearSpec& w) {
+  RowPrep how = row_prep((Format)w[1]);
+  for (int s = 1; s < 3; ++s) {
+    if (!segment(w, s).weight) break;
+    const RowPrep other = row_prep((Format)segment(w, s).format);
+    how.unsigned_copy |= other.unsigned_copy, how.group = std::max(how.group, other.group);
+  }
+  return how;
 }
 
 // output panels [p_begin, p_end) of linear `w` (linear_range's arguments otherwise): each segment's share, its

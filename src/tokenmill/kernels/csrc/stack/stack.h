@@ -61,6 +61,8 @@ class DecodeStack {
     const int64_t l = (int64_t)layers_.size();
     layers_.push_back({in_norm, post_norm, q_norm, k_norm, cache, qkv, o, gate_up, down});
     max_k_ = std::max({max_k_, qkv[3], o[3], gate_up[3], down[3]});
+    o_parts_ = o_parts_ && (H_ / Hkv_ * Dh_) % row_prep(o).group == 0;
+    silu_group_ = std::max(silu_group_, row_prep(down).group);
     const int64_t base = l * kStagesPerLayer;
     pool_.set_stage(base + 0, [this, l](int64_t b) { input_norm(l, b); });
     pool_.set_stage(base + 1, [this, l](int64_t c) { panels(layers_[l].qkv, c, qkv_, normed_, D_); });
@@ -195,7 +197,7 @@ class DecodeStack {
     const int64_t head_chunks = logits ? chunks(head_) : 0;
     head_out_.begin(B, head_[2], bf16_, logits_, (float*)logits32, logits ? (int64_t*)argmax : nullptr, head_chunks);
     // fewer rows than threads: each row's SiLU in parts of whole quantization blocks, one thread each
-    silu_parts_ = B < threads_ ? std::max<int64_t>(1, std::min<int64_t>(threads_, I_ / QK)) : 1;
+    silu_parts_ = B < threads_ ? std::max<int64_t>(1, std::min<int64_t>(threads_, I_ / silu_group_)) : 1;
     // attention: each row's splits (attention/common.h), one task each
     split_offsets(lens_, B, 0, split_first_);
     // each (row, KV head)'s count of finished splits starts at 0 (it is back at 0 after every layer, unless a step
@@ -265,10 +267,10 @@ class DecodeStack {
   }
 
   // row b of `src` (width Kx, the model dtype) -> xq_ row b, ready for linear `w` (unless the bf16 pair tiles read
-  // src itself); only its columns [k0, k1) where k1 >= 0 (multiples of QK, as prep_row)
+  // src itself); only its columns [k0, k1) where k1 >= 0 (multiples of the rows' group, as prep_row)
   void prep(const char* src, int64_t Kx, const LinearSpec& w, int64_t b, int64_t k0 = 0, int64_t k1 = -1) {
-    const Format F = row_format(w);
-    if (!pairs_apply(F, bf16_, Kx, w[3])) prep_row(src, bf16_, Kx, w[3], F, xq_.data() + b * max_k_, k0, k1);
+    if (!pairs_apply((Format)w[1], bf16_, Kx, w[3]))
+      prep_row(src, bf16_, Kx, w[3], row_prep(w), xq_.data() + b * max_k_, k0, k1);
   }
 
   // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ floats apart), or for a bf16 model from its
@@ -371,17 +373,19 @@ class DecodeStack {
     prep(normed_ + b * D_ * e_, D_, s.gate_up, b);
   }
 
-  // chunk c: columns [k0, k1) of row c / silu_parts_, its part c % silu_parts_ in whole blocks of QK (the last part
-  // runs to I, and its prep to the down projection's padded K): one row's SiLU no longer waits on one thread.
+  // chunk c: columns [k0, k1) of row c / silu_parts_, its part c % silu_parts_ in whole groups of the down
+  // projection's rows (the last part runs to I, and its prep to its padded K): one row's SiLU no longer waits on one
+  // thread.
   void silu(int64_t l, int64_t c) {
-    const int64_t b = c / silu_parts_, part = c % silu_parts_, blocks = I_ / QK;
+    const LinearSpec& w = layers_[l].down;
+    const int64_t group = row_prep(w).group, b = c / silu_parts_, part = c % silu_parts_, blocks = I_ / group;
     const bool last = part + 1 == silu_parts_;
-    const int64_t k0 = part * blocks / silu_parts_ * QK, k1 = last ? I_ : (part + 1) * blocks / silu_parts_ * QK;
+    const int64_t k0 = part * blocks / silu_parts_ * group;
+    const int64_t k1 = last ? I_ : (part + 1) * blocks / silu_parts_ * group;
     silu_mul_rows(Act{gate_up_ + (b * 2 * I_ + k0) * e_, bf16_}, Act{act_ + (b * I_ + k0) * e_, bf16_}, 1, I_,
                   k1 - k0);
-    const LinearSpec& w = layers_[l].down;
-    if (!pairs_apply(row_format(w), bf16_, I_, w[3]))
-      prep_row(act_ + b * I_ * e_, bf16_, I_, w[3], row_format(w), xq_.data() + b * max_k_, k0, last ? w[3] : k1);
+    if (!pairs_apply((Format)w[1], bf16_, I_, w[3]))
+      prep_row(act_ + b * I_ * e_, bf16_, I_, w[3], row_prep(w), xq_.data() + b * max_k_, k0, last ? w[3] : k1);
   }
 
   void final_norm(int64_t b) {
@@ -409,8 +413,9 @@ class DecodeStack {
   const uintptr_t final_norm_;
   const int64_t threads_;
   // each (row, KV head)'s merge preps its own query heads' columns of the o projection's input (the o_input stage
-  // gets no chunks): they are whole blocks of QK. One stage hand-over a layer less.
-  const bool o_parts_ = (H_ / Hkv_ * Dh_) % QK == 0;
+  // gets no chunks) where they are whole groups of its rows (add_layer). One stage hand-over a layer less.
+  bool o_parts_ = (H_ / Hkv_ * Dh_) % QK == 0;
+  int64_t silu_group_ = QK;  // the largest group of a down projection's rows (add_layer)
   std::vector<LayerSpec> layers_;
   int64_t max_k_ = 0;
   Program pool_;

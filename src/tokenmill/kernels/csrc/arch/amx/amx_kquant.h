@@ -1,8 +1,8 @@
-// The K family (linear/kformat.h) on AMX-INT8: a block of 32 k of a panel is unpacked once into 8 rows of 16
-// channels x 4 k (each byte the channel's v(q): kgroup512, the very bytes the VNNI tile multiplies), and one
-// TDPBSSD (q 0..63, signed bytes as well) or, for IQ4's unsigned table values (1..241), TDPBSUD multiplies up to 16
-// quantized rows of x (QRow, read in place) by it into exact int32 sums, 16 x 16 in a tile register. Q6_K's
-// sub-blocks of 16 k have their own scales, so its blocks take two products of 16 k each.
+// The K family (linear/kformat.h) on AMX-INT8, but for the K-quants proper, which take a superblock at a time
+// (arch/amx/amx_ksuper.h): a block of 32 k of a panel is unpacked once into 8 rows of 16 channels x 4 k (each byte
+// the channel's v(q): kgroup512, the very bytes the VNNI tile multiplies), and one TDPBSSD or, for IQ4's unsigned
+// table values (1..241), TDPBSUD multiplies up to 16 quantized rows of x (QRow, read in place) by it into exact
+// int32 sums, 16 x 16 in a tile register.
 //
 // The sums leave the tiles per sub-block and are scaled into each row's float sums by kfinish512, the function the
 // VNNI tile (arch/avx512bf16/ktile512.h) calls, in the same order: the integer sums are exact either way, so a row's
@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "arch/amx/amx_int8.h"
+#include "arch/amx/amx_ksuper.h"
 #include "arch/amx/tiles.h"
 #include "arch/avx512bf16/ktile512.h"
 #include "arch/isa.h"
@@ -109,12 +110,14 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_k_pass(const QRow* 
 }
 
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias) for a weight of the K family, x rows in the
-// QRow layout `ldx` floats apart (as linear_kquant): 32 rows by 2 panels at a time.
+// QRow layout `ldx` floats apart (as linear_kquant): 32 rows by 2 panels at a time; the K-quants a superblock at a
+// time (arch/amx/amx_ksuper.h).
 template <Format F>
 __attribute__((target("amx-tile,amx-int8"))) void linear_amx_k(const float* x, int64_t M, int64_t ldx,
                                                                 const uint8_t* packed, int64_t N, int64_t K,
                                                                 const float* bias, float* out32, uint16_t* out16,
                                                                 int64_t p_begin, int64_t p_end) {
+  if constexpr (ksuper(F)) return linear_amx_ksuper<F>(x, M, ldx, packed, N, K, bias, out32, out16, p_begin, p_end);
   const int64_t nb = K / QK, nsb = K / kspec(F).sb, stride = panel_bytes(F, K), xs = ldx * 4;
   alignas(64) float acc[2][2][16][P];
   QRow rx[32];

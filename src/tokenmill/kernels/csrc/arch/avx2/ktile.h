@@ -111,10 +111,68 @@ inline void ksub_sums(const uint8_t* blk, const QRow* x, int64_t b, int s, __m25
   }
 }
 
+// The K-quants' tile (linear/kformat.h): each superblock's sub-block sums add up in integers, T += sc isum, and F +=
+// f sx in float (exact); once per superblock T -= zero F and acc += dx (d T - dmin F), as on every path
+template <Format F, int MT>
+inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch) {
+  constexpr KSpec S = kspec(F);
+  constexpr int NS = QK / S.sub;
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m)
+    for (int hh = 0; hh < 2; ++hh) acc[m][hh] = s0 ? _mm256_loadu_ps(sums[m] + 8 * hh) : _mm256_setzero_ps();
+  for (int64_t sb = s0; sb < s1; ++sb) {
+    const KHeader<F> h{panel + sb * ksb_bytes(S)};
+    if (prefetch_quant_rows && prefetch)
+      for (int64_t off = 0; off < ksb_bytes(S); off += 64) prefetch_weights(h.at + off);
+    __m256i T[MT][2];
+    __m256 Fl[MT][2];  // the sum of f sx: f the channels' mn (with mins) or sc (with a zero), exact
+    for (int m = 0; m < MT; ++m)
+      for (int hh = 0; hh < 2; ++hh) T[m][hh] = _mm256_setzero_si256(), Fl[m][hh] = _mm256_setzero_ps();
+    for (int j = 0; j < S.sb / QK; ++j) {
+      const int64_t b = sb * (S.sb / QK) + j;
+      for (int s = 0; s < NS; ++s) {
+        __m256i isum[MT][2], sc[2];
+        __m256 f[2];
+        ksub_sums<F, MT>(h.block(j), x, b, s, isum);
+        for (int hh = 0; hh < 2; ++hh) {
+          sc[hh] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(h.sc(j * NS + s) + 8 * hh)));
+          f[hh] = S.has_min ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                  _mm_loadl_epi64((const __m128i*)(h.mn(j * NS + s) + 8 * hh))))
+                            : _mm256_cvtepi32_ps(sc[hh]);
+        }
+        for (int m = 0; m < MT; ++m) {
+          const __m256 fsx = _mm256_set1_ps(x[m].fs[3 * b + (NS == 1 ? 2 : s)]);
+          for (int hh = 0; hh < 2; ++hh) {
+            T[m][hh] = _mm256_add_epi32(T[m][hh], _mm256_mullo_epi32(isum[m][hh], sc[hh]));
+            if constexpr (S.has_min || S.zero) Fl[m][hh] = _mm256_fmadd_ps(f[hh], fsx, Fl[m][hh]);
+          }
+        }
+      }
+    }
+    for (int hh = 0; hh < 2; ++hh) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h.d() + 8 * hh)));
+      const __m256 dmin = S.has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h.dmin() + 8 * hh))) : d;
+      for (int m = 0; m < MT; ++m) {
+        __m256i Tm = T[m][hh];
+        if constexpr (S.zero != 0)
+          Tm = _mm256_sub_epi32(Tm, _mm256_mullo_epi32(_mm256_cvtps_epi32(Fl[m][hh]), _mm256_set1_epi32(S.zero)));
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(Tm), d);
+        if constexpr (S.has_min) t = _mm256_fnmadd_ps(dmin, Fl[m][hh], t);
+        acc[m][hh] = _mm256_fmadd_ps(t, _mm256_set1_ps(x[m].d[sb * (S.sb / QK)]), acc[m][hh]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm256_storeu_ps(sums[m], acc[m][0]);
+    _mm256_storeu_ps(sums[m] + 8, acc[m][1]);
+  }
+}
+
 // MT rows x the panel's 16 channels over superblocks [s0, s1): from zero at s0 = 0, else on from `sums`;
 // `prefetch`: ask for the weights ahead (kpanel's first tile)
 template <Format F, int MT>
 inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch) {
+  if constexpr (ksuper(F)) return ktile_super<F, MT>(panel, x, s0, s1, sums, prefetch);
   constexpr KSpec S = kspec(F);
   constexpr int NS = QK / S.sub, Z = ksum_zero<F>();
   __m256 acc[MT][2];

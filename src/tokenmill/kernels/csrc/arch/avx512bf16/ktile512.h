@@ -73,10 +73,90 @@ inline __m512 kfinish512(__m512i isum, const QRow& x, int64_t b, int s, __m512 s
   return _mm512_fmadd_ps(t, _mm512_set1_ps(x.d[b]), acc);
 }
 
+// The K-quants' superblock sums (linear/kformat.h), sub-block s's part: T += sc isum in int32, and F += f sx in
+// float, f the channels' mn (with mins) or sc (with a zero): exact, every partial sum an integer under 2^24
+template <Format F>
+inline void kadd_sub512(__m512i isum, const QRow& x, int64_t b, int s, __m512i sc, __m512 f, __m512i& T, __m512& Fl) {
+  constexpr KSpec S = kspec(F);
+  constexpr int NS = QK / S.sub;
+  T = _mm512_add_epi32(T, _mm512_mullo_epi32(isum, sc));
+  if constexpr (S.has_min || S.zero) Fl = _mm512_fmadd_ps(f, _mm512_set1_ps(x.fs[3 * b + (NS == 1 ? 2 : s)]), Fl);
+}
+
+// ... and the superblock's end: T -= zero F (the sum of sc (isum - zero sx)), then acc += dx (d T - dmin F), in this
+// order on every path (the AMX tiles' too)
+template <Format F>
+inline __m512 kfinish_super512(__m512i T, __m512 Fl, float dx, __m512 d, __m512 dmin, __m512 acc) {
+  constexpr KSpec S = kspec(F);
+  if constexpr (S.zero != 0)
+    T = _mm512_sub_epi32(T, _mm512_mullo_epi32(_mm512_cvtps_epi32(Fl), _mm512_set1_epi32(S.zero)));
+  __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(T), d);
+  if constexpr (S.has_min) t = _mm512_fnmadd_ps(dmin, Fl, t);
+  return _mm512_fmadd_ps(t, _mm512_set1_ps(dx), acc);
+}
+
+// sub-block `sub` of a superblock: its channels' sc (int32), and F's factor f (mn, or sc, as floats)
+template <Format F>
+inline void ksub_scales512(const KHeader<F>& h, int sub, __m512i& sc, __m512& f) {
+  sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)h.sc(sub)));
+  f = kspec(F).has_min ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)h.mn(sub))))
+                       : _mm512_cvtepi32_ps(sc);
+}
+
+// MT rows' exact integer sums over sub-block s of block b (16 channels each)
+template <Format F, int MT>
+inline void ksub512(const uint8_t* blk, const QRow* x, int64_t b, int s, __m512i* isum) {
+  constexpr int G = kspec(F).sub / 4;  // groups per sub-block
+  for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int gg = 0; gg < G; ++gg) {
+    const int g = s * G + gg;
+    const __m512i w = kgroup512<F>(blk, g);
+    for (int m = 0; m < MT; ++m) {
+      int32_t four;
+      std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
+      isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(four));
+    }
+  }
+}
+
+// The K-quants' tile: each superblock's sub-block sums add up in integers (T, F), scaled once per superblock
+template <Format F, int MT>
+inline void ktile512_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P],
+                           bool prefetch) {
+  constexpr KSpec S = kspec(F);
+  constexpr int NS = QK / S.sub;
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = s0 ? _mm512_loadu_ps(sums[m]) : _mm512_setzero_ps();
+  for (int64_t sb = s0; sb < s1; ++sb) {
+    const KHeader<F> h{panel + sb * ksb_bytes(S)};
+    if (prefetch)
+      for (int64_t off = 0; off < ksb_bytes(S); off += 64) prefetch_weights(h.at + off);
+    __m512i T[MT];
+    __m512 Fl[MT];
+    for (int m = 0; m < MT; ++m) T[m] = _mm512_setzero_si512(), Fl[m] = _mm512_setzero_ps();
+    for (int j = 0; j < S.sb / QK; ++j) {
+      const int64_t b = sb * (S.sb / QK) + j;
+      for (int s = 0; s < NS; ++s) {
+        __m512i isum[MT], sc;
+        __m512 f;
+        ksub512<F, MT>(h.block(j), x, b, s, isum);
+        ksub_scales512<F>(h, j * NS + s, sc, f);
+        for (int m = 0; m < MT; ++m) kadd_sub512<F>(isum[m], x[m], b, s, sc, f, T[m], Fl[m]);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h.d()));
+    const __m512 dmin = S.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h.dmin())) : d;
+    for (int m = 0; m < MT; ++m) acc[m] = kfinish_super512<F>(T[m], Fl[m], x[m].d[sb * (S.sb / QK)], d, dmin, acc[m]);
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(sums[m], acc[m]);
+}
+
 template <Format F, int MT>
 inline void ktile512(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch) {
+  if constexpr (ksuper(F)) return ktile512_super<F, MT>(panel, x, s0, s1, sums, prefetch);
   constexpr KSpec S = kspec(F);
-  constexpr int NS = QK / S.sub, G = S.sub / 4;  // sub-blocks per block of 32; groups per sub-block
+  constexpr int NS = QK / S.sub;  // sub-blocks per block of 32
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = s0 ? _mm512_loadu_ps(sums[m]) : _mm512_setzero_ps();
   for (int64_t sb = s0; sb < s1; ++sb) {
@@ -87,20 +167,9 @@ inline void ktile512(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1
     const __m512 dmin = S.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h.dmin())) : d;
     for (int j = 0; j < S.sb / QK; ++j) {
       const int64_t b = sb * (S.sb / QK) + j;
-      const uint8_t* blk = h.block(j);
       for (int s = 0; s < NS; ++s) {
         __m512i isum[MT];
-        for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int gg = 0; gg < G; ++gg) {
-          const int g = s * G + gg;
-          const __m512i w = kgroup512<F>(blk, g);
-          for (int m = 0; m < MT; ++m) {
-            int32_t four;
-            std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
-            isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(four));
-          }
-        }
+        ksub512<F, MT>(h.block(j), x, b, s, isum);
         __m512 scale, mins;
         kscales512<F>(h, j, s, d, dmin, scale, mins);
         for (int m = 0; m < MT; ++m) acc[m] = kfinish512<F>(isum[m], x[m], b, s, scale, mins, acc[m]);
