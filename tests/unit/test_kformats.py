@@ -181,6 +181,26 @@ def test_iq4_on_amx_gives_the_bits_of_the_vnni_tiles(ops: kernels.Kernels, fmt: 
         ops.module.set_amx(before)
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+def test_k_quants_on_amx_give_the_bits_of_the_vnni_tiles(ops: kernels.Kernels, fmt: str) -> None:
+    """AMX takes a K-quant a superblock at a time, in byte planes of sc's digits times q (arch/amx/amx_ksuper.h),
+    into the VNNI tiles' exact superblock sums: the same bits at every row count, with a padded last 16 rows,
+    several blocks of rows (1 MB of row bytes each: 128 rows here) and a lone last panel."""
+    if not ops.module.amx_native():
+        pytest.skip(NO_AMX)
+    n, k = 80, 32 * 256  # 5 panels: two pairs and one alone
+    packed = pack_block_weight(decode_gguf_rows(fmt, torch.from_numpy(random_rows(fmt, n, k, seed=7)), k))
+    x = torch.randn(300, k)
+    before = ops.module.set_amx(0)
+    try:
+        integer = _linear(ops, packed, x, None)
+        ops.module.set_amx(1)
+        for rows in (1, 9, 16, 21, 128, 300):
+            assert torch.equal(_linear(ops, packed, x[:rows], None), integer[:rows]), rows
+    finally:
+        ops.module.set_amx(before)
+
+
 @pytest.mark.parametrize("fmt", IQ4)
 def test_iq4_is_not_a_quantization_target(fmt: str) -> None:
     """IQ4 loads from GGUF files only: packing a float weight to it is refused with the reason, not done wrong."""

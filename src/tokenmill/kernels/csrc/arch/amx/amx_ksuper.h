@@ -10,17 +10,20 @@
 //         T = 64 C0 + 8 C1 + C2
 // The integer sums are exact, so a row's outputs are the same bits as on the VNNI tiles, whatever the batch.
 //
-// Loops: a pair of panels at a time; for each superblock its planes (3 x 2 x 4 KB) are built once and every block
-// of 16 rows multiplies them: tiles 0-2 panel 0's planes, 3-5 panel 1's, 6 the rows' 64 k, 7 a plane's 64 k.
+// Loops: blocks of rows that stay in L2; for each, a pair of panels at a time; for each superblock its planes
+// (3 x 2 x 4 KB) are built once and every 16 of the rows multiply them: tiles 0-2 panel 0's planes, 3-5 panel 1's,
+// 6 the rows' 64 k, 7 a plane's 64 k. The planes ask for the weights a superblock or two ahead (into L2, a line a
+// group): without it the tiles' bursts left the memory idle and 16 rows from DRAM ran slower than the old tiles.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <cstring>
 
 #include "arch/amx/amx_int8.h"
 #include "arch/amx/tiles.h"
 #include "arch/avx512bf16/ktile512.h"
+#include "core/cpu.h"
 #include "linear/common.h"
 #include "linear/format.h"
 #include "linear/kformat.h"
@@ -29,6 +32,9 @@
 namespace tmk {
 
 constexpr bool kplanes_signed(Format F) { return F == Q6_K; }
+#ifndef KSUPER_AHEAD
+#define KSUPER_AHEAD 2
+#endif
 
 // Sub-block `sub`'s scales as the planes' digits, int32 lanes with the digit in both 16-bit halves (vpmullw's)
 template <Format F>
@@ -63,9 +69,10 @@ inline __m512i kmul_bytes(__m512i v, __m512i dig) {
 
 // One panel's superblock -> its planes: out[plane][chunk of 64 k][16 groups of 4 k][16 channels x 4 k]
 template <Format F>
-inline void kbuild_planes(const KHeader<F>& h, int8_t (*out)[4][16][64]) {
+inline void kbuild_planes(const KHeader<F>& h, int8_t (*out)[4][16][64], const uint8_t* ahead) {
   constexpr KSpec S = kspec(F);
   constexpr int NS = QK / S.sub, G = S.sub / 4;
+  int64_t line = 0;  // of the superblock `ahead` (or none): one line asked for into L2 per group built
   for (int j = 0; j < S.sb / QK; ++j)
     for (int s = 0; s < NS; ++s) {
       __m512i dig[3];
@@ -76,6 +83,7 @@ inline void kbuild_planes(const KHeader<F>& h, int8_t (*out)[4][16][64]) {
                                   _mm512_set1_epi32(0x01010101));
       for (int gg = 0; gg < G; ++gg) {
         const int g = s * G + gg, row = (j % 2) * 8 + g;
+        if (ahead && line < ksb_bytes(S)) prefetch_l2(ahead + line), line += 64;
         int8_t* const dst[3] = {out[0][j / 2][row], out[1][j / 2][row], out[2][j / 2][row]};
         __m512i v = kgroup512<F>(h.block(j), g);
         if constexpr (kplanes_signed(F)) {
@@ -139,7 +147,7 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_ksuper_rows(const i
   }
 }
 
-// a row's T and Mn from its three plane sums (16 channels)
+// a row's T and F (its mins' sum, Mn) from its three plane sums (16 channels)
 template <Format F>
 inline void kplanes_sums(const int32_t (*c)[16][P], int r, __m512i& T, __m512& Mn) {
   const __m512i c0 = _mm512_load_si512((const void*)c[0][r]), c1 = _mm512_load_si512((const void*)c[1][r]);
@@ -153,53 +161,75 @@ inline void kplanes_sums(const int32_t (*c)[16][P], int r, __m512i& T, __m512& M
   }
 }
 
+// Rows [m0, m0 + mc) of x (QRow, ldx floats apart; their values from xq, xs bytes apart) by the pb panels from p:
+// each superblock's planes built once, then multiplied by every 16 of the rows (the last ones copied, padded with
+// zero rows, so the tiles keep one shape); their float sums into acc[mc][2][P]
+template <Format F>
+__attribute__((target("amx-tile,amx-int8"))) inline void amx_ksuper_block(const float* x, int64_t ldx, const int8_t* xq,
+                                                                          int64_t xs, int64_t m0, int64_t mc,
+                                                                          const uint8_t* const* w, int pb, int64_t nsb,
+                                                                          float (*acc)[2][P]) {
+  constexpr KSpec S = kspec(F);
+  alignas(64) static thread_local int8_t planes[2][3][4][16][64];
+  alignas(64) static thread_local int8_t tail[16][S.sb];
+  alignas(64) int32_t c[2][3][16][P];
+  for (int64_t m = 0; m < mc; ++m) std::fill(acc[m][0], acc[m][0] + 2 * P, 0.f);
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m512 d[2], dmin[2];
+    for (int q = 0; q < pb; ++q) {
+      const KHeader<F> h{w[q] + sb * ksb_bytes(S)};
+      kbuild_planes<F>(h, planes[q], sb + KSUPER_AHEAD < nsb ? h.at + KSUPER_AHEAD * ksb_bytes(S) : nullptr);
+      d[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h.d()));
+      dmin[q] = S.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h.dmin())) : d[q];
+    }
+    for (int64_t r0 = 0; r0 < mc; r0 += 16) {
+      const int rows = (int)std::min<int64_t>(16, mc - r0);
+      const int8_t* a = xq + (m0 + r0) * xs + sb * S.sb;
+      int64_t as = xs;
+      if (rows < 16) {
+        for (int r = 0; r < 16; ++r)
+          if (r < rows) std::memcpy(tail[r], a + r * xs, S.sb);
+          else std::memset(tail[r], 0, S.sb);
+        a = tail[0], as = S.sb;
+      }
+      if (pb == 2) amx_ksuper_rows<F, 2>(a, as, planes, c);
+      else amx_ksuper_rows<F, 1>(a, as, planes, c);
+      for (int q = 0; q < pb; ++q)
+        for (int r = 0; r < rows; ++r) {
+          __m512i T;
+          __m512 Fl;
+          kplanes_sums<F>(c[q], r, T, Fl);
+          const float dx = x[(m0 + r0 + r) * ldx + sb * (S.sb / QK)];  // the row's scale (QRow::d) here
+          float* sums = acc[r0 + r][q];
+          _mm512_storeu_ps(sums, kfinish_super512<F>(T, Fl, dx, d[q], dmin[q], _mm512_loadu_ps(sums)));
+        }
+    }
+  }
+}
+
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias) for a K-quant weight, x rows in the QRow
-// layout `ldx` floats apart quantized per superblock (row_group)
+// layout `ldx` floats apart quantized per superblock (row_group): blocks of rows whose bytes (~1 MB) stay in L2, and
+// for each, the panels two at a time
 template <Format F>
 __attribute__((target("amx-tile,amx-int8"))) void linear_amx_ksuper(const float* x, int64_t M, int64_t ldx,
                                                                      const uint8_t* packed, int64_t N, int64_t K,
                                                                      const float* bias, float* out32,
                                                                      uint16_t* out16, int64_t p_begin, int64_t p_end) {
-  constexpr KSpec S = kspec(F);
-  const int64_t nb = K / QK, nsb = K / S.sb, stride = panel_bytes(F, K), xs = ldx * 4;
-  thread_local std::vector<float> acc_store;  // [M][2][P]: each row's float sums by the two panels
-  acc_store.assign(M * 2 * P, 0.f);
-  float (*acc)[2][P] = (float (*)[2][P])acc_store.data();
-  alignas(64) static thread_local int8_t planes[2][3][4][16][64];
-  alignas(64) int32_t c[2][3][16][P];
-  const int8_t* xq = qrow(x, nb).q;
-  int configured = -1;
-  for (int64_t p = p_begin; p < p_end; p += 2) {
-    const int pb = p + 1 < p_end ? 2 : 1;
-    if (p > p_begin) std::fill(acc_store.begin(), acc_store.end(), 0.f);
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      __m512 d[2], dmin[2];
+  const int64_t nsb = K / kspec(F).sb, stride = panel_bytes(F, K), xs = ldx * 4;
+  const int64_t MB = std::clamp<int64_t>((1 << 20) / K / 16 * 16, 32, 256);
+  alignas(64) float acc[256][2][P];
+  const int8_t* xq = qrow(x, K / QK).q;
+  amx_configure_ksuper(16);
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const int64_t mc = std::min(MB, M - m0);
+    for (int64_t p = p_begin; p < p_end; p += 2) {
+      const int pb = p + 1 < p_end ? 2 : 1;
+      const uint8_t* w[2] = {packed + p * stride, packed + (p + pb - 1) * stride};
+      amx_ksuper_block<F>(x, ldx, xq, xs, m0, mc, w, pb, nsb, acc);
       for (int q = 0; q < pb; ++q) {
-        const KHeader<F> h{packed + (p + q) * stride + sb * ksb_bytes(S)};
-        kbuild_planes<F>(h, planes[q]);
-        d[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h.d()));
-        dmin[q] = S.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h.dmin())) : d[q];
+        const int64_t n0 = (p + q) * P, n_valid = std::min<int64_t>(P, N - n0);
+        for (int64_t m = 0; m < mc; ++m) store_outputs(acc[m][q], m0 + m, n0, n_valid, N, bias, out32, out16);
       }
-      for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        const int rows = (int)std::min<int64_t>(16, M - m0);
-        if (rows != configured) amx_configure_ksuper(rows), configured = rows;
-        const int8_t* a = xq + m0 * xs + sb * S.sb;
-        if (pb == 2) amx_ksuper_rows<F, 2>(a, xs, planes, c);
-        else amx_ksuper_rows<F, 1>(a, xs, planes, c);
-        for (int q = 0; q < pb; ++q)
-          for (int r = 0; r < rows; ++r) {
-            __m512i T;
-            __m512 Mn;
-            kplanes_sums<F>(c[q], r, T, Mn);
-            const float dx = x[(m0 + r) * ldx + sb * (S.sb / QK)];  // the row's scale (QRow::d) of this superblock
-            float* sums = acc[m0 + r][q];
-            _mm512_storeu_ps(sums, kfinish_super512<F>(T, Mn, dx, d[q], dmin[q], _mm512_loadu_ps(sums)));
-          }
-      }
-    }
-    for (int q = 0; q < pb; ++q) {
-      const int64_t n0 = (p + q) * P, n_valid = std::min<int64_t>(P, N - n0);
-      for (int64_t m = 0; m < M; ++m) store_outputs(acc[m][q], m, n0, n_valid, N, bias, out32, out16);
     }
   }
   _tile_release();
