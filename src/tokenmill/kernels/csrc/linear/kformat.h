@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/cpu.h"
 #include "core/simd.h"
 #include "linear/format.h"
 
@@ -74,6 +75,15 @@ struct KHeader {
     return khas_sc(S) ? mc * (float)mn(s)[c] : mc;
   }
 };
+
+// superblock sb of a panel, its weights asked for ahead where `prefetch` (the tiles' first pass over a span)
+template <Format F>
+inline KHeader<F> ksuperblock(const uint8_t* panel, int64_t sb, bool prefetch) {
+  const KHeader<F> h{panel + sb * ksb_bytes(kspec(F))};
+  if (prefetch)
+    for (int64_t off = 0; off < ksb_bytes(kspec(F)); off += 64) prefetch_weights(h.at + off);
+  return h;
+}
 
 // channel c's v(q) at k = kk of a block of 32 (q: 0 .. 2^(4 + planes) - 1; IQ4's: kIq4Unsigned[q])
 template <Format F>

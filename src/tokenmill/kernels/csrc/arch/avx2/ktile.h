@@ -111,6 +111,18 @@ inline void ksub_sums(const uint8_t* blk, const QRow* x, int64_t b, int s, __m25
   }
 }
 
+// a tile's float sums: from `sums` where it goes on from superblock s0 > 0, else zero; and back
+template <int MT>
+inline void kacc_begin(__m256 (*acc)[2], const float (*sums)[P], int64_t s0) {
+  for (int m = 0; m < MT; ++m)
+    for (int hh = 0; hh < 2; ++hh) acc[m][hh] = s0 ? _mm256_loadu_ps(sums[m] + 8 * hh) : _mm256_setzero_ps();
+}
+template <int MT>
+inline void kacc_end(const __m256 (*acc)[2], float (*sums)[P]) {
+  for (int m = 0; m < MT; ++m)
+    for (int hh = 0; hh < 2; ++hh) _mm256_storeu_ps(sums[m] + 8 * hh, acc[m][hh]);
+}
+
 // The K-quants' tile (linear/kformat.h): each superblock's sub-block sums add up in integers, T += sc isum, and F +=
 // f sx in float (exact); once per superblock T -= zero F and acc += dx (d T - dmin F), as on every path
 template <Format F, int MT>
@@ -118,12 +130,9 @@ inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t
   constexpr KSpec S = kspec(F);
   constexpr int NS = QK / S.sub;
   __m256 acc[MT][2];
-  for (int m = 0; m < MT; ++m)
-    for (int hh = 0; hh < 2; ++hh) acc[m][hh] = s0 ? _mm256_loadu_ps(sums[m] + 8 * hh) : _mm256_setzero_ps();
+  kacc_begin<MT>(acc, sums, s0);
   for (int64_t sb = s0; sb < s1; ++sb) {
-    const KHeader<F> h{panel + sb * ksb_bytes(S)};
-    if (prefetch_quant_rows && prefetch)
-      for (int64_t off = 0; off < ksb_bytes(S); off += 64) prefetch_weights(h.at + off);
+    const KHeader<F> h = ksuperblock<F>(panel, sb, prefetch_quant_rows && prefetch);
     __m256i T[MT][2];
     __m256 Fl[MT][2];  // the sum of f sx: f the channels' mn (with mins) or sc (with a zero), exact
     for (int m = 0; m < MT; ++m)
@@ -162,10 +171,7 @@ inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t
       }
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    _mm256_storeu_ps(sums[m], acc[m][0]);
-    _mm256_storeu_ps(sums[m] + 8, acc[m][1]);
-  }
+  kacc_end<MT>(acc, sums);
 }
 
 // MT rows x the panel's 16 channels over superblocks [s0, s1): from zero at s0 = 0, else on from `sums`;
@@ -176,12 +182,9 @@ inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, f
   constexpr KSpec S = kspec(F);
   constexpr int NS = QK / S.sub, Z = ksum_zero<F>();
   __m256 acc[MT][2];
-  for (int m = 0; m < MT; ++m)
-    for (int hh = 0; hh < 2; ++hh) acc[m][hh] = s0 ? _mm256_loadu_ps(sums[m] + 8 * hh) : _mm256_setzero_ps();
+  kacc_begin<MT>(acc, sums, s0);
   for (int64_t sb = s0; sb < s1; ++sb) {
-    const KHeader<F> h{panel + sb * ksb_bytes(S)};
-    if (prefetch_quant_rows && prefetch)
-      for (int64_t off = 0; off < ksb_bytes(S); off += 64) prefetch_weights(h.at + off);
+    const KHeader<F> h = ksuperblock<F>(panel, sb, prefetch_quant_rows && prefetch);
     __m256 d[2], dmin[2];
     for (int hh = 0; hh < 2; ++hh) {
       d[hh] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h.d() + 8 * hh)));
@@ -219,10 +222,7 @@ inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, f
       }
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    _mm256_storeu_ps(sums[m], acc[m][0]);
-    _mm256_storeu_ps(sums[m] + 8, acc[m][1]);
-  }
+  kacc_end<MT>(acc, sums);
 }
 
 }  // namespace tmk

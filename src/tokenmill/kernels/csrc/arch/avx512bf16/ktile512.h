@@ -129,9 +129,7 @@ inline void ktile512_super(const uint8_t* panel, const QRow* x, int64_t s0, int6
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = s0 ? _mm512_loadu_ps(sums[m]) : _mm512_setzero_ps();
   for (int64_t sb = s0; sb < s1; ++sb) {
-    const KHeader<F> h{panel + sb * ksb_bytes(S)};
-    if (prefetch)
-      for (int64_t off = 0; off < ksb_bytes(S); off += 64) prefetch_weights(h.at + off);
+    const KHeader<F> h = ksuperblock<F>(panel, sb, prefetch);
     __m512i T[MT];
     __m512 Fl[MT];
     for (int m = 0; m < MT; ++m) T[m] = _mm512_setzero_si512(), Fl[m] = _mm512_setzero_ps();
@@ -160,9 +158,7 @@ inline void ktile512(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = s0 ? _mm512_loadu_ps(sums[m]) : _mm512_setzero_ps();
   for (int64_t sb = s0; sb < s1; ++sb) {
-    const KHeader<F> h{panel + sb * ksb_bytes(S)};
-    if (prefetch)
-      for (int64_t off = 0; off < ksb_bytes(S); off += 64) prefetch_weights(h.at + off);
+    const KHeader<F> h = ksuperblock<F>(panel, sb, prefetch);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h.d()));
     const __m512 dmin = S.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h.dmin())) : d;
     for (int j = 0; j < S.sb / QK; ++j) {
