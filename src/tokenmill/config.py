@@ -31,6 +31,52 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP: each token's router picks `top_k` of `num_experts` gated MLPs (`intermediate_size` wide) and
+    sums their outputs by its softmax weights (renormalised over the chosen ones where `norm_topk_prob`).
+    `sparse_layers[i]`: layer i holds the experts (else a dense MLP of the model's `intermediate_size`).
+    `weights_in_float32`: the routing weights scale each expert's output in float32 (Mixtral), rather than rounded
+    to the model's dtype first (Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
+    weights_in_float32: bool = False
+
+    def check(self, num_layers: int) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"config.json: num_experts_per_tok={self.top_k} must be in [1, num_experts="
+                              f"{self.num_experts}]")  # fmt: skip
+        if self.intermediate_size < 1:
+            raise ConfigError(f"config.json: moe_intermediate_size={self.intermediate_size} must be >= 1")
+        if len(self.sparse_layers) != num_layers:
+            raise ConfigError(f"config.json: {len(self.sparse_layers)} MoE layer flags for {num_layers} layers")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], num_layers: int, **overrides: Any) -> MoEConfig:
+        """The MoE fields of a Qwen-MoE / Mixtral-style config.json: `num_experts` (or `num_local_experts`),
+        `num_experts_per_tok`, `moe_intermediate_size` (else `intermediate_size`), `norm_topk_prob`, and which
+        layers are sparse: every `decoder_sparse_step`-th one not in `mlp_only_layers`."""
+        try:
+            experts = int(hf.get("num_experts") or hf["num_local_experts"])
+            step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
+            fields: dict[str, Any] = dict(
+                num_experts=experts,
+                top_k=int(hf["num_experts_per_tok"]),
+                intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                sparse_layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json is missing the required MoE field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config.json has an invalid MoE value: {e}") from None
+        return cls(**{**fields, **overrides})
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     model_type: str
@@ -59,6 +105,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all alike
     rope_local: RopeConfig | None = None  # Gemma 3: the sliding layers' own RoPE
     query_pre_attn_scalar: float | None = None  # Gemma: attention scores scaled by this ** -0.5, not Dh ** -0.5
+    moe: MoEConfig | None = None  # a mixture of experts in (some of) the layers' MLPs
 
     def __post_init__(self) -> None:
         checks = {
@@ -90,6 +137,8 @@ class ModelConfig:
             raise ConfigError(
                 f"config.json: layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
             )
+        if self.moe is not None:
+            self.moe.check(self.num_layers)
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(
                 f"config.json: hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"

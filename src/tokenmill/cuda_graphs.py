@@ -48,9 +48,12 @@ class DecodeGraphs:
     def build(
         cls, model: CausalLM, kv: KVBackend, max_num_seqs: int, max_model_len: int, enforce_eager: bool
     ) -> DecodeGraphs | None:
-        """Graphs for a model on a GPU over the paged pool, unless `enforce_eager`; None elsewhere."""
+        """Graphs for a model on a GPU over the paged pool, unless `enforce_eager`; None elsewhere, and for a model
+        whose steps cannot be recorded (`graph_capturable`: a MoE's routing)."""
         pool = kv.paged
         if enforce_eager or pool is None or pool.device.type != "cuda" or pool.spare_slot is None:
+            return None
+        if not model.graph_capturable:
             return None
         return cls(model, pool, max_num_seqs, max_model_len, record=True)
 

@@ -63,6 +63,19 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3-mqa-untied": ("gemma3", dict(head_dim=32, num_key_value_heads=1, tie_word_embeddings=False)),
     # prompt and generation stay under 64 positions: the short factors (the long ones: test_longrope_past_...)
     "phi3-longrope": ("phi3", dict(rope_scaling=LONGROPE, original_max_position_embeddings=64)),
+    # experts 32 wide, top 2 of 8, weights as the softmax gives them; the second layer dense (`mlp_only_layers`)
+    "qwen3moe-top2of8-dense1": (
+        "qwen3_moe",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
+    ),
+    # top 3 of 6, renormalised over the three; only every second layer sparse (`decoder_sparse_step`)
+    "qwen3moe-top3of6-norm-step2": (
+        "qwen3_moe",
+        dict(
+            num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=2
+        ),
+    ),
+    "mixtral-top2of4": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 SPREAD = dict(initializer_range=0.1)  # larger weights than HF's default: peaked logits, no near-ties in greedy
 PROMPT = "To be, or not to be, that is the question. Hello world!"
@@ -186,6 +199,8 @@ def _skip_without_stack(llm: LLM) -> None:
         pytest.skip(f"{llm.loaded.config.architecture} is not Llama-shaped: its decode steps run on the modules")
     if any(w is not None for w in llm.loaded.config.layer_windows()):
         pytest.skip("sliding-window layers decode on the modules (the decode stack attends to the whole context)")
+    if llm.loaded.config.moe is not None:
+        pytest.skip("mixture-of-experts layers decode on the modules (the decode stack takes dense MLPs)")
     assert llm.engine.runner.decode_stack is not None
 
 

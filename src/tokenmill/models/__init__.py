@@ -13,8 +13,9 @@ from tokenmill.models.gemma3 import GEMMA3
 from tokenmill.models.gpt2 import GPT2
 from tokenmill.models.layers import CausalLM
 from tokenmill.models.llama import LLAMA, MISTRAL
+from tokenmill.models.mixtral import MIXTRAL
 from tokenmill.models.phi3 import PHI3
-from tokenmill.models.qwen import QWEN2, QWEN3
+from tokenmill.models.qwen import QWEN2, QWEN3, QWEN3_MOE
 
 FAMILIES: tuple[ModelFamily, ...] = (
     LLAMA,
@@ -24,6 +25,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     PHI3,
     GPT2,
     GEMMA3,
+    QWEN3_MOE,
+    MIXTRAL,
 )
 
 

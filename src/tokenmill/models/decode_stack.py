@@ -104,9 +104,10 @@ class DecodeStack:
         if any(w is not None for w in pool.windows):  # sliding-window layers take the modules' attention
             return None
         layers = [layer for layer in decoder.layers if type(layer) is DecoderLayer]
-        if not layers or len(layers) != len(decoder.layers):
-            return None
+        if not layers or len(layers) != len(decoder.layers) or any(type(la.mlp) is not GatedMLP for la in layers):
+            return None  # (a MoE's sparse MLPs run on the modules)
         first, mlp = layers[0].self_attn, layers[0].mlp
+        assert isinstance(mlp, GatedMLP)
         dims = (
             decoder.norm.weight.shape[0],
             first.num_heads,

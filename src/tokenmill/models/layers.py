@@ -251,11 +251,13 @@ class Scratch:
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """`intermediate_size`: an expert's width (models/moe.py), where it is not the model's."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size, self.act = cfg.intermediate_size, cfg.hidden_act
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.intermediate_size, self.act = intermediate_size or cfg.intermediate_size, cfg.hidden_act
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.ops: FusedOps | None = None
         self.scratch: Scratch | None = None  # shared by the model's MLPs (bind_kernels)
 
@@ -278,7 +280,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg)
+        self.mlp: nn.Module = GatedMLP(cfg)  # (a MoE family's sparse layers: models/moe.py)
 
     def forward(
         self,
@@ -337,6 +339,11 @@ class CausalLM(nn.Module):
     # checkpoint name prefixes renamed to ours (a multimodal checkpoint's text model), and prefixes skipped
     hf_renames: tuple[tuple[str, str], ...] = ()
     hf_skipped_prefixes: tuple[str, ...] = ()
+    # checkpoint name parts renamed to ours wherever they stand (Mixtral's `block_sparse_moe`, `w1`): "a" -> "b"
+    # turns ".a." into ".b."
+    hf_part_renames: tuple[tuple[str, str], ...] = ()
+    # whether a decode step may run as a recorded CUDA graph (a MoE's routing reads values on the host: not)
+    graph_capturable: bool = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -42,9 +42,13 @@ Tensors = Iterable[tuple[str, Value, str]]  # (HF tensor name, value, where it c
 Packer = Callable[[torch.Tensor], PackedWeight]  # a dense [N, K] weight -> its packed form
 
 
-def _shard_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+def _shard_rows(cfg: ModelConfig, fused: str, rows: int) -> list[int]:
+    """The rows of each shard of a fused parameter of `rows` rows: q, k, v; or gate and up, half each (a dense
+    MLP's or an expert's)."""
+    if fused == "qkv_proj":
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [q, kv, kv]
+    return [rows // 2] * 2
 
 
 def _map_name(name: str) -> tuple[str, str | None, int]:
@@ -151,7 +155,8 @@ class _Fill:
 
     def _offset(self, name: str, shard: int) -> int:
         fused = _whole(name)
-        return sum(_shard_sizes(self.model.config)[fused][:shard]) if fused else 0
+        rows = self.model.get_parameter(name).shape[0]
+        return sum(_shard_rows(self.model.config, fused, rows)[:shard]) if fused else 0
 
 
 def load_weights(
@@ -173,7 +178,6 @@ def load_weights(
     start packed them (a BF16 or F32 GGUF's)."""
     cfg = model.config
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
-    shard_sizes = _shard_sizes(cfg)
     fill = _Fill(model, dtype, device, _repacker(device), cache, packer, pack_format)
     tied_head: PackedWeight | None = None
     embedding = _embedding_name(model)
@@ -184,7 +188,7 @@ def load_weights(
         hf_name = renamed
         if hf_layout and hf_name.endswith(model.hf_transposed) and isinstance(tensor, torch.Tensor):
             tensor = tensor.t()  # [in, out] -> [out, in]
-        name, fused, shard, expected = _target(params, shard_sizes, cfg.architecture, hf_name, where, config_source)
+        name, fused, shard, expected = _target(params, cfg, hf_name, where, config_source)
         if tuple(tensor.shape) != expected:
             raise ModelLoadError(
                 f"tensor {hf_name!r} in {where} has shape {list(tensor.shape)}, "
@@ -262,6 +266,8 @@ def _model_name(model: CausalLM, hf_name: str) -> str | None:
     if model.hf_skipped_prefixes and hf_name.startswith(model.hf_skipped_prefixes):
         return None
     hf_name = next((new + hf_name[len(old) :] for old, new in model.hf_renames if hf_name.startswith(old)), hf_name)
+    for old, new in model.hf_part_renames:
+        hf_name = hf_name.replace(f".{old}.", f".{new}.")
     if hf_name.endswith(model.hf_ignored) or (model.config.tie_word_embeddings and hf_name == "lm_head.weight"):
         return None
     return hf_name
@@ -269,8 +275,7 @@ def _model_name(model: CausalLM, hf_name: str) -> str | None:
 
 def _target(
     params: dict[str, nn.Parameter],
-    shard_sizes: dict[str, list[int]],
-    architecture: str,
+    cfg: ModelConfig,
     hf_name: str,
     where: str,
     config_source: str,
@@ -281,11 +286,11 @@ def _target(
     name, fused, shard = _map_name(hf_name)
     if name not in params:
         raise ModelLoadError(
-            f"unexpected tensor {hf_name!r} in {where}: {architecture} has no such weight "
+            f"unexpected tensor {hf_name!r} in {where}: {cfg.architecture} has no such weight "
             f"(is {config_source} from a different model?)"
         )
     shape = tuple(params[name].shape)
-    return name, fused, shard, shape if fused is None else (shard_sizes[fused][shard], *shape[1:])
+    return name, fused, shard, shape if fused is None else (_shard_rows(cfg, fused, shape[0])[shard], *shape[1:])
 
 
 def _embedding_name(model: CausalLM) -> str:

@@ -1,0 +1,89 @@
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, and only those run.
+
+Shapes: T = tokens in the flattened batch, D = hidden size, E = experts, k = experts per token (`MoEConfig.top_k`).
+
+Each expert is a `GatedMLP` of the experts' width, so its two linears are ordinary ones: the loader packs them from a
+checkpoint's per-expert tensors (or a GGUF's [E, I, D] blocks, split by expert where they lie), `--quantization`
+quantizes them, and the CPU kernels multiply them, like any dense model's. The router's [E, D] weight is no
+`nn.Linear`, so it is never quantized (llama.cpp keeps `ffn_gate_inp` in F32 too): a coarser router would pick
+other experts, which no later rounding undoes.
+
+A step groups the batch's (token, expert) pairs by expert and runs each chosen expert once over its rows: the
+bytes read are the chosen experts' alone, never a dense pass over all E.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.config import ModelConfig, MoEConfig
+from tokenmill.errors import ConfigError
+from tokenmill.models.layers import CausalLM, GatedMLP
+
+
+class Router(nn.Module):
+    """The router: a token's score for each expert, in the model's dtype (as transformers computes it)."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))  # [E, D]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, E]
+        return F.linear(x, self.weight)
+
+
+class SparseMoE(nn.Module):
+    """The MoE MLP of one layer: `gate` (the router, named as in the checkpoints) and `experts`."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = Router(cfg.hidden_size, moe.num_experts)
+        self.experts = nn.ModuleList(GatedMLP(cfg, moe.intermediate_size) for _ in range(moe.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, D] -> weights [T, k], ids [T, k]
+        """Each token's chosen experts and their weights: the softmax over all experts in float32, its top k,
+        renormalised over those k where the config says so (transformers' routers)."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)  # [T, k] each
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.moe.weights_in_float32 else weights.to(x.dtype)), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        weights, ids = self.route(x)
+        k = self.moe.top_k
+        flat = ids.flatten()  # [T*k]: token t's j-th choice at t*k + j
+        order = flat.argsort(stable=True)  # [T*k], the pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()  # [E] pairs per expert
+        tokens = order // k  # [T*k] each pair's token, in that order
+        scales = weights.flatten()[order][:, None]  # [T*k, 1]
+        out = torch.zeros_like(x)  # [T, D]
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n == 0:
+                continue
+            rows = tokens[start : start + n]  # [n]
+            y = expert(x.index_select(0, rows)) * scales[start : start + n]  # [n, D]
+            out.index_add_(0, rows, y.to(x.dtype))
+            start += n
+        return out
+
+
+class MoECausalLM(CausalLM):
+    """A Llama-shaped decoder whose sparse layers (`MoEConfig.sparse_layers`) hold a `SparseMoE` as their MLP.
+
+    Routing reads the batch's values on the host each step, so a MoE model never runs under CUDA graphs; the
+    decode stack (one kernel call for every layer) takes dense MLPs only, so its decode steps run on the modules."""
+
+    graph_capturable = False
+
+    def build_decoder(self, cfg: ModelConfig) -> None:
+        super().build_decoder(cfg)
+        if cfg.moe is None:
+            raise ConfigError(f"{cfg.architecture}: a mixture-of-experts family needs the config's MoE fields")
+        for sparse, layer in zip(cfg.moe.sparse_layers, self.model.layers, strict=True):
+            if sparse:
+                layer.mlp = SparseMoE(cfg, cfg.moe)

@@ -1,0 +1,105 @@
+"""A mixture-of-experts model in the engine: batching, chunked prefill, preemption, prefix caching, speculative
+decoding and quantized experts leave its greedy output as each request gets alone, and no KV block leaks.
+
+In a batch each expert multiplies the rows routed to it from every request together, so these fail if routing or
+the grouping by expert let one request's rows change another's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import target
+from tests.engine.test_batching import PARAMS, PROMPTS, assert_pool_full
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.moe import SparseMoE
+
+MOE = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.fixture(scope="module", params=list(MOE))
+def folder(request: pytest.FixtureRequest, make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint(request.param, initializer_range=0.1, **MOE[request.param])
+
+
+def _llm(folder: Path, **kwargs: Any) -> LLM:
+    return LLM(str(folder), dtype="float32", device=target.DEVICE, **kwargs)
+
+
+def _run(llm: LLM, prompts: list[list[int]] = PROMPTS, params: list[SamplingParams] = PARAMS) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def alone(folder: Path) -> list[list[int]]:
+    llm = _llm(folder, enable_prefix_caching=False)
+    return [_run(llm, [p], [sp])[0] for p, sp in zip(PROMPTS, PARAMS)]
+
+
+def test_every_layer_routes_tokens_to_several_experts(folder: Path) -> None:
+    """The checkpoint really is sparse, and its routing spreads one prompt's tokens over the experts (otherwise the
+    batching tests below would not test the grouping by expert)."""
+    llm = _llm(folder)
+    moes = [m for m in llm.loaded.model.modules() if isinstance(m, SparseMoE)]
+    assert moes and llm.engine.runner.decode_stack is None
+    chosen: list[set[int]] = []
+
+    def record(module: Any, inputs: Any, scores: Any) -> None:  # the router's [T, E] scores
+        chosen.append(set(scores.topk(2).indices.flatten().tolist()))
+
+    hooks = [m.gate.register_forward_hook(record) for m in moes]
+    _run(llm, PROMPTS[:1], PARAMS[:1])
+    for hook in hooks:
+        hook.remove()
+    assert all(len(experts) >= 3 for experts in chosen[: len(moes)])  # the prompt's step, in every sparse layer
+
+
+def test_a_batch_chunked_and_preempted_equals_each_request_alone(folder: Path, alone: list[list[int]]) -> None:
+    for kwargs in (dict(enable_prefix_caching=False), dict(max_num_batched_tokens=8, enable_prefix_caching=False),
+                   dict(num_kv_blocks=12, block_size=8)):  # fmt: skip
+        llm = _llm(folder, **kwargs)
+        assert _run(llm) == alone, kwargs
+        assert_pool_full(llm.engine)
+    assert llm.engine.stats.num_preemptions > 0
+
+
+def test_a_prefix_cache_hit_gives_the_same_tokens(folder: Path) -> None:
+    llm = _llm(folder)
+    shared = PROMPTS[0] + PROMPTS[1]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = _run(llm, [shared], [params])
+    second = llm.generate([{"prompt_token_ids": shared}], params)[0]
+    assert second.outputs[0].token_ids == first[0]
+    assert second.metrics is not None and second.metrics.num_cached_tokens > 0
+    assert_pool_full(llm.engine)
+
+
+def test_ngram_speculation_keeps_greedy_output(folder: Path) -> None:
+    prompts = [p * 3 for p in PROMPTS[:6]]  # repeats, so the n-gram proposer finds drafts
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(prompts)
+    plain = _run(_llm(folder), prompts, params)
+    spec = _llm(folder, speculative_model="ngram", num_speculative_tokens=3, speculative_disable_by_batch_size=64)
+    assert _run(spec, prompts, params) == plain
+    assert spec.engine.stats.spec_draft_tokens > 0 and spec.engine.stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4_k_m"])
+def test_quantized_experts_keep_their_format_and_batch_invariance(folder: Path, quantization: str) -> None:
+    """Every expert's linears take the format (the router stays in float); a batch still equals each alone."""
+    target.cpu_only("the CPU kernels' formats")
+    from tokenmill.models.linear import KernelLinear
+
+    llm = _llm(folder, quantization=quantization)
+    moe = next(m for m in llm.loaded.model.modules() if isinstance(m, SparseMoE))
+    assert all(isinstance(e.gate_up_proj, KernelLinear) for e in moe.experts)
+    assert not isinstance(moe.gate, KernelLinear)
+    prompts, params = PROMPTS[:8], PARAMS[:8]
+    each = [_run(llm, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert _run(llm, prompts, params) == each
