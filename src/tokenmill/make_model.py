@@ -55,6 +55,24 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
     ),
+    # mixtures of experts (`--arch qwen3_moe` / `mixtral`): the real models' shapes, and a small one that fits a laptop
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True,
+    ),
+    "qwen3-moe-small": dict(  # 32 experts, 4 per token: ~0.6B parameters, ~0.2B of them active
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+        num_key_value_heads=4, head_dim=64, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+        tie_word_embeddings=True, rms_norm_eps=1e-6, num_experts=32, num_experts_per_tok=4,
+        moe_intermediate_size=512, norm_topk_prob=True,
+    ),
+    "mixtral-8x7b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, num_local_experts=8, num_experts_per_tok=2,
+    ),
 }  # fmt: skip
 DTYPES = tuple(d for d in config_dtypes if d != "auto")
 

@@ -20,6 +20,7 @@ from tokenmill.bench.llamacpp_backend import BackendUnavailable, run_llamacpp
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)  # fmt: skip
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
 # name -> (make_checkpoint arch, overrides, GGUF arch); initializer_range 0.1 gives clear argmax margins
 FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
     "llama": ("llama", {"initializer_range": 0.1}, "llama"),
@@ -41,8 +42,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
         "gemma3",
     ),
     "phi3": ("phi3", {"initializer_range": 0.1}, "phi3"),
+    "qwen3moe": ("qwen3_moe", {"initializer_range": 0.1, **MOE}, "qwen3moe"),
+    "mixtral": ("mixtral", {"initializer_range": 0.1, "num_local_experts": 4, "num_experts_per_tok": 2}, "llama"),
 }
-LLAMA_SHAPED = [f for f in FAMILIES if f not in ("gpt2", "gemma3", "phi3")]
+LLAMA_SHAPED = [f for f in FAMILIES if f not in ("gpt2", "gemma3", "phi3", "qwen3moe", "mixtral")]
 LONGROPE = dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 4.0],
                 long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0])  # fmt: skip
 PROMPT = "The quick brown fox jumps over the lazy dog. To be, or not to be"
@@ -159,6 +162,47 @@ def test_phi3_keeps_its_fused_tensors_and_writes_longrope_and_windows(
     assert _field(plain, "phi3.attention.sliding_window") == 0  # Phi-3's config: no window
     mistral = gguf.GGUFReader(export_gguf(make_checkpoint("mistral", sliding_window=8), tmp_path / "m.gguf", "f32"))
     assert _field(mistral, "llama.attention.sliding_window") == 8
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
+def test_moe_experts_are_stacked_per_layer_and_the_router_stays_f32(exported: Callable[..., Any], family: str) -> None:
+    """As llama.cpp's converter writes a MoE: each layer's experts in one [E, rows, cols] tensor per projection, in
+    expert order, the router (`ffn_gate_inp`) in F32 whatever the file's type, and the expert counts (qwen3moe: the
+    experts' width too)."""
+    ckpt, path = exported(family, "bf16")
+    config = json.loads((ckpt / "config.json").read_text())
+    experts = config.get("num_experts") or config["num_local_experts"]
+    width = config.get("moe_intermediate_size") or config["intermediate_size"]
+    arch = FAMILIES[family][2]
+    r = gguf.GGUFReader(path)
+    assert _field(r, f"{arch}.expert_count") == experts and _field(r, f"{arch}.expert_used_count") == 2
+    if arch == "qwen3moe":
+        assert _field(r, "qwen3moe.expert_feed_forward_length") == width
+    tensors = {t.name: t for t in r.tensors}
+    assert not any(".ffn_gate.weight" in n or ".ffn_up.weight" in n for n in tensors)  # no dense MLP
+    hf = _hf_state(ckpt)
+    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
+    names = (
+        {"gate": "w1", "down": "w2", "up": "w3"}
+        if family == "mixtral"
+        else {p: f"{p}_proj" for p in ("gate", "up", "down")}
+    )
+    for proj, (rows, cols) in (("gate", (width, 64)), ("up", (width, 64)), ("down", (64, width))):
+        t = tensors[f"blk.1.ffn_{proj}_exps.weight"]
+        assert list(t.shape) == [cols, rows, experts]  # ggml order
+        bits = np.asarray(t.data).view(np.uint16).reshape(experts, rows, cols)
+        for e in (0, experts - 1):
+            want = hf[f"model.layers.1.{moe}.experts.{e}.{names[proj]}.weight"]
+            np.testing.assert_array_equal(bits[e], _bf16_bits(want))
+    router = tensors["blk.0.ffn_gate_inp.weight"]
+    assert router.tensor_type == gguf.GGMLQuantizationType.F32
+    np.testing.assert_array_equal(router.data, hf[f"model.layers.0.{moe}.gate.weight"])
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    import torch
+
+    return torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
 def test_llama3_rope_factors(exported: Callable[..., Any]) -> None:

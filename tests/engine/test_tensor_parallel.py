@@ -48,8 +48,32 @@ def _same(want: list[Any], got: list[Any]) -> None:
         ("phi3", {}),
         ("gpt2", {}),
         ("gemma3", {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+        # each expert's rows split (a dense second layer beside them), one all-reduce per MoE layer
+        (
+            "qwen3_moe",
+            {
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "norm_topk_prob": True,
+                "mlp_only_layers": [1],
+            },
+        ),
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     ],
-    ids=["llama", "qwen2", "qwen3", "mistral-window", "kv-replicated", "odd-vocab", "phi3", "gpt2", "gemma3"],
+    ids=[
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral-window",
+        "kv-replicated",
+        "odd-vocab",
+        "phi3",
+        "gpt2",
+        "gemma3",
+        "qwen3-moe",
+        "mixtral",
+    ],
 )
 def test_two_ranks_compute_what_one_does(
     make_checkpoint: Callable[..., Path], arch: str, overrides: dict[str, Any]

@@ -1,8 +1,8 @@
 """GGUF files load directly: tiny random HF checkpoints exported to GGUF here (F32, Q8_0, Q4_0, mixed types).
 
 - F32: logits within 1e-4 of loading the HF folder, greedy tokens identical (alone and batched with chunked
-  prefill and prefix caching), for every GGUF architecture we load; phi3 and a windowed llama (Mistral) file
-  against transformers itself too, on a prompt past the window.
+  prefill and prefix caching), for every GGUF architecture we load; phi3, a windowed llama (Mistral) file and the
+  MoE files (qwen3moe, Mixtral's llama with experts) against transformers itself too.
 - Q8_0 / Q4_0: the blocks load unchanged (the kernel's packed bytes equal our own quantizer's on the same
   weights), and greedy tokens equal our int8 / int4 path on the same weights.
 - The K family (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1): test_gguf_kquants.py.
@@ -49,6 +49,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3-window": ("phi3", dict(sliding_window=8)),
     # positions from 8 on rotate by the long factors, as loading the folder does
     "phi3-longrope": ("phi3", dict(rope_scaling=LONGROPE, original_max_position_embeddings=8)),
+    # experts stacked per layer and projection in the file ([E, rows, cols]), split per expert at load
+    "qwen3moe": (
+        "qwen3_moe",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),  # a `llama` file with experts
 }
 PROMPTS = ["To be, or not to be, that is the question.", "Hello world! The quick brown fox", "Numbers 0 1 2 3"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -81,7 +87,7 @@ def _greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("case", ["phi3", "phi3-window", "mistral-window"])
+@pytest.mark.parametrize("case", ["phi3", "phi3-window", "mistral-window", "qwen3moe", "mixtral"])
 def test_f32_gguf_equals_transformers(exported: Callable[..., Any], case: str) -> None:
     """The file against transformers' own model of the checkpoint it was written from, on a prompt past the window:
     logits to 1e-4, greedy tokens identical."""
@@ -121,12 +127,14 @@ def test_f32_gguf_equals_the_hf_folder(exported: Callable[..., Any], case: str) 
     assert gg.loaded.eos_token_ids == hf.loaded.eos_token_ids
 
 
-def _quantized_checkpoint(make_checkpoint: Callable[..., Path], arch: str, fmt: str, tmp: Path) -> Path:
+def _quantized_checkpoint(
+    make_checkpoint: Callable[..., Path], arch: str, fmt: str, tmp: Path, **overrides: Any
+) -> Path:
     """A checkpoint whose embedding is exactly representable in `fmt` (a GGUF's quantized token_embd is looked up
     dequantized; our int8/int4 path looks the float one up): then both paths hold the very same numbers."""
     from safetensors.torch import load_file, save_file
 
-    src = make_checkpoint(arch, **SPREAD)
+    src = make_checkpoint(arch, **{**SPREAD, **overrides})
     out = tmp / f"{arch}-{fmt}"
     out.mkdir()
     for f in src.iterdir():

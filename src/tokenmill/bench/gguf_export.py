@@ -1,7 +1,8 @@
 """Hugging Face checkpoint -> GGUF, so the llama.cpp peer runs the very same weights as tokenmill.
 
 Supports the families that name a GGUF arch (`ModelFamily.gguf_arch`: Llama and Mistral as `llama`, incl. llama3
-and linear RoPE scaling; Qwen2 as `qwen2`; Qwen3 as `qwen3`; GPT-2; Gemma 3; Phi-3 as `phi3`, incl. LongRoPE).
+and linear RoPE scaling; Qwen2 as `qwen2`; Qwen3 as `qwen3`; GPT-2; Gemma 3; Phi-3 as `phi3`, incl. LongRoPE;
+Qwen3-MoE as `qwen3moe` and Mixtral as `llama` with experts).
 Written with the `gguf` library after studying llama.cpp's `convert_hf_to_gguf.py`; what llama.cpp expects and
 we reproduce:
 
@@ -9,6 +10,9 @@ we reproduce:
   tied embeddings write no `output` tensor (llama.cpp then reuses `token_embd`).
 - the `llama` arch computes RoPE on interleaved pairs (GPT-J style) where HF rotates the two halves of each head
   (NeoX style), so Q and K rows are permuted per head; the other archs use NeoX RoPE: no permutation.
+- a MoE layer's experts are stacked into one [E, rows, cols] tensor per projection (`blk.N.ffn_gate_exps`, ...),
+  and its router (`ffn_gate_inp`) stays F32, as llama.cpp keeps it. llama.cpp's qwen3moe renormalises the top-k
+  weights and puts experts in every layer, so a config that differs is refused.
 - tokenizer (the one AutoTokenizer loads): byte-level BPE -> `tokenizer.ggml.model = "gpt2"` with tokens, token
   types and merges, and `tokenizer.ggml.pre` chosen from the pre-tokenizer's split regex so llama.cpp splits text
   as HF does; SentencePiece-style BPE with byte fallback (Llama 2) -> `"llama"` with scores from the merge ranks.
@@ -30,11 +34,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from tokenmill.bench.gguf_vocab import write_vocab
 from tokenmill.kernels.formats import format_for
 from tokenmill.kernels.kformats import KSPECS, encode_gguf_rows
 from tokenmill.kernels.kquantize import quantize_k
 from tokenmill.models import FAMILIES
-from tokenmill.weights.gguf_names import hf_to_gguf
+from tokenmill.weights.gguf_names import gguf_experts_name, hf_expert, hf_to_gguf
 
 # the K family quantized by our own ggml-exact quantizers (kernels/kquantize.py); a K-quant's rows that are not
 # whole superblocks take llama-quantize's fallback type (formats.format_for)
@@ -42,14 +47,6 @@ GGUF_DTYPES = ("bf16", "f16", "f32", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q5
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
                "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_S", "q5_k": "MOSTLY_Q5_K_S", "q6_k": "MOSTLY_Q6_K",
                "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1", "q4_1": "MOSTLY_Q4_1"}  # fmt: skip
-# GPT-2's own split (also what `ByteLevel(use_regex=True)` applies), and Llama 3's and Qwen2's (from tokenizer.json)
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")  # single digits
-_SPLIT_REGEX_TO_PRE = {_GPT2_REGEX: "gpt-2", _LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
 
 
 def export_gguf(
@@ -92,7 +89,8 @@ def export_gguf(
             rope_tensors = _write_phi3_hparams(writer, config)
         else:
             rope_tensors = _write_hparams(writer, config, arch_name)
-        _write_vocab(writer, hf_dir, config)
+            _write_moe_hparams(writer, family.config_from_hf(config).moe, arch_name)
+        write_vocab(writer, hf_dir, config)
         for name, data in _hf_tensors(hf_dir, config, arch_name, family):
             _add_tensor(writer, name, data, (overrides or {}).get(name, dtype))
         for name, factors in rope_tensors.items():
@@ -138,6 +136,21 @@ def _write_hparams(
     elif rope_type != "default":
         raise ValueError(f"RoPE type {rope_type!r} is not supported by the GGUF export (default, linear, llama3)")
     return {}
+
+
+def _write_moe_hparams(writer: Any, moe: Any, arch: str) -> None:
+    """A mixture of experts' counts and width (nothing for a dense model), as llama.cpp's `arch` runs them."""
+    if moe is None:
+        return
+    if arch == "qwen3moe" and not (moe.norm_topk_prob and all(moe.sparse_layers)):
+        raise ValueError("llama.cpp's qwen3moe renormalises the top-k weights (norm_topk_prob) and has experts in "
+                         "every layer (no mlp_only_layers, decoder_sparse_step 1): this config differs")  # fmt: skip
+    if arch == "llama" and not all(moe.sparse_layers):
+        raise ValueError("llama.cpp's llama arch with experts (Mixtral) has them in every layer")
+    writer.add_expert_count(moe.num_experts)
+    writer.add_expert_used_count(moe.top_k)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(moe.intermediate_size)
 
 
 def _write_shape(writer: Any, config: dict[str, Any]) -> int:
@@ -254,6 +267,7 @@ def _llama3_rope_factors(rope: dict[str, Any], theta: float, head_dim: int) -> n
 def _hf_tensors(hf_dir: Path, config: dict[str, Any], arch: str, family: Any) -> Iterator[tuple[str, Any]]:
     """(GGUF name, torch tensor) per weight: Q/K permuted for the `llama` arch, GPT-2's Conv1D weights turned
     to [out, in] as llama.cpp stores them."""
+    import torch
     from safetensors import safe_open
 
     index = hf_dir / "model.safetensors.index.json"
@@ -267,6 +281,8 @@ def _hf_tensors(hf_dir: Path, config: dict[str, Any], arch: str, family: Any) ->
     n_kv = int(config.get("num_key_value_heads") or n_head)
     tied = config.get("tie_word_embeddings", arch == "gpt2")
     skipped = ("rotary_emb.inv_freq", *family.model_class.hf_ignored)
+    experts: dict[tuple[int, str], dict[int, Any]] = {}  # (layer, projection) -> the experts' weights so far
+    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for original in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
@@ -276,7 +292,16 @@ def _hf_tensors(hf_dir: Path, config: dict[str, Any], arch: str, family: Any) ->
                 hf_name = next(
                     (new + original[len(old) :] for old, new in renames if original.startswith(old)), original
                 )
+                for part, ours in family.model_class.hf_part_renames:
+                    hf_name = hf_name.replace(f".{part}.", f".{ours}.")
                 if hf_name.endswith(skipped) or (tied and hf_name == "lm_head.weight"):
+                    continue
+                if (expert := hf_expert(hf_name)) is not None:  # stacked once the layer's last expert is in
+                    layer, proj, which = expert
+                    held = experts.setdefault((layer, proj), {})
+                    held[which] = f.get_tensor(original)
+                    if len(held) == num_experts:
+                        yield gguf_experts_name(layer, proj), torch.stack([held.pop(e) for e in range(num_experts)])
                     continue
                 name = hf_to_gguf(arch, hf_name)
                 if name is None:
@@ -301,7 +326,7 @@ def _add_tensor(writer: Any, name: str, data: Any, dtype: str) -> None:
     import gguf
     import torch
 
-    if data.ndim <= 1 or dtype == "f32":
+    if data.ndim <= 1 or dtype == "f32" or name.endswith(".ffn_gate_inp.weight"):  # (a MoE router stays F32)
         writer.add_tensor(name, data.to(torch.float32).numpy())
     elif dtype == "bf16":
         bits = data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
@@ -318,100 +343,3 @@ def _add_tensor(writer: Any, name: str, data: Any, dtype: str) -> None:
         writer.add_tensor(name, gguf.quants.quantize(data.to(torch.float32).numpy(), qtype), raw_dtype=qtype)
     else:  # f16, and the fallback for rows that are not whole blocks (as convert_hf_to_gguf.py does)
         writer.add_tensor(name, data.to(torch.float16).numpy())
-
-
-def _write_vocab(writer: Any, hf_dir: Path, config: dict[str, Any]) -> None:
-    """Tokens, types, merges or scores, special ids, as the tokenizer transformers loads (AutoTokenizer) has them.
-
-    The effective tokenizer can differ from tokenizer.json: transformers 5 gives `model_type: qwen2` checkpoints
-    Qwen2's split regex and NFC whatever tokenizer.json says, and tokenmill tokenizes through AutoTokenizer too.
-    """
-    import gguf
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    except Exception as e:
-        raise ValueError(f"cannot load the tokenizer of {hf_dir}: {e}") from e
-    if not getattr(tok, "is_fast", False):
-        raise ValueError(f"{hf_dir} has no fast (tokenizers) tokenizer, which the GGUF export reads")
-    spec = json.loads(tok.backend_tokenizer.to_str())
-    model = spec["model"]
-    if model.get("type") != "BPE":
-        raise ValueError(f"tokenizer model {model.get('type')!r} is not supported by the GGUF export (BPE only)")
-    n_vocab = config["vocab_size"]
-    vocab: dict[str, int] = tok.get_vocab()
-    if max(vocab.values()) >= n_vocab:
-        raise ValueError(f"the tokenizer has ids up to {max(vocab.values())} but vocab_size is {n_vocab}")
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
-    added = {t["id"] for t in spec.get("added_tokens", [])}
-    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
-    types = [gguf.TokenType.UNUSED] * n_vocab
-    normal = gguf.TokenType.NORMAL
-    for text, i in vocab.items():
-        tokens[i] = text
-        types[i] = gguf.TokenType.CONTROL if i in special else gguf.TokenType.USER_DEFINED if i in added else normal
-    if model.get("byte_fallback"):  # SentencePiece-style BPE (Llama 2): llama.cpp's SPM tokenizer merges by score
-        pre = spec.get("pre_tokenizer") or {}
-        if pre.get("type") != "Metaspace":
-            raise ValueError("unsupported SentencePiece-style tokenizer (expected a Metaspace pre-tokenizer)")
-        for i, text in enumerate(tokens):
-            if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
-                types[i] = gguf.TokenType.BYTE
-        if tok.unk_token_id is not None:
-            types[tok.unk_token_id] = gguf.TokenType.UNKNOWN
-        # a merge's result scores -rank (earlier merges win, as in HF); unmergeable multi-char tokens never win
-        rank = {m.replace(" ", ""): r for r, m in reversed(list(enumerate(merges)))}
-        scores = [0.0 if types[i] != normal or len(t) == 1 else -float(rank.get(t, 1e9)) for i, t in enumerate(tokens)]
-        writer.add_tokenizer_model("llama")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_scores(scores)
-        writer.add_add_space_prefix(pre.get("prepend_scheme", "always") != "never")
-    else:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(_bpe_pre_tokenizer(spec))
-        writer.add_token_merges(merges)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    _write_special_tokens(writer, config, tok)
-
-
-def _bpe_pre_tokenizer(spec: dict[str, Any]) -> str:
-    """llama.cpp's name for the byte-level BPE pre-tokenizer in tokenizer.json (how text is split before BPE)."""
-    pre, norm = spec.get("pre_tokenizer") or {}, spec.get("normalizer")
-    if norm is not None and norm.get("type") != "NFC":
-        raise ValueError(f"tokenizer normalizer {norm.get('type')!r} is not supported by the GGUF export")
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    regex = None
-    for step in steps:
-        if step.get("type") == "ByteLevel":
-            if step.get("add_prefix_space"):
-                raise ValueError("ByteLevel add_prefix_space=True has no llama.cpp equivalent")
-            regex = _GPT2_REGEX if step.get("use_regex", True) and regex is None else regex
-        elif step.get("type") == "Split" and regex is None and not step.get("invert"):
-            regex = step.get("pattern", {}).get("Regex")
-        else:
-            raise ValueError(f"pre-tokenizer step {step.get('type')!r} is not supported by the GGUF export")
-    if regex not in _SPLIT_REGEX_TO_PRE:
-        raise ValueError(
-            f"byte-level BPE split regex {regex!r} matches none that llama.cpp knows here "
-            f"({', '.join(sorted(set(_SPLIT_REGEX_TO_PRE.values())))})"
-        )
-    return _SPLIT_REGEX_TO_PRE[regex]
-
-
-def _write_special_tokens(writer: Any, config: dict[str, Any], tok: Any) -> None:
-    """bos/eos/pad/unk ids (config.json's first, as generation uses them), whether HF adds BOS/EOS, chat template."""
-    for kind, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                      ("pad", writer.add_pad_token_id), ("unk", writer.add_unk_token_id)):  # fmt: skip
-        tid = config.get(f"{kind}_token_id")
-        tid = tid[0] if isinstance(tid, list) and tid else tid
-        tid = tid if isinstance(tid, int) else getattr(tok, f"{kind}_token_id", None)
-        if isinstance(tid, int):
-            add(tid)
-    plain, full = tok("a", add_special_tokens=False)["input_ids"], tok("a", add_special_tokens=True)["input_ids"]
-    writer.add_add_bos_token(len(full) > len(plain) and full[0] != plain[0])
-    writer.add_add_eos_token(len(full) > len(plain) and full[-1] != plain[-1])
-    if isinstance(tok.chat_template, str):
-        writer.add_chat_template(tok.chat_template)

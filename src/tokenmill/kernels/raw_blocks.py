@@ -40,6 +40,10 @@ class RawBlocks:
     def rows(self, index: torch.Tensor) -> RawBlocks:
         return RawBlocks(self.format, self.raw[index], self.k)
 
+    def row_range(self, start: int, stop: int) -> RawBlocks:
+        """Rows start..stop, where they lie (one expert of a GGUF's [E, rows, cols] tensor)."""
+        return RawBlocks(self.format, self.raw[start:stop], self.k)
+
     @staticmethod
     def cat(parts: list[RawBlocks]) -> RawBlocks:
         """The rows of weights of one format stacked (the shards of a fused projection); one part as it is."""

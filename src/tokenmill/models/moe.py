@@ -59,17 +59,16 @@ class SparseMoE(nn.Module):
         order = flat.argsort(stable=True)  # [T*k], the pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()  # [E] pairs per expert
         tokens = order // k  # [T*k] each pair's token, in that order
-        scales = weights.flatten()[order][:, None]  # [T*k, 1]
-        out = torch.zeros_like(x)  # [T, D]
+        rows = x.index_select(0, tokens)  # [T*k, D]: each expert's rows side by side
+        ys = torch.empty_like(rows)  # [T*k, D]
         start = 0
         for expert, n in zip(self.experts, counts, strict=True):
-            if n == 0:
-                continue
-            rows = tokens[start : start + n]  # [n]
-            y = expert(x.index_select(0, rows)) * scales[start : start + n]  # [n, D]
-            out.index_add_(0, rows, y.to(x.dtype))
-            start += n
-        return out
+            if n:
+                ys[start : start + n] = expert(rows[start : start + n])
+                start += n
+        scaled = (ys * weights.flatten()[order][:, None]).to(x.dtype)  # [T*k, D]
+        # each token's outputs summed in expert order, as transformers adds them
+        return torch.zeros_like(x).index_add_(0, tokens, scaled)
 
 
 class MoECausalLM(CausalLM):

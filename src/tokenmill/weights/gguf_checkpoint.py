@@ -28,14 +28,17 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.raw_blocks import GGUF_BLOCK_TYPES, RawBlocks
-from tokenmill.weights.gguf_names import gguf_to_hf
+from tokenmill.weights.gguf_names import gguf_experts, gguf_to_hf, hf_expert_name
 
 if TYPE_CHECKING:
     from tokenmill.weights.gguf_reader import GGUFTensor
 
 # GGUF `general.architecture` -> the HF architecture whose model code runs it
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "gpt2": "GPT2LMHeadModel", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}  # fmt: skip
+              "gpt2": "GPT2LMHeadModel", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+              "qwen3moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+# llama.cpp's expert_gating_func values: the router's softmax is the one these families use
+_SOFTMAX_GATING = 1
 WINDOWED = ("llama", "phi3")  # archs whose `attention.sliding_window` holds in every layer
 # llama.cpp's gemma3 constants that its files do not carry: the sliding layers' RoPE base, and (unless the file
 # says) one global layer in every 6
@@ -153,7 +156,33 @@ class GGUFCheckpoint:
         window = int(self._meta("attention.sliding_window", 0)) if self.arch in WINDOWED else 0
         if window:  # (ModelConfig drops a window no shorter than the context)
             config["sliding_window"] = window
+        if int(self._meta("expert_count", 0)):
+            return self._experts(config)
         return self._gemma3(config) if self.arch == "gemma3" else config
+
+    def _experts(self, config: dict[str, Any]) -> dict[str, Any]:
+        """A mixture of experts (qwen3moe; a `llama` file with experts is Mixtral), as llama.cpp runs the file: a
+        softmax router whose top-k weights are renormalised (unless `expert_weights_norm` says otherwise), and
+        experts in the layers whose router (`ffn_gate_inp`) the file holds."""
+        if self.arch not in ("qwen3moe", "llama"):
+            raise ModelLoadError(f"{self.path}: experts in a GGUF {self.arch} file are not supported; supported: "
+                                 "qwen3moe, and llama files with experts (Mixtral)")  # fmt: skip
+        shared, gating = int(self._meta("expert_shared_count", 0)), int(self._meta("expert_gating_func", 1))
+        if shared or gating != _SOFTMAX_GATING:
+            what = f"{shared} shared experts" if shared else f"router gating function {gating}"
+            raise ModelLoadError(f"{self.path}: a mixture of experts with {what} is not supported; supported: a "
+                                 "softmax router over routed experts only")  # fmt: skip
+        n = config["num_hidden_layers"]
+        moe = {
+            "num_experts": int(self._meta("expert_count")),
+            "num_experts_per_tok": int(self._meta("expert_used_count")),
+            "moe_intermediate_size": int(self._meta("expert_feed_forward_length", config["intermediate_size"])),
+            "norm_topk_prob": bool(self._meta("expert_weights_norm", True)),
+            "mlp_only_layers": [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors],
+        }
+        if self.arch == "llama":
+            return {**config, **moe, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+        return {**config, **moe, "model_type": "qwen3_moe"}  # (transformers' name, which picks its tokenizer class)
 
     def _gemma3(self, config: dict[str, Any]) -> dict[str, Any]:
         """Gemma 3's own fields, as llama.cpp runs the file: the window, one global layer in `pattern`, the local
@@ -226,6 +255,10 @@ class GGUFCheckpoint:
         for t in self.reader.tensors:
             if t.name in _IGNORED:
                 continue
+            experts = gguf_experts(t.name)
+            if experts is not None:
+                yield from self._experts_of(t, *experts, dequantized)
+                continue
             name = gguf_to_hf(self.arch, t.name)
             if name is None:
                 raise ModelLoadError(f"unexpected tensor {t.name!r} in {self.path} for GGUF arch {self.arch}")
@@ -242,8 +275,31 @@ class GGUFCheckpoint:
             print(f"tokenmill: {self.path.name}: {kinds} tensor(s) have no tokenmill kernel and were dequantized "
                   "(to the model dtype)", file=sys.stderr, flush=True)  # fmt: skip
 
+    def _experts_of(
+        self, t: GGUFTensor, layer: int, proj: str, expert: int | None, dequantized: dict[str, int]
+    ) -> Iterator[tuple[str, torch.Tensor | RawBlocks, str]]:
+        """Each expert's weight in a layer's [E, rows, cols] expert tensor (its rows where they lie in the map), or
+        the one expert an older file's tensor holds."""
+        value = self._value(t, dequantized)
+        if expert is not None:
+            yield hf_expert_name(layer, proj, expert), value, str(self.path)
+            return
+        experts = int(t.shape[-1]) if len(t.shape) == 3 else 0  # ggml order: [cols, rows, experts]
+        if not experts:
+            raise ModelLoadError(f"{self.path}: {t.name} has shape {list(t.shape)}; an expert tensor is 3-D")
+        rows = value.shape[0] // experts
+        for e in range(experts):
+            part = (
+                value[e * rows : (e + 1) * rows]
+                if isinstance(value, torch.Tensor)
+                else value.row_range(e * rows, (e + 1) * rows)
+            )
+            yield hf_expert_name(layer, proj, e), part, str(self.path)
+
     def _value(self, t: GGUFTensor, dequantized: dict[str, int]) -> torch.Tensor | RawBlocks:
-        kind, shape = t.tensor_type.name, [int(n) for n in reversed(t.shape)]  # torch order: [rows, cols]
+        """The tensor in torch order, [rows, cols] (a 3-D one's leading dimensions folded into its rows)."""
+        kind, shape = t.tensor_type.name, [int(n) for n in reversed(t.shape)]
+        shape = [int(np.prod(shape[:-1])), shape[-1]] if len(shape) > 2 else shape
         if kind in GGUF_BLOCK_TYPES:  # read from the map in place: the loader repacks them in one pass
             return RawBlocks(GGUF_BLOCK_TYPES[kind], _torch_bytes(t.data, copy=False).view(shape[0], -1), shape[1])
         raw = _torch_bytes(t.data)

@@ -6,6 +6,8 @@ The GGUF names are llama.cpp's (`gguf.TENSOR_NAMES`, written by its convert_hf_t
 
 from __future__ import annotations
 
+import re
+
 # the Llama-shaped decoders (llama, qwen2, qwen3)
 _DECODER = {
     "model.embed_tokens": "token_embd",
@@ -22,6 +24,7 @@ _DECODER = {
     "model.layers.{bid}.mlp.gate_proj": "blk.{bid}.ffn_gate",
     "model.layers.{bid}.mlp.up_proj": "blk.{bid}.ffn_up",
     "model.layers.{bid}.mlp.down_proj": "blk.{bid}.ffn_down",
+    "model.layers.{bid}.mlp.gate": "blk.{bid}.ffn_gate_inp",  # a MoE layer's router (qwen3moe; Mixtral's llama)
 }
 _GPT2 = {
     "transformer.wte": "token_embd",
@@ -51,7 +54,36 @@ _PHI3 = {
 }
 HF_TO_GGUF: dict[str, dict[str, str]] = {
     "llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "gpt2": _GPT2, "gemma3": _GEMMA3, "phi3": _PHI3,
+    "qwen3moe": _DECODER,
 }  # fmt: skip
+# A MoE layer's experts: one tensor per projection holding every expert, [E, rows, cols], in a GGUF
+# (`blk.N.ffn_gate_exps`; older Mixtral files: one per expert, `blk.N.ffn_gate.E`); one per expert in HF
+# (`model.layers.N.mlp.experts.E.gate_proj`)
+_GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(?:_exps|\.(\d+))\.weight")
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def gguf_experts(name: str) -> tuple[int, str, int | None] | None:
+    """A GGUF expert tensor's (layer, HF projection, expert: None where it holds them all), else None."""
+    found = _GGUF_EXPERTS.fullmatch(name)
+    if found is None:
+        return None
+    layer, proj, expert = found.groups()
+    return int(layer), f"{proj}_proj", None if expert is None else int(expert)
+
+
+def hf_expert(name: str) -> tuple[int, str, int] | None:
+    """An HF expert tensor's (layer, projection, expert), else None."""
+    found = _HF_EXPERT.fullmatch(name)
+    return None if found is None else (int(found.group(1)), f"{found.group(3)}_proj", int(found.group(2)))
+
+
+def hf_expert_name(layer: int, proj: str, expert: int) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+
+
+def gguf_experts_name(layer: int, proj: str) -> str:
+    return f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight"
 
 
 def _split(name: str) -> tuple[str, int | None, str]:

@@ -1,0 +1,57 @@
+"""A mixture of experts' config: which layers are sparse, the real models' shapes, and one line for a bad config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tokenmill.errors import ConfigError
+from tokenmill.make_model import SHAPES, hf_config
+from tokenmill.models import family_for
+
+
+def _config(arch: str, **fields: Any) -> Any:
+    return family_for(hf_config(arch, **fields).to_dict()).config_from_hf(hf_config(arch, **fields).to_dict())
+
+
+def _params(cfg: Any) -> tuple[float, float]:
+    """(all parameters, those one token reads), in billions: attention, experts (all / top k) and embeddings."""
+    d, moe = cfg.hidden_size, cfg.moe
+    attention = d * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    expert = 3 * d * moe.intermediate_size
+    embeddings = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
+    total = cfg.num_layers * (attention + moe.num_experts * expert) + embeddings
+    active = cfg.num_layers * (attention + moe.top_k * expert) + embeddings
+    return total / 1e9, active / 1e9
+
+
+@pytest.mark.parametrize("shape,arch,total,active", [("qwen3-30b-a3b", "qwen3_moe", 30.5, 3.3),
+                                                     ("mixtral-8x7b", "mixtral", 46.7, 12.9)])  # fmt: skip
+def test_make_model_shapes_are_the_real_models(shape: str, arch: str, total: float, active: float) -> None:
+    cfg = _config(arch, **SHAPES[shape])
+    assert cfg.moe is not None and all(cfg.moe.sparse_layers)
+    got_total, got_active = _params(cfg)
+    assert got_total == pytest.approx(total, rel=0.02) and got_active == pytest.approx(active, rel=0.02)
+
+
+def test_sparse_layers_follow_the_step_and_the_dense_list() -> None:
+    fields = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=384, num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    assert _config("qwen3_moe", **fields).moe.sparse_layers == (True,) * 6
+    stepped = _config("qwen3_moe", **fields, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert stepped.moe.sparse_layers == (False, True, False, False, False, True)
+    mixtral = _config("mixtral", **{k: v for k, v in fields.items() if k != "num_experts"}, num_local_experts=4)
+    assert mixtral.moe.norm_topk_prob and mixtral.moe.weights_in_float32 and mixtral.moe.intermediate_size == 96
+
+
+def test_a_bad_moe_config_is_one_line() -> None:
+    base = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, vocab_size=384, num_experts=4)  # fmt: skip
+    family = family_for(base)
+    with pytest.raises(ConfigError, match="missing the required MoE field 'num_experts_per_tok'"):
+        family.config_from_hf(base)
+    with pytest.raises(ConfigError, match=r"num_experts_per_tok=5 must be in \[1, num_experts=4\]"):
+        family.config_from_hf({**base, "num_experts_per_tok": 5})
+    with pytest.raises(ConfigError, match="moe_intermediate_size=-1 must be >= 1"):
+        family.config_from_hf({**base, "num_experts_per_tok": 2, "moe_intermediate_size": -1})
