@@ -22,7 +22,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server import tools
 from tokenmill.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from tokenmill.server.anthropic_stream import message_body, message_events
+from tokenmill.server.anthropic_stream import ABORTED, message_body, message_events
 from tokenmill.server.calls import start_call
 from tokenmill.server.errors import APIError, bad_value
 from tokenmill.server.state import ServerState, get_state, ready_engine
@@ -81,8 +81,10 @@ async def messages(body: MessagesRequest, raw: Request, state: State, engine: En
     call = await start_call(state, engine, "message", "msg_", [prompt.token_ids], params, 0, field)
     if body.stream:
         return StreamingResponse(message_events(call, prompt.plan), media_type="text/event-stream")
-    finals = await run_to_end(call, raw)
-    return message_body(call, prompt.plan, finals[0].outputs[0])
+    out = (await run_to_end(call, raw))[0].outputs[0]
+    if out.finish_reason == "abort":
+        raise APIError(503, ABORTED, headers={"Retry-After": "5"})
+    return message_body(call, prompt.plan, out)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -24,6 +24,8 @@ from tokenmill.server import tools
 from tokenmill.server.errors import anthropic_error_body
 from tokenmill.server.streaming import Call, merged, sse
 
+ABORTED = "the request was aborted: the server is shutting down; retry"
+
 
 def stop_reason(out: CompletionOutput, called: bool) -> tuple[str, str | None]:
     """(Anthropic's stop_reason, the stop sequence that ended the output or None)."""
@@ -135,8 +137,8 @@ async def message_events(call: Call, plan: tools.ToolPlan) -> AsyncIterator[str]
     except Exception as e:  # the request failed in the engine, or the engine died: say so in-band, then end
         yield sse(anthropic_error_body(500, f"generation failed: {e}"), event="error")
         return
-    if final is None:  # the streams ended without a final output: the request was aborted
-        yield sse(anthropic_error_body(500, "generation ended without a result"), event="error")
+    if final is None or final.finish_reason == "abort":  # the server is shutting down (launch.py)
+        yield sse(anthropic_error_body(503, ABORTED), event="error")
         return
     for event in blocks.close():
         yield event
