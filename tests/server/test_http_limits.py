@@ -1,11 +1,13 @@
-"""A server started with `--api-key` and a tiny waiting queue: 401 without the right bearer token, and overload
-refused with 503 + Retry-After instead of being queued without bound."""
+"""A server started with `--api-key` and a tiny waiting queue: 401 without the right bearer token (or x-api-key),
+and overload refused with 503 + Retry-After instead of being queued without bound; under /v1/messages both in
+Anthropic's error shape."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import pytest
 
@@ -103,3 +105,52 @@ def test_a_request_that_can_never_be_queued_is_400_not_503(http: httpx.Client) -
     """n=2 against --max-waiting-requests 1 would get "retry later" forever; it is the client's to change."""
     error = assert_openai_error(http.post("/v1/completions", json={**COMPLETION, "n": 2}, headers=AUTH), 400, "n")
     assert "queues at most 1" in error["message"]
+
+
+# -- Anthropic's clients: the x-api-key header and Anthropic's error shape under /v1/messages ----------------------
+MESSAGE = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}
+
+
+def _anthropic_error(resp: httpx.Response, status: int, kind: str) -> None:
+    assert resp.status_code == status, resp.text[:300]
+    assert resp.json() == {"type": "error", "error": {"type": kind, "message": resp.json()["error"]["message"]}}
+
+
+def test_x_api_key_is_taken_like_a_bearer_key(server: Server, http: httpx.Client) -> None:
+    for headers in ({}, {"x-api-key": "wrong-key"}, {"x-api-key": f"Bearer {KEY}"}, {"authorization": KEY}):
+        _anthropic_error(http.post("/v1/messages", json=MESSAGE, headers=headers), 401, "authentication_error")
+        _anthropic_error(http.post("/v1/messages/count_tokens", json=MESSAGE, headers=headers), 401,
+                         "authentication_error")  # fmt: skip
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, timeout=60, max_retries=0)
+    assert client.messages.create(**MESSAGE).usage.output_tokens >= 1
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(**MESSAGE)
+    # either header opens every endpoint
+    assert http.post("/v1/messages", json=MESSAGE, headers=AUTH).status_code == 200
+    assert http.post("/v1/chat/completions", json=CHAT, headers={"x-api-key": KEY}).status_code == 200
+    huge = b'{"model": "' + b"x" * (5 * 2**20) + b'"}'  # past the 4 MiB default body limit
+    raw = {"content-type": "application/json", "x-api-key": KEY}
+    _anthropic_error(http.post("/v1/messages", content=huge, headers=raw), 413, "request_too_large")
+
+
+def test_a_full_queue_is_overloaded_error_on_messages(server: Server, http: httpx.Client, hold: Hold) -> None:
+    long = {**COMPLETION, "max_tokens": 200, "ignore_eos": True}
+
+    async def main() -> tuple[httpx.Response, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, headers=AUTH) as client:
+            running = asyncio.create_task(client.post("/v1/completions", json={**long, "prompt": [HOLD_TOKEN, 20]}))
+            await asyncio.to_thread(hold.wait_held)
+            queued = asyncio.create_task(client.post("/v1/completions", json=long))
+            while (await client.get("/stats")).json()["waiting"] < 1:  # until it waits (bounded by the hold's)
+                await asyncio.sleep(0.01)
+            refused = await client.post("/v1/messages", json=MESSAGE)
+            hold.release()
+            return refused, [await running, await queued]
+
+    try:
+        refused, served = asyncio.run(main())
+    finally:
+        hold.release()
+    _anthropic_error(refused, 503, "overloaded_error")
+    assert refused.headers.get("retry-after", "").strip().isdigit()
+    assert [r.status_code for r in served] == [200, 200]

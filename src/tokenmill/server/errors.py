@@ -1,4 +1,6 @@
-"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+"""Error bodies with the right status, in the shape of the API the path belongs to: OpenAI's
+`{"error": {"message", "type", "param", "code"}}`, or under `/v1/messages` Anthropic's
+`{"type": "error", "error": {"type", "message"}}` (`body_for` picks by path)."""
 
 from __future__ import annotations
 
@@ -34,8 +36,31 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers)
+# Anthropic's error types by status; other 4xx are invalid_request_error, other 5xx api_error (its docs say so)
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                    529: "overloaded_error"}  # fmt: skip
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def body_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The error body in the shape of the API that `path` belongs to."""
+    if is_anthropic(path):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, param, code)
+
+
+def error_response(path: str, err: APIError) -> JSONResponse:
+    return JSONResponse(body_for(path, err.status, err.message, err.param, err.code), err.status, headers=err.headers)
 
 
 def bad_value(e: ValueError) -> APIError:
@@ -50,6 +75,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
+    # NOTE: a union reports one error per member; the deepest (a content block's own complaint, not "content
+    # should be a string") says what is wrong
+    field = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(first.get("loc", ()))[:2]]
+    first = max(field, key=lambda e: len(e.get("loc", ())))
     # NOTE: pydantic names union members and validators in the location ("prompt.function-after[...]",
     # "prompt.list[str].0"); a client wants the field path only.
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
@@ -70,14 +99,14 @@ def _is_type_tag(part: object) -> bool:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return JSONResponse(error_body(400, message, param), 400)
+        return JSONResponse(body_for(request.url.path, 400, message, param), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(body_for(request.url.path, exc.status_code, str(exc.detail)), exc.status_code)

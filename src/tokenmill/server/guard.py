@@ -1,10 +1,12 @@
 """The outermost layer of the app (pure ASGI): what every HTTP request meets first, in the order that matters
 against a hostile client.
 
-1. The API key, from the headers alone, before a byte of the body is read (401 with `WWW-Authenticate`).
+1. The API key, from the headers alone, before a byte of the body is read (401 with `WWW-Authenticate`):
+   `Authorization: Bearer <key>` (OpenAI's) or `x-api-key: <key>` (Anthropic's), on every path.
    /health and /metrics are open; /docs and /openapi.json follow the key unless `--public-docs`.
 2. The body size: a declared `Content-Length` over the limit is refused at once, and a body that streams past
    it is cut off (413).
+Errors come in the shape of the API the path belongs to (errors.body_for).
 3. The app. An exception that escapes it becomes one JSON 500, and the connection stays usable: Starlette's
    own error middleware sends the 500 and re-raises, which would make uvicorn log twice and drop the
    keep-alive connection.
@@ -22,7 +24,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.server.errors import error_body
+from tokenmill.server.errors import body_for
 from tokenmill.server.state import ServerState
 
 log = logging.getLogger("tokenmill.server")
@@ -46,14 +48,15 @@ class RequestGuard:
             return
         cfg = self.state.config
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if not self._authorized(scope["path"], headers.get("authorization", "")):
-            message = "invalid or missing API key (send 'Authorization: Bearer <key>')"
-            await _send_json(send, 401, error_body(401, message), {"www-authenticate": "Bearer"})
+        path = scope["path"]
+        if not self._authorized(path, headers.get("authorization", ""), headers.get("x-api-key")):
+            message = "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')"
+            await _send_json(send, 401, body_for(path, 401, message), {"www-authenticate": "Bearer"})
             return
         limit = cfg.max_body_bytes
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await _send_json(send, 413, error_body(413, BodyTooLarge(limit).detail), {"connection": "close"})
+            await _send_json(send, 413, body_for(path, 413, BodyTooLarge(limit).detail), {"connection": "close"})
             return
         received = 0
 
@@ -78,14 +81,15 @@ class RequestGuard:
             request_id = headers.get("x-request-id", "-")
             log.exception("unexpected error on %s %s (request id %s)", scope.get("method"), scope["path"], request_id)
             if not started:
-                body = error_body(500, f"internal server error ({type(exc).__name__})")
+                body = body_for(path, 500, f"internal server error ({type(exc).__name__})")
                 await _send_json(send, 500, body, {})
 
-    def _authorized(self, path: str, given: str) -> bool:
+    def _authorized(self, path: str, bearer: str, api_key: str | None) -> bool:
         cfg = self.state.config
         if cfg.api_key is None or path in OPEN_PATHS or (cfg.public_docs and path in DOCS_PATHS):
             return True
-        return hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode())
+        key_ok = api_key is not None and hmac.compare_digest(api_key.encode(), cfg.api_key.encode())
+        return key_ok or hmac.compare_digest(bearer.encode(), f"Bearer {cfg.api_key}".encode())
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:

@@ -6,9 +6,6 @@ Must not import torch.
 
 from __future__ import annotations
 
-import asyncio
-import time
-import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -17,8 +14,9 @@ from starlette.concurrency import run_in_threadpool
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import Logprobs
-from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from tokenmill.server import tools
+from tokenmill.server.calls import check_sizes, start_call
 from tokenmill.server.errors import APIError, bad_value
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions, _SamplingFields
 from tokenmill.server.state import ServerState, get_state, ready_engine
@@ -28,37 +26,6 @@ from tokenmill.tokenizer import Tokenizer
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
 Engine = Annotated[AsyncEngine, Depends(ready_engine)]
-
-
-async def _start(
-    state: ServerState, engine: AsyncEngine, kind: str, model: str | None, prompts: list[list[int]],
-    params: SamplingParams, priority: int, grammar_field: str | None = None,
-) -> Call:  # fmt: skip
-    """Check the load, compile the grammar (off the event loop, within its time limit), then start every prompt
-    (all validated before any starts)."""
-    state.admit(engine, len(prompts) * params.n)
-    call_id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
-    grammar = await _compile(state, engine, params, grammar_field)
-    try:
-        streams = engine.add_requests(prompts, params, [f"{call_id}-{i}" for i in range(len(prompts))], priority,
-                                      grammar)  # fmt: skip
-    except ValueError as e:
-        raise bad_value(e) from None
-    return Call(kind, call_id, state.config.served_model_name, prompts, streams, params.n, int(time.time()),
-                state.metrics)  # fmt: skip
-
-
-async def _compile(state: ServerState, engine: AsyncEngine, params: SamplingParams, field: str | None) -> Any:
-    if params.structured_outputs is None:
-        return None
-    limit = state.config.grammar_compile_timeout
-    try:
-        return await asyncio.wait_for(run_in_threadpool(engine.compile_grammar, params), limit)
-    except ValueError as e:
-        raise APIError(400, str(e), param=field) from None
-    except TimeoutError:
-        raise APIError(400, f"the grammar took longer than {limit:g} s to compile (--grammar-compile-timeout); "
-                       "simplify it", param=field) from None  # fmt: skip
 
 
 def _structured(body: _SamplingFields) -> tuple[str | None, StructuredOutputsParams | None]:
@@ -80,7 +47,7 @@ def _stream(call: Call, choice: ChoiceBuilder, options: StreamOptions | None) ->
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, raw: Request, state: State, engine: Engine) -> Any:
     state.check_model(body.model)
-    _check_sizes(state, body.n, len(body.prompt) if _is_prompt_list(body.prompt) else 1)
+    check_sizes(state, body.n, len(body.prompt) if _is_prompt_list(body.prompt) else 1)
     tok = engine.tokenizer
     prompts = await run_in_threadpool(_normalize_prompt, body.prompt, tok)  # tokenizing can take seconds
     want_lp = body.logprobs
@@ -92,7 +59,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
         )  # fmt: skip
     except ValueError as e:
         raise bad_value(e) from None
-    call = await _start(state, engine, "text_completion", body.model, prompts, params, body.priority, field)
+    call = await start_call(state, engine, "text_completion", "cmpl-", prompts, params, body.priority, field)
     if body.echo:
         call.echo_texts = await run_in_threadpool(lambda: [tok.decode(p, skip_special_tokens=False) for p in prompts])
 
@@ -128,10 +95,10 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, raw: Request, state: State, engine: Engine) -> Any:
     state.check_model(body.model)
-    _check_sizes(state, body.n, 1)
+    check_sizes(state, body.n, 1)
     tok = engine.tokenizer
     try:
-        plan = tools.plan(body, state.config.tool_call_parser, tok.chat_template_text)
+        plan = tools.chat_plan(body, state.config.tool_call_parser, tok.chat_template_text)
     except ValueError as e:
         raise APIError(400, str(e), param="tool_choice") from None
     field, constraint = _structured(body)
@@ -153,7 +120,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
         )
     except ValueError as e:
         raise bad_value(e) from None
-    call = await _start(state, engine, "chat.completion", body.model, [prompt], params, body.priority, field)
+    call = await start_call(state, engine, "chat.completion", "chatcmpl-", [prompt], params, body.priority, field)
     streams: dict[int, tools.ToolStream] = {}
 
     def choice(
@@ -201,17 +168,7 @@ def _check_chat_fields(body: ChatCompletionRequest) -> int:
     return top
 
 
-# -- helpers --------------------------------------------------------------------------------------------------
-def _check_sizes(state: ServerState, n: int, num_prompts: int) -> None:
-    """The per-request caps, checked before any tokenizing: a request may not ask for unbounded work."""
-    cfg = state.config
-    if n > cfg.max_n:
-        raise APIError(400, f"n={n} is invalid: allowed an integer in [1, {cfg.max_n}] (--max-n)", param="n")
-    if num_prompts > cfg.max_prompts:
-        raise APIError(400, f"prompt holds {num_prompts} prompts: allowed at most {cfg.max_prompts} (--max-prompts)",
-                       param="prompt")  # fmt: skip
-
-
+# -- helpers ---------------------------------------------------------------------------------------------------
 def _is_prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> bool:
     """A list of prompts (strings or token-id lists), not one prompt given as token ids."""
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)

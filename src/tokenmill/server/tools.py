@@ -40,21 +40,33 @@ class ToolPlan:
     tools: list[dict[str, Any]] = field(default_factory=list)  # as the chat template takes them
 
 
-def plan(body: ChatCompletionRequest, parser: str, chat_template: str) -> ToolPlan:
-    """What this request's tools and tool_choice mean. ValueError for a choice that names no given tool."""
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-    choice = body.tool_choice or ("auto" if tools else "none")
+def plan(
+    tools: list[dict[str, Any]], choice: str | None, parser: str, chat_template: str, function: str | None = None
+) -> ToolPlan:
+    """What a request's tools (as the chat template takes them) and tool choice mean: `choice` is "none", "auto",
+    "required", "named" (`function` names it) or None (auto with tools, none without). ValueError for a choice
+    that needs tools when none are given, or names a function that is not among them."""
+    choice = choice or ("auto" if tools else "none")
     if parser == "auto":
         parser = "hermes" if HERMES_OPEN in chat_template else "llama3_json"
     if not tools:
         if choice not in ("none", "auto"):
             raise ValueError("tool_choice needs tools: the request gives none")
         return ToolPlan("none", parser)
+    if choice == "named":
+        if function not in {t["function"]["name"] for t in tools}:
+            raise ValueError(f"tool_choice names the function {function!r}, which is not in tools")
+        return ToolPlan("named", parser, function, tools)
+    return ToolPlan(choice, parser, None, tools)
+
+
+def chat_plan(body: ChatCompletionRequest, parser: str, chat_template: str) -> ToolPlan:
+    """`plan` for a chat completion's `tools` and `tool_choice`."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in {t["function"]["name"] for t in tools}:
-            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not in tools")
-        return ToolPlan("named", parser, choice.function.name, tools)
-    return ToolPlan(str(choice), parser, None, tools)
+        return plan(tools, "named", parser, chat_template, choice.function.name)
+    return plan(tools, choice, parser, chat_template)
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,62 @@
+"""Starting one HTTP call's engine requests, shared by every generating endpoint (OpenAI's completions and chat,
+Anthropic's messages): the per-request caps, admission by load, the grammar compiled off the event loop, then
+every prompt added at once.
+
+Must not import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import APIError, bad_value
+from tokenmill.server.state import ServerState
+from tokenmill.server.streaming import Call
+
+
+async def start_call(
+    state: ServerState, engine: AsyncEngine, kind: str, id_prefix: str, prompts: list[list[int]],
+    params: SamplingParams, priority: int, grammar_field: str | None = None,
+) -> Call:  # fmt: skip
+    """Check the load, compile the grammar (off the event loop, within its time limit), then start every prompt
+    (all validated before any starts). The call's id is `id_prefix` and a random hex."""
+    state.admit(engine, len(prompts) * params.n)
+    call_id = id_prefix + uuid.uuid4().hex
+    grammar = await _compile(state, engine, params, grammar_field)
+    try:
+        streams = engine.add_requests(prompts, params, [f"{call_id}-{i}" for i in range(len(prompts))], priority,
+                                      grammar)  # fmt: skip
+    except ValueError as e:
+        raise bad_value(e) from None
+    return Call(kind, call_id, state.config.served_model_name, prompts, streams, params.n, int(time.time()),
+                state.metrics)  # fmt: skip
+
+
+async def _compile(state: ServerState, engine: AsyncEngine, params: SamplingParams, field: str | None) -> Any:
+    if params.structured_outputs is None:
+        return None
+    limit = state.config.grammar_compile_timeout
+    try:
+        return await asyncio.wait_for(run_in_threadpool(engine.compile_grammar, params), limit)
+    except ValueError as e:
+        raise APIError(400, str(e), param=field) from None
+    except TimeoutError:
+        raise APIError(400, f"the grammar took longer than {limit:g} s to compile (--grammar-compile-timeout); "
+                       "simplify it", param=field) from None  # fmt: skip
+
+
+def check_sizes(state: ServerState, n: int, num_prompts: int) -> None:
+    """The per-request caps, checked before any tokenizing: a request may not ask for unbounded work."""
+    cfg = state.config
+    if n > cfg.max_n:
+        raise APIError(400, f"n={n} is invalid: allowed an integer in [1, {cfg.max_n}] (--max-n)", param="n")
+    if num_prompts > cfg.max_prompts:
+        raise APIError(400, f"prompt holds {num_prompts} prompts: allowed at most {cfg.max_prompts} (--max-prompts)",
+                       param="prompt")  # fmt: skip
