@@ -6,7 +6,8 @@ The loop thread applies commands between steps, so an abort takes effect within 
 request's blocks. Outputs travel back to each request's asyncio queue with `call_soon_threadsafe`.
 
 Other threads read the engine's numbers only through `snapshot()`: a frozen object the loop thread
-publishes after every step. If the loop dies, every open stream gets the error and `is_healthy` turns false
+publishes after every step, before that step's outputs go out (so a client that has its response reads numbers
+that count it). If the loop dies, every open stream gets the error and `is_healthy` turns false
 for good: a dead engine never looks healthy.
 """
 
@@ -140,6 +141,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _streams, _snapshot and the pending counts across threads
         self._snapshot = core.snapshot()
         self._pending_seqs = 0  # sequences of adds posted but not yet counted in a published snapshot
+        self._outbox: list[tuple[str, Any]] = []  # (request id, output or error) for after the next publish
         self._applied_seqs = 0  # loop thread: sequences added to the core since the last publish
         self._thread: threading.Thread | None = None
         self.errored: BaseException | None = None
@@ -291,6 +293,16 @@ class AsyncEngine:
 
     # -- the loop thread ----------------------------------------------------------------------------------
     def _deliver(self, request_id: str, item: Any) -> None:
+        """Send `item` to the request's stream once the snapshot that counts it is published (`_flush`): a client
+        that reads the server's numbers right after its response then sees its request finished, not running."""
+        self._outbox.append((request_id, item))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for request_id, item in outbox:
+            self._send(request_id, item)
+
+    def _send(self, request_id: str, item: Any) -> None:
         with self._lock:
             target = self._streams.get(request_id)
         if target is not None:
@@ -331,17 +343,21 @@ class AsyncEngine:
                     cmd = None
                 while cmd is not None:
                     if not self._apply(cmd):
+                        self._publish()
+                        self._flush()  # (what the commands before the stop sent)
                         return
                     try:
                         cmd = self._commands.get_nowait()
                     except queue.Empty:
                         cmd = None
-                if self.core.has_unfinished():
+                busy = self.core.has_unfinished()
+                if busy:
                     for out in self.core.step():
                         self._deliver(out.request_id, out)
-                    if not self.core.has_unfinished():  # just gone idle
-                        self.core.idle()
                 self._publish()
+                self._flush()
+                if busy and not self.core.has_unfinished():  # just gone idle (after the outputs are out)
+                    self.core.idle()
                 if not self.core.runner.alive:  # checked idle too: a dead tensor-parallel rank ends the engine
                     raise RuntimeError("a tensor-parallel worker process exited")
         except BaseException as e:  # the engine is dead: tell everyone waiting, never hang them
@@ -352,4 +368,4 @@ class AsyncEngine:
             with self._lock:
                 streams = list(self._streams)
             for request_id in streams:
-                self._deliver(request_id, EngineDeadError(f"the engine loop has stopped: {e!r}"))
+                self._send(request_id, EngineDeadError(f"the engine loop has stopped: {e!r}"))
