@@ -103,3 +103,63 @@ def test_quantized_experts_keep_their_format_and_batch_invariance(folder: Path, 
     prompts, params = PROMPTS[:8], PARAMS[:8]
     each = [_run(llm, [p], [sp])[0] for p, sp in zip(prompts, params)]
     assert _run(llm, prompts, params) == each
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_one_kernel_call_for_all_experts_gives_each_experts_bits(
+    make_checkpoint: Callable[..., Path], dtype: str, quantization: str
+) -> None:
+    """linear/experts.h runs a layer's chosen experts in one call, their chunks across threads; each expert's rows
+    come out bit for bit as its own modules give them, at one row per expert (decode) and at many (a prefill)."""
+    target.cpu_only("the CPU kernels")
+    import torch
+
+    folder = make_checkpoint("qwen3_moe", initializer_range=0.1, **MOE["qwen3_moe"])
+    llm = LLM(str(folder), dtype=dtype, quantization=quantization)
+    moe = next(m for m in llm.loaded.model.modules() if isinstance(m, SparseMoE))
+    if llm.loaded.ops is None:
+        pytest.skip("no compiled CPU kernels here")
+    torch.manual_seed(0)
+    for tokens in (1, 3, 40):
+        x = torch.randn(tokens, llm.loaded.config.hidden_size).to(getattr(torch, dtype))
+        with torch.inference_mode():
+            moe._experts_call = None
+            fused = moe(x)
+            assert moe._experts_call, "the one-call path was not taken"
+            moe._experts_call = ()
+            each = moe(x)
+        assert torch.equal(fused, each), tokens
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4", "q4_k_m"])
+def test_the_expert_kernel_on_every_variant_this_cpu_runs(
+    make_checkpoint: Callable[..., Path], quantization: str
+) -> None:
+    """Each ISA variant's one-call experts (scalar, AVX2, AVX-VNNI, AVX-512, AVX-512 BF16, as this CPU has them) give
+    the bits of that variant's per-expert modules (K-quants need rows of 256: a wide model)."""
+    target.cpu_only("the CPU kernels")
+    import torch
+
+    from tokenmill import kernels
+    from tokenmill.kernels.isa import supported_levels
+    from tokenmill.models.linear import KernelLinear
+
+    wide = dict(MOE["qwen3_moe"], hidden_size=256, moe_intermediate_size=256)
+    llm = LLM(str(make_checkpoint("qwen3_moe", initializer_range=0.1, **wide)), dtype="float32",
+              quantization=quantization)  # fmt: skip
+    if llm.loaded.ops is None:
+        pytest.skip("no compiled CPU kernels here")
+    moe = next(m for m in llm.loaded.model.modules() if isinstance(m, SparseMoE))
+    linears = [m for m in moe.experts.modules() if isinstance(m, KernelLinear)]
+    x = torch.randn(24, 256, generator=torch.Generator().manual_seed(0))
+    for level in supported_levels():
+        for m in [*linears, *moe.experts]:  # the linears, and the SiLU*mul between them
+            m.ops = kernels.variant(level)
+        with torch.inference_mode():
+            moe._experts_call = None
+            fused = moe(x)
+            assert moe._experts_call, level
+            moe._experts_call = ()
+            each = moe(x)
+        assert torch.equal(fused, each), level

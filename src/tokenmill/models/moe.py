@@ -14,6 +14,8 @@ bytes read are the chosen experts' alone, never a dense pass over all E.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,7 @@ from torch import nn
 from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.errors import ConfigError
 from tokenmill.models.layers import CausalLM, GatedMLP
+from tokenmill.models.linear import KernelLinear
 
 
 class Router(nn.Module):
@@ -42,6 +45,7 @@ class SparseMoE(nn.Module):
         self.moe = moe
         self.gate = Router(cfg.hidden_size, moe.num_experts)
         self.experts = nn.ModuleList(GatedMLP(cfg, moe.intermediate_size) for _ in range(moe.num_experts))
+        self._experts_call: _ExpertsCall | tuple[()] | None = None  # (None: not looked at yet)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, D] -> weights [T, k], ids [T, k]
         """Each token's chosen experts and their weights: the softmax over all experts in float32, its top k,
@@ -60,15 +64,74 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()  # [E] pairs per expert
         tokens = order // k  # [T*k] each pair's token, in that order
         rows = x.index_select(0, tokens)  # [T*k, D]: each expert's rows side by side
-        ys = torch.empty_like(rows)  # [T*k, D]
+        ys = self._fused(rows, counts) if self._kernels_take(rows) else self._each(rows, counts)  # [T*k, D]
+        scaled = (ys * weights.flatten()[order][:, None]).to(x.dtype)  # [T*k, D]
+        # each token's outputs summed in expert order, as transformers adds them
+        return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+    def _each(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:  # [R, D] -> [R, D]
+        """Each chosen expert's module over its rows."""
+        ys = torch.empty_like(rows)
         start = 0
         for expert, n in zip(self.experts, counts, strict=True):
             if n:
                 ys[start : start + n] = expert(rows[start : start + n])
                 start += n
-        scaled = (ys * weights.flatten()[order][:, None]).to(x.dtype)  # [T*k, D]
-        # each token's outputs summed in expert order, as transformers adds them
-        return torch.zeros_like(x).index_add_(0, tokens, scaled)
+        return ys
+
+    def _kernels_take(self, rows: torch.Tensor) -> bool:
+        """Whether the CPU kernels run every expert in one call (linear/experts.h): each expert's linears packed
+        alike, bound to the kernels, without biases or per-row invariance; rows of the model's dtype. Checked once
+        (the weights and their placement are fixed once loaded), and their pointers kept."""
+        if self._experts_call is None:
+            self._experts_call = _experts_call(self.experts)
+        return bool(self._experts_call) and rows.dtype in (torch.bfloat16, torch.float32) and rows.device.type == "cpu"
+
+    def _fused(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:  # [R, D] -> [R, D]
+        call = self._experts_call
+        assert call
+        r, i = rows.shape[0], self.moe.intermediate_size
+        rows = rows.contiguous()
+        h = torch.empty(r, 2 * i, dtype=rows.dtype)  # [R, 2I] gate|up
+        act = torch.empty(r, i, dtype=rows.dtype)  # [R, I]
+        out = torch.empty_like(rows)  # [R, D]
+        n = torch.tensor(counts, dtype=torch.int64)  # [E]
+        call.ops.module.moe_experts(rows.data_ptr(), rows.dtype == torch.bfloat16, r, rows.shape[1], n.data_ptr(),
+                                    len(counts), call.gate_up.data_ptr(), call.gate_up_format, call.gate_up_k,
+                                    call.down.data_ptr(), call.down_format, i, call.down_k, h.data_ptr(),
+                                    act.data_ptr(), out.data_ptr())  # fmt: skip
+        return out
+
+
+class _ExpertsCall(NamedTuple):
+    """What the one-call expert kernel needs: the experts' packed weights (int64 [E] data pointers each) and formats."""
+
+    ops: Any
+    gate_up: torch.Tensor
+    gate_up_format: int
+    gate_up_k: int
+    down: torch.Tensor
+    down_format: int
+    down_k: int
+
+
+def _experts_call(experts: nn.ModuleList) -> _ExpertsCall | tuple[()]:
+    """The experts' weights for linear/experts.h, or () where a module is not a plain kernel linear (another device,
+    a bias, a mixed format, per-row invariance, no kernels): then each expert runs as a module."""
+    projections: list[list[KernelLinear]] = []
+    for name in ("gate_up_proj", "down_proj"):
+        linears = [getattr(e, name) for e in experts]
+        first = linears[0]
+        if not isinstance(first, KernelLinear) or first.ops is None:
+            return ()
+        same = (first.format_id, first.padded_in, first.out_features, first.ops)
+        if any(not isinstance(m, KernelLinear) or (m.format_id, m.padded_in, m.out_features, m.ops) != same
+               or m.bias is not None or m.row_group or m.row_invariant for m in linears):  # fmt: skip
+            return ()
+        projections.append(linears)
+    (gu, *_), (dn, *_) = projections
+    gate_up, down = (torch.tensor([m.data.data_ptr() for m in linears], dtype=torch.int64) for linears in projections)
+    return _ExpertsCall(gu.ops, gate_up, gu.format_id, gu.padded_in, down, dn.format_id, dn.padded_in)
 
 
 class MoECausalLM(CausalLM):

@@ -19,6 +19,7 @@
 #include "attention/decode.h"
 #include "attention/prefill.h"
 #include "core/simd.h"
+#include "linear/experts.h"
 #include "linear/format.h"
 #include "linear/linear.h"
 #include "linear/qrow.h"
@@ -311,6 +312,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return tokens;
   };
   m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
+  m.def("moe_experts", &tmk::moe_experts, "a MoE layer's experts over the rows routed to them (linear/experts.h)");
   m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
   m.def("unpack_rows", &tmk::unpack_rows_py, "rows of a packed quantized weight -> float32 [T, K], raw pointers");
   m.def("repack_gguf", &tmk::repack_gguf, "a GGUF tensor's ggml blocks -> the packed weight, on raw pointers");

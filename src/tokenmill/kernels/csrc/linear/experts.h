@@ -1,0 +1,80 @@
+// A mixture-of-experts layer's experts over the rows routed to them, in one call (models/moe.py: SparseMoE).
+//
+// The rows arrive grouped by expert: counts[e] rows for expert e, in expert order. Each projection is what
+// linear() in kernels.cpp computes, expert by expert, on the same rows in the same dtype, so the numbers are the
+// per-expert module path's: gate|up, SiLU*mul (ops/fused.h), down. What changes is the threads: a projection's
+// work is one list of (expert, output panels) chunks across every chosen expert, so the small matrices of a decode
+// step (an expert's down projection is often under the ~256 KB that linear() gives a second thread) keep both
+// cores busy, and Python's ~10 calls per expert become one per layer.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "linear/linear.h"
+#include "ops/fused.h"
+
+namespace tmk {
+
+// One projection of every expert: rows [start[e], start[e + 1]) of x (Kx wide, the model dtype) times expert e's
+// packed weight w[e] (N outputs, K inputs) -> the same rows of out (N wide, the model dtype).
+inline void experts_linear(const char* x, bool bf16, int64_t Kx, const std::vector<int64_t>& start, Format F,
+                           const int64_t* w, int64_t N, int64_t K, char* out) {
+  const int64_t E = (int64_t)start.size() - 1, rows = start[E], e_bytes = bf16 ? 2 : 4;
+  const RowPrep how = row_prep(F);
+  const bool pairs = pairs_apply(F, bf16, Kx, K);
+  std::vector<float> xf(pairs ? 0 : rows * K);  // the rows as the kernels read them
+  float* xf_ptr = xf.data();
+  if (!pairs)
+    at::parallel_for(0, rows, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) prep_row(x + i * Kx * e_bytes, bf16, Kx, K, how, xf_ptr + i * K);
+    });
+  struct Chunk {
+    int64_t expert, p_begin, p_end;
+  };
+  std::vector<Chunk> chunks;  // ~64 KB of weight reads each (more rows, fewer panels), across every expert
+  const int64_t n_panels = (N + P - 1) / P;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    const int64_t step = panels_per_chunk(F, K, n, 64 << 10);
+    for (int64_t p = 0; p < n_panels; p += step) chunks.push_back({e, p, std::min(p + step, n_panels)});
+  }
+  at::parallel_for(0, (int64_t)chunks.size(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const Chunk& k = chunks[c];
+      const int64_t s = start[k.expert], n = start[k.expert + 1] - s;
+      float* o32 = bf16 ? nullptr : (float*)out + s * N;
+      uint16_t* o16 = bf16 ? (uint16_t*)out + s * N : nullptr;
+      const uint16_t* xh = bf16 ? (const uint16_t*)x + s * Kx : nullptr;
+      linear_range(F, pairs ? nullptr : xf_ptr + s * K, n, K, (const uint8_t*)w[k.expert], N, K, nullptr, o32, o16,
+                   k.p_begin, k.p_end, xh, Kx);
+    }
+  });
+}
+
+// x [R, D] the rows grouped by expert (counts [E] int64), gate_up / down [E] int64 the experts' packed weights (one
+// format each: gate|up 2I x gu_K, down D x dn_K) -> out [R, D], each row's expert output; h [R, 2I] and act [R, I]
+// scratch. x, h, act and out in the model dtype (bfloat16 where `bf16`, else float32).
+inline void moe_experts(uintptr_t x, bool bf16, int64_t R, int64_t D, uintptr_t counts, int64_t E, uintptr_t gate_up,
+                        int64_t gu_format, int64_t gu_K, uintptr_t down, int64_t dn_format, int64_t I, int64_t dn_K,
+                        uintptr_t h, uintptr_t act, uintptr_t out) {
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + ((const int64_t*)counts)[e];
+  if (start[E] != R) throw std::invalid_argument("moe_experts: the experts' row counts do not add up to the rows");
+  experts_linear((const char*)x, bf16, D, start, static_cast<Format>(gu_format), (const int64_t*)gate_up, 2 * I,
+                 gu_K, (char*)h);
+  const int64_t e_bytes = bf16 ? 2 : 4;
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
+    silu_mul_rows(Act{(char*)h + begin * 2 * I * e_bytes, bf16}, Act{(char*)act + begin * I * e_bytes, bf16},
+                  end - begin, I);
+  });
+  experts_linear((const char*)act, bf16, I, start, static_cast<Format>(dn_format), (const int64_t*)down, D, dn_K,
+                 (char*)out);
+}
+
+}  // namespace tmk
