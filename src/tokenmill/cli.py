@@ -203,6 +203,9 @@ def _make_model_args(mk: argparse.ArgumentParser) -> None:
     mk.add_argument("--out", required=True)
     mk.add_argument("--dtype", choices=[d for d in DTYPES if d != "auto"], default="bfloat16")
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--gguf", default=None, metavar="TYPE",
+                    help="write a GGUF file of this type straight to --out, without a checkpoint (f32, bf16, q8_0, "
+                         "q4_0, q4_k, q5_k, q6_k, q4_k_m, q5_k_m; Llama-shaped families)")  # fmt: skip
 
 
 class _FamilyNames:
@@ -335,10 +338,21 @@ def cmd_env(a: argparse.Namespace) -> int:
 
 
 def cmd_make_model(a: argparse.Namespace) -> int:
-    from tokenmill.make_model import make_model
+    from pathlib import Path
 
-    out = make_model(a.arch, a.shape, a.tokenizer, a.out, a.dtype, a.seed)
-    print(f"wrote {a.arch} {a.shape} ({a.dtype}) to {out}")
+    from tokenmill.make_model import make_model, shape_fields
+
+    if a.gguf is None:
+        out = make_model(a.arch, a.shape, a.tokenizer, a.out, a.dtype, a.seed)
+        print(f"wrote {a.arch} {a.shape} ({a.dtype}) to {out}")
+        return 0
+    from tokenmill.bench.gguf_random import write_random_gguf
+    from tokenmill.progress import progress
+
+    fields = shape_fields(a.shape, a.tokenizer)
+    with progress(f"make-model: {a.arch} at the {a.shape} shape, a {a.gguf} GGUF"):
+        out = write_random_gguf(a.arch, fields, Path(a.tokenizer), Path(a.out), a.gguf, a.seed)
+    print(f"wrote {a.arch} {a.shape} ({a.gguf} GGUF, random weights) to {out}")
     return 0
 
 

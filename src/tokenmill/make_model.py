@@ -119,17 +119,23 @@ def write_checkpoint(
     return out
 
 
-def make_model(arch: str, shape: str, tokenizer_dir: str | Path, out: str | Path, dtype: str, seed: int) -> Path:
+def shape_fields(shape: str, tokenizer_dir: str | Path) -> dict[str, Any]:
+    """`shape`'s config fields; the tiny shape's vocabulary as large as the tokenizer's, rounded up like real ones."""
     if shape not in SHAPES:
         raise ValueError(f"--shape {shape!r} is not supported; allowed: {', '.join(SHAPES)}")
     if not Path(tokenizer_dir).is_dir():
         raise ValueError(f"--tokenizer {str(tokenizer_dir)!r} is not a folder holding a Hugging Face tokenizer")
-    from transformers import AutoTokenizer
-
     fields = dict(SHAPES[shape])
-    if "vocab_size" not in fields:  # tiny: as large as the tokenizer, rounded up like real vocabularies
+    if "vocab_size" not in fields:
+        from transformers import AutoTokenizer
+
         n = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
         fields["vocab_size"] = (n + 63) // 64 * 64
+    return fields
+
+
+def make_model(arch: str, shape: str, tokenizer_dir: str | Path, out: str | Path, dtype: str, seed: int) -> Path:
+    fields = shape_fields(shape, tokenizer_dir)
     from tokenmill.progress import progress
 
     with progress(f"make-model: {arch} at the {shape} shape"):

@@ -323,23 +323,31 @@ def _permute(w: Any, n_head: int) -> Any:
 
 
 def _add_tensor(writer: Any, name: str, data: Any, dtype: str) -> None:
+    if name.endswith(".ffn_gate_inp.weight"):  # (a MoE router stays F32)
+        dtype = "f32"
+    values, qtype = encode(data, dtype)
+    writer.add_tensor(name, values, raw_dtype=qtype)
+
+
+def encode(data: Any, dtype: str) -> tuple[npt.NDArray[Any], Any]:
+    """A float tensor as the GGUF stores it in `dtype`: (its values, uint8 blocks for a block type, and the ggml
+    type; None for plain float32/float16 numpy arrays). 1-D tensors stay F32; rows that are not whole blocks fall
+    back as llama-quantize's do (F16 for the legacy types, `format_for` for the K family)."""
     import gguf
     import torch
 
-    if data.ndim <= 1 or dtype == "f32" or name.endswith(".ffn_gate_inp.weight"):  # (a MoE router stays F32)
-        writer.add_tensor(name, data.to(torch.float32).numpy())
-    elif dtype == "bf16":
-        bits = data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        writer.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
-    elif dtype in KSPECS and data.shape[-1] % 32 == 0:
+    if data.ndim <= 1 or dtype == "f32":
+        return data.to(torch.float32).numpy(), None
+    if dtype == "bf16":
+        return data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
+    if dtype in KSPECS and data.shape[-1] % 32 == 0:
         fmt = format_for(dtype, data.shape[-1])
         qtype = gguf.GGMLQuantizationType[fmt.upper()]
         raw = gguf.quants.quantize(data.float().numpy(), qtype) if fmt == "q8_0" else None
         if raw is None:
             raw = encode_gguf_rows(quantize_k(data.float().reshape(-1, data.shape[-1]), fmt)).numpy()
-        writer.add_tensor(name, raw.reshape(*data.shape[:-1], -1), raw_dtype=qtype)
-    elif dtype in ("q8_0", "q4_0") and data.shape[-1] % 32 == 0:
+        return raw.reshape(*data.shape[:-1], -1), qtype
+    if dtype in ("q8_0", "q4_0") and data.shape[-1] % 32 == 0:
         qtype = gguf.GGMLQuantizationType[dtype.upper()]
-        writer.add_tensor(name, gguf.quants.quantize(data.to(torch.float32).numpy(), qtype), raw_dtype=qtype)
-    else:  # f16, and the fallback for rows that are not whole blocks (as convert_hf_to_gguf.py does)
-        writer.add_tensor(name, data.to(torch.float16).numpy())
+        return gguf.quants.quantize(data.to(torch.float32).numpy(), qtype), qtype
+    return data.to(torch.float16).numpy(), None  # f16, and the fallback for rows that are not whole blocks
