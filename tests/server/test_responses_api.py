@@ -252,6 +252,7 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_healthy(client: ope
         raw = {"content-type": "application/json"}
         assert_openai_error(http.post("/v1/responses", content=b'{"model": ', headers=raw), 400, "malformed JSON")
         assert_openai_error(http.get("/v1/responses/resp_nope"), 404, "resp_nope")
+        assert_openai_error(http.delete("/v1/responses/chatcmpl-1"), 400, "response_id")
         assert_openai_error(http.get(f"/v1/responses/{stored}/input_items", params={"limit": 0}), 400, "limit")
         assert http.get("/health").status_code == 200
     assert _create(client, server, max_output_tokens=3).usage.output_tokens == 3

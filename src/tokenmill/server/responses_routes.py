@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -36,6 +36,8 @@ from tokenmill.server.streaming import run_to_end
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
 Engine = Annotated[AsyncEngine, Depends(ready_engine)]
+# as OpenAI's: an id that cannot be a response's is a 400, one that could be but is not stored a 404
+ResponseId = Annotated[str, Path(pattern=r"^resp_[A-Za-z0-9_-]{1,100}$")]
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ async def create_response(body: ResponsesRequest, raw: Request, state: State, en
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, state: State, stream: bool = False) -> dict[str, Any]:
+async def retrieve_response(response_id: ResponseId, state: State, stream: bool = False) -> dict[str, Any]:
     if stream:
         raise APIError(400, "stream=true is not supported here: a stored response is finished; retrieve it whole",
                        param="stream")  # fmt: skip
@@ -119,13 +121,13 @@ async def retrieve_response(response_id: str, state: State, stream: bool = False
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, state: State) -> dict[str, Any]:
+async def delete_response(response_id: ResponseId, state: State) -> dict[str, Any]:
     state.responses.delete(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 @router.post("/v1/responses/{response_id}/cancel")
-async def cancel_response(response_id: str, state: State) -> dict[str, Any]:
+async def cancel_response(response_id: ResponseId, state: State) -> dict[str, Any]:
     state.responses.get(response_id)
     raise APIError(400, "Only responses created with background=true can be cancelled; this one was not "
                    "(tokenmill does not run background responses)", param="response_id")  # fmt: skip
@@ -133,7 +135,11 @@ async def cancel_response(response_id: str, state: State) -> dict[str, Any]:
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def input_items(
-    response_id: str, state: State, limit: int = 20, order: Literal["asc", "desc"] = "desc", after: str | None = None
+    response_id: ResponseId,
+    state: State,
+    limit: int = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
 ) -> dict[str, Any]:
     """This response's own input items (not those of the responses it continued), newest first by default."""
     if not 1 <= limit <= 100:
