@@ -183,6 +183,14 @@ def test_store_retrieve_list_input_items_delete(client: openai.OpenAI, server: S
     assert items[0].content[0].type == "input_text" and items[0].content[0].text == USER
     with pytest.raises(openai.BadRequestError, match="background"):
         client.responses.cancel(r.id)
+    turns: Any = [{"role": "user", "content": f"turn {i}"} for i in range(5)]
+    many = _create(client, server, input=turns, max_output_tokens=1)
+    newest = client.responses.input_items.list(many.id, limit=2)
+    assert [i.content[0].text for i in newest.data] == ["turn 4", "turn 3"] and newest.has_more
+    rest = client.responses.input_items.list(many.id, after=newest.data[-1].id, limit=100)
+    assert [i.content[0].text for i in rest.data] == ["turn 2", "turn 1", "turn 0"] and not rest.has_more
+    paged = client.responses.input_items.list(many.id, order="asc", limit=2)  # the SDK follows the cursor
+    assert [i.content[0].text for i in paged] == [t["content"] for t in turns]
     client.responses.delete(r.id)
     for call in (lambda: client.responses.retrieve(r.id), lambda: client.responses.delete(r.id),
                  lambda: client.responses.cancel(r.id),
