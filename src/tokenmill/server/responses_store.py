@@ -29,9 +29,7 @@ class StoredResponse:
 
 class ResponseStore:
     def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise ValueError(f"--responses-store-size={capacity} is invalid: allowed an integer >= 0")
-        self.capacity = capacity
+        self.capacity = capacity  # responses kept (0: none); launch.py checks it is >= 0
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
