@@ -183,6 +183,13 @@ def _serve_args(srv: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds a structured-output grammar may take to compile before a 400 (default: 10)",
     )
+    srv.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1000,
+        help="Responses API responses kept in memory for retrieval and previous_response_id; the least recently "
+        "used is dropped first (default: 1000; 0 stores none)",
+    )
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 

@@ -128,6 +128,7 @@ def test_generate_without_model_uses_the_demo() -> None:
 def test_serve_flag_errors_are_one_line(folder: Path, tmp_path: Path) -> None:
     assert_one_line_error(run_cli("serve", str(folder), "--port", "99999"), "--port=99999", "[0, 65535]")
     assert_one_line_error(run_cli("serve", str(folder), "--max-n", "0"), "--max-n=0")
+    assert_one_line_error(run_cli("serve", str(folder), "--responses-store-size", "-1"), "--responses-store-size=-1")
     missing = str(tmp_path / "no-key")
     assert_one_line_error(run_cli("serve", str(folder), "--api-key-file", missing), "--api-key-file", "cannot be read")
 

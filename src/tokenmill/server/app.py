@@ -1,6 +1,7 @@
 """The FastAPI app: lifecycle (the model loads in a background thread; /health says 503 until it is ready),
 the request guard (guard.py), error handlers, and the routers (`routes.py`: health, metrics, stats, models,
-tokenize, /generate; `openai_routes.py`: completions and chat; `anthropic_routes.py`: Anthropic's messages).
+tokenize, /generate; `openai_routes.py`: completions and chat; `anthropic_routes.py`: Anthropic's messages;
+`responses_routes.py`: OpenAI's Responses API).
 
 Must not import torch: it talks to the engine only through the `AsyncEngine` it is handed.
 """
@@ -16,7 +17,7 @@ from fastapi import FastAPI
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.metrics import PrometheusMetrics
-from tokenmill.server import anthropic_routes, openai_routes, routes
+from tokenmill.server import anthropic_routes, openai_routes, responses_routes, routes
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.guard import RequestGuard
 from tokenmill.server.state import ServerConfig, ServerState
@@ -53,4 +54,5 @@ def build_app(load_engine: Callable[[], AsyncEngine], config: ServerConfig) -> F
     app.include_router(routes.router)
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
     return app

@@ -94,7 +94,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _is_type_tag(part: object) -> bool:
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict", "other"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -51,6 +51,8 @@ def api_key(args: argparse.Namespace) -> str | None:
 def server_config(args: argparse.Namespace, name: str) -> Any:
     from tokenmill.server.state import ServerConfig
 
+    if args.responses_store_size < 0:
+        raise ValueError(f"--responses-store-size={args.responses_store_size} is invalid: allowed an integer >= 0")
     for flag in ("max_waiting_requests", "max_n", "max_prompts"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -59,7 +61,7 @@ def server_config(args: argparse.Namespace, name: str) -> Any:
         raise ValueError(f"--max-body-mb={args.max_body_mb} is invalid: allowed values > 0")
     return ServerConfig(name, api_key(args), args.max_waiting_requests, args.max_n, args.max_prompts,
                         int(args.max_body_mb * 2**20), args.public_docs, args.tool_call_parser,
-                        args.grammar_compile_timeout)  # fmt: skip
+                        args.grammar_compile_timeout, args.responses_store_size)  # fmt: skip
 
 
 def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) -> int:

@@ -17,6 +17,7 @@ from fastapi import Request
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.metrics import PrometheusMetrics
 from tokenmill.server.errors import APIError
+from tokenmill.server.responses_store import ResponseStore
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class ServerConfig:
     public_docs: bool = False  # serve /docs and /openapi.json without the API key
     tool_call_parser: str = "auto"  # how "auto" tool calls are read: hermes | llama3_json | auto (by template)
     grammar_compile_timeout: float = 10.0  # seconds a structured-output grammar may take to compile
+    responses_store_size: int = 1000  # Responses API responses kept for previous_response_id (least recent dropped)
 
 
 @dataclass
@@ -39,6 +41,10 @@ class ServerState:
     load_error: BaseException | None = None
     metrics: PrometheusMetrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    responses: ResponseStore = field(init=False)  # the Responses API's stored responses
+
+    def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.config.responses_store_size)
 
     def ready_engine(self) -> AsyncEngine:
         if self.engine is None:

@@ -1,0 +1,156 @@
+"""OpenAI's Responses API: `POST /v1/responses` (whole or streamed), and over the store (responses_store.py)
+`GET` and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and `POST /v1/responses/{id}/cancel`.
+
+A response runs the same path as a chat completion: the conversation (the stored one that `previous_response_id`
+ended, then this input) through the chat template, tools.py's plans and parsing, the same sampling fields and
+`calls.start_call`. Requests are responses_protocol.py's models; the answer is responses_output.py's, streamed by
+responses_stream.py; errors take OpenAI's shape.
+
+`background` is refused (400), so no response can be cancelled: cancel answers 400 for a stored response, as
+OpenAI does for one that was not created in the background, and 404 for an unknown one.
+
+Must not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Path, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.server import tools
+from tokenmill.server.calls import start_call
+from tokenmill.server.errors import APIError, bad_value
+from tokenmill.server.responses_output import ABORTED, ResponseHead, output_items, status_of, usage
+from tokenmill.server.responses_protocol import ResponsesRequest, template_messages
+from tokenmill.server.responses_store import StoredResponse
+from tokenmill.server.responses_stream import response_events
+from tokenmill.server.state import ServerState, get_state, ready_engine
+from tokenmill.server.streaming import run_to_end
+
+router = APIRouter()
+State = Annotated[ServerState, Depends(get_state)]
+Engine = Annotated[AsyncEngine, Depends(ready_engine)]
+# as OpenAI's: an id that cannot be a response's is a 400, one that could be but is not stored a 404
+ResponseId = Annotated[str, Path(pattern=r"^resp_[A-Za-z0-9_-]{1,100}$")]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A response's prompt side: this request's input items, the rendered token ids, the tool plan, and the
+    grammar the output must follow (a forced tool's, or text.format's) with the field it came from."""
+
+    input_items: list[dict[str, Any]]
+    token_ids: list[int]
+    plan: tools.ToolPlan
+    constraint: StructuredOutputsParams | None
+    field: str | None
+
+
+async def _prompt(body: ResponsesRequest, state: ServerState, engine: AsyncEngine) -> Prompt:
+    tok = engine.tokenizer
+    choice, name = body.tool_choice_mode()
+    try:
+        plan = tools.plan(body.template_tools(), choice, state.config.tool_call_parser, tok.chat_template_text, name)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+    forced, formatted = tools.constraint(plan, body.parallel_tool_calls), body.structured()
+    if forced is not None and formatted is not None:
+        raise APIError(400, f"tool_choice={plan.mode!r} constrains the output already; drop text.format",
+                       param="text.format")  # fmt: skip
+    items = body.input_items()
+    conversation = state.responses.conversation(body.previous_response_id) + items
+    if not conversation:
+        raise APIError(400, "input is empty: give a string or at least one item", param="input")
+    try:
+        messages = template_messages(body.instructions, conversation)
+    except ValueError as e:
+        raise APIError(400, str(e), param="input") from None
+    extra = {"tools": plan.tools} if plan.mode != "none" else {}
+    try:  # rendering and tokenizing off the event loop: a long conversation must not stall other clients
+        token_ids = await run_in_threadpool(tok.apply_chat_template, messages, True, **extra)
+    except ValueError as e:
+        raise APIError(400, str(e), param="input") from None
+    field = "tool_choice" if forced is not None else "text.format" if formatted is not None else None
+    return Prompt(items, token_ids, plan, forced or formatted, field)
+
+
+def _params(body: ResponsesRequest, engine: AsyncEngine, prompt: Prompt) -> SamplingParams:
+    try:
+        return body.sampling_fields().sampling_params(
+            engine.default_sampling_params(), body.max_output_tokens, None, None, prompt.constraint
+        )
+    except ValueError as e:
+        raise bad_value(e) from None
+
+
+@router.post("/v1/responses", response_model=None)
+async def create_response(body: ResponsesRequest, raw: Request, state: State, engine: Engine) -> Any:
+    state.check_model(body.model)
+    prompt = await _prompt(body, state, engine)
+    params = _params(body, engine, prompt)
+    call = await start_call(state, engine, "response", "resp_", [prompt.token_ids], params, 0, prompt.field)
+    head = ResponseHead.of(call.id, call.model, body, params.temperature, params.top_p)
+
+    def store(response: dict[str, Any]) -> None:
+        if body.store:
+            state.responses.put(StoredResponse(response, prompt.input_items, body.previous_response_id))
+
+    if body.stream:
+        return StreamingResponse(response_events(call, prompt.plan, head, store), media_type="text/event-stream")
+    final = (await run_to_end(call, raw))[0]
+    out = final.outputs[0]
+    if out.finish_reason == "abort":
+        raise APIError(503, ABORTED, headers={"Retry-After": "5"})
+    response = head.body(status_of(out), output_items(prompt.plan, out), usage(len(prompt.token_ids), final))
+    store(response)
+    return response
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: ResponseId, state: State, stream: bool = False) -> dict[str, Any]:
+    if stream:
+        raise APIError(400, "stream=true is not supported here: a stored response is finished; retrieve it whole",
+                       param="stream")  # fmt: skip
+    return state.responses.get(response_id).body
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: ResponseId, state: State) -> dict[str, Any]:
+    state.responses.delete(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: ResponseId, state: State) -> dict[str, Any]:
+    state.responses.get(response_id)
+    raise APIError(400, "Only responses created with background=true can be cancelled; this one was not "
+                   "(tokenmill does not run background responses)", param="response_id")  # fmt: skip
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def input_items(
+    response_id: ResponseId,
+    state: State,
+    limit: int = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> dict[str, Any]:
+    """This response's own input items (not those of the responses it continued), newest first by default."""
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit={limit} is invalid: allowed an integer in [1, 100]", param="limit")
+    items = state.responses.get(response_id).input_items
+    items = items if order == "asc" else items[::-1]
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise APIError(400, f"after={after!r} is not an input item of this response", param="after")
+        items = items[at + 1 :]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}  # fmt: skip
