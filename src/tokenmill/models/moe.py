@@ -58,16 +58,31 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         weights, ids = self.route(x)
+        if self._kernels_take(x):
+            return self._routed(x, weights, ids)
         k = self.moe.top_k
         flat = ids.flatten()  # [T*k]: token t's j-th choice at t*k + j
         order = flat.argsort(stable=True)  # [T*k], the pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()  # [E] pairs per expert
         tokens = order // k  # [T*k] each pair's token, in that order
-        rows = x.index_select(0, tokens)  # [T*k, D]: each expert's rows side by side
-        ys = self._fused(rows, counts) if self._kernels_take(rows) else self._each(rows, counts)  # [T*k, D]
+        ys = self._each(x.index_select(0, tokens), counts)  # [T*k, D]: each expert's rows side by side
         scaled = (ys * weights.flatten()[order][:, None]).to(x.dtype)  # [T*k, D]
         # each token's outputs summed in expert order, as transformers adds them
         return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # -> [T, D]
+        """Grouping, every chosen expert and the weighted sum in one kernel call (linear/experts.h: `moe_routed`),
+        with the numbers of the per-expert path below."""
+        call = self._experts_call
+        assert call
+        x, ids = x.contiguous(), ids.contiguous()
+        w = weights.float().contiguous()  # [T, k] (already rounded to x's dtype where the family rounds them)
+        out = torch.empty_like(x)  # [T, D]
+        call.ops.module.moe_routed(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], ids.data_ptr(),
+                                   w.data_ptr(), self.moe.top_k, self.moe.num_experts, call.gate_up.data_ptr(),
+                                   call.gate_up_format, call.gate_up_k, call.down.data_ptr(), call.down_format,
+                                   self.moe.intermediate_size, call.down_k, out.data_ptr())  # fmt: skip
+        return out
 
     def _each(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:  # [R, D] -> [R, D]
         """Each chosen expert's module over its rows."""
@@ -79,28 +94,13 @@ class SparseMoE(nn.Module):
                 start += n
         return ys
 
-    def _kernels_take(self, rows: torch.Tensor) -> bool:
+    def _kernels_take(self, x: torch.Tensor) -> bool:
         """Whether the CPU kernels run every expert in one call (linear/experts.h): each expert's linears packed
         alike, bound to the kernels, without biases or per-row invariance; rows of the model's dtype. Checked once
         (the weights and their placement are fixed once loaded), and their pointers kept."""
         if self._experts_call is None:
             self._experts_call = _experts_call(self.experts)
-        return bool(self._experts_call) and rows.dtype in (torch.bfloat16, torch.float32) and rows.device.type == "cpu"
-
-    def _fused(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:  # [R, D] -> [R, D]
-        call = self._experts_call
-        assert call
-        r, i = rows.shape[0], self.moe.intermediate_size
-        rows = rows.contiguous()
-        h = torch.empty(r, 2 * i, dtype=rows.dtype)  # [R, 2I] gate|up
-        act = torch.empty(r, i, dtype=rows.dtype)  # [R, I]
-        out = torch.empty_like(rows)  # [R, D]
-        n = torch.tensor(counts, dtype=torch.int64)  # [E]
-        call.ops.module.moe_experts(rows.data_ptr(), rows.dtype == torch.bfloat16, r, rows.shape[1], n.data_ptr(),
-                                    len(counts), call.gate_up.data_ptr(), call.gate_up_format, call.gate_up_k,
-                                    call.down.data_ptr(), call.down_format, i, call.down_k, h.data_ptr(),
-                                    act.data_ptr(), out.data_ptr())  # fmt: skip
-        return out
+        return bool(self._experts_call) and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
 
 
 class _ExpertsCall(NamedTuple):

@@ -312,7 +312,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return tokens;
   };
   m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
-  m.def("moe_experts", &tmk::moe_experts, "a MoE layer's experts over the rows routed to them (linear/experts.h)");
+  m.def("moe_routed", &tmk::moe_routed, "a MoE layer's chosen experts and their weighted sum (linear/experts.h)");
   m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
   m.def("unpack_rows", &tmk::unpack_rows_py, "rows of a packed quantized weight -> float32 [T, K], raw pointers");
   m.def("repack_gguf", &tmk::repack_gguf, "a GGUF tensor's ggml blocks -> the packed weight, on raw pointers");

@@ -12,11 +12,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
 #include "linear/linear.h"
 #include "ops/fused.h"
+#include "ops/peak.h"
 
 namespace tmk {
 
@@ -57,24 +59,55 @@ inline void experts_linear(const char* x, bool bf16, int64_t Kx, const std::vect
   });
 }
 
-// x [R, D] the rows grouped by expert (counts [E] int64), gate_up / down [E] int64 the experts' packed weights (one
-// format each: gate|up 2I x gu_K, down D x dn_K) -> out [R, D], each row's expert output; h [R, 2I] and act [R, I]
-// scratch. x, h, act and out in the model dtype (bfloat16 where `bf16`, else float32).
-inline void moe_experts(uintptr_t x, bool bf16, int64_t R, int64_t D, uintptr_t counts, int64_t E, uintptr_t gate_up,
-                        int64_t gu_format, int64_t gu_K, uintptr_t down, int64_t dn_format, int64_t I, int64_t dn_K,
-                        uintptr_t h, uintptr_t act, uintptr_t out) {
-  std::vector<int64_t> start(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + ((const int64_t*)counts)[e];
-  if (start[E] != R) throw std::invalid_argument("moe_experts: the experts' row counts do not add up to the rows");
-  experts_linear((const char*)x, bf16, D, start, static_cast<Format>(gu_format), (const int64_t*)gate_up, 2 * I,
-                 gu_K, (char*)h);
-  const int64_t e_bytes = bf16 ? 2 : 4;
+// A MoE layer after its router: ids [T, k] int64 each token's experts (distinct), w [T, k] float32 their weights
+// (rounded to the model dtype first where the family rounds them) -> out [T, D], each token's sum over its experts of
+// w * expert(x row), added in expert order with each product and each sum rounded to the model dtype, as transformers'
+// index_add_ over the experts in turn gives it. x and out in the model dtype (bfloat16 where `bf16`, else float32);
+// gate_up / down [E] int64 the experts' packed weights (one format each: gate|up 2I x gu_K, down D x dn_K).
+inline void moe_routed(uintptr_t x, bool bf16, int64_t T, int64_t D, uintptr_t ids, uintptr_t w, int64_t k, int64_t E,
+                       uintptr_t gate_up, int64_t gu_format, int64_t gu_K, uintptr_t down, int64_t dn_format,
+                       int64_t I, int64_t dn_K, uintptr_t out) {
+  const int64_t R = T * k, e_bytes = bf16 ? 2 : 4;
+  const int64_t* id = (const int64_t*)ids;
+  std::vector<int64_t> start(E + 1, 0), order(R), pos(R);  // the pairs grouped by expert, in token order within
+  for (int64_t r = 0; r < R; ++r) {
+    if (id[r] < 0 || id[r] >= E) throw std::invalid_argument("moe_routed: an expert id out of range");
+    ++start[id[r] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t r = 0; r < R; ++r) order[pos[r] = next[id[r]]++] = r;
+  std::vector<char> rows(R * D * e_bytes), h(R * 2 * I * e_bytes), act(R * I * e_bytes), ys(R * D * e_bytes);
+  at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {  // each pair's token row, grouped by expert
+    for (int64_t j = begin; j < end; ++j)
+      std::memcpy(rows.data() + j * D * e_bytes, (const char*)x + order[j] / k * D * e_bytes, D * e_bytes);
+  });
+  experts_linear(rows.data(), bf16, D, start, static_cast<Format>(gu_format), (const int64_t*)gate_up, 2 * I, gu_K,
+                 h.data());
   at::parallel_for(0, R, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
-    silu_mul_rows(Act{(char*)h + begin * 2 * I * e_bytes, bf16}, Act{(char*)act + begin * I * e_bytes, bf16},
+    silu_mul_rows(Act{h.data() + begin * 2 * I * e_bytes, bf16}, Act{act.data() + begin * I * e_bytes, bf16},
                   end - begin, I);
   });
-  experts_linear((const char*)act, bf16, I, start, static_cast<Format>(dn_format), (const int64_t*)down, D, dn_K,
-                 (char*)out);
+  experts_linear(act.data(), bf16, I, start, static_cast<Format>(dn_format), (const int64_t*)down, D, dn_K, ys.data());
+  const float* weight = (const float*)w;
+  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / D), [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> mine(k);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t j = 0; j < k; ++j) mine[j] = t * k + j;
+      std::sort(mine.begin(), mine.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+      const Act o{(char*)out + t * D * e_bytes, bf16};
+      for (int64_t d = 0; d < D; ++d) {
+        float sum = 0.f;
+        for (int64_t r : mine) {
+          const Act y{ys.data() + pos[r] * D * e_bytes, bf16};
+          float product = o.round(y.get(d) * weight[r]);
+          opaque(product);  // rounded, as torch's multiply stores it: never fused into the add (-ffp-contract=fast)
+          sum = o.round(sum + product);
+        }
+        o.set(d, sum);
+      }
+    }
+  });
 }
 
 }  // namespace tmk
