@@ -30,6 +30,7 @@ class ServerConfig:
     public_docs: bool = False  # serve /docs and /openapi.json without the API key
     tool_call_parser: str = "auto"  # how "auto" tool calls are read: hermes | llama3_json | auto (by template)
     grammar_compile_timeout: float = 10.0  # seconds a structured-output grammar may take to compile
+    reasoning_parser: str = "auto"  # how reasoning is told from the answer: qwen3 | deepseek_r1 | gpt_oss | none | auto
 
 
 @dataclass
