@@ -126,8 +126,8 @@ def test_messages_return_thinking_blocks_and_stream_thinking_deltas(reasoner: Se
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
     budgeted = client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 2})
     assert budgeted.content[0].type == "thinking" and len(budgeted.content[0].thinking) < len(THOUGHT)
-    history: Any = [*ASK, {"role": "assistant", "content": [{"type": "thinking", "thinking": THOUGHT,
-                    "signature": ""}, {"type": "text", "text": ANSWER}]}, {"role": "user", "content": "And now?"}]  # fmt: skip
+    turn = [{"type": "thinking", "thinking": THOUGHT, "signature": ""}, {"type": "text", "text": ANSWER}]
+    history: Any = [*ASK, {"role": "assistant", "content": turn}, {"role": "user", "content": "And now?"}]
     assert client.messages.create(**{**kw, "messages": history}).content
 
 
