@@ -178,6 +178,13 @@ def _serve_args(srv: argparse.ArgumentParser) -> None:
         help="how tool_choice=auto calls are read from the output (default: auto, by the chat template)",
     )
     srv.add_argument(
+        "--reasoning-parser",
+        choices=["auto", "none", "qwen3", "deepseek_r1", "gpt_oss"],
+        default="auto",
+        help="how a reasoning model's thinking is told from its answer (reasoning_content, thinking blocks); "
+        "default: auto, by the chat template (<think>: qwen3 / deepseek_r1, harmony channels: gpt_oss), else none",
+    )
+    srv.add_argument(
         "--grammar-compile-timeout",
         type=float,
         default=10.0,

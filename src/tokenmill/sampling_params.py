@@ -8,6 +8,9 @@ Semantics:
 - `logprobs=k` returns, per generated token, the log-probabilities of the sampled token plus the top k,
   computed from the model's raw distribution (before penalties and temperature), as vLLM does.
 
+`thinking` caps a reasoning model's thinking: after its budget of tokens, the end of thinking is forced
+(`ThinkingBudget`).
+
 `structured_outputs` constrains the output to a JSON schema, any JSON object, a regex, one of a list of strings,
 or a grammar (Lark/EBNF or llama.cpp's GBNF), as vLLM's `StructuredOutputsParams` does (structured_output/).
 
@@ -79,6 +82,25 @@ class StructuredOutputsParams:
         return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar or "")
 
 
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `max_tokens` tokens of reasoning: once the thinking has taken that many, the tokens `end_token_ids`
+    (a reasoning model's `</think>`) are forced, one a step, so that the answer comes. The thinking runs from the
+    output's start where the prompt opened it (`opened`), else from the first `start_token_ids` the output
+    writes, until `end_token_ids` follow. Not applied under `structured_outputs` (the grammar decides every token)."""
+
+    max_tokens: int
+    end_token_ids: tuple[int, ...]
+    start_token_ids: tuple[int, ...] = ()
+    opened: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            _fail("thinking_token_budget", self.max_tokens, "an integer >= 0")
+        if not self.end_token_ids or (not self.opened and not self.start_token_ids):
+            _fail("thinking", self, "end_token_ids, and start_token_ids unless the prompt opened the thinking")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -101,6 +123,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
+    thinking: ThinkingBudget | None = None  # a cap on a reasoning model's thinking
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

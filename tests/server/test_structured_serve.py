@@ -195,7 +195,10 @@ def test_auto_tool_calls_are_parsed_from_the_model_output(hermes_server: Server)
         calls += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
     assert content == "Let me check." and finish == "tool_calls"
-    assert [c.function.name for c in calls] == ["get_weather"] and calls[0].id
-    assert json.loads(calls[0].function.arguments or "") == {"city": "Paris", "unit": "c"}
+    heads = [c for c in calls if c.id]  # the first piece of a call: id, type and name; then argument pieces
+    assert [(c.index, c.function.name) for c in heads] == [(0, "get_weather")] and len(calls) > 2
+    arguments = "".join(c.function.arguments or "" for c in calls)
+    assert arguments == msg.tool_calls[0].function.arguments
+    assert json.loads(arguments) == {"city": "Paris", "unit": "c"}
     plain = client.chat.completions.create(**{**kw, "tool_choice": "none"})  # no tools shown: no parsing
     assert plain.choices[0].message.tool_calls is None

@@ -18,6 +18,7 @@ from itertools import count
 
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.sequence_input import sequence_input
+from tokenmill.engine.thinking import ThinkingBudgets
 from tokenmill.engine.validation import output_budget
 from tokenmill.kv_cache import KVManager
 from tokenmill.memory import trim
@@ -62,6 +63,7 @@ class EngineCore:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
         self.structured = StructuredOutputManager(tokenizer.rust, vocab_size, eos_token_ids)  # grammars' matchers
+        self.thinking = ThinkingBudgets()  # thinking budgets' counts (engine/thinking.py)
         self.requests: dict[str, list[Request]] = {}  # parent request id -> its sequences
         self._seqs: dict[str, Request] = {}  # sequence (request) id -> sequence
         self.stats = EngineStats()
@@ -116,6 +118,9 @@ class EngineCore:
         if grammar is not None:
             for child in children:
                 self.structured.add(child.request_id, grammar)
+        elif params.thinking is not None:  # under a grammar, the grammar decides every token
+            for child in children:
+                self.thinking.add(child.request_id, params.thinking)
         self.stats.prompt_tokens += len(request.prompt_token_ids)
         self.output.add_request(request.prompt, children)
         for child in children:
@@ -251,11 +256,13 @@ class EngineCore:
 
     def _model_input(self, so: SchedulerOutput) -> ModelInput:
         seqs = [sequence_input(self._seqs[s.request_id], s) for s in so.scheduled]
-        constrained = [s.request_id for s in seqs if s.sampling is not None and self.structured.has(s.request_id)]
+        sampling = [s.request_id for s in seqs if s.sampling is not None]
+        forced = {rid: t for rid in sampling if (t := self.thinking.forced(rid)) is not None}
+        constrained = [rid for rid in sampling if self.structured.has(rid) or rid in forced]
         if not constrained:
             return model_input(seqs, so.num_steps)
         rows = {rid: i for i, rid in enumerate(constrained)}
-        return model_input(seqs, so.num_steps, self.structured.bitmask(constrained), rows)
+        return model_input(seqs, so.num_steps, self.structured.bitmask(constrained, forced), rows)
 
     def update_from_output(
         self, so: SchedulerOutput, result: RunnerOutput, scheduled_at: float | None = None
@@ -291,6 +298,7 @@ class EngineCore:
                 self.stats.spec_accepted_tokens += accepted
             for token, logprobs in new_tokens:
                 self._append_token(req, token, logprobs, now)
+                self.thinking.accept(req.request_id, token)
                 if self.structured.has(req.request_id):
                     self._advance_grammar(req, token)
                 if req.finished:  # a stop inside an accepted run: the rest is dropped
@@ -375,6 +383,10 @@ class EngineCore:
                 continue
             # each kept draft and the token after them are outputs: stay inside max_tokens and the context
             limit = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
+            free = self.thinking.free_tokens(req.request_id)  # drafts stop short of a token a budget forces
+            limit = limit if free is None else min(limit, free - 1)
+            if limit < 1:
+                continue
             asks.append(DraftRequest(req.request_id, req.all_token_ids, limit))
         drafts = self.proposer.propose_batch(asks) if asks else {}
         for req in running:  # every running sequence: none keeps last step's drafts
@@ -387,13 +399,16 @@ class EngineCore:
             return
         for req in self.scheduler.running:
             constrained = self.structured.has(req.request_id)
-            req.multi_step_limit = run_steps_allowed(req, self.scheduler_steps, self.max_model_len, constrained)
+            limit = run_steps_allowed(req, self.scheduler_steps, self.max_model_len, constrained)
+            free = self.thinking.free_tokens(req.request_id)  # a run stops short of a token a budget forces
+            req.multi_step_limit = limit if free is None else min(limit, free)
 
     def _release(self, req: Request) -> None:
         req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()
         self.scheduler.remove(req)
         self.runner.release(req.request_id)
         self.structured.remove(req.request_id)
+        self.thinking.remove(req.request_id)
         if self.proposer is not None:
             self.proposer.release(req.request_id)
         self._seqs.pop(req.request_id, None)

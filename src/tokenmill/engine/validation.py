@@ -22,6 +22,11 @@ def output_budget(
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"stop_token_ids={params.stop_token_ids} is invalid: allowed ids in [0, {vocab_size - 1}]")
+    thinking = params.thinking
+    bad = next((t for t in (*thinking.start_token_ids, *thinking.end_token_ids) if not 0 <= t < vocab_size), None) \
+        if thinking is not None else None  # fmt: skip
+    if bad is not None:
+        raise ValueError(f"thinking names token id {bad}, out of range: allowed [0, {vocab_size - 1}]")
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt
     if max_tokens < 1 or num_prompt + max_tokens > max_model_len:
         raise ValueError(

@@ -3,9 +3,10 @@ with the house rules of protocol.py (unknown fields are a 400 naming them, stric
 their translation into what the rest of the server speaks: chat-template messages, tools as the template takes
 them, and the sampling fields that chat completions use.
 
-Content blocks are `text`, `tool_use` (assistant turns) and `tool_result` (user turns, its content a string or
-text blocks). Any other block type is refused by name: images and documents because the models take text only,
-`thinking` because tokenmill has no reasoning parser yet. `cache_control` is accepted wherever Anthropic takes it
+Content blocks are `text`, `tool_use` and `thinking` (assistant turns; thinking goes to the template as the turn's
+`reasoning_content`) and `tool_result` (user turns, its content a string or text blocks). Any other block type is
+refused by name: images and documents because the models take text only, `redacted_thinking` because nothing
+here can read it. `cache_control` is accepted wherever Anthropic takes it
 and has nothing to do: prefix caching keeps every prompt's blocks already.
 """
 
@@ -34,6 +35,13 @@ class ToolUseBlock(_Strict):
     cache_control: CacheControl = None
 
 
+class ThinkingBlock(_Strict):
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text = ""  # tokenmill signs nothing: accepted as given
+    cache_control: CacheControl = None
+
+
 class UnsupportedBlock(BaseModel):
     """A block type tokenmill cannot take: accepted by the schema only to say what is wrong with it."""
 
@@ -44,9 +52,9 @@ class UnsupportedBlock(BaseModel):
     def _refuse(self) -> UnsupportedBlock:
         if self.type in ("image", "document"):
             raise ValueError(f"content blocks of type {self.type!r} are not supported: this model takes text only")
-        if self.type in ("thinking", "redacted_thinking"):
-            raise ValueError(f"content blocks of type {self.type!r} are not supported: tokenmill has no reasoning "
-                             "parser yet")  # fmt: skip
+        if self.type == "redacted_thinking":
+            raise ValueError("content blocks of type 'redacted_thinking' are not supported: they are encrypted "
+                             "for Anthropic's models; send thinking blocks")  # fmt: skip
         raise ValueError(f"unknown content block type {self.type!r}: allowed text, tool_use and tool_result")
 
 
@@ -76,8 +84,9 @@ class ToolResultBlock(_Strict):
 
 Block = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
-    | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[UnsupportedBlock, Tag("other")],
-    Discriminator(_block_tag(("text", "tool_use", "tool_result"))),
+    | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
+    | Annotated[UnsupportedBlock, Tag("other")],
+    Discriminator(_block_tag(("text", "tool_use", "tool_result", "thinking"))),
 ]  # fmt: skip
 
 
@@ -92,13 +101,17 @@ class Message(_Strict):
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
         blocks = self.content
-        wrong = "tool_result" if self.role == "assistant" else "tool_use"
-        if any(b.type == wrong for b in blocks):
-            raise ValueError(f"messages.{at}: a {self.role} message may not hold {wrong} blocks")
+        wrong = ("tool_result",) if self.role == "assistant" else ("tool_use", "thinking")
+        bad = next((b.type for b in blocks if b.type in wrong), None)
+        if bad is not None:
+            raise ValueError(f"messages.{at}: a {self.role} message may not hold {bad} blocks")
         if self.role == "assistant":
             uses = [b for b in blocks if isinstance(b, ToolUseBlock)]
             called.update(b.id for b in uses)
             message: dict[str, Any] = {"role": "assistant", "content": _joined(blocks)}
+            thought = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+            if thought:
+                message["reasoning_content"] = thought
             if uses:
                 message["tool_calls"] = [{"id": b.id, "type": "function", "function": {"name": b.name,
                                           "arguments": b.input}} for b in uses]  # fmt: skip
@@ -142,8 +155,20 @@ class ToolChoice(_Strict):
 
 
 class ThinkingConfig(_Strict):
+    """`enabled` (with `budget_tokens`: the thinking budget), `adaptive` (no budget) or `disabled` (the template
+    gets `enable_thinking: false`, which Qwen3's honours)."""
+
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Int64 | None = None
+
+    @model_validator(mode="after")
+    def _budget(self) -> ThinkingConfig:
+        if self.type == "enabled" and (self.budget_tokens is None or self.budget_tokens < 1):
+            raise ValueError('thinking of type "enabled" needs budget_tokens, an integer >= 1')
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return {"enable_thinking": self.type != "disabled"}
 
 
 class CountTokensRequest(_Strict):

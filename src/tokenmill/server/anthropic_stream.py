@@ -1,13 +1,11 @@
 """Anthropic's message shape, whole or as its stream of server-sent events, from one engine request.
 
-The text goes through the same `tools.ToolStream` (streaming) or `tools.parse` (whole) as a chat completion's;
-`Blocks` turns the chat deltas it gives into content blocks, so that both APIs read tool calls one way. The
-stream is Anthropic's: `message_start`, then per block `content_block_start`, `content_block_delta`s
-(`text_delta`, `input_json_delta`) and `content_block_stop` (with one `ping` after the first block starts), then
-`message_delta` (stop reason and usage) and `message_stop`; a failure mid-stream is an `error` event.
-
-A forced tool (`tool_choice` of type `tool`) streams its input as it is generated; tool calls the model writes
-itself (`auto`) or that `any` constrains are read when the output is complete, each sent as one block then.
+The text goes through the same `ChoiceStream` (streaming) or `read_answer` (whole) as a chat completion's;
+`Blocks` turns the chat deltas it gives into content blocks, so that both APIs read reasoning and tool calls one
+way. The stream is Anthropic's: `message_start`, then per block `content_block_start`, `content_block_delta`s
+(`thinking_delta`, `text_delta`, `input_json_delta`) and `content_block_stop` (with one `ping` after the first
+block starts), then `message_delta` (stop reason and usage) and `message_stop`; a failure mid-stream is an `error`
+event. Every tool call's input streams as it is generated (tool_stream.py).
 
 Must not import torch.
 """
@@ -20,7 +18,7 @@ from typing import Any
 from pydantic_core import from_json
 
 from tokenmill.outputs import CompletionOutput
-from tokenmill.server import tools
+from tokenmill.server.choice_stream import AnswerPlan, ChoiceStream, read_answer
 from tokenmill.server.errors import anthropic_error_body
 from tokenmill.server.streaming import Call, merged, sse
 
@@ -52,10 +50,11 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def message_body(call: Call, plan: tools.ToolPlan, out: CompletionOutput) -> dict[str, Any]:
+def message_body(call: Call, plan: AnswerPlan, out: CompletionOutput) -> dict[str, Any]:
     """The whole message for a finished output."""
-    content, calls = tools.parse(plan, out.text) if plan.mode != "none" else (out.text, [])
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+    thought, content, calls = read_answer(plan, out.text)
+    blocks: list[dict[str, Any]] = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+    blocks += [{"type": "text", "text": content}] if content else []
     for c in calls:
         f = c["function"]
         blocks.append({"type": "tool_use", "id": tool_use_id(c["id"]), "name": f["name"],
@@ -71,7 +70,8 @@ def _event(kind: str, **fields: Any) -> str:
 
 
 class Blocks:
-    """Content-block events from chat deltas (`{"content"?, "tool_calls"?}`, as `tools.ToolStream` gives them).
+    """Content-block events from chat deltas (`{"reasoning_content"?, "content"?, "tool_calls"?}`, as `ChoiceStream`
+    gives them).
     Blocks are sent one after another: a new one closes the open one."""
 
     def __init__(self) -> None:
@@ -82,6 +82,10 @@ class Blocks:
 
     def feed(self, delta: dict[str, Any]) -> list[str]:
         events = []
+        if delta.get("reasoning_content"):
+            if self.open != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
         if delta.get("content"):
             if self.open != "text":
                 events += self._start({"type": "text", "text": ""})
@@ -97,7 +101,10 @@ class Blocks:
         return events
 
     def close(self) -> list[str]:
-        events = [_event("content_block_stop", index=self.index)] if self.open else []
+        events = []
+        if self.open == "thinking":  # the SDK's thinking block ends with its signature (tokenmill signs nothing)
+            events.append(self._delta({"type": "signature_delta", "signature": ""}))
+        events += [_event("content_block_stop", index=self.index)] if self.open else []
         self.open = None
         if not self.pinged:
             self.pinged = True
@@ -118,13 +125,13 @@ class Blocks:
         return _event("content_block_delta", index=self.index, delta=delta)
 
 
-async def message_events(call: Call, plan: tools.ToolPlan) -> AsyncIterator[str]:
+async def message_events(call: Call, plan: AnswerPlan) -> AsyncIterator[str]:
     """The message's SSE, as the `anthropic` SDK's `messages.stream()` assembles it."""
     usage = {"input_tokens": len(call.prompts[0]), "output_tokens": 0}
     start: dict[str, Any] = {"id": call.id, "type": "message", "role": "assistant", "model": call.model,
                              "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}  # fmt: skip
     yield _event("message_start", message=start)
-    text, blocks = tools.ToolStream(plan), Blocks()
+    text, blocks = ChoiceStream(plan), Blocks()
     final: CompletionOutput | None = None
     try:
         async for _, out in merged(call):

@@ -61,7 +61,7 @@ def server_config(args: argparse.Namespace, name: str) -> Any:
         raise ValueError(f"--max-body-mb={args.max_body_mb} is invalid: allowed values > 0")
     return ServerConfig(name, api_key(args), args.max_waiting_requests, args.max_n, args.max_prompts,
                         int(args.max_body_mb * 2**20), args.public_docs, args.tool_call_parser,
-                        args.grammar_compile_timeout, args.responses_store_size)  # fmt: skip
+                        args.grammar_compile_timeout, args.responses_store_size, args.reasoning_parser)  # fmt: skip
 
 
 def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) -> int:

@@ -13,11 +13,13 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.outputs import Logprobs
+from tokenmill.outputs import Logprobs, RequestOutput
 from tokenmill.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
-from tokenmill.server import tools
+from tokenmill.server import reasoning, tools
 from tokenmill.server.calls import check_sizes, start_call
+from tokenmill.server.choice_stream import AnswerPlan, ChoiceStream, answer_plan, read_answer, with_reasoning
 from tokenmill.server.errors import APIError, bad_value
+from tokenmill.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions, _SamplingFields
 from tokenmill.server.state import ServerState, get_state, ready_engine
 from tokenmill.server.streaming import Call, ChoiceBuilder, completion_tokens, run_to_end, stream_events
@@ -52,10 +54,12 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
     prompts = await run_in_threadpool(_normalize_prompt, body.prompt, tok)  # tokenizing can take seconds
     want_lp = body.logprobs
     field, constraint = _structured(body)
+    _check_prompt_logprobs(body)
+    echo_lp = want_lp if (body.echo and want_lp is not None) else None
     try:
         params = body.sampling_params(
             engine.default_sampling_params(), body.max_tokens, want_lp,
-            want_lp if (body.echo and want_lp is not None) else None, constraint,
+            max(body.prompt_logprobs, echo_lp or 0) if body.prompt_logprobs is not None else echo_lp, constraint,
         )  # fmt: skip
     except ValueError as e:
         raise bad_value(e) from None
@@ -67,7 +71,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
         index: int, ids: list[int], lp: list[Logprobs] | None, text: str, finish: str | None, first: bool,
         stop: int | str | None,
     ) -> dict[str, Any]:  # fmt: skip
-        logprobs = _completion_logprobs(tok, ids, list(lp)) if lp is not None else None
+        logprobs = completion_logprobs(tok, ids, list(lp)) if lp is not None else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
 
     if body.stream:
@@ -82,11 +86,14 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
                 ids, entries = list(c.token_ids), list[Logprobs | None](c.logprobs)
                 if body.echo and out.prompt_logprobs is not None:
                     ids, entries = out.prompt_token_ids + ids, list(out.prompt_logprobs) + entries
-                lp = _completion_logprobs(tok, ids, entries)
+                lp = completion_logprobs(tok, ids, entries)
             if body.echo:
                 text = call.echo_texts[i] + text
-            choices.append({"index": i * call.n + c.index, "text": text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
+            choice_body = {"index": i * call.n + c.index, "text": text, "logprobs": lp,
+                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
+            if body.prompt_logprobs is not None:
+                choice_body["prompt_logprobs"] = prompt_logprobs(tok, out.prompt_logprobs or [], body.prompt_logprobs)
+            choices.append(choice_body)
     return {"id": call.id, "object": "text_completion", "created": call.created, "model": call.model,
             "choices": choices, "usage": call.usage(completion_tokens(finals))}  # fmt: skip
 
@@ -96,6 +103,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
 async def chat_completions(body: ChatCompletionRequest, raw: Request, state: State, engine: Engine) -> Any:
     state.check_model(body.model)
     check_sizes(state, body.n, 1)
+    _check_prompt_logprobs(body)
     tok = engine.tokenizer
     try:
         plan = tools.chat_plan(body, state.config.tool_call_parser, tok.chat_template_text)
@@ -106,52 +114,86 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     if forced is not None and constraint is not None:
         raise APIError(400, f"tool_choice={plan.mode!r} constrains the output already; drop {field}", param=field)
     field, constraint = ("tool_choice", forced) if forced is not None else (field, constraint)
-    messages = [m.as_template_dict() for m in body.messages]
-    extra = {"tools": plan.tools} if plan.mode != "none" else {}
-    try:  # rendering and tokenizing off the event loop: a long conversation must not stall other clients
-        prompt = await run_in_threadpool(tok.apply_chat_template, messages, body.add_generation_prompt, **extra)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+    prompt = await _chat_prompt(body, plan, tok)
+    answer = answer_plan(plan, reasoning.pick(state.config.reasoning_parser, tok.chat_template_text), tok, prompt)
     top = _check_chat_fields(body)
     try:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = top if body.logprobs else None
         params = body.sampling_params(
-            engine.default_sampling_params(), max_tokens, top if body.logprobs else None, None, constraint
+            engine.default_sampling_params(), max_tokens, logprobs, body.prompt_logprobs, constraint
         )
+        params = with_reasoning(params, answer, tok, body.thinking_token_budget)
     except ValueError as e:
         raise bad_value(e) from None
     call = await start_call(state, engine, "chat.completion", "chatcmpl-", [prompt], params, body.priority, field)
-    streams: dict[int, tools.ToolStream] = {}
+    streams: dict[int, ChoiceStream] = {}
 
     def choice(
         index: int, ids: list[int], lp: list[Logprobs] | None, text: str, finish: str | None, first: bool,
         stop: int | str | None,
-    ) -> dict[str, Any]:  # fmt: skip
-        ts = streams.setdefault(index, tools.ToolStream(plan))
-        delta: dict[str, Any] = ts.feed(text, finish is not None)
+    ) -> dict[str, Any] | None:  # fmt: skip
+        cs = streams.setdefault(index, ChoiceStream(answer))
+        delta: dict[str, Any] = cs.feed(text, finish is not None)
+        if not (delta or finish):
+            return None  # nothing to send yet (a tag's first characters, a call's name still being written)
         if first:
             delta = {"role": "assistant", **delta}
-        if ts.calls and finish == "stop":
+        if cs.calls and finish == "stop":
             finish = "tool_calls"
-        logprobs = _chat_logprobs(tok, ids, lp, top) if lp is not None else None
+        logprobs = chat_logprobs(tok, ids, lp, top) if lp is not None else None
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
 
     if body.stream:
         return _stream(call, choice, body.stream_options)
     finals = await run_to_end(call, raw)
+    return _chat_body(call, finals[0], answer, tok, body, top)
+
+
+async def _chat_prompt(body: ChatCompletionRequest, plan: tools.ToolPlan, tok: Tokenizer) -> list[int]:
+    """The conversation rendered and tokenized (off the event loop: a long one must not stall other clients), with
+    the tools the plan shows and the request's `chat_template_kwargs`."""
+    messages = [m.as_template_dict() for m in body.messages]
+    extra = dict(body.chat_template_kwargs or {})
+    taken = next((k for k in extra if k in ("messages", "add_generation_prompt", "tools")), None)
+    if taken is not None:
+        raise APIError(400, f"chat_template_kwargs may not set {taken!r}: give it as the request's own field",
+                       param="chat_template_kwargs")  # fmt: skip
+    if plan.mode != "none":
+        extra["tools"] = plan.tools
+    try:
+        return await run_in_threadpool(tok.apply_chat_template, messages, body.add_generation_prompt, **extra)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def _chat_body(
+    call: Call, final: RequestOutput, answer: AnswerPlan, tok: Tokenizer, body: ChatCompletionRequest, top: int
+) -> dict[str, Any]:  # fmt: skip
     choices = []
-    for c in finals[0].outputs:
-        lp = _chat_logprobs(tok, c.token_ids, c.logprobs, top) if body.logprobs and c.logprobs else None
-        content, calls = tools.parse(plan, c.text) if plan.mode != "none" else (c.text, [])
+    for c in final.outputs:
+        lp = chat_logprobs(tok, c.token_ids, c.logprobs, top) if body.logprobs and c.logprobs else None
+        thought, content, calls = read_answer(answer, c.text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if answer.reasoning is not None:
+            message["reasoning_content"] = thought
         finish = c.finish_reason
         if calls:
             message["tool_calls"] = calls
             finish = "tool_calls" if finish == "stop" else finish
         choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish,
                         "stop_reason": c.stop_reason})  # fmt: skip
-    return {"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
-            "choices": choices, "usage": call.usage(completion_tokens(finals))}  # fmt: skip
+    out = {"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
+           "choices": choices, "usage": call.usage(completion_tokens({0: final}))}  # fmt: skip
+    if body.prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs(tok, final.prompt_logprobs or [], body.prompt_logprobs)
+    return out
+
+
+def _check_prompt_logprobs(body: _SamplingFields) -> None:
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError(400, "prompt_logprobs is returned with whole responses only: set stream to false",
+                       param="prompt_logprobs")  # fmt: skip
 
 
 def _check_chat_fields(body: ChatCompletionRequest) -> int:
@@ -184,47 +226,3 @@ def _normalize_prompt(prompt: str | list[str] | list[int] | list[list[int]], tok
     if all(isinstance(p, str) for p in prompt):
         return [tok.encode(p) for p in prompt]  # type: ignore[arg-type]
     return [list(p) for p in prompt]  # type: ignore[arg-type]
-
-
-def _token_str(tok: Tokenizer, token_id: int) -> str:
-    return tok.decode([token_id], skip_special_tokens=False)
-
-
-LOGPROB_FLOOR = -9999.0  # vLLM's: JSON has no -inf (a logit the model set to -inf) and no NaN (a broken model's)
-
-
-def _finite(logprob: float) -> float:
-    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN fails the comparison too
-
-
-def _completion_logprobs(tok: Tokenizer, token_ids: list[int], entries: list[Logprobs | None]) -> dict[str, Any]:
-    tokens, values, tops, offsets = [], [], [], []
-    offset = 0
-    for tid, entry in zip(token_ids, entries):
-        text = _token_str(tok, tid)
-        tokens.append(text)
-        values.append(_finite(entry[tid]) if entry else None)
-        tops.append(_top_by_text(tok, entry) if entry else None)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _top_by_text(tok: Tokenizer, entry: Logprobs) -> dict[str, float]:
-    """{token text: logprob}, most likely first. Tokens that decode alike (parts of characters all read U+FFFD)
-    share a key: it keeps the likeliest one's value, not whichever came last."""
-    tops: dict[str, float] = {}
-    for t, lp in sorted(entry.items(), key=lambda kv: -_finite(kv[1])):
-        tops.setdefault(_token_str(tok, t), _finite(lp))
-    return tops
-
-
-def _chat_logprobs(tok: Tokenizer, token_ids: list[int], entries: list[Logprobs], top: int) -> dict[str, Any]:
-    def item(t: int, lp: float) -> dict[str, Any]:  # bytes: the token's own, where its text is part of a character
-        return {"token": _token_str(tok, t), "logprob": _finite(lp), "bytes": list(tok.token_bytes(t))}
-
-    content = []
-    for tid, entry in zip(token_ids, entries):
-        ranked = sorted(entry.items(), key=lambda kv: -_finite(kv[1]))[:top]
-        content.append({**item(tid, entry[tid]), "top_logprobs": [item(t, lp) for t, lp in ranked]})
-    return {"content": content}

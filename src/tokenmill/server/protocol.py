@@ -90,6 +90,7 @@ class _SamplingFields(_Strict):
     guided_grammar: Text | None = None
     guided_decoding_backend: Text | None = None  # accepted and ignored: there is one backend (llguidance)
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    prompt_logprobs: Int64 | None = None  # vLLM's: per prompt token, its logprob and the top k
 
     def structured(self) -> tuple[str, StructuredOutputsParams] | None:
         """(the field it came from, the constraint) for the one structured-output field given, or None.
@@ -263,6 +264,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    thinking_token_budget: Int64 | None = None  # reasoning tokens before the end of thinking is forced
 
 
 class GenerateRequest(_Strict):

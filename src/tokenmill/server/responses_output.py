@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.server import tools
+from tokenmill.server import tool_stream, tools
 from tokenmill.server.responses_protocol import FunctionTool, NamedFunction, ResponsesRequest, new_id
 
 ABORTED = "the request was aborted: the server is shutting down; retry"
@@ -47,7 +47,7 @@ def function_call_item(call_id: str, name: str, arguments: str, status: str) -> 
 
 def output_items(plan: tools.ToolPlan, out: CompletionOutput) -> list[dict[str, Any]]:
     """The output items of a finished output."""
-    content, calls = tools.parse(plan, out.text) if plan.mode != "none" else (out.text, [])
+    content, calls = tool_stream.parse(plan, out.text) if plan.mode != "none" else (out.text, [])
     items = [message_item(content or "", "completed")] if content or not calls else []
     for c in calls:
         items.append(function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed"))

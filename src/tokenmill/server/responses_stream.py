@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tokenmill.outputs import RequestOutput
-from tokenmill.server import tools
+from tokenmill.server import tool_stream, tools
 from tokenmill.server.responses_output import (
     ABORTED,
     ResponseHead,
@@ -122,7 +122,7 @@ async def response_events(
     started = head.body("in_progress", [], None)
     yield emit("response.created", response=started)
     yield emit("response.in_progress", response=started)
-    text, items = tools.ToolStream(plan), Items(emit)
+    text, items = tool_stream.ToolStream(plan), Items(emit)
     final: RequestOutput | None = None
     try:
         async for _, out in merged(call):

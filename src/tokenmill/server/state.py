@@ -32,6 +32,7 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # how "auto" tool calls are read: hermes | llama3_json | auto (by template)
     grammar_compile_timeout: float = 10.0  # seconds a structured-output grammar may take to compile
     responses_store_size: int = 1000  # Responses API responses kept for previous_response_id (least recent dropped)
+    reasoning_parser: str = "auto"  # how reasoning is told from the answer: qwen3 | deepseek_r1 | gpt_oss | none | auto
 
 
 @dataclass

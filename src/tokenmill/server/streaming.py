@@ -120,9 +120,10 @@ async def run_to_end(call: Call, raw: Request) -> dict[int, RequestOutput]:
 
 # One choice of a streamed chunk (completions and chat differ in shape): (index, new token ids, their logprobs or
 # None, new text, finish reason, first chunk of this choice, stop reason: the stop string or token id that ended
-# it, as vLLM's `stop_reason`) -> choice
+# it, as vLLM's `stop_reason`) -> choice, or None when there is nothing to send yet (its tokens and logprobs then
+# go with the choice's next chunk)
 ChoiceBuilder = Callable[
-    [int, list[int], list[Logprobs] | None, str, str | None, bool, int | str | None], dict[str, Any]
+    [int, list[int], list[Logprobs] | None, str, str | None, bool, int | str | None], dict[str, Any] | None
 ]
 
 
@@ -146,7 +147,9 @@ async def stream_events(
     try:
         for i, text in enumerate(call.echo_texts):
             for j in range(call.n):
-                yield chunk([choice(i * call.n + j, [], None, text, None, True, None)])
+                echoed = choice(i * call.n + j, [], None, text, None, True, None)
+                if echoed is not None:
+                    yield chunk([echoed])
         async for i, out in merged(call):
             for c in out.outputs:
                 index = i * call.n + c.index
@@ -155,11 +158,13 @@ async def stream_events(
                 if index in ended or not (delta or c.finish_reason or first):
                     continue  # tokens whose text is held back keep their logprobs for the next chunk
                 lp = c.logprobs[done:] if c.logprobs is not None else None
-                ids = c.token_ids[done:]
+                built = choice(index, c.token_ids[done:], lp, delta, c.finish_reason, first, c.stop_reason)
+                if built is None:
+                    continue
                 sent[index] = len(c.token_ids)
                 if c.finish_reason:
                     ended.add(index)
-                yield chunk([choice(index, ids, lp, delta, c.finish_reason, first, c.stop_reason)])
+                yield chunk([built])
             if out.finished:
                 finals[i] = out
                 call.observe(out)

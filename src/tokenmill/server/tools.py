@@ -9,8 +9,9 @@
   JSON (`{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`, several separated by `;`).
   `--tool-call-parser auto` picks by the template (one that writes `<tool_call>` is Hermes).
 
-Streaming follows the `openai` SDK: a forced function streams its arguments as `delta.tool_calls` pieces; the
-other modes send content as it comes and each parsed call whole, once the output is complete.
+Calls are read from the output as it is generated (tool_stream.py): every mode streams a call's arguments as
+`delta.tool_calls` pieces, as the `openai` SDK expects; the whole-text parsers here read a model's calls that
+the stream could not follow.
 
 Must not import torch.
 """
@@ -97,17 +98,9 @@ def new_call(name: str, arguments: Any) -> dict[str, Any]:
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": text}}
 
 
-def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of a finished output."""
-    if p.mode == "named":
-        return None, [new_call(p.function or "", text)]
-    if p.mode == "required":
-        try:
-            return None, [new_call(c["name"], c["parameters"]) for c in json.loads(text)]
-        except (ValueError, TypeError, KeyError):  # cut short (max_tokens): no calls
-            return text, []
-    if p.mode == "none":
-        return text, []
+def parse_whole(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a finished `"auto"` output read whole, in the plan's parser's format: a model's
+    calls that tool_stream.py's reader could not follow as they came."""
     return _parse_hermes(text) if p.parser == "hermes" else _parse_llama3(text)
 
 
@@ -148,56 +141,3 @@ def _parse_llama3(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             return text, []
         calls.append(call)
     return None, calls
-
-
-class ToolStream:
-    """One choice's stream: text deltas in, chat `delta` fields out."""
-
-    def __init__(self, p: ToolPlan) -> None:
-        self.plan, self.text, self.sent, self.calls = p, "", 0, 0  # sent: characters of text sent as content
-        self.call_id = "call_" + uuid.uuid4().hex[:24]
-
-    def feed(self, delta: str, finished: bool) -> dict[str, Any]:
-        """The delta fields for new text `delta` (empty when nothing can be sent yet)."""
-        self.text += delta
-        p = self.plan
-        if p.mode == "named":  # the text is the arguments: stream them
-            if self.calls == 0:
-                self.calls = 1
-                call = {"index": 0, "id": self.call_id, "type": "function",
-                        "function": {"name": p.function, "arguments": delta}}  # fmt: skip
-                return {"tool_calls": [call]}
-            return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]} if delta else {}
-        if p.mode == "none":
-            return {"content": delta} if delta else {}
-        if finished:
-            _, calls = parse(p, self.text)
-            self.calls = len(calls)
-            if not calls:
-                rest = self.text[self.sent :]
-                return {"content": rest} if rest else {}
-            cut = self.text.find(HERMES_OPEN) if p.parser == "hermes" and p.mode == "auto" else self.sent
-            out: dict[str, Any] = {"content": self.text[self.sent : cut].rstrip()} if cut > self.sent else {}
-            out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-            return out
-        upto = self._safe_end()
-        if upto > self.sent:
-            chunk, self.sent = self.text[self.sent : upto], upto
-            return {"content": chunk}
-        return {}
-
-    def _safe_end(self) -> int:
-        """How much text can go out as content: none once a call may have begun, and never a tag's prefix."""
-        if self.plan.mode == "required":
-            return 0
-        if self.plan.parser == "llama3_json":  # a call is the whole message: wait until it cannot be one
-            lead = self.text.lstrip()
-            maybe_call = not lead or lead[0] == "{" or PYTHON_TAG.startswith(lead[: len(PYTHON_TAG)])
-            return 0 if maybe_call else len(self.text)
-        at = self.text.find(HERMES_OPEN)
-        end = at if at >= 0 else len(self.text)
-        for k in range(min(len(HERMES_OPEN) - 1, end), 0, -1):  # hold back "<tool" at the end
-            if at < 0 and HERMES_OPEN.startswith(self.text[end - k : end]):
-                end -= k
-                break
-        return len(self.text[:end].rstrip())  # and trailing whitespace: it may precede a call

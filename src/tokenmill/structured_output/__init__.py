@@ -45,6 +45,11 @@ class GrammarBackend(Protocol):
     def compile(self, kind: str, text: str) -> Grammar: ...  # ValueError naming what is wrong
 
 
+def _bit(k: int) -> int:
+    """Bit k of an int32 word, as a signed value (bit 31 is the sign)."""
+    return (1 << k) - (1 << 32) if k == 31 else 1 << k
+
+
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -90,11 +95,16 @@ class StructuredOutputManager:
     def has(self, seq_id: str) -> bool:
         return seq_id in self._matchers
 
-    def bitmask(self, seq_ids: list[str]) -> torch.Tensor:
-        """[len(seq_ids), W] int32: row i the tokens sequence i may sample next."""
+    def bitmask(self, seq_ids: list[str], forced: dict[str, int] | None = None) -> torch.Tensor:
+        """[len(seq_ids), W] int32: row i the tokens sequence i may sample next: its grammar's, or the one token
+        `forced` names for it (a spent thinking budget's end of thinking: engine/thinking.py)."""
         mask = torch.zeros(len(seq_ids), bitmask_words(self.vocab_size), dtype=torch.int32)
         for row, seq_id in enumerate(seq_ids):
-            self._matchers[seq_id].fill_bitmask(mask, row)
+            token = (forced or {}).get(seq_id)
+            if token is not None:
+                mask[row, token // 32] = _bit(token % 32)
+            else:
+                self._matchers[seq_id].fill_bitmask(mask, row)
         return mask
 
     def accept(self, seq_id: str, token: int) -> bool:

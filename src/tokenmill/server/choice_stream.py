@@ -1,0 +1,87 @@
+"""One chat answer's text read as it streams or whole: reasoning first (reasoning.py, when a parser is on), then
+the answer through the tool calls' reader (tool_stream.py). Chat completions and the Messages API both read their
+outputs here, so a streamed answer is its whole one cut in pieces.
+
+Must not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tokenmill.sampling_params import SamplingParams, ThinkingBudget
+from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
+from tokenmill.server.tool_stream import ToolStream, parse
+from tokenmill.server.tools import ToolPlan
+from tokenmill.tokenizer import Tokenizer
+
+PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens read to see whether it opened the thinking
+
+
+@dataclass(frozen=True)
+class AnswerPlan:
+    """How a request's output is read: its tool plan, and its reasoning parser with whether the prompt opened the
+    thinking."""
+
+    tools: ToolPlan
+    reasoning: ReasoningParser | None = None
+    opened: bool = False
+
+    def budget(self, tok: Tokenizer, max_tokens: int | None) -> ThinkingBudget | None:
+        """The engine's thinking budget for `max_tokens` reasoning tokens (None: no budget). ValueError without
+        a reasoning parser."""
+        if max_tokens is None:
+            return None
+        if self.reasoning is None:
+            raise ValueError("a thinking budget needs a reasoning parser: start the server with --reasoning-parser")
+        p = self.reasoning
+        return ThinkingBudget(max_tokens, tuple(tok.encode(p.end, add_special_tokens=False)),
+                              tuple(tok.encode(p.start, add_special_tokens=False)), self.opened)  # fmt: skip
+
+
+def with_reasoning(params: SamplingParams, answer: AnswerPlan, tok: Tokenizer, budget: int | None) -> SamplingParams:
+    """`params` with the thinking budget, and with special tokens kept in the text where the reasoning parser reads
+    them (harmony's channels). ValueError for a budget without a parser."""
+    thinking = answer.budget(tok, budget)
+    harmony = answer.reasoning is not None and answer.reasoning.harmony
+    if thinking is None and not harmony:
+        return params
+    return replace(params, thinking=thinking, skip_special_tokens=params.skip_special_tokens and not harmony)
+
+
+def answer_plan(tools: ToolPlan, reasoning: ReasoningParser | None, tok: Tokenizer, prompt: list[int]) -> AnswerPlan:
+    if reasoning is None:
+        return AnswerPlan(tools)
+    tail = tok.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return AnswerPlan(tools, reasoning, reasoning.opened_by(tail))
+
+
+class ChoiceStream:
+    """One choice's text deltas in, chat `delta` fields out: `reasoning_content`, `content`, `tool_calls`."""
+
+    def __init__(self, plan: AnswerPlan) -> None:
+        self.tools = ToolStream(plan.tools)
+        self.reasoning: ReasoningStream | None = plan.reasoning.stream(plan.opened) if plan.reasoning else None
+
+    @property
+    def calls(self) -> int:
+        return self.tools.calls
+
+    def feed(self, delta: str, finished: bool) -> dict[str, Any]:
+        thought = ""
+        if self.reasoning is not None:
+            thought, delta = self.reasoning.feed(delta, finished)
+        out = self.tools.feed(delta, finished) if delta or finished else {}
+        return {"reasoning_content": thought, **out} if thought else out
+
+
+def read_answer(plan: AnswerPlan, text: str) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+    """(reasoning or None, content, tool calls) of a finished output."""
+    reasoning = None
+    if plan.reasoning is not None:
+        reasoning, text = plan.reasoning.split(text, plan.opened)
+    content, calls = parse(plan.tools, text)
+    if reasoning is not None and not content:
+        content = None
+    return reasoning, content, calls

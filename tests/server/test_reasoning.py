@@ -1,0 +1,145 @@
+"""Reasoning over HTTP, with the `openai` and `anthropic` clients against a real server: a tiny Llama trained here
+(a few seconds) to think in `<think>...</think>` before it answers, behind a Qwen3-like template. The reasoning
+parser is picked from the template (`--reasoning-parser auto`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.server.helpers import Server, running
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+ASK = [{"role": "user", "content": "How is the weather?"}]
+THOUGHT = "\nThe sky is blue and the sun is up high.\n"
+ANSWER = "\n\nIt is sunny."
+
+
+@pytest.fixture(scope="module")
+def reasoner(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Iterator[Server]:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("reasoner")
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok.add_tokens(["<think>", "</think>"])  # as Qwen3's: added tokens, not special ones
+    tok.chat_template = TEMPLATE
+    p_ids = tok.encode(
+        tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
+    t_ids = tok.encode(f"<think>{THOUGHT}</think>{ANSWER}<|im_end|>", add_special_tokens=False)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    ids, labels = torch.tensor([p_ids + t_ids]), torch.tensor([[-100] * len(p_ids) + t_ids])
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if loss.item() < 1e-3:
+            break
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    with running(out, tmp_path_factory.mktemp("reasoner-log")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(reasoner: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{reasoner.url}/v1", api_key="x", timeout=120, max_retries=0)
+
+
+def _chat(client: openai.OpenAI, server: Server, max_tokens: int = 60, **kw: Any) -> Any:
+    return client.chat.completions.create(model=server.model, messages=ASK, max_tokens=max_tokens, temperature=0,
+                                          **kw)  # fmt: skip
+
+
+def test_reasoning_content_is_kept_apart_from_the_answer_whole_and_streamed(
+    client: openai.OpenAI, reasoner: Server
+) -> None:
+    msg = _chat(client, reasoner).choices[0].message
+    assert msg.reasoning_content == THOUGHT and msg.content == ANSWER  # type: ignore[attr-defined]
+    reasoning, content, roles = "", "", 0
+    for chunk in _chat(client, reasoner, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        roles += delta.role is not None
+        assert "<think>" not in (delta.content or "") + (getattr(delta, "reasoning_content", None) or "")
+    assert (reasoning, content, roles) == (THOUGHT, ANSWER, 1)
+
+
+def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, reasoner: Server) -> None:
+    plain = _chat(client, reasoner, max_tokens=1)
+    off = _chat(client, reasoner, max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    block = httpx.post(f"{reasoner.url}/tokenize", json={"prompt": "<think>\n\n</think>\n\n",
+                                                        "add_special_tokens": False}).json()["count"]  # fmt: skip
+    assert off.usage.prompt_tokens == plain.usage.prompt_tokens + block  # the empty thinking is in the prompt
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        _chat(client, reasoner, extra_body={"chat_template_kwargs": {"tools": []}})
+
+
+@pytest.mark.parametrize("budget", [0, 3])
+def test_a_thinking_budget_forces_the_end_of_thinking_after_n_tokens(
+    client: openai.OpenAI, reasoner: Server, budget: int
+) -> None:
+    free = _chat(client, reasoner, logprobs=True)
+    tokens = [t.token for t in free.choices[0].logprobs.content]
+    assert tokens[0] == "<think>" and tokens.index("</think>") > budget + 1  # unbudgeted, it thinks longer
+    r = _chat(client, reasoner, logprobs=True, extra_body={"thinking_token_budget": budget})
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    assert tokens[0] == "<think>" and tokens[budget + 1] == "</think>"
+    answer = "".join(t for t in tokens[budget + 2 :] if t != "<|im_end|>")  # the EOS token is not text
+    assert r.choices[0].message.content == answer  # a later <think> is answer too
+    assert r.choices[0].message.reasoning_content == "".join(tokens[1 : budget + 1])  # type: ignore[attr-defined]
+    streamed = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or ""
+        for c in _chat(client, reasoner, stream=True, extra_body={"thinking_token_budget": budget})
+    )
+    assert streamed == "".join(tokens[1 : budget + 1])  # fmt: skip
+
+
+def test_messages_return_thinking_blocks_and_stream_thinking_deltas(reasoner: Server) -> None:
+    client = anthropic.Anthropic(base_url=reasoner.url, api_key="x", timeout=120, max_retries=0)
+    kw: dict[str, Any] = dict(model=reasoner.model, max_tokens=60, messages=ASK, extra_body={"temperature": 0})
+    m = client.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.stop_reason == "end_turn"
+    assert m.content[0].thinking == THOUGHT and m.content[1].text == ANSWER  # type: ignore[union-attr]
+    with client.messages.stream(**kw) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert "thinking_delta" in kinds and "text_delta" in kinds
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    budgeted = client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 2})
+    assert budgeted.content[0].type == "thinking" and len(budgeted.content[0].thinking) < len(THOUGHT)
+    turn = [{"type": "thinking", "thinking": THOUGHT, "signature": ""}, {"type": "text", "text": ANSWER}]
+    history: Any = [*ASK, {"role": "assistant", "content": turn}, {"role": "user", "content": "And now?"}]
+    assert client.messages.create(**{**kw, "messages": history}).content
+
+
+def test_a_budget_or_thinking_without_a_parser_is_a_400(server: Server) -> None:
+    """The module server's model has a template without <think>: no reasoning parser."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=120, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="reasoning parser"):
+        client.chat.completions.create(model=server.model, messages=ASK, max_tokens=4,
+                                       extra_body={"thinking_token_budget": 4})  # fmt: skip
+    plain = client.chat.completions.create(model=server.model, messages=ASK, max_tokens=4)
+    assert getattr(plain.choices[0].message, "reasoning_content", None) is None
+    claude = anthropic.Anthropic(base_url=server.url, api_key="x", timeout=120, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="reasoning parser"):
+        claude.messages.create(model=server.model, max_tokens=4, messages=ASK,  # type: ignore[arg-type]
+                               thinking={"type": "enabled", "budget_tokens": 2})  # fmt: skip

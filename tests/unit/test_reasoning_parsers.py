@@ -1,0 +1,124 @@
+"""The server's readers of an output as it streams: reasoning parsers (qwen3 / deepseek_r1 `<think>`, gpt_oss
+harmony channels), tool calls read as they are written, and the engine's thinking-budget counter. Every streamed
+reading, in pieces of any size, must equal the whole one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tokenmill.engine.thinking import ThinkingBudgets
+from tokenmill.sampling_params import ThinkingBudget
+from tokenmill.server.reasoning import pick
+from tokenmill.server.tool_stream import ToolStream, parse
+from tokenmill.server.tools import ToolPlan
+
+QWEN3_TEMPLATE = "<|im_start|>assistant\n{% if enable_thinking is false %}<think>\n\n</think>{% endif %}"
+
+
+def _streamed(feed: Any, text: str, step: int) -> list[Any]:
+    outs = [feed(text[i : i + step], False) for i in range(0, len(text), step)]
+    return [*outs, feed("", True)]
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 100])
+def test_think_tags_split_reasoning_from_the_answer_in_any_pieces(step: int) -> None:
+    parser = pick("auto", QWEN3_TEMPLATE)
+    assert parser is not None and parser.name == "qwen3"
+    cases = [
+        ("<think>\nI ponder.\n</think>\n\nHello", False, "\nI ponder.\n", "\n\nHello"),
+        ("I ponder.\n</think>Hello <think>", True, "I ponder.\n", "Hello <think>"),  # the prompt opened it
+        ("Hello, no thoughts", False, None, "Hello, no thoughts"),
+        ("<think>cut short", False, "cut short", ""),
+    ]
+    for text, opened, reasoning, content in cases:
+        outs = _streamed(parser.stream(opened).feed, text, step)
+        assert "".join(r for r, _ in outs) == (reasoning or "") and "".join(c for _, c in outs) == content
+        assert parser.split(text, opened) == (reasoning, content)
+
+
+def test_the_parser_is_picked_from_the_template_and_the_prompt_says_whether_thinking_is_open() -> None:
+    assert pick("auto", "{{ messages }}") is None and pick("none", QWEN3_TEMPLATE) is None
+    r1 = pick("auto", "<｜Assistant｜><think>\n")
+    assert r1 is not None and r1.name == "deepseek_r1" and r1.opened_by("<｜Assistant｜><think>\n")
+    qwen3 = pick("qwen3", "")
+    assert qwen3 is not None and not qwen3.opened_by("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    harmony = pick("auto", "<|channel|>analysis<|message|>")
+    assert harmony is not None and harmony.name == "gpt_oss" and harmony.harmony
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 200])
+def test_harmony_channels_split_analysis_from_final(step: int) -> None:
+    parser = pick("gpt_oss", "")
+    assert parser is not None
+    text = ("<|channel|>analysis<|message|>Think <b>hard</b>.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>The answer.<|return|>")  # fmt: skip
+    outs = _streamed(parser.stream(False).feed, text, step)
+    assert "".join(r for r, _ in outs) == "Think <b>hard</b>." and "".join(c for _, c in outs) == "The answer."
+    assert parser.split(text, False) == ("Think <b>hard</b>.", "The answer.")
+
+
+def _joined(outs: list[dict[str, Any]]) -> tuple[str, list[tuple[str, str]]]:
+    content, calls = "", {}
+    for o in outs:
+        content += o.get("content", "")
+        for piece in o.get("tool_calls", []):
+            if "id" in piece:
+                calls[piece["index"]] = [piece["function"]["name"], ""]
+            calls[piece["index"]][1] += piece["function"].get("arguments", "")
+    return content, [(name, args) for name, args in calls.values()]
+
+
+REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Pa\\"r}is", "unit": "c"}}, {"name": "add", "parameters": {"a": 1, "b": [2, {"x": 3}]}}]'  # noqa: E501
+HERMES = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+LLAMA3 = '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}'
+
+
+@pytest.mark.parametrize("step", [1, 2, 9, 500])
+@pytest.mark.parametrize(
+    ("plan", "text", "content", "calls"),
+    [
+        (ToolPlan("required", "hermes"), REQUIRED, "",
+         [("get_weather", '{"city": "Pa\\"r}is", "unit": "c"}'), ("add", '{"a": 1, "b": [2, {"x": 3}]}')]),
+        (ToolPlan("required", "hermes"), REQUIRED[:50], "", [("get_weather", REQUIRED[39:50])]),  # cut by max_tokens
+        (ToolPlan("auto", "hermes"), HERMES, "Let me check.", [("get_weather", '{"city": "Paris"}')]),
+        (ToolPlan("auto", "hermes"), "x <tool_call>\nnot json</tool_call>", "x <tool_call>\nnot json</tool_call>",
+         []),
+        (ToolPlan("auto", "llama3_json"), LLAMA3, "", [("f", '{"a": 1}'), ("g", "{}")]),
+        (ToolPlan("auto", "llama3_json"), '{"foo": 1} is JSON', '{"foo": 1} is JSON', []),
+    ],
+)  # fmt: skip
+def test_tool_calls_stream_their_arguments_and_join_to_the_whole_reading(
+    step: int, plan: ToolPlan, text: str, content: str, calls: list[tuple[str, str]]
+) -> None:
+    outs = _streamed(ToolStream(plan).feed, text, step)
+    assert _joined(outs) == (content, calls)
+    assert not any(o.get("tool_calls") == [] or o.get("content") == "" for o in outs)
+    whole_content, whole_calls = parse(plan, text)
+    assert ((whole_content or ""), [(c["function"]["name"], c["function"]["arguments"]) for c in whole_calls]) == (
+        content, calls)  # fmt: skip
+    if step == 1 and calls:  # the arguments came in many pieces, as they were written
+        assert sum(1 for o in outs if o.get("tool_calls")) > 5
+
+
+def test_a_thinking_budget_forces_the_end_after_exactly_n_reasoning_tokens() -> None:
+    start, end = (7,), (8, 9)  # "<think>", and an end of thinking of two tokens
+    budgets = ThinkingBudgets()
+    budgets.add("a", ThinkingBudget(3, end, start))
+    taken = []
+    for token in [5, 7, 1, 2, 3, 4, 4, 4]:  # what the model would write
+        forced = budgets.forced("a")
+        token = forced if forced is not None else token
+        taken.append(token)
+        budgets.accept("a", token)
+    assert taken == [5, 7, 1, 2, 3, 8, 9, 4] and budgets.free_tokens("a") is None
+    budgets.add("b", ThinkingBudget(5, end, start, opened=True))  # the prompt opened it; the model ends it first
+    assert budgets.free_tokens("b") == 5
+    for token in [1, 8, 9]:
+        budgets.accept("b", token)
+    assert budgets.forced("b") is None and budgets.free_tokens("b") is None
+    budgets.add("c", ThinkingBudget(0, end, opened=True))
+    assert budgets.forced("c") == 8 and budgets.free_tokens("c") == 0
+    with pytest.raises(ValueError, match="thinking_token_budget"):
+        ThinkingBudget(-1, end, start)
