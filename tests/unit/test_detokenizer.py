@@ -265,7 +265,7 @@ def test_each_tokens_own_bytes_and_top_logprobs_that_decode_alike(tok: Tokenizer
     """A token's bytes (chat logprobs' `bytes`) are its own, part of a character included, so a text's tokens give
     back its bytes; tokens that decode alike (parts of characters all read U+FFFD) share one key of a completion's
     top_logprobs, which keeps the likeliest value."""
-    from tokenmill.server.openai_routes import _top_by_text
+    from tokenmill.server.logprobs import _top_by_text
 
     text = "Say: wörld — ünïcode ✓ 日本語"
     ids = tok.encode(text, add_special_tokens=False)
