@@ -282,11 +282,11 @@ def test_logprobs_json_has_no_infinity_or_nan(tok: Tokenizer) -> None:
     non-streaming response would fail to encode, a stream would send invalid JSON), so both read vLLM's -9999."""
     import json
 
-    from tokenmill.server.openai_routes import _chat_logprobs, _completion_logprobs
+    from tokenmill.server.logprobs import chat_logprobs, completion_logprobs
 
     entries = [{5: -0.5, 6: float("-inf")}, {7: float("nan"), 8: -1.0}]
-    completion = _completion_logprobs(tok, [6, 7], list(entries))
-    chat = _chat_logprobs(tok, [6, 7], entries, 2)
+    completion = completion_logprobs(tok, [6, 7], list(entries))
+    chat = chat_logprobs(tok, [6, 7], entries, 2)
     for body in (completion, chat):
         json.dumps(body, allow_nan=False)  # raises on inf or NaN
     assert completion["token_logprobs"] == [-9999.0, -9999.0]

@@ -22,7 +22,8 @@ from tokenmill.types import LogitsRead, PromptLogprobsInput, SamplingInput, Sequ
 # silently skipped by the paths that hand sampling less than the float32 logits.
 READ_BY_THE_RULE = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "logprobs", "logit_bias", "structured_outputs", "min_tokens",
-                    "stop_token_ids", "ignore_eos"}  # fmt: skip
+                    "stop_token_ids", "ignore_eos",
+                    "thinking"}  # fmt: skip  # (a spent budget forces a token: the row is constrained, engine/core.py)
 NOT_LOGITS = {"n", "seed", "max_tokens", "stop", "prompt_logprobs", "skip_special_tokens",
               "include_stop_str_in_output"}  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""Tool-call parsing and streaming (server/tools.py): Hermes and Llama 3 JSON formats, split across deltas."""
+"""Tool-call plans (server/tools.py), parsing and streaming (server/tool_stream.py): Hermes and Llama 3 JSON formats,
+split across deltas."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tokenmill.server import tools
+from tokenmill.server import tool_stream, tools
 from tokenmill.server.protocol import ChatCompletionRequest
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -15,17 +16,21 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 def _plan(parser: str, **body: Any) -> tools.ToolPlan:
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[TOOL], **body)
-    return tools.plan(req, parser, "")
+    return tools.chat_plan(req, parser, "")
 
 
 def _stream(plan: tools.ToolPlan, text: str, step: int) -> tuple[str, list[dict[str, Any]]]:
-    ts, content, calls = tools.ToolStream(plan), "", []
+    """The stream's content, and its calls with each one's argument pieces joined (in index order)."""
+    ts, content, calls = tool_stream.ToolStream(plan), "", {}
     pieces = [text[i : i + step] for i in range(0, len(text), step)]
     for i, piece in enumerate(pieces):
         delta = ts.feed(piece, i == len(pieces) - 1)
         content += delta.get("content", "")
-        calls += delta.get("tool_calls", [])
-    return content, calls
+        for d in delta.get("tool_calls", []):
+            call = calls.setdefault(d["index"], {"index": d["index"], "function": {"name": "", "arguments": ""}})
+            call["function"]["name"] += d.get("function", {}).get("name", "")
+            call["function"]["arguments"] += d.get("function", {}).get("arguments", "")
+    return content, [calls[i] for i in sorted(calls)]
 
 
 @pytest.mark.parametrize("step", [1, 3, 1000])
@@ -33,7 +38,7 @@ def test_hermes_calls_are_parsed_whole_and_streamed(step: int) -> None:
     plan = _plan("hermes")
     text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>{"name": "f", ' \
            '"arguments": {"x": 2}}</tool_call>'  # fmt: skip
-    content, calls = tools.parse(plan, text)
+    content, calls = tool_stream.parse(plan, text)
     assert content == "Sure." and [json.loads(c["function"]["arguments"]) for c in calls] == [{"x": 1}, {"x": 2}]
     streamed, deltas = _stream(plan, text, step)
     assert streamed == "Sure." and [d["index"] for d in deltas] == [0, 1]
@@ -44,17 +49,17 @@ def test_hermes_calls_are_parsed_whole_and_streamed(step: int) -> None:
 def test_text_that_only_looks_like_a_call_stays_content(step: int) -> None:
     plan = _plan("hermes")
     for text in ("a <tool is not a call", "x <tool_call>{broken</tool_call>", "trailing space  "):
-        content, calls = tools.parse(plan, text)
+        content, calls = tool_stream.parse(plan, text)
         assert calls == [] and content == text
         assert _stream(plan, text, step) == (text, [])
 
 
 def test_llama3_json_calls() -> None:
     plan = _plan("llama3_json")
-    content, calls = tools.parse(plan, '<|python_tag|>{"name": "f", "parameters": {"a": "b"}}; {"name": "f"}')
+    content, calls = tool_stream.parse(plan, '<|python_tag|>{"name": "f", "parameters": {"a": "b"}}; {"name": "f"}')
     assert content is None and [c["function"]["name"] for c in calls] == ["f", "f"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"a": "b"}
-    assert tools.parse(plan, "just words") == ("just words", [])
+    assert tool_stream.parse(plan, "just words") == ("just words", [])
     assert _stream(plan, '{"name": "f", "parameters": {}}', 2)[1][0]["function"]["name"] == "f"
     assert _stream(plan, "plain answer", 2) == ("plain answer", [])
 
@@ -69,5 +74,5 @@ def test_tool_choice_plans_and_constraints() -> None:
         _plan("auto", tool_choice={"type": "function", "function": {"name": "g"}})
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice="required")
     with pytest.raises(ValueError, match="needs tools"):
-        tools.plan(req, "auto", "")
-    assert tools.plan(req.model_copy(update={"tool_choice": None}), "auto", "<tool_call>").parser == "hermes"
+        tools.chat_plan(req, "auto", "")
+    assert tools.chat_plan(req.model_copy(update={"tool_choice": None}), "auto", "<tool_call>").parser == "hermes"

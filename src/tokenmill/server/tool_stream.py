@@ -26,6 +26,7 @@ from tokenmill.server.tools import HERMES_OPEN, PYTHON_TAG, ToolPlan, parse_whol
 # the head of a call object, up to where its arguments begin
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 _HEAD_START = '{"name":"'
+_BARE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*\}')  # a call without arguments: they are {}
 _CLOSE = re.compile(r"\s*\}")  # the end of a call object, after its arguments
 _MAX_HEAD = 400  # characters a call's head may take before it is not one
 # what may come between calls, by the call format: a JSON array's, Hermes blocks', Llama 3's `;`
@@ -73,22 +74,32 @@ class CallReader:
 
     def _head(self, pieces: list[dict[str, Any]]) -> None:
         m = _HEAD.match(self.text, self.pos)
+        bare = _BARE.match(self.text, self.pos) if m is None else None
+        if bare is not None:  # (the whole-text parsers took such a call too)
+            self._start_call(bare.group(1), pieces, "{}")
+            self.pos, self.state = bare.end(), "between"
+            return
         if m is None:
             squeezed = re.sub(r"\s", "", self.text[self.pos : self.pos + _MAX_HEAD])
             if not squeezed.startswith(_HEAD_START[: len(squeezed)]) or len(self.text) - self.pos >= _MAX_HEAD:
                 self.state = "broken"
             return
+        if self._start_call(m.group(1), pieces, ""):
+            self.pos, self.state = m.end(), "value"
+            self._depth, self._in_string, self._escaped = 0, False, False
+
+    def _start_call(self, quoted_name: str, pieces: list[dict[str, Any]], arguments: str) -> bool:
+        """A new call named by the JSON string body `quoted_name` (False, and broken, where it is no string)."""
         try:
-            name = json.loads(f'"{m.group(1)}"')
+            name = json.loads(f'"{quoted_name}"')
         except ValueError:
             self.state = "broken"
-            return
-        call = {"id": _new_id(), "name": name, "arguments": ""}
+            return False
+        call = {"id": _new_id(), "name": name, "arguments": arguments}
         self.calls.append(call)
         pieces.append({"index": len(self.calls) - 1, "id": call["id"], "type": "function",
-                       "function": {"name": name, "arguments": ""}})  # fmt: skip
-        self.pos, self.state = m.end(), "value"
-        self._depth, self._in_string, self._escaped = 0, False, False
+                       "function": {"name": name, "arguments": arguments}})  # fmt: skip
+        return True
 
     def _value(self, pieces: list[dict[str, Any]]) -> None:
         start, end = self.pos, self._value_end()
