@@ -134,3 +134,34 @@ def test_moe_variants_we_do_not_run_are_one_line_at_load(tmp_path: Path) -> None
     assert config["norm_topk_prob"] is True and config["mlp_only_layers"] == []
     with pytest.raises(ModelLoadError, match=r"blk.0.ffn_gate_exps.weight has shape \[64, 128\]; an expert tensor is"):
         list(plain.iter_tensors(config))
+
+
+def test_an_older_mixtral_file_with_one_tensor_per_expert_loads_alike(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Mixtral files written before llama.cpp stacked the experts hold `blk.N.ffn_gate.E.weight`, one per expert:
+    such a file gives the stacked file's logits."""
+    ckpt = make_checkpoint("mixtral", num_local_experts=4, num_experts_per_tok=2, **SPREAD)
+    stacked = export_gguf(ckpt, tmp_path / "stacked.gguf", "f32")
+    reader = gguf.GGUFReader(stacked)
+    writer = gguf.GGUFWriter(tmp_path / "per-expert.gguf", "llama")
+    for field in reader.fields.values():  # every key but the ones the writer writes itself
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value, kind = field.contents(), field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if "_exps." in t.name:  # [E, rows, cols] -> E tensors, blk.N.ffn_gate.E.weight
+            for e in range(data.shape[0]):
+                writer.add_tensor(t.name.replace("_exps.weight", f".{e}.weight"), np.ascontiguousarray(data[e]))
+        else:
+            writer.add_tensor(t.name, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    old, new = LLM(str(tmp_path / "per-expert.gguf")), LLM(str(stacked))
+    ids = new.loaded.tokenizer.encode(PROMPTS[0])
+    assert torch.equal(_logits(old, ids), _logits(new, ids))
