@@ -167,3 +167,29 @@ def assert_openai_error(resp: httpx.Response, status: int, *mentions: str) -> di
     for word in mentions:
         assert word in said, f"{word!r} not named in error {error}"
     return error
+
+
+def train_tiny_llama(tok: Any, prompt_ids: list[int], target_ids: list[int], out: Path) -> Path:
+    """A tiny Llama trained here (a few seconds) to answer `prompt_ids` with `target_ids`, saved with `tok` to `out`:
+    a model that really writes a tool call or a think block, for the servers' parsers."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    ids = torch.tensor([prompt_ids + target_ids])
+    labels = torch.tensor([[-100] * len(prompt_ids) + target_ids])
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if loss.item() < 1e-3:
+            break
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -12,9 +12,8 @@ import anthropic
 import httpx
 import openai
 import pytest
-import torch
 
-from tests.server.helpers import Server, running
+from tests.server.helpers import Server, running, train_tiny_llama
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -28,7 +27,7 @@ ANSWER = "\n\nIt is sunny."
 
 @pytest.fixture(scope="module")
 def reasoner(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Iterator[Server]:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("reasoner")
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -38,22 +37,7 @@ def reasoner(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> I
         tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False), add_special_tokens=False
     )
     t_ids = tok.encode(f"<think>{THOUGHT}</think>{ANSWER}<|im_end|>", add_special_tokens=False)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    ids, labels = torch.tensor([p_ids + t_ids]), torch.tensor([[-100] * len(p_ids) + t_ids])
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(300):
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if loss.item() < 1e-3:
-            break
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    train_tiny_llama(tok, p_ids, t_ids, out)
     with running(out, tmp_path_factory.mktemp("reasoner-log")) as s:
         yield s
 

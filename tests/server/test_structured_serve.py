@@ -15,10 +15,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 from pydantic import BaseModel, Field
 
-from tests.server.helpers import Server, running
+from tests.server.helpers import Server, running, train_tiny_llama
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}  # fmt: skip
@@ -150,7 +149,7 @@ CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city"
 @pytest.fixture(scope="module")
 def hermes_server(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Iterator[Server]:
     """A tiny Llama trained here (a few seconds) to answer ASK with CALL, behind a Hermes-style template."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("hermes")
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -158,23 +157,7 @@ def hermes_server(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path)
     prompt = tok.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     p_ids = tok.encode(prompt, add_special_tokens=False)
     t_ids = tok.encode(CALL + "<|im_end|>", add_special_tokens=False)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    ids = torch.tensor([p_ids + t_ids])
-    labels = torch.tensor([[-100] * len(p_ids) + t_ids])
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(300):
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if loss.item() < 1e-3:
-            break
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    train_tiny_llama(tok, p_ids, t_ids, out)
     with running(out, tmp_path_factory.mktemp("hermes-log")) as s:
         yield s
 

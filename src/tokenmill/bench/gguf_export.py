@@ -28,6 +28,7 @@ import json
 import math
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,7 @@ def export_gguf(
         raise ValueError(f"cannot export architecture {hf_arch!r} to GGUF; supported: {', '.join(exportable)}")
     arch = gguf.MODEL_ARCH[family.gguf_arch]
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
-    try:
+    with gguf_file(out_path, gguf.MODEL_ARCH_NAMES[arch]) as writer:
         writer.add_name(name or hf_dir.name)  # (llama.cpp reads it: a "phi3" name asks for Phi-3's special tokens)
         writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[dtype]])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -98,12 +98,22 @@ def export_gguf(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
+    return out_path
+
+
+@contextmanager
+def gguf_file(path: Path, arch: str) -> Iterator[Any]:
+    """A GGUFWriter of `arch` writing `path`, closed at the end; a failure removes the half-written file."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch)
+    try:
+        yield writer
     except BaseException:
         writer.close()
-        out_path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         raise
     writer.close()
-    return out_path
 
 
 def _write_hparams(

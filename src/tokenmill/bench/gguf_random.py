@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tokenmill.bench.gguf_export import _write_hparams, _write_moe_hparams, encode
+from tokenmill.bench.gguf_export import _write_hparams, _write_moe_hparams, encode, gguf_file
 from tokenmill.bench.gguf_vocab import write_vocab
 from tokenmill.models import family_named
 from tokenmill.models.quant_mix import MIXES, MORE, more_bits
@@ -52,8 +52,7 @@ def write_random_gguf(arch: str, fields: dict[str, Any], tokenizer_dir: Path, ou
     arch_name = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[family.gguf_arch]]
     specs = list(_tensors(cfg, kind))
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(out, arch_name)
-    try:
+    with gguf_file(out, arch_name) as writer:
         writer.add_name(f"random {arch}")
         writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[kind]])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -71,11 +70,6 @@ def write_random_gguf(arch: str, fields: dict[str, Any], tokenizer_dir: Path, ou
         writer.write_ti_data_to_file()
         for name, shape, dtype in specs:
             writer.write_tensor_data(_values(name, shape, dtype, pools, rng))
-    except BaseException:
-        writer.close()
-        out.unlink(missing_ok=True)
-        raise
-    writer.close()
     return out
 
 
