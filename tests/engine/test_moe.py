@@ -48,13 +48,13 @@ def test_every_layer_routes_tokens_to_several_experts(folder: Path) -> None:
     batching tests below would not test the grouping by expert)."""
     llm = _llm(folder)
     moes = [m for m in llm.loaded.model.modules() if isinstance(m, SparseMoE)]
-    assert moes and llm.engine.runner.decode_stack is None
+    assert moes
     chosen: list[set[int]] = []
 
-    def record(module: Any, inputs: Any, scores: Any) -> None:  # the router's [T, E] scores
-        chosen.append(set(scores.topk(2).indices.flatten().tolist()))
+    def record(module: Any, inputs: Any, output: Any) -> None:  # the layer's routing of its [T, D] input
+        chosen.append(set(module.route(inputs[0])[1].flatten().tolist()))
 
-    hooks = [m.gate.register_forward_hook(record) for m in moes]
+    hooks = [m.register_forward_hook(record) for m in moes]
     _run(llm, PROMPTS[:1], PARAMS[:1])
     for hook in hooks:
         hook.remove()
@@ -88,6 +88,43 @@ def test_ngram_speculation_keeps_greedy_output(folder: Path) -> None:
     spec = _llm(folder, speculative_model="ngram", num_speculative_tokens=3, speculative_disable_by_batch_size=64)
     assert _run(spec, prompts, params) == plain
     assert spec.engine.stats.spec_draft_tokens > 0 and spec.engine.stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int4"),
+                                                  ("float32", "q4_k_m")])  # fmt: skip
+def test_the_decode_stack_runs_sparse_layers_with_the_modules_bits(folder: Path, dtype: str, quantization: str) -> None:
+    """Decode steps and decode runs of a MoE model go through the decode stack (stack/moe.h: each row's router, the
+    chosen experts over their rows, the weighted sums) and give the module path's tokens, and its logprobs as the
+    dense stack does, in a batch whose rows choose different experts as well as one row alone."""
+    target.cpu_only("the CPU kernels")
+    llm = LLM(str(folder), dtype=dtype, quantization=quantization, num_scheduler_steps=1)
+    runner = llm.engine.runner
+    if runner.decode_stack is None:
+        pytest.skip("no compiled CPU kernels here: the decode stack needs them")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def run() -> list[Any]:
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)] + [
+            (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts[:1], params)]  # fmt: skip
+
+    stack = runner.decode_stack
+    stack.profile(True)
+    stacked = run()
+    kinds = {kind for run in stack.stage_runs() for kind, *_ in run}
+    stack.profile(False)
+    assert {"post_norm_route", "experts_gate_up", "experts_silu", "experts_down"} <= kinds
+    runner.decode_stack = None
+    tol = 1e-5 if dtype == "float32" else 0.05  # as the dense stack's (its sums' order, not the routing)
+    for (tokens, logprobs), (want, want_logprobs) in zip(stacked, run(), strict=True):
+        assert tokens == want
+        assert max(abs(a[t] - b[t]) for a, b in zip(logprobs, want_logprobs) for t in a) < tol
+    runner.decode_stack = stack
+    greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    runs = LLM(str(folder), dtype=dtype, quantization=quantization, num_scheduler_steps=4)
+    assert runs.engine.runner.runs_decode_steps
+    assert [o.outputs[0].token_ids for o in runs.generate(prompts, params)] == greedy
+    assert_pool_full(runs.engine)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "q4_k_m"])
@@ -163,3 +200,38 @@ def test_the_expert_kernel_on_every_variant_this_cpu_runs(
             moe._experts_call = ()
             each = moe(x)
         assert torch.equal(fused, each), level
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kernels_router_picks_torchs_experts_ties_included(dtype: str) -> None:
+    """ops/route.h (the router of the module path and of the decode stack) against torch's softmax and topk: the same
+    experts in the same order, ties included (twin router rows tie exactly), and the same weights up to the sums'
+    order, for top-k taken both ways torch takes it (k * 64 <= E or not), on each ISA variant this CPU runs."""
+    target.cpu_only("the CPU kernels")
+    import torch
+    import torch.nn.functional as F
+
+    from tokenmill import kernels
+    from tokenmill.kernels.isa import supported_levels
+
+    if kernels.variant(supported_levels()[0]) is None:
+        pytest.skip("no compiled CPU kernels here")
+    gen = torch.Generator().manual_seed(0)
+    torch_dtype = getattr(torch, dtype)
+    for experts, k, renorm in ((8, 2, False), (60, 4, True), (128, 2, True)):
+        router = torch.randn(experts, 64, generator=gen)
+        router[1::3] = router[0::3][: len(router[1::3])]  # twins: equal logits, equal weights
+        router = router.to(torch_dtype)
+        x = torch.randn(48, 64, generator=gen).to(torch_dtype)
+        probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)  # [T, E]
+        want, want_ids = torch.topk(probs, k, dim=-1)  # [T, k]
+        if renorm:
+            want = want / want.sum(dim=-1, keepdim=True)
+        for level in supported_levels():
+            ids, weights = torch.empty(48, k, dtype=torch.int64), torch.empty(48, k)
+            module = kernels.variant(level).module
+            module.moe_route(x.data_ptr(), dtype == "bfloat16", 48, 64, router.data_ptr(), experts, k, renorm, False,
+                             ids.data_ptr(), weights.data_ptr())  # fmt: skip
+            assert torch.equal(ids, want_ids), (experts, k, level)
+            close = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=0, atol=4e-3)  # bf16: an ulp
+            assert torch.allclose(weights, want.to(torch_dtype).float(), **close), (experts, k, level)

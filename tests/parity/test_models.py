@@ -199,8 +199,6 @@ def _skip_without_stack(llm: LLM) -> None:
         pytest.skip(f"{llm.loaded.config.architecture} is not Llama-shaped: its decode steps run on the modules")
     if any(w is not None for w in llm.loaded.config.layer_windows()):
         pytest.skip("sliding-window layers decode on the modules (the decode stack attends to the whole context)")
-    if llm.loaded.config.moe is not None:
-        pytest.skip("mixture-of-experts layers decode on the modules (the decode stack takes dense MLPs)")
     assert llm.engine.runner.decode_stack is not None
 
 

@@ -55,6 +55,29 @@ class StackShape:
     intermediate: int
 
 
+@dataclass(frozen=True)
+class StackExperts:
+    """A sparse layer's MLP: the router [E, d] (the model dtype), k of E experts a token (their softmax weights
+    renormalised over the k where `renorm`, kept float32 where `keep_f32`), and the experts' packed weights, each
+    projection in one format: int64 [E] pointers to gate_up_weights ([2 I, gate_up_k] each) and down_weights
+    ([d, down_k] each)."""
+
+    router: torch.Tensor
+    num_experts: int
+    top_k: int
+    renorm: bool
+    keep_f32: bool
+    intermediate: int
+    gate_up: torch.Tensor
+    gate_up_format: int
+    gate_up_k: int
+    gate_up_weights: tuple[torch.Tensor, ...]
+    down: torch.Tensor
+    down_format: int
+    down_k: int
+    down_weights: tuple[torch.Tensor, ...]
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -110,15 +133,50 @@ class NativeStack:
         s, layer = self.shape, self.native.num_layers()
         if layer >= self.num_layers:
             raise ValueError(f"the stack was made for {self.num_layers} layers")
+        norm_specs, attention = self._attention(norms, linears[:2])
+        shapes = [(2 * s.intermediate, s.d), (s.d, s.intermediate)]
+        mlp = [self._linear(lin, n, k) for lin, (n, k) in zip(linears[2:], shapes, strict=True)]
+        self.native.add_layer(*norm_specs, self.cache[layer].data_ptr(), *attention, *mlp)
+
+    def _attention(
+        self, norms: Sequence[torch.Tensor | None], linears: Sequence[StackLinear]
+    ) -> tuple[list[int], list[tuple[int, ...]]]:
+        """A layer's norms and [qkv, o], checked: their pointers and specs."""
+        s = self.shape
         for i, norm in enumerate(norms):
             _check(norm, "a norm", (s.d if i < 2 else s.head_dim,), self.dtype)
         if norms[0] is None or norms[1] is None or (norms[2] is None) != (norms[3] is None):
             raise ValueError("a layer needs its two norms, and a q norm exactly where it has a k norm")
         q = (s.heads + 2 * s.kv_heads) * s.head_dim
-        shapes = [(q, s.d), (s.d, s.heads * s.head_dim), (2 * s.intermediate, s.d), (s.d, s.intermediate)]
+        shapes = [(q, s.d), (s.d, s.heads * s.head_dim)]
         specs = [self._linear(lin, n, k) for lin, (n, k) in zip(linears, shapes, strict=True)]
         self._alive += list(norms)
-        self.native.add_layer(*(_ptr(n) for n in norms), self.cache[layer].data_ptr(), *specs)
+        return [_ptr(n) for n in norms], specs
+
+    def add_sparse_layer(self, norms: Sequence[torch.Tensor | None], linears: Sequence[StackLinear],
+                         experts: StackExperts) -> None:  # fmt: skip
+        """A sparse layer (stack/moe.h): its norms and [qkv, o] as add_layer's, and its router and experts."""
+        s, layer, x = self.shape, self.native.num_layers(), experts
+        if layer >= self.num_layers:
+            raise ValueError(f"the stack was made for {self.num_layers} layers")
+        norm_specs, attention = self._attention(norms, linears)
+        _check(x.router, "a router", (x.num_experts, s.d), self.dtype)
+        if not 1 <= x.top_k <= min(64, x.num_experts):
+            raise ValueError(f"a sparse layer chooses 1 to 64 of its {x.num_experts} experts a token, not {x.top_k}")
+        for ptrs, weights, (n, k) in ((x.gate_up, x.gate_up_weights, (2 * x.intermediate, x.gate_up_k)),
+                                      (x.down, x.down_weights, (s.d, x.down_k))):  # fmt: skip
+            _check(ptrs, "the experts' weight pointers", (x.num_experts,), torch.int64)
+            if len(weights) != x.num_experts or ptrs.tolist() != [w.data_ptr() for w in weights]:
+                raise ValueError("the experts' weight pointers must be their weights'")
+            for w in weights:
+                check_packed(w, x.gate_up_format if ptrs is x.gate_up else x.down_format, n, k)
+        if x.gate_up_k < s.d or x.down_k < x.intermediate:
+            raise ValueError("an expert's packed weights are narrower than its inputs")
+        self._alive += [x.router, x.gate_up, x.down, *x.gate_up_weights, *x.down_weights]
+        self.native.add_sparse_layer(*norm_specs, self.cache[layer].data_ptr(), *attention, x.router.data_ptr(),
+                                     x.num_experts, x.top_k, x.renorm, x.keep_f32, x.gate_up.data_ptr(),
+                                     x.gate_up_format, x.gate_up_k, x.down.data_ptr(), x.down_format, x.down_k,
+                                     x.intermediate)  # fmt: skip
 
     def set_packed_embedding(self, packed: torch.Tensor, format_id: int, rows: int, k: int) -> None:
         """The embedding is a quantized weight's panels [rows, k >= d] (its rows unpacked as they are looked up);

@@ -5,8 +5,9 @@ small model that Python costs more than the arithmetic. For a step in which ever
 over the paged cache, the runner hands the embedded tokens to this stack instead, which calls the same kernels
 in the same order from C++ and returns the final norm's output. Prefills and mixed steps take the modules.
 
-It applies to the Llama-shaped stack of `layers.py` (Llama, Mistral, Qwen2, Qwen3) with every linear a
-`KernelLinear`; `DecodeStack.build` returns None for anything else, which then runs on the modules.
+It applies to the Llama-shaped stack of `layers.py` (Llama, Mistral, Qwen2, Qwen3, and the MoE families whose
+sparse layers' experts run on the one-call expert kernels: Qwen3-MoE, Mixtral) with every linear a `KernelLinear`;
+`DecodeStack.build` returns None for anything else, which then runs on the modules.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from torch import nn
 from tokenmill.attention import KVBackend, PagedKVCache
 from tokenmill.attention.paged import PagedMetadata, new_slots, padded_tables
 from tokenmill.kernels import Kernels, formats
-from tokenmill.kernels.stack_ops import NativeStack, StackLinear, StackShape
+from tokenmill.kernels.stack_ops import NativeStack, StackExperts, StackLinear, StackShape
 from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
+from tokenmill.models.moe import SparseMoE, experts_call
 from tokenmill.models.packed_embedding import PackedEmbedding
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.types import LogitsRead, SequenceInput
@@ -60,21 +62,44 @@ def _norm(m: nn.Module | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _layer_spec(layer: DecoderLayer, dims: tuple[int, ...], dtype: torch.dtype) -> list[Any] | None:
-    """[[input norm, post norm, q norm, k norm], [qkv, o, gate_up, down]] for the kernel, or None if it does not
-    fit."""
+    """[[input norm, post norm, q norm, k norm], [qkv, o, gate_up, down]] for the kernel, or for a sparse layer
+    [norms, [qkv, o], its SparseMoE]; None if it does not fit."""
     d, h, hkv, dh, i = dims
     attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not Attention or type(mlp) is not GatedMLP or mlp.act != "silu":
-        return None
-    if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size) != (h, hkv, dh, i):
+    if type(attn) is not Attention or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (h, hkv, dh):
         return None
     norms = [_norm(layer.input_layernorm, dtype), _norm(layer.post_attention_layernorm, dtype)]
     qk = [None, None] if attn.q_norm is None else [_norm(attn.q_norm, dtype), _norm(attn.k_norm, dtype)]
-    specs = [_linear_spec(attn.qkv_proj, d), _linear_spec(attn.o_proj, h * dh), _linear_spec(mlp.gate_up_proj, d),
-             _linear_spec(mlp.down_proj, i)]  # fmt: skip
+    specs = [_linear_spec(attn.qkv_proj, d), _linear_spec(attn.o_proj, h * dh)]
     if any(p is None for p in [*norms, *specs]) or (attn.q_norm is not None and None in qk):
         return None
-    return [[*norms, *qk], specs]
+    if type(mlp) is SparseMoE:
+        experts = _experts(mlp, d, dtype)
+        return None if experts is None else [[*norms, *qk], specs, experts]
+    if type(mlp) is not GatedMLP or mlp.act != "silu" or mlp.intermediate_size != i:
+        return None
+    mlp_specs = [_linear_spec(mlp.gate_up_proj, d), _linear_spec(mlp.down_proj, i)]
+    return None if None in mlp_specs else [[*norms, *qk], specs + mlp_specs]
+
+
+def _experts(mlp: SparseMoE, d: int, dtype: torch.dtype) -> StackExperts | None:
+    """A sparse MLP as the stack takes it, where its router and experts run on the one-call kernels."""
+    call, cfg = experts_call(mlp), mlp.moe
+    if not call or mlp.router_ops(torch.empty(0, d, dtype=dtype)) is None or mlp.experts[0].act != "silu":
+        return None
+    weights = [tuple(getattr(e, name).data for e in mlp.experts) for name in ("gate_up_proj", "down_proj")]
+    return StackExperts(mlp.gate.weight, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, cfg.weights_in_float32,
+                        cfg.intermediate_size, call.gate_up, call.gate_up_format, call.gate_up_k, weights[0],
+                        call.down, call.down_format, call.down_k, weights[1])  # fmt: skip
+
+
+def _intermediate(layers: list[DecoderLayer]) -> int:
+    """The dense MLPs' width (a model whose every MLP is sparse: its experts', which no stage then reads)."""
+    for layer in layers:
+        if type(layer.mlp) is GatedMLP:
+            return layer.mlp.intermediate_size
+    mlp = layers[0].mlp
+    return mlp.moe.intermediate_size if isinstance(mlp, SparseMoE) else 0
 
 
 class DecodeStack:
@@ -104,17 +129,11 @@ class DecodeStack:
         if any(w is not None for w in pool.windows):  # sliding-window layers take the modules' attention
             return None
         layers = [layer for layer in decoder.layers if type(layer) is DecoderLayer]
-        if not layers or len(layers) != len(decoder.layers) or any(type(la.mlp) is not GatedMLP for la in layers):
-            return None  # (a MoE's sparse MLPs run on the modules)
-        first, mlp = layers[0].self_attn, layers[0].mlp
-        assert isinstance(mlp, GatedMLP)
-        dims = (
-            decoder.norm.weight.shape[0],
-            first.num_heads,
-            first.num_kv_heads,
-            first.head_dim,
-            mlp.intermediate_size,
-        )
+        if not layers or len(layers) != len(decoder.layers):
+            return None
+        first = layers[0].self_attn
+        d = decoder.norm.weight.shape[0]
+        dims = (d, first.num_heads, first.num_kv_heads, first.head_dim, _intermediate(layers))
         final = _norm(decoder.norm, pool.dtype)
         if final is None:
             return None
@@ -124,7 +143,10 @@ class DecodeStack:
             spec = _layer_spec(layer, dims, pool.dtype)
             if spec is None or layer.self_attn.layer_idx != index:
                 return None
-            native.add_layer(*spec)
+            if len(spec) == 3:
+                native.add_sparse_layer(*spec)
+            else:
+                native.add_layer(*spec)
         # the LM head joins the stack when logits are the head's output as is (a family may post-process them)
         plain_logits = type(model).compute_logits is CausalLM.compute_logits
         head = _linear_spec(model.lm_head, dims[0]) if plain_logits else None

@@ -37,6 +37,9 @@ class Router(nn.Module):
         return F.linear(x, self.weight)
 
 
+MAX_TOP_K = 64  # experts per token the CPU kernels take (linear/experts.h); more run on torch's ops
+
+
 class SparseMoE(nn.Module):
     """The MoE MLP of one layer: `gate` (the router, named as in the checkpoints) and `experts`."""
 
@@ -49,7 +52,11 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, D] -> weights [T, k], ids [T, k]
         """Each token's chosen experts and their weights: the softmax over all experts in float32, its top k,
-        renormalised over those k where the config says so (transformers' routers)."""
+        renormalised over those k where the config says so (transformers' routers). On the CPU kernels, their
+        router (ops/route.h), which the decode stack also runs: both paths pick the same experts to the bit."""
+        ops = self.router_ops(x)
+        if ops is not None:
+            return self._kernel_route(ops, x)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)  # [T, k] each
         if self.moe.norm_topk_prob:
@@ -69,6 +76,26 @@ class SparseMoE(nn.Module):
         scaled = (ys * weights.flatten()[order][:, None]).to(x.dtype)  # [T*k, D]
         # each token's outputs summed in expert order, as transformers adds them
         return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+    def router_ops(self, x: torch.Tensor) -> Any | None:
+        """The CPU kernels the router runs on for rows like `x` (the experts' own), or None: torch's ops."""
+        first = self.experts[0].gate_up_proj
+        weight = self.gate.weight
+        if not isinstance(first, KernelLinear) or first.ops is None or not 1 <= self.moe.top_k <= MAX_TOP_K:
+            return None
+        if x.device.type != "cpu" or weight.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        return first.ops if weight.is_contiguous() else None
+
+    def _kernel_route(self, ops: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.contiguous()
+        tokens, k = x.shape[0], self.moe.top_k
+        ids = torch.empty(tokens, k, dtype=torch.int64)  # [T, k]
+        weights = torch.empty(tokens, k)  # [T, k] float32, rounded to x's dtype unless the family keeps float32
+        ops.module.moe_route(x.data_ptr(), x.dtype == torch.bfloat16, tokens, x.shape[1], self.gate.weight.data_ptr(),
+                             self.moe.num_experts, k, self.moe.norm_topk_prob, self.moe.weights_in_float32,
+                             ids.data_ptr(), weights.data_ptr())  # fmt: skip
+        return (weights if self.moe.weights_in_float32 else weights.to(x.dtype)), ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # -> [T, D]
         """Grouping, every chosen expert and the weighted sum in one kernel call (linear/experts.h: `moe_routed`),
@@ -98,9 +125,7 @@ class SparseMoE(nn.Module):
         """Whether the CPU kernels run every expert in one call (linear/experts.h): each expert's linears packed
         alike, bound to the kernels, without biases or per-row invariance; rows of the model's dtype. Checked once
         (the weights and their placement are fixed once loaded), and their pointers kept."""
-        if self._experts_call is None:
-            self._experts_call = _experts_call(self.experts)
-        return bool(self._experts_call) and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+        return bool(experts_call(self)) and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
 
 
 class _ExpertsCall(NamedTuple):
@@ -113,6 +138,13 @@ class _ExpertsCall(NamedTuple):
     down: torch.Tensor
     down_format: int
     down_k: int
+
+
+def experts_call(moe: SparseMoE) -> _ExpertsCall | tuple[()]:
+    """`moe`'s experts as the one-call kernels take them (the decode stack's too), or ()."""
+    if moe._experts_call is None:
+        moe._experts_call = _experts_call(moe.experts) if moe.moe.top_k <= MAX_TOP_K else ()
+    return moe._experts_call
 
 
 def _experts_call(experts: nn.ModuleList) -> _ExpertsCall | tuple[()]:

@@ -313,6 +313,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   };
   m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
   m.def("moe_routed", &tmk::moe_routed, "a MoE layer's chosen experts and their weighted sum (linear/experts.h)");
+  m.def("moe_route", &tmk::moe_route, "a MoE router's top-k experts and weights per token (ops/route.h)");
   m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
   m.def("unpack_rows", &tmk::unpack_rows_py, "rows of a packed quantized weight -> float32 [T, K], raw pointers");
   m.def("repack_gguf", &tmk::repack_gguf, "a GGUF tensor's ggml blocks -> the packed weight, on raw pointers");
@@ -355,6 +356,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<tmk::DecodeStack>(m, "DecodeStack", py::module_local())  // one per variant in a process
       .def(py::init<bool, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, uintptr_t, int64_t, int>())
       .def("add_layer", &tmk::DecodeStack::add_layer)
+      .def("add_sparse_layer", &tmk::DecodeStack::add_sparse_layer)
       .def("num_layers", &tmk::DecodeStack::num_layers)
       .def("set_head", &tmk::DecodeStack::set_head)
       .def("set_packed_embedding", &tmk::DecodeStack::set_packed_embedding)

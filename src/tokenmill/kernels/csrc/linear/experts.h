@@ -19,6 +19,7 @@
 #include "linear/linear.h"
 #include "ops/fused.h"
 #include "ops/peak.h"
+#include "ops/route.h"
 
 namespace tmk {
 
@@ -59,54 +60,91 @@ inline void experts_linear(const char* x, bool bf16, int64_t Kx, const std::vect
   });
 }
 
-// A MoE layer after its router: ids [T, k] int64 each token's experts (distinct), w [T, k] float32 their weights
-// (rounded to the model dtype first where the family rounds them) -> out [T, D], each token's sum over its experts of
-// w * expert(x row), added in expert order with each product and each sum rounded to the model dtype, as transformers'
-// index_add_ over the experts in turn gives it. x and out in the model dtype (bfloat16 where `bf16`, else float32);
-// gate_up / down [E] int64 the experts' packed weights (one format each: gate|up 2I x gu_K, down D x dn_K).
+// A batch's (token, choice) pairs grouped by expert, in token order within each: ids [T, k] (pair r = t k + j) ->
+// the pairs of expert e at [start[e], start[e + 1]), order[i] the pair at i, pos[r] where pair r lies; `active` the
+// experts with a pair, in order. The module path and the decode stack group alike, so each expert sees its rows in
+// the same order and count on both.
+struct Grouping {
+  std::vector<int64_t> start, order, pos, active;
+  void build(const int64_t* ids, int64_t R, int64_t E) {
+    for (int64_t r = 0; r < R; ++r)
+      if (ids[r] < 0 || ids[r] >= E) throw std::invalid_argument("moe: an expert id out of range");
+    start.assign(E + 1, 0), order.resize(R), pos.resize(R), active.clear();
+    for (int64_t r = 0; r < R; ++r) ++start[ids[r] + 1];
+    for (int64_t e = 0; e < E; ++e) {
+      if (start[e + 1]) active.push_back(e);
+      start[e + 1] += start[e];
+    }
+    next_.assign(start.begin(), start.end() - 1);
+    for (int64_t r = 0; r < R; ++r) order[pos[r] = next_[ids[r]]++] = r;
+  }
+
+ private:
+  std::vector<int64_t> next_;
+};
+
+// token t's MoE output: the sum over its k pairs, in expert order, of weight * that pair's row of ys (grouped as
+// `g`), each product and each sum rounded to the model dtype as transformers' index_add_ over the experts in turn
+// gives it -> out [D]
+inline void combine_row(Act out, const char* ys, const Grouping& g, const int64_t* ids, const float* weight, int64_t t,
+                        int64_t k, int64_t D) {
+  const int64_t e_bytes = out.bf16 ? 2 : 4;
+  int64_t mine[64];
+  for (int64_t j = 0; j < k; ++j) mine[j] = t * k + j;
+  std::sort(mine, mine + k, [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+  for (int64_t d = 0; d < D; ++d) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t r = mine[j];
+      const Act y{(void*)(ys + g.pos[r] * D * e_bytes), out.bf16};
+      float product = out.round(y.get(d) * weight[r]);
+      opaque(product);  // rounded, as torch's multiply stores it: never fused into the add (-ffp-contract=fast)
+      sum = out.round(sum + product);
+    }
+    out.set(d, sum);
+  }
+}
+
+// A MoE layer after its router: ids [T, k] int64 each token's experts (distinct, k <= 64), w [T, k] float32 their
+// weights (rounded to the model dtype first where the family rounds them; ops/route.h) -> out [T, D], each token's
+// combine_row. x and out in the model dtype (bfloat16 where `bf16`, else float32); gate_up / down [E] int64 the
+// experts' packed weights (one format each: gate|up 2I x gu_K, down D x dn_K).
 inline void moe_routed(uintptr_t x, bool bf16, int64_t T, int64_t D, uintptr_t ids, uintptr_t w, int64_t k, int64_t E,
                        uintptr_t gate_up, int64_t gu_format, int64_t gu_K, uintptr_t down, int64_t dn_format,
                        int64_t I, int64_t dn_K, uintptr_t out) {
+  if (k < 1 || k > 64) throw std::invalid_argument("moe: 1 to 64 experts per token");
   const int64_t R = T * k, e_bytes = bf16 ? 2 : 4;
   const int64_t* id = (const int64_t*)ids;
-  std::vector<int64_t> start(E + 1, 0), order(R), pos(R);  // the pairs grouped by expert, in token order within
-  for (int64_t r = 0; r < R; ++r) {
-    if (id[r] < 0 || id[r] >= E) throw std::invalid_argument("moe_routed: an expert id out of range");
-    ++start[id[r] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> next(start.begin(), start.end() - 1);
-  for (int64_t r = 0; r < R; ++r) order[pos[r] = next[id[r]]++] = r;
+  Grouping g;
+  g.build(id, R, E);
   std::vector<char> rows(R * D * e_bytes), h(R * 2 * I * e_bytes), act(R * I * e_bytes), ys(R * D * e_bytes);
   at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {  // each pair's token row, grouped by expert
     for (int64_t j = begin; j < end; ++j)
-      std::memcpy(rows.data() + j * D * e_bytes, (const char*)x + order[j] / k * D * e_bytes, D * e_bytes);
+      std::memcpy(rows.data() + j * D * e_bytes, (const char*)x + g.order[j] / k * D * e_bytes, D * e_bytes);
   });
-  experts_linear(rows.data(), bf16, D, start, static_cast<Format>(gu_format), (const int64_t*)gate_up, 2 * I, gu_K,
+  experts_linear(rows.data(), bf16, D, g.start, static_cast<Format>(gu_format), (const int64_t*)gate_up, 2 * I, gu_K,
                  h.data());
   at::parallel_for(0, R, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
     silu_mul_rows(Act{h.data() + begin * 2 * I * e_bytes, bf16}, Act{act.data() + begin * I * e_bytes, bf16},
                   end - begin, I);
   });
-  experts_linear(act.data(), bf16, I, start, static_cast<Format>(dn_format), (const int64_t*)down, D, dn_K, ys.data());
-  const float* weight = (const float*)w;
+  experts_linear(act.data(), bf16, I, g.start, static_cast<Format>(dn_format), (const int64_t*)down, D, dn_K, ys.data());
   at::parallel_for(0, T, std::max<int64_t>(1, 4096 / D), [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> mine(k);
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t j = 0; j < k; ++j) mine[j] = t * k + j;
-      std::sort(mine.begin(), mine.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
-      const Act o{(char*)out + t * D * e_bytes, bf16};
-      for (int64_t d = 0; d < D; ++d) {
-        float sum = 0.f;
-        for (int64_t r : mine) {
-          const Act y{ys.data() + pos[r] * D * e_bytes, bf16};
-          float product = o.round(y.get(d) * weight[r]);
-          opaque(product);  // rounded, as torch's multiply stores it: never fused into the add (-ffp-contract=fast)
-          sum = o.round(sum + product);
-        }
-        o.set(d, sum);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      combine_row(Act{(char*)out + t * D * e_bytes, bf16}, ys.data(), g, id, (const float*)w, t, k, D);
+  });
+}
+
+// The router over T tokens (ops/route.h): x [T, D] and router [E, D] in the model dtype -> ids [T, k] int64, weights
+// [T, k] float32
+inline void moe_route(uintptr_t x, bool bf16, int64_t T, int64_t D, uintptr_t router, int64_t E, int64_t k,
+                      bool renorm, bool keep_f32, uintptr_t ids, uintptr_t weights) {
+  const int64_t e_bytes = bf16 ? 2 : 4;
+  const Routing r{E, k, renorm, keep_f32};
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      route_row(Act{(char*)x + t * D * e_bytes, bf16}, (const char*)router, D, r, (int64_t*)ids + t * k,
+                (float*)weights + t * k);
   });
 }
 

@@ -34,13 +34,15 @@
 #include "linear/unpack.h"
 #include "ops/fused.h"
 #include "stack/head.h"
+#include "stack/moe.h"
 #include "stack/pool.h"
 
 namespace tmk {
 
 struct LayerSpec {
   uintptr_t in_norm, post_norm, q_norm, k_norm, cache;  // q_norm / k_norm: 0 without (Qwen3 has them)
-  LinearSpec qkv, o, gate_up, down;
+  LinearSpec qkv, o, gate_up, down;                     // (gate_up, down: a sparse layer's are unused)
+  int64_t moe = -1;                                     // a sparse layer's index in moe_, else -1
 };
 
 class DecodeStack {
@@ -50,37 +52,43 @@ class DecodeStack {
   static constexpr const char* kStageKinds[kStagesPerLayer + 2] = {
       "input_norm", "qkv_proj", "rope_kv_write", "attention", "o_input", "o_proj", "post_norm", "gate_up_proj",
       "silu_mul", "down_proj", "final_norm", "lm_head"};
+  // a sparse layer's last four (stack/moe.h)
+  static constexpr const char* kSparseKinds[4] = {"post_norm_route", "experts_gate_up", "experts_silu",
+                                                  "experts_down"};
 
   DecodeStack(bool bf16, int64_t D, int64_t H, int64_t Hkv, int64_t Dh, int64_t I, double eps, int64_t slots,
               uintptr_t final_norm, int64_t num_layers, int threads)
       : bf16_(bf16), e_(bf16 ? 2 : 4), D_(D), H_(H), Hkv_(Hkv), Dh_(Dh), I_(I), eps_((float)eps), slots_(slots),
-        final_norm_(final_norm), threads_(std::max(1, threads)), pool_(std::max(0, threads - 1), num_layers * kStagesPerLayer + 2) {}
+        final_norm_(final_norm), threads_(std::max(1, threads)), moe_(bf16, D), pool_(std::max(0, threads - 1), num_layers * kStagesPerLayer + 2) {}
 
   void add_layer(uintptr_t in_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t cache,
                  LinearSpec qkv, LinearSpec o, LinearSpec gate_up, LinearSpec down) {
-    const int64_t l = (int64_t)layers_.size();
-    layers_.push_back({in_norm, post_norm, q_norm, k_norm, cache, qkv, o, gate_up, down});
-    max_k_ = std::max({max_k_, qkv[3], o[3], gate_up[3], down[3]});
-    o_parts_ = o_parts_ && (H_ / Hkv_ * Dh_) % row_prep(o).group == 0;
+    const int64_t l = add_attention({in_norm, post_norm, q_norm, k_norm, cache, qkv, o, gate_up, down});
+    max_k_ = std::max({max_k_, gate_up[3], down[3]});
     silu_group_ = std::max(silu_group_, row_prep(down).group);
     const int64_t base = l * kStagesPerLayer;
-    pool_.set_stage(base + 0, [this, l](int64_t b) { input_norm(l, b); });
-    pool_.set_stage(base + 1, [this, l](int64_t c) { panels(layers_[l].qkv, c, qkv_, normed_, D_); });
-    pool_.set_stage(base + 2, [this, l](int64_t b) { rope_and_write(l, b); });
-    pool_.set_stage(base + 3, [this, l](int64_t t) { attention(l, t); });
-    pool_.set_stage(base + 4, [this, l](int64_t b) { prep(attn_ + b * H_ * Dh_ * e_, H_ * Dh_, layers_[l].o, b); });
-    pool_.set_stage(base + 5, [this, l](int64_t c) { panels(layers_[l].o, c, hidden_, attn_, H_ * Dh_); });
     pool_.set_stage(base + 6, [this, l](int64_t b) { this->post_norm(l, b); });
     pool_.set_stage(base + 7, [this, l](int64_t c) { panels(layers_[l].gate_up, c, gate_up_, normed_, D_); });
     pool_.set_stage(base + 8, [this, l](int64_t c) { silu(l, c); });
     pool_.set_stage(base + 9, [this, l](int64_t c) { panels(layers_[l].down, c, hidden_, act_, I_); });
-    // after the last layer added so far: the final norm, then the LM head (the next layer overwrites both)
-    pool_.set_stage(base + kStagesPerLayer, [this](int64_t b) { final_norm(b); });
-    pool_.set_stage(base + kStagesPerLayer + 1, [this](int64_t c) {
-      panels(head_, c, logits_, out_, D_);
-      const auto [begin, end] = chunk_panels(head_, c);
-      head_out_.chunk(c, begin * P, std::min(head_[2], end * P));
-    });
+  }
+
+  // A sparse layer (stack/moe.h): its attention as add_layer's; its MLP the router [E, D] (the model dtype; k of E
+  // experts a token, their weights renormalised where `renorm`, float32 where `keep_f32`) and the experts' packed
+  // weights (int64 [E] pointers each: gate|up [2 I, gu_K], down [D, dn_K]).
+  void add_sparse_layer(uintptr_t in_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t cache,
+                        LinearSpec qkv, LinearSpec o, uintptr_t router, int64_t E, int64_t k, bool renorm,
+                        bool keep_f32, uintptr_t gate_up, int64_t gu_format, int64_t gu_K, uintptr_t down,
+                        int64_t dn_format, int64_t dn_K, int64_t I) {
+    const int64_t m = moe_.add({(const char*)router, Routing{E, k, renorm, keep_f32}, (const int64_t*)gate_up,
+                                (const int64_t*)down, (Format)gu_format, (Format)dn_format, gu_K, dn_K, I});
+    const int64_t l = add_attention({in_norm, post_norm, q_norm, k_norm, cache, qkv, o, {}, {}, m});
+    max_k_ = std::max(max_k_, gu_K);
+    const int64_t base = l * kStagesPerLayer;
+    pool_.set_stage(base + 6, [this, l](int64_t b) { this->post_norm(l, b); });
+    pool_.set_stage(base + 7, [this, m](int64_t c) { moe_.gate_up(m, c, normed_, xq_.data(), max_k_); });
+    pool_.set_stage(base + 8, [this, m](int64_t r) { moe_.silu(m, r); });
+    pool_.set_stage(base + 9, [this, m](int64_t c) { moe_.down(m, c); });
   }
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
@@ -146,7 +154,10 @@ class DecodeStack {
   // stage i's kind and layer (-1: after the last layer)
   std::pair<std::string, int64_t> stage_of(int64_t i) const {
     const int64_t body = num_layers() * kStagesPerLayer;
-    if (i < body) return {kStageKinds[i % kStagesPerLayer], i / kStagesPerLayer};
+    if (i < body) {
+      const int64_t l = i / kStagesPerLayer, j = i % kStagesPerLayer;
+      return {layers_[l].moe >= 0 && j >= 6 ? kSparseKinds[j - 6] : kStageKinds[j], l};
+    }
     return {kStageKinds[kStagesPerLayer + (i - body)], -1};
   }
 
@@ -188,6 +199,30 @@ class DecodeStack {
   }
 
  private:
+  // layer `spec`'s first six stages (its norm and attention), and after it the final norm and head -> its index
+  int64_t add_attention(const LayerSpec& spec) {
+    const int64_t l = (int64_t)layers_.size();
+    layers_.push_back(spec);
+    const LinearSpec &qkv = spec.qkv, &o = spec.o;
+    max_k_ = std::max({max_k_, qkv[3], o[3]});
+    o_parts_ = o_parts_ && (H_ / Hkv_ * Dh_) % row_prep(o).group == 0;
+    const int64_t base = l * kStagesPerLayer;
+    pool_.set_stage(base + 0, [this, l](int64_t b) { input_norm(l, b); });
+    pool_.set_stage(base + 1, [this, l](int64_t c) { panels(layers_[l].qkv, c, qkv_, normed_, D_); });
+    pool_.set_stage(base + 2, [this, l](int64_t b) { rope_and_write(l, b); });
+    pool_.set_stage(base + 3, [this, l](int64_t t) { attention(l, t); });
+    pool_.set_stage(base + 4, [this, l](int64_t b) { prep(attn_ + b * H_ * Dh_ * e_, H_ * Dh_, layers_[l].o, b); });
+    pool_.set_stage(base + 5, [this, l](int64_t c) { panels(layers_[l].o, c, hidden_, attn_, H_ * Dh_); });
+    // after the last layer added so far: the final norm, then the LM head (the next layer overwrites both)
+    pool_.set_stage(base + kStagesPerLayer, [this](int64_t b) { final_norm(b); });
+    pool_.set_stage(base + kStagesPerLayer + 1, [this](int64_t c) {
+      panels(head_, c, logits_, out_, D_);
+      const auto [begin, end] = chunk_panels(head_, c);
+      head_out_.chunk(c, begin * P, std::min(head_[2], end * P));
+    });
+    return l;
+  }
+
   // run() and run_ids() after the residual stream holds the embedded tokens
   void step(uintptr_t cos, uintptr_t sin, uintptr_t slot, uintptr_t tables, int64_t max_blocks, uintptr_t lens,
             int64_t B, int64_t block_size, uintptr_t out, uintptr_t logits, uintptr_t logits32, uintptr_t argmax) {
@@ -209,12 +244,15 @@ class DecodeStack {
     // gets no chunks). Not with several rows: rows of a verified draft read each other's keys.
     rope_in_attention_ = B == 1;
     const int64_t L = num_layers();
+    moe_.begin(B);
     for (int64_t l = 0; l < L; ++l) {
       const LayerSpec& s = layers_[l];
-      const int64_t base = l * kStagesPerLayer;
+      const int64_t base = l * kStagesPerLayer, m = s.moe;
       const int64_t counts[kStagesPerLayer] = {B, chunks(s.qkv), rope_in_attention_ ? 0 : B, split_first_[B] * Hkv_,
-                                              o_parts_ ? 0 : B, chunks(s.o), B, chunks(s.gate_up),
-                                              B * silu_parts_, chunks(s.down)};
+                                              o_parts_ ? 0 : B, chunks(s.o), B,
+                                              m < 0 ? chunks(s.gate_up) : moe_.gate_up_chunks(m),
+                                              m < 0 ? B * silu_parts_ : moe_.silu_chunks(m),
+                                              m < 0 ? chunks(s.down) : moe_.down_chunks(m)};
       for (int i = 0; i < kStagesPerLayer; ++i) pool_.set_chunks(base + i, counts[i]);
     }
     pool_.set_chunks(L * kStagesPerLayer, B);
@@ -281,8 +319,15 @@ class DecodeStack {
                       begin, end, bf16_ ? (const uint16_t*)src : nullptr, width);
   }
 
+  // a sparse layer's MLP output for row b (each row's weighted sum of its experts) -> hidden_ row b, where the
+  // dense layers' down projection leaves it
+  void mlp_out(int64_t l, int64_t b) {
+    if (layers_[l].moe >= 0) moe_.combine(layers_[l].moe, b, hidden_ + b * D_ * e_);
+  }
+
   void input_norm(int64_t l, int64_t b) {
     const LayerSpec& s = layers_[l];
+    if (l > 0) mlp_out(l - 1, b);
     if (l == 0) rmsnorm_rows(act(residual_, b, D_), Act{nullptr, bf16_}, false, param(s.in_norm), eps_,
                              act(normed_, b, D_), 1, D_);
     else rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(s.in_norm), eps_, act(normed_, b, D_),
@@ -368,9 +413,14 @@ class DecodeStack {
 
   void post_norm(int64_t l, int64_t b) {
     const LayerSpec& s = layers_[l];
-    rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(s.post_norm), eps_, act(normed_, b, D_), 1,
+    char* normed = normed_ + b * D_ * e_;
+    rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(s.post_norm), eps_, Act{normed, bf16_}, 1,
                  D_);
-    prep(normed_ + b * D_ * e_, D_, s.gate_up, b);
+    if (s.moe < 0) return prep(normed, D_, s.gate_up, b);
+    moe_.route(s.moe, b, normed);
+    const MoELayer& m = moe_.layer(s.moe);
+    if (!pairs_apply(m.gu, bf16_, D_, m.gu_K))
+      prep_row(normed, bf16_, D_, m.gu_K, row_prep(m.gu), xq_.data() + b * max_k_);
   }
 
   // chunk c: columns [k0, k1) of row c / silu_parts_, its part c % silu_parts_ in whole groups of the down
@@ -389,6 +439,7 @@ class DecodeStack {
   }
 
   void final_norm(int64_t b) {
+    mlp_out(num_layers() - 1, b);
     rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(final_norm_), eps_, act(out_, b, D_), 1, D_);
     if (logits_) prep(out_ + b * D_ * e_, D_, head_, b);
   }
@@ -417,6 +468,7 @@ class DecodeStack {
   bool o_parts_ = (H_ / Hkv_ * Dh_) % QK == 0;
   int64_t silu_group_ = QK;  // the largest group of a down projection's rows (add_layer)
   std::vector<LayerSpec> layers_;
+  MoEStages moe_;  // the sparse layers' MLPs
   int64_t max_k_ = 0;
   Program pool_;
   // scratch, [rows_, width] each, in the model dtype; xq_ the rows for the next linear (prep_row)
