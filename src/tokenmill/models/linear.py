@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.config import QUANTIZATION_MODES
+from tokenmill.config import QUANTIZATION_MODES, MoEConfig
 from tokenmill.kernels import CudaKernels, Kernels, formats
 from tokenmill.kernels.isa import cpu_flags
 from tokenmill.kernels.placement import ALIGN, place_buffers
@@ -353,17 +353,27 @@ def make_row_invariant(model: nn.Module, ops: Kernels) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights a decode step reads: every module's own parameters and buffers, once each, except the
-    token embedding (a step reads one row of it; a tied LM head still counts it, through `lm_head`)."""
+    """Bytes of weights a one-row decode step reads: every module's own parameters and buffers, once each, except
+    the token embedding (a step reads one row of it; a tied LM head still counts it, through `lm_head`), and of a
+    mixture-of-experts MLP's experts only the share a token chooses, top_k of num_experts (its active parameters)."""
     seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        if isinstance(module, (nn.Embedding, PackedEmbedding)):
-            continue
+
+    def own(module: nn.Module) -> int:
+        total = 0
         for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             if id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
+        return total
+
+    total = 0
+    for module in model.modules():
+        moe = getattr(module, "moe", None)
+        if isinstance(moe, MoEConfig) and isinstance(experts := getattr(module, "experts", None), nn.ModuleList):
+            every = sum(own(m) for m in experts.modules())
+            total += every * moe.top_k // moe.num_experts
+        elif not isinstance(module, (nn.Embedding, PackedEmbedding)):
+            total += own(module)
     return total
 
 
