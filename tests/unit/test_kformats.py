@@ -1,5 +1,5 @@
-"""The K family (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1, IQ4_NL, IQ4_XS) from a GGUF's bytes to the kernels' product, on
-every variant.
+"""The K family (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1, IQ4_NL, IQ4_XS, MXFP4) from a GGUF's bytes to the kernels'
+product, on every variant.
 
 A GGUF block is any bytes, so the blocks here are random bytes (with finite fp16 scales): their numbers must be the
 gguf package's dequantization exactly, they must repack into the kernels' panels without loss, and every kernel
@@ -22,11 +22,13 @@ from tokenmill.kernels.kformats import KSPECS, decode_gguf_rows
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
 
 GGML_TYPE = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q5_0": "Q5_0", "q5_1": "Q5_1", "q4_1": "Q4_1",
-             "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS"}  # fmt: skip
+             "iq4_nl": "IQ4_NL", "iq4_xs": "IQ4_XS", "mxfp4": "MXFP4"}  # fmt: skip
 # the fp16 fields of each block: (byte offset, scale); the other bytes stay random
 HALVES = {"q4_k": [(0, 0.02), (2, 0.01)], "q5_k": [(0, 0.02), (2, 0.01)], "q6_k": [(208, 0.004)],
           "q5_0": [(0, 0.05)], "q5_1": [(0, 0.05), (2, 0.3)], "q4_1": [(0, 0.05), (2, 0.3)],
-          "iq4_nl": [(0, 0.005)], "iq4_xs": [(0, 0.0005)]}  # fmt: skip
+          "iq4_nl": [(0, 0.005)], "iq4_xs": [(0, 0.0005)], "mxfp4": []}  # fmt: skip
+# MXFP4's e8m0 exponent byte: (offset, its range), scales 2^-9 .. 2^-1 (the panels hold 2^-24 .. 2^15)
+EXPONENTS = {"mxfp4": (0, 119, 128)}
 ROWS = [1, 2, 3, 4, 5, 8, 9, 13, 17, 70]  # every tile size, tiles split evenly, and a second block of 64 rows
 
 
@@ -38,6 +40,9 @@ def random_rows(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     for at, scale in HALVES[fmt]:
         halves = (rng.standard_normal(len(blocks)) * scale).astype(np.float16)
         blocks[:, at : at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    if fmt in EXPONENTS:
+        at, low, high = EXPONENTS[fmt]
+        blocks[:, at] = rng.integers(low, high, size=len(blocks), dtype=np.uint8)
     return blocks.reshape(n, -1)
 
 
@@ -206,3 +211,22 @@ def test_a_fused_projections_shards_read_rows_quantized_alike(ops: kernels.Kerne
     want = torch.cat([reference_linear(x, parts[0], None, 256), reference_linear(x, parts[1])], dim=1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     assert not torch.allclose(got[:, :32], reference_linear(x, parts[0]), rtol=1e-4, atol=1e-3)
+
+
+def test_a_hugging_face_mxfp4_weight_keeps_its_numbers() -> None:
+    """gpt-oss's `*_blocks` / `*_scales` (two e2m1 codes a byte, value 2j low; e8m0 exponents) become MXFP4 panels
+    whose weights are transformers' own dequantization exactly; a scale no fp16 holds is refused with its range."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (2, 48, 4, 16), dtype=torch.uint8, generator=gen)  # [E, N, K / 32, 16]
+    scales = torch.randint(118, 130, (2, 48, 4), dtype=torch.uint8, generator=gen)  # [E, N, K / 32]
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)  # [E, N, K]
+    for e in range(2):
+        w = kformats.mxfp4_from_hf(blocks[e], scales[e])
+        torch.testing.assert_close(w.dequantize(), want[e], rtol=0, atol=0)
+        torch.testing.assert_close(unpack(pack_block_weight(w)), want[e], rtol=0, atol=0)
+        gguf_bytes = kformats.encode_gguf_rows(w).numpy()
+        torch.testing.assert_close(gguf_reference("mxfp4", gguf_bytes), want[e], rtol=0, atol=0)
+    with pytest.raises(kformats.MXFP4ScaleError, match="2\\^-28"):
+        kformats.mxfp4_from_hf(blocks[0], torch.full_like(scales[0], 100))

@@ -1,6 +1,7 @@
 """The K family of weight formats: ggml's K-quants (Q4_K, Q5_K, Q6_K), the legacy Q5_0, Q5_1 and Q4_1 that
-llama-quantize falls back to, and the non-linear IQ4_NL and IQ4_XS, as GGUF files hold them and as the kernels
-multiply them (csrc/linear/kformat.h draws the panel layout; this module packs it with torch ops).
+llama-quantize falls back to, the non-linear IQ4_NL and IQ4_XS, and MXFP4 (gpt-oss's experts), as GGUF files (and
+for MXFP4 also Hugging Face checkpoints) hold them and as the kernels multiply them (csrc/linear/kformat.h draws the
+panel layout; this module packs it with torch ops).
 
 Each is an unsigned q of 4, 5 or 6 bits per weight, its value v(q), and per sub-block w = scale * (v(q) - zero) - min:
 - Q4_K, Q5_K: superblocks of 256 (fp16 d, dmin), 8 sub-blocks of 32 with 6-bit sc, mn: scale = d sc, min = dmin mn;
@@ -8,7 +9,10 @@ Each is an unsigned q of 4, 5 or 6 bits per weight, its value v(q), and per sub-
 - Q5_0: blocks of 32, fp16 d, zero = 16; Q5_1 / Q4_1: blocks of 32, fp16 d and m: min = -m;
 - IQ4_NL: blocks of 32, fp16 d; IQ4_XS: superblocks of 256 (fp16 d), 8 sub-blocks of 32 with sc = (6-bit scale) - 32:
   scale = d sc. Their 4-bit q index ggml's table of 16 levels (`IQ4_LEVELS`): v(q) = level + 128, zero = 128.
-v(q) is q itself but for IQ4.
+- MXFP4: blocks of 32 under one e8m0 exponent e; q an FP4 e2m1 code, its value doubled in `MXFP4_LEVELS` (as ggml's),
+  so scale = d = 2^(e - 128), held as an exact fp16 (e in [104, 143]; a tensor with another e is refused:
+  `MXFP4ScaleError`, and it loads dequantized). v(q) = level + 128, zero = 128.
+v(q) is q itself but for the table formats.
 `decode_gguf_rows` takes a GGUF tensor's block bytes apart into those numbers (`KBlockWeight`), and
 `pack_kblocks` lays them out as the kernels read them: the numbers are ggml's own, so nothing is re-quantized and
 the product is the one llama.cpp computes (up to the activations' quantization: Q8_0 blocks here, Q8_K there).
@@ -22,6 +26,15 @@ import torch
 
 from tokenmill.kernels.panels import BLOCK, PANEL
 
+# ggml's kvalues_iq4nl: the 16 levels of IQ4_NL and IQ4_XS, w = scale * level
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# FP4 e2m1's 16 values (bit 3 the sign), doubled (ggml's kvalues_mxfp4): w = 2^(e - 128) * level
+MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+class MXFP4ScaleError(ValueError):
+    """An MXFP4 block's power-of-two scale that no fp16 holds (the panels keep d as fp16)."""
+
 
 @dataclass(frozen=True)
 class KSpec:
@@ -31,7 +44,7 @@ class KSpec:
     has_min: bool
     zero: int
     gguf_bytes: int  # bytes of one ggml block (a superblock)
-    table: bool = False  # q indexes IQ4_LEVELS (v(q) = level + 128), else v(q) = q
+    table: tuple[int, ...] = ()  # q indexes these levels (v(q) = level + 128), else v(q) = q
 
     @property
     def subs(self) -> int:
@@ -62,22 +75,22 @@ KSPECS = {
     "q5_0": KSpec(32, 32, 1, False, 16, 22),
     "q5_1": KSpec(32, 32, 1, True, 0, 24),
     "q4_1": KSpec(32, 32, 0, True, 0, 20),
-    "iq4_nl": KSpec(32, 32, 0, False, 128, 18, table=True),
-    "iq4_xs": KSpec(256, 32, 0, False, 128, 136, table=True),
+    "iq4_nl": KSpec(32, 32, 0, False, 128, 18, table=IQ4_LEVELS),
+    "iq4_xs": KSpec(256, 32, 0, False, 128, 136, table=IQ4_LEVELS),
+    "mxfp4": KSpec(32, 32, 0, False, 128, 17, table=MXFP4_LEVELS),
 }
 GGUF_KTYPES = {"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_1": "q4_1",
-               "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs"}  # fmt: skip
-# ggml's kvalues_iq4nl: the 16 levels of IQ4_NL and IQ4_XS, w = scale * level
-IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+               "IQ4_NL": "iq4_nl", "IQ4_XS": "iq4_xs", "MXFP4": "mxfp4"}  # fmt: skip
 # the formats --quantization makes (kquantize.py): the gguf package has no reference quantizer for IQ4 to match
 QUANTIZABLE = tuple(f for f, spec in KSPECS.items() if not spec.table)
 
 
 def values(fmt: str, q: torch.Tensor) -> torch.Tensor:
     """v(q) as float32: q itself, or for IQ4 its level + 128 (the unsigned bytes the kernels multiply)."""
-    if not KSPECS[fmt].table:
+    table = KSPECS[fmt].table
+    if not table:
         return q.float()
-    return (torch.tensor(IQ4_LEVELS, dtype=torch.float32) + 128)[q.long()]
+    return (torch.tensor(table, dtype=torch.float32) + 128)[q.long()]
 
 
 @dataclass(frozen=True)
@@ -164,6 +177,9 @@ def decode_gguf_rows(fmt: str, raw: torch.Tensor, k: int) -> KBlockWeight:
         sc = _scales_iq4_xs(blocks[:, 2:8])
         qs = blocks[:, 8:].reshape(-1, 8, 16)
         q = torch.cat([qs & 15, qs >> 4], dim=2).reshape(-1, 256)
+    elif fmt == "mxfp4":  # {e, qs[16]}: qs as IQ4_NL's
+        d = mxfp4_scales(blocks[:, 0])
+        q = torch.cat([blocks[:, 1:] & 15, blocks[:, 1:] >> 4], dim=1)  # [R, 32]
     elif fmt == "q6_k":  # {ql[128], qh[64], scales[16] int8, d}
         ql, qh = blocks[:, :128].reshape(-1, 2, 2, 32), blocks[:, 128:192].reshape(-1, 2, 1, 32)
         low = torch.cat([ql & 15, ql >> 4], dim=2)  # [R, half, 4 quarters, 32]: ql[l], ql[l+32], then their highs
@@ -184,12 +200,32 @@ def decode_gguf_rows(fmt: str, raw: torch.Tensor, k: int) -> KBlockWeight:
     return KBlockWeight(fmt, q.reshape(n, k).contiguous(), d.reshape(n, -1), _rows(dmin, n), _rows(sc, n), _rows(mn, n))
 
 
+def mxfp4_scales(e: torch.Tensor) -> torch.Tensor:
+    """MXFP4's e8m0 exponents (uint8, any shape) -> d = 2^(e - 128) as fp16, exactly, or MXFP4ScaleError."""
+    x = e.to(torch.int32) - 128
+    if x.numel() and (x.min() < -24 or x.max() > 15):
+        raise MXFP4ScaleError(f"MXFP4 scales 2^{x.min().item()} .. 2^{x.max().item()}: the panels hold 2^-24 .. 2^15")
+    return torch.exp2(x.float()).to(torch.float16)
+
+
+def mxfp4_from_hf(blocks: torch.Tensor, scales: torch.Tensor) -> KBlockWeight:
+    """A Hugging Face MXFP4 weight (gpt-oss: `*_blocks` uint8 [N, K / 32, 16], value 2j of a block in byte j's low
+    nibble and 2j + 1 in its high one; `*_scales` uint8 [N, K / 32], e8m0) -> its numbers. transformers' e2m1 table
+    is MXFP4_LEVELS / 2 in the same order, and its scale 2^(e - 127), so q and e carry over as they are."""
+    n, groups = scales.shape
+    q = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(n, groups * 32)  # [N, K]
+    return KBlockWeight("mxfp4", q.contiguous(), mxfp4_scales(scales).reshape(n, groups))
+
+
 def encode_gguf_rows(w: KBlockWeight) -> torch.Tensor:
     """`decode_gguf_rows` in reverse: the numbers -> ggml's block bytes, uint8 [N, K / sb * block bytes]."""
     spec = KSPECS[w.format]
     n = w.shape[0]
     q = w.q.reshape(-1, spec.sb)  # [R, sb]
     halves = [w.d.reshape(-1, 1).contiguous().view(torch.uint8)]
+    if w.format == "mxfp4":  # {e, qs[16]}: d = 2^(e - 128)
+        e = (torch.log2(w.d.float()).round().to(torch.int32) + 128).reshape(-1, 1)
+        halves = [torch.where(w.d.reshape(-1, 1) == 0, 0, e).to(torch.uint8)]
     if w.format in ("q4_k", "q5_k"):
         sc, mn = w.sc.reshape(-1, 8).to(torch.uint8), w.mn.reshape(-1, 8)  # type: ignore[union-attr]
         scales = torch.cat([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),

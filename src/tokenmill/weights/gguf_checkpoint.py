@@ -300,7 +300,7 @@ class GGUFCheckpoint:
         """The tensor in torch order, [rows, cols] (a 3-D one's leading dimensions folded into its rows)."""
         kind, shape = t.tensor_type.name, [int(n) for n in reversed(t.shape)]
         shape = [int(np.prod(shape[:-1])), shape[-1]] if len(shape) > 2 else shape
-        if kind in GGUF_BLOCK_TYPES:  # read from the map in place: the loader repacks them in one pass
+        if kind in GGUF_BLOCK_TYPES and not (kind == "MXFP4" and not _mxfp4_fits(t)):  # (the loader repacks them)
             return RawBlocks(GGUF_BLOCK_TYPES[kind], _torch_bytes(t.data, copy=False).view(shape[0], -1), shape[1])
         raw = _torch_bytes(t.data)
         if kind in DENSE:
@@ -309,6 +309,13 @@ class GGUFCheckpoint:
 
         dequantized[kind] = dequantized.get(kind, 0) + 1
         return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).view(shape)
+
+
+def _mxfp4_fits(t: GGUFTensor) -> bool:
+    """Whether every MXFP4 block's scale of `t` is one the panels hold (kernels/kformats.py: mxfp4_scales); the
+    rare tensor with another loads dequantized."""
+    e = _torch_bytes(t.data, copy=False).view(-1, 17)[:, 0].to(torch.int32)  # each block's e8m0 exponent
+    return not e.numel() or (int(e.min()) >= 104 and int(e.max()) <= 143)
 
 
 def _torch_bytes(data: np.ndarray, copy: bool = True) -> torch.Tensor:

@@ -20,20 +20,20 @@ namespace tmk {
 
 enum Format {
   BF16 = 0, Q8_0 = 1, Q4_0 = 2, F32 = 3, Q4_K = 4, Q5_K = 5, Q6_K = 6, Q5_0 = 7, Q5_1 = 8, Q4_1 = 9,
-  IQ4_NL = 10, IQ4_XS = 11
+  IQ4_NL = 10, IQ4_XS = 11, MXFP4 = 12
 };
 constexpr int QK = 32;  // weights per quantization block
 
 // The K family: every weight an unsigned q of 4, 5 or 6 bits, in superblocks of `sb` k whose sub-blocks of `sub` k
-// each have a scale (and a min): w = d * sc * (v(q) - zero) - dmin * mn, v(q) = q, or with `table` the 4-bit q's
-// entry of IQ4's table, offset to unsigned (linear/kformat.h gives the layout)
+// each have a scale (and a min): w = d * sc * (v(q) - zero) - dmin * mn, v(q) = q, or with a `table` the 4-bit q's
+// entry of IQ4's or MXFP4's table, offset to unsigned (linear/kformat.h gives the layout)
 struct KSpec {
   int sb;        // k per superblock: 256 (K-quants) or 32 (the legacy formats, one sub-block each)
   int sub;       // k per sub-block: 32, or 16 (Q6_K)
   int planes;    // bits above the low 4, one bit plane each: 0 (4-bit), 1 (5-bit), 2 (6-bit)
   bool has_min;  // the superblock has dmin and its sub-blocks mn (Q4_K, Q5_K, Q4_1, Q5_1)
   int zero;      // subtracted from v(q) before the scale: 32 (Q6_K), 16 (Q5_0), 128 (IQ4's offset table), else 0
-  bool table = false;  // v(q) = kIq4Unsigned[q] (IQ4_NL, IQ4_XS: linear/kformat.h), else q
+  int table = 0;  // v(q) = q (0), or the 4-bit q's entry of a table (linear/kformat.h): IQ4's (1), MXFP4's (2)
 };
 // indexed by Format - Q4_K
 constexpr KSpec kSpecs[] = {
@@ -43,8 +43,9 @@ constexpr KSpec kSpecs[] = {
     {32, 32, 1, false, 16},  // Q5_0
     {32, 32, 1, true, 0},    // Q5_1
     {32, 32, 0, true, 0},    // Q4_1
-    {32, 32, 0, false, 128, true},   // IQ4_NL
-    {256, 32, 0, false, 128, true},  // IQ4_XS: int8 sc = ggml's 6-bit scale - 32
+    {32, 32, 0, false, 128, 1},   // IQ4_NL
+    {256, 32, 0, false, 128, 1},  // IQ4_XS: int8 sc = ggml's 6-bit scale - 32
+    {32, 32, 0, false, 128, 2},   // MXFP4: d = the block's power of two (e8m0) / 2, held as fp16
 };
 constexpr bool is_kfamily(Format f) { return f >= Q4_K; }
 constexpr KSpec kspec(Format f) { return kSpecs[f - Q4_K]; }
@@ -78,6 +79,7 @@ constexpr FormatLayout kLayouts[] = {
     {256, ksb_bytes(kSpecs[0])}, {256, ksb_bytes(kSpecs[1])}, {256, ksb_bytes(kSpecs[2])},  // K-quants: superblocks
     {QK, ksb_bytes(kSpecs[3])},  {QK, ksb_bytes(kSpecs[4])},  {QK, ksb_bytes(kSpecs[5])},   // legacy: blocks
     {QK, ksb_bytes(kSpecs[6])},  {256, ksb_bytes(kSpecs[7])},                               // IQ4_NL, IQ4_XS
+    {QK, ksb_bytes(kSpecs[8])},                                                             // MXFP4
 };
 
 // bytes of one quantized block of a panel: P fp16 scales, then P x 32 values (int8, or two 4-bit per byte)

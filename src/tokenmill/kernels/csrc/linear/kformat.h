@@ -1,5 +1,6 @@
 // The K family of quantized formats: ggml's K-quants (Q4_K, Q5_K, Q6_K), the legacy formats llama-quantize
-// falls back to (Q5_0, Q5_1, Q4_1) and the non-linear IQ4_NL and IQ4_XS, each multiplied where it lies by the
+// falls back to (Q5_0, Q5_1, Q4_1), the non-linear IQ4_NL and IQ4_XS, and MXFP4 (OCP microscaling: FP4 e2m1 values
+// under a power-of-two scale per 32, as gpt-oss ships its experts), each multiplied where it lies by the
 // integer tiles of linear/kquant.h.
 //
 // All of them are one shape (linear/format.h: KSpec): an unsigned q of 4, 5 or 6 bits per weight, its value v(q)
@@ -10,6 +11,9 @@
 //   IQ4_NL:     blocks of 32; scale = d; v(q) = kIq4Unsigned[q] = ggml's kvalues_iq4nl[q] + 128, zero = 128;
 //   IQ4_XS:     superblocks of 256 = 8 sub-blocks of 32; scale = d * sc, sc = ggml's 6-bit scale - 32 (int8);
 //               v(q) and zero as IQ4_NL's.
+//   MXFP4:      blocks of 32; scale = d = 2^(e - 128) (the block's e8m0 exponent e, halved: the table is e2m1 x 2,
+//               ggml's kvalues_mxfp4), held exactly as fp16 where e is in [104, 143] (others: kernels/kformats.py
+//               refuses the tensor, which then loads dequantized); v(q) = kMxfp4Unsigned[q], zero = 128.
 // Every one of those numbers is ggml's own (d, dmin, m fp16; sc, mn small integers), so a GGUF's blocks repack
 // without loss: only their order changes (kernels/kformats.py), and a few bits of padding. IQ4's 4-bit q stay
 // 4-bit in the panels: the tiles look their values up (a byte shuffle) as they unpack a group.
@@ -52,6 +56,21 @@ alignas(16) constexpr int8_t kIq4Signed[16] = {-127, -104, -83, -65, -49, -35, -
 alignas(16) constexpr uint8_t kIq4Unsigned[16] = {1,   24,  45,  63,  79,  93,  106, 118,  //
                                                   129, 141, 153, 166, 181, 197, 217, 241};
 static_assert(kIq4Unsigned[0] == kIq4Signed[0] + 128 && kIq4Unsigned[15] == kIq4Signed[15] + 128);
+// MXFP4's 16 values: FP4 e2m1 (bit 3 the sign) doubled to integers (ggml's kvalues_mxfp4), and + 128
+alignas(16) constexpr int8_t kMxfp4Signed[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+alignas(16) constexpr uint8_t kMxfp4Unsigned[16] = {128, 129, 130, 131, 132, 134, 136, 140,  //
+                                                    128, 127, 126, 125, 124, 122, 120, 116};
+static_assert(kMxfp4Unsigned[7] == kMxfp4Signed[7] + 128 && kMxfp4Unsigned[15] == kMxfp4Signed[15] + 128);
+
+// a table format's values, signed and + 128
+template <Format F>
+constexpr const int8_t* ktable_signed() {
+  return kspec(F).table == 2 ? kMxfp4Signed : kIq4Signed;
+}
+template <Format F>
+constexpr const uint8_t* ktable_unsigned() {
+  return kspec(F).table == 2 ? kMxfp4Unsigned : kIq4Unsigned;
+}
 
 // where a superblock header's parts start
 template <Format F>
@@ -85,7 +104,7 @@ inline KHeader<F> ksuperblock(const uint8_t* panel, int64_t sb, bool prefetch) {
   return h;
 }
 
-// channel c's v(q) at k = kk of a block of 32 (q: 0 .. 2^(4 + planes) - 1; IQ4's: kIq4Unsigned[q])
+// channel c's v(q) at k = kk of a block of 32 (q: 0 .. 2^(4 + planes) - 1; a table format's: its unsigned entry)
 template <Format F>
 inline int32_t kvalue(const uint8_t* blk, int c, int kk) {
   const int g = kk / 4, i = kk % 4;
@@ -96,7 +115,7 @@ inline int32_t kvalue(const uint8_t* blk, int c, int kk) {
     std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
     v |= (int32_t)((bits >> (4 * c + i)) & 1) << (4 + p);
   }
-  if constexpr (kspec(F).table) return kIq4Unsigned[v];
+  if constexpr (kspec(F).table) return ktable_unsigned<F>()[v];
   return v;
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 #include "linear/format.h"
 #include "linear/kformat.h"
@@ -35,6 +36,7 @@ inline int64_t ggml_block_bytes(Format F) {
     case Q4_1: return 20;
     case IQ4_NL: return 18;
     case IQ4_XS: return 136;
+    case MXFP4: return 17;
     default: return 0;
   }
 }
@@ -60,9 +62,20 @@ inline void read_iq4_xs(const uint8_t* b, GgmlBlock& o) {
   }
 }
 
+// MXFP4's e8m0 exponent e -> d = 2^(e - 128) as fp16 bits, exactly: normal for e in [114, 143], subnormal in
+// [104, 113]; e outside holds no fp16 (kernels/kformats.py refuses such a tensor before it gets here)
+inline uint16_t mxfp4_scale(uint8_t e) {
+  const int x = (int)e - 128;
+  if (x < -24 || x > 15) throw std::invalid_argument("an MXFP4 block's scale 2^" + std::to_string(x) + " is no fp16");
+  return x >= -14 ? (uint16_t)((x + 15) << 10) : (uint16_t)(1u << (x + 24));
+}
+
 template <Format F>
 inline void read_ggml_block(const uint8_t* b, GgmlBlock& o) {
-  if constexpr (F == Q8_0 || F == Q4_0 || F == IQ4_NL) {  // {d, qs}: IQ4_NL's as Q4_0's
+  if constexpr (F == MXFP4) {  // {e, qs[16]}: qs as IQ4_NL's
+    o.d = mxfp4_scale(b[0]);
+    for (int j = 0; j < 16; ++j) o.q[j] = b[1 + j] & 15, o.q[j + 16] = b[1 + j] >> 4;
+  } else if constexpr (F == Q8_0 || F == Q4_0 || F == IQ4_NL) {  // {d, qs}: IQ4_NL's as Q4_0's
     o.d = u16_at(b);
     for (int j = 0; j < 16; ++j) {
       if constexpr (F == Q8_0) o.q[j] = b[2 + j], o.q[j + 16] = b[18 + j];
@@ -189,7 +202,8 @@ inline void repack_panels(Format F, const uint8_t* src, int64_t row_bytes, int64
     case Q4_1: return repack_panels_t<Q4_1>(src, row_bytes, N, K, dst, p0, p1);
     case IQ4_NL: return repack_panels_t<IQ4_NL>(src, row_bytes, N, K, dst, p0, p1);
     case IQ4_XS: return repack_panels_t<IQ4_XS>(src, row_bytes, N, K, dst, p0, p1);
-    default: throw std::invalid_argument("repack_gguf takes ggml's Q8_0, Q4_0, K-family and IQ4 blocks");
+    case MXFP4: return repack_panels_t<MXFP4>(src, row_bytes, N, K, dst, p0, p1);
+    default: throw std::invalid_argument("repack_gguf takes ggml's Q8_0, Q4_0, K-family, IQ4 and MXFP4 blocks");
   }
 }
 

@@ -102,6 +102,8 @@ static constexpr FormatKernels kFormatKernels[] = {
      unpack_panel<IQ4_NL>},
     {IQ4_XS, "iq4_xs", true, false, false, run_kquant<IQ4_XS>, nullptr, run_amx_kquant<IQ4_XS>, false, 9,
      unpack_panel<IQ4_XS>},
+    {MXFP4, "mxfp4", true, false, false, run_kquant<MXFP4>, nullptr, run_amx_kquant<MXFP4>, false, 9,
+     unpack_panel<MXFP4>},
 };
 constexpr bool table_in_order() {
   for (int f = 0; f < (int)(sizeof(kFormatKernels) / sizeof(kFormatKernels[0])); ++f)

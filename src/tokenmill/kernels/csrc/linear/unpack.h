@@ -68,6 +68,7 @@ inline void unpack_channel(Format F, const uint8_t* panel, int64_t K, int c, flo
     case Q4_1: return unpack_channel_t<Q4_1>(panel, K, c, out);
     case IQ4_NL: return unpack_channel_t<IQ4_NL>(panel, K, c, out);
     case IQ4_XS: return unpack_channel_t<IQ4_XS>(panel, K, c, out);
+    case MXFP4: return unpack_channel_t<MXFP4>(panel, K, c, out);
     default: throw std::invalid_argument("unpack_channel takes the quantized formats");
   }
 }

@@ -52,7 +52,7 @@ inline void kgroup(const uint8_t* blk, int g, __m256i* w) {
   w[1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
   if constexpr (kspec(F).table) {
     const __m256i lut = _mm256_broadcastsi128_si256(
-        _mm_load_si128(TM_VNNI ? (const __m128i*)kIq4Unsigned : (const __m128i*)kIq4Signed));
+        _mm_load_si128(TM_VNNI ? (const __m128i*)ktable_unsigned<F>() : (const __m128i*)ktable_signed<F>()));
     w[0] = _mm256_shuffle_epi8(lut, w[0]);
     w[1] = _mm256_shuffle_epi8(lut, w[1]);
   }

@@ -34,7 +34,7 @@ inline __m512i kgroup512(const uint8_t* blk, int g) {
   __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
                                  _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
   if constexpr (kspec(F).table)
-    w = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)kIq4Unsigned)), w);
+    w = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)ktable_unsigned<F>())), w);
   for (int p = 0; p < kspec(F).planes; ++p) {
     uint64_t bits;
     std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
