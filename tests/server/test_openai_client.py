@@ -220,3 +220,18 @@ def test_async_client_streaming_and_not(server: Server, llm: LLM) -> None:
     assert chat_text == want_chat
     assert usage is not None and usage.completion_tokens == 6
     assert usage.prompt_tokens == len(llm.tokenizer.apply_chat_template(MESSAGES))
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client: openai.OpenAI, server: Server) -> None:
+    """`usage.prompt_tokens_details.cached_tokens`, as OpenAI and vLLM report it (what an agent loop's benchmark
+    reads for its prefix hit rate): none for a prompt never seen, whole blocks of it the second time, streamed too."""
+    prompt = " ".join(f"word{i}" for i in range(80))  # several KV blocks
+    first = _complete(client, server, prompt=prompt, max_tokens=2)
+    again = _complete(client, server, prompt=prompt, max_tokens=2)
+    *_, last = _complete(client, server, prompt=prompt, max_tokens=2, stream=True,
+                         stream_options={"include_usage": True})  # fmt: skip
+    assert first.usage is not None and again.usage is not None and last.usage is not None
+    assert first.usage.prompt_tokens_details is not None and first.usage.prompt_tokens_details.cached_tokens == 0
+    for usage in (again.usage, last.usage):
+        details = usage.prompt_tokens_details
+        assert details is not None and 0 < (details.cached_tokens or 0) < usage.prompt_tokens

@@ -44,19 +44,25 @@ class Call:
     created: int
     metrics: PrometheusMetrics | None = None
     echo_texts: list[str] = field(default_factory=list)
+    cached_tokens: int = 0  # the finished requests' prompt tokens served from the prefix cache
 
     @property
     def chunk_object(self) -> str:
         return "text_completion" if self.kind == "text_completion" else "chat.completion.chunk"
 
     def observe(self, out: RequestOutput) -> None:
-        if out.finished and out.metrics is not None and self.metrics is not None:
-            self.metrics.observe_finished(out.metrics, [c.finish_reason for c in out.outputs])
+        if out.finished and out.metrics is not None:
+            self.cached_tokens += out.metrics.num_cached_tokens
+            if self.metrics is not None:
+                self.metrics.observe_finished(out.metrics, [c.finish_reason for c in out.outputs])
 
-    def usage(self, num_completion_tokens: int) -> dict[str, int]:
+    def usage(self, num_completion_tokens: int) -> dict[str, Any]:
+        """OpenAI's usage, with `prompt_tokens_details.cached_tokens` (the prefix cache's share of the prompts, as
+        OpenAI and vLLM report it)."""
         prompt = sum(len(p) for p in self.prompts)
         return {"prompt_tokens": prompt, "completion_tokens": num_completion_tokens,
-                "total_tokens": prompt + num_completion_tokens}  # fmt: skip
+                "total_tokens": prompt + num_completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}  # fmt: skip
 
 
 def completion_tokens(finals: dict[int, RequestOutput]) -> int:
