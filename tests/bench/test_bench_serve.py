@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -185,3 +186,27 @@ def test_flops_model_adds_the_runs_model_gflops_and_their_share_of_each_peak(
         assert math.isfinite(p["giga_ops"]) and p["giga_ops"] > 0
         assert p["share"] == pytest.approx(f["model_gflops"] / p["giga_ops"])
     assert "| model GFLOPS (linears; formula below) |" in (run / "report.md").read_text()
+
+
+def test_agent_workload_grows_conversations_and_reads_the_prefix_cache(server: Server, tmp_path: Path) -> None:
+    """`--workload agent`: each conversation's turns go one after another, each prompt the last one plus the answer
+    and a new message, so every later turn's prompt is mostly served from the prefix cache; the summary says so by
+    turn, from the server's `usage.prompt_tokens_details.cached_tokens`."""
+    args = parse("--url", server.url, "--model", server.model, "--output-dir", str(tmp_path), "--workload", "agent",
+                 "--conversations", "2", "--turns", "3", "--input-len", "60", "--max-context", "300",
+                 "--output-len", "6", "--timeout", "60", "--max-duration", "120")  # fmt: skip
+    run = run_serve(args)
+    summary = json.loads((run / "summary" / "summary.json").read_text())
+    rows = json.loads((run / "raw" / "trials.json").read_text())
+    assert summary["requests_completed"] == 6 and summary["requests_errors"] == 0
+    for c in (0, 1):
+        turns = sorted((r for r in rows if r["conversation"] == c), key=lambda r: r["turn"])
+        assert [r["turn"] for r in turns] == [0, 1, 2]
+        for before, after in itertools.pairwise(turns):
+            assert after["start_s"] >= before["end_s"]  # a turn waits for the last answer
+            assert after["prompt_tokens"] > before["prompt_tokens"] + before["output_tokens"]
+            # the history before it was computed last turn: all but its last partial KV block comes from the cache
+            assert before["prompt_tokens"] - 16 <= after["cached_tokens"] < after["prompt_tokens"]
+    agent = summary["agent"]
+    assert agent["turns"] == 3 and len(agent["ttft_p50_by_turn_ms"]) == 3 and 0.3 < agent["prefix_hit_rate"] < 1
+    assert "| turn | prompt tokens | TTFT p50 ms |" in (run / "report.md").read_text()

@@ -39,6 +39,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "chunked_prefill": {"num_prompts": 48, "request_rate": 6.0, "long_fraction": 0.75},
     "prefix_caching": {"num_prompts": 48, "request_rate": 8.0, "prefix_len": 1024},
     "custom": {"num_prompts": 32, "request_rate": INF},
+    "agent": {},  # turns of growing conversations (bench/agent.py), its own flags
 }
 LONG_FACTOR = 4  # chunked_prefill: a long prompt is LONG_FACTOR x input-len tokens
 CONTEXT_MARGIN = 8  # tokens kept free of the context when scaling prompts (chat templates, BOS)
@@ -139,6 +140,7 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, body: dict[s
     stamps: list[float] = []
     pieces: list[str] = []
     usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None  # llama-server's per-request figures
     start = time.monotonic()
     row.update(sent=True, start_s=start - t0)
     try:
@@ -155,6 +157,7 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, body: dict[s
                 if "error" in obj:
                     raise RuntimeError(f"in-stream error: {str(obj['error'])[:300]}")
                 usage = obj.get("usage") or usage
+                timings = obj.get("timings") or timings
                 for choice in obj.get("choices") or []:
                     piece = (
                         choice.get("text") if args.endpoint != "chat" else (choice.get("delta") or {}).get("content")
@@ -176,6 +179,8 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, body: dict[s
     if usage and usage.get("completion_tokens") is not None:
         row.update(output_tokens=int(usage["completion_tokens"]), output_tokens_source="usage")
         row["prompt_tokens"] = int(usage.get("prompt_tokens") or row["prompt_tokens"])
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    row["cached_tokens"] = cached if cached is not None else (timings or {}).get("cache_n")
 
 
 async def drive(args: argparse.Namespace, plan: Plan, prompts: list[tuple[str, str, int]], seed: int,
@@ -328,6 +333,10 @@ def _progress(total: int, label: str) -> tuple[Callable[[], None], Callable[[], 
 
 
 def run_workload(args: argparse.Namespace, workload: str) -> Path:
+    if workload == "agent":
+        from tokenmill.bench.agent import run_agent
+
+        return Path(run_agent(args))
     seed = args.seed if args.seed is not None else 0
     slos = parse_goodput(args.goodput)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -382,7 +391,7 @@ def run_serve(args: argparse.Namespace) -> Path:
     parse_goodput(args.goodput)  # fail fast on a bad spec
     peers = parse_peers(args.server_peers)
     args.flops_basis = flops_basis(args.flops_model, args.probe_threads) if args.flops_model else None
-    names = [w for w in WORKLOADS if w != "custom"] if args.workload == "all" else [args.workload]
+    names = [w for w in WORKLOADS if w not in ("custom", "agent")] if args.workload == "all" else [args.workload]
     runs = [run_workload(args, w) for w in names]
     for label, url, model in peers:
         runs += [run_workload(peer_args(args, label, url, model), w) for w in names]
@@ -400,6 +409,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 128)")
     p.add_argument("--output-len", type=int, default=None, help="generated tokens per request (default 128)")
     p.add_argument("--prefix-len", type=int, default=None, help="shared prefix tokens (prefix_caching: 1024)")
+    p.add_argument("--conversations", type=int, default=None, help="agent: conversations at once (4)")
+    p.add_argument("--turns", type=int, default=None, help="agent: turns per conversation (10)")
+    p.add_argument("--max-context", type=int, default=None, help="agent: tokens the history grows to (32768)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", default=None, metavar="ttft:MS,tpot:MS", help="SLOs (any of ttft, tpot, e2e)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
