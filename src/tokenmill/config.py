@@ -106,6 +106,7 @@ class ModelConfig:
     rope_local: RopeConfig | None = None  # Gemma 3: the sliding layers' own RoPE
     query_pre_attn_scalar: float | None = None  # Gemma: attention scores scaled by this ** -0.5, not Dh ** -0.5
     moe: MoEConfig | None = None  # a mixture of experts in (some of) the layers' MLPs
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in the softmax's denominator
 
     def __post_init__(self) -> None:
         checks = {
