@@ -44,6 +44,8 @@ class MoEConfig:
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]
     weights_in_float32: bool = False
+    # gpt-oss: the experts' clamped SwiGLU, (alpha, limit): up * sigmoid-gated gate, each clamped to `limit` first
+    clamped_swiglu: tuple[float, float] | None = None
 
     def check(self, num_layers: int) -> None:
         if not 1 <= self.top_k <= self.num_experts:

@@ -20,6 +20,8 @@ from tokenmill.models.moe import SparseMoE
 MOE = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # sinks, and a window of 8 that the prompts and their outputs run past (layer 0; layer 1 full)
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8),
 }
 
 
