@@ -6,6 +6,8 @@ attention path sinks run through, and what the family refuses.
   in float32 and bfloat16 alike (every MXFP4 value is a bfloat16).
 - The prompt runs past the window of 8 in prefill and decode, on the paged pool with the CPU kernels (sinks in the
   decode and prefill kernels) and without them (torch), on the contiguous store and with no cache, alike.
+- A `gpt-oss` GGUF as llama.cpp's converter writes it (MXFP4 experts; written here with the `gguf` package) loads as
+  the transformers model with the experts its blocks hold.
 - Tensor parallelism, an unknown quantization or layer type, and half an MXFP4 weight are one line at load.
 """
 
@@ -83,6 +85,11 @@ def test_an_mxfp4_checkpoint_gives_transformers_logits_and_tokens(mxfp4_folder: 
 
     hf = _hf(mxfp4_folder, quantization_config=Mxfp4Config(dequantize=True))
     llm = LLM(str(mxfp4_folder), dtype="float32", device=target.DEVICE)
+    _assert_transformers_logits_and_tokens(llm, hf)
+
+
+def _assert_transformers_logits_and_tokens(llm: LLM, hf: Any) -> None:
+    """A whole prompt's float32 logits within 1e-4 of transformers', and 24 greedy tokens equal to its own."""
     ids = llm.tokenizer.encode(PROMPT)
     model = llm.loaded.model
     with torch.inference_mode():
@@ -159,3 +166,78 @@ def test_variants_we_do_not_run_are_one_line(folder: Path, mxfp4_folder: Path, t
     save_file(tensors, str(half / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="down_proj_blocks came without their blocks or scales"):
         LLM(str(half))
+
+
+def write_gguf(folder: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """`folder`'s checkpoint as llama.cpp's convert_hf_to_gguf writes gpt-oss: the `gpt-oss` arch's metadata and
+    names, each layer's experts stacked per projection (gate and up de-interleaved) in MXFP4 blocks, the rest F32.
+    Also returns the HF checkpoint's tensors with the experts' weights as those blocks hold them."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from tokenmill.bench.gguf_export import gguf_file
+    from tokenmill.bench.gguf_vocab import write_vocab
+    from tokenmill.weights.gguf_names import hf_to_gguf
+
+    config = json.loads((folder / "config.json").read_text())
+    rope = config["rope_parameters"]
+    tensors, dequantized = load_file(str(folder / "model.safetensors")), {}
+    with gguf_file(out, "gpt-oss") as w:
+        for add, value in ((w.add_context_length, config["max_position_embeddings"]),
+                           (w.add_embedding_length, config["hidden_size"]),
+                           (w.add_block_count, config["num_hidden_layers"]),
+                           (w.add_feed_forward_length, config["intermediate_size"]),
+                           (w.add_head_count, config["num_attention_heads"]),
+                           (w.add_head_count_kv, config["num_key_value_heads"]), (w.add_key_length, config["head_dim"]),
+                           (w.add_value_length, config["head_dim"]), (w.add_layer_norm_rms_eps, config["rms_norm_eps"]),
+                           (w.add_rope_freq_base, rope["rope_theta"]), (w.add_rope_scaling_factor, rope["factor"]),
+                           (w.add_rope_scaling_type, gguf.RopeScalingType.YARN),
+                           (w.add_rope_scaling_orig_ctx_len, rope["original_max_position_embeddings"]),
+                           (w.add_expert_count, config["num_local_experts"]),
+                           (w.add_expert_used_count, config["num_experts_per_tok"]),
+                           (w.add_expert_feed_forward_length, config["intermediate_size"]),
+                           (w.add_sliding_window, config["sliding_window"])):  # fmt: skip
+            add(value)
+        write_vocab(w, folder, config)
+        for name, t in tensors.items():
+            stem, _, part = name.rpartition(".experts.")
+            if not stem:
+                gguf_name = hf_to_gguf("gpt-oss", name + (".weight" if name.endswith(".sinks") else ""))
+                assert gguf_name is not None, name
+                w.add_tensor(gguf_name, t.float().numpy())
+                continue
+            layer = stem.split(".")[2]
+            if part.endswith("_bias"):  # [E, 2I] interleaved, or [E, D]
+                pieces = {"gate": t[:, 0::2], "up": t[:, 1::2]} if part.startswith("gate_up") else {"down": t}
+                for proj, b in pieces.items():
+                    w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.bias", b.float().contiguous().numpy())
+                continue
+            rows = t.transpose(1, 2)  # [E, out, in]
+            pieces = {"gate": rows[:, 0::2], "up": rows[:, 1::2]} if part == "gate_up_proj" else {"down": rows}
+            for proj, weight in pieces.items():
+                blocks = gguf.quants.quantize(weight.float().contiguous().numpy(), gguf.GGMLQuantizationType.MXFP4)
+                w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+                values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.MXFP4)
+                dequantized[(name, proj)] = torch.from_numpy(np.ascontiguousarray(values))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    for (name, proj), values in list(dequantized.items()):
+        if proj != "up":  # back to transformers' [E, in, out], gate and up interleaved again
+            both = torch.stack([values, dequantized[(name, "up")]], dim=2).flatten(1, 2) if proj == "gate" else values
+            tensors[name] = both.transpose(1, 2).contiguous()
+    return out, tensors
+
+
+def test_a_gpt_oss_gguf_with_mxfp4_experts_gives_transformers_tokens(folder: Path, tmp_path: Path) -> None:
+    """A `gpt-oss` GGUF (names, metadata and MXFP4 experts as llama.cpp's converter writes them) loads as the model
+    transformers runs with the experts those blocks hold."""
+    from safetensors.torch import save_file
+
+    path, tensors = write_gguf(folder, tmp_path / "gpt-oss.gguf")
+    reference = shutil.copytree(folder, tmp_path / "as-in-the-gguf")
+    save_file(tensors, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(str(path), dtype="float32", device=target.DEVICE)
+    assert llm.loaded.config.layer_windows() == [8, None]
+    _assert_transformers_logits_and_tokens(llm, _hf(reference))
