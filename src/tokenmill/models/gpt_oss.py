@@ -149,7 +149,8 @@ def _per_expert(
 
 def _gpt_oss_config(hf: dict[str, Any]) -> dict[str, Any]:
     """A gpt-oss config.json with GptOssConfig's defaults filled in; one line for a layer type we do not run."""
-    out = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k == "sliding_window"}}
+    # (a null head_dim is hidden / heads, a null window none, as in GptOssConfig; other nulls take the defaults)
+    out = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k in ("head_dim", "sliding_window")}}
     if not out.get("rope_parameters") and not out.get("rope_scaling"):
         out["rope_scaling"] = YARN
     layers = int(out.get("num_hidden_layers") or 0)

@@ -306,7 +306,8 @@ class GGUFCheckpoint:
         dims = 2 if kind == "bias" else 3
         experts = int(t.shape[-1]) if len(t.shape) == dims else 0  # ggml order: [cols, rows, experts]
         if not experts:
-            raise ModelLoadError(f"{self.path}: {t.name} has shape {list(t.shape)}; an expert {kind} is {dims}-D")
+            what = "an expert bias is 2-D" if kind == "bias" else "an expert tensor is 3-D"
+            raise ModelLoadError(f"{self.path}: {t.name} has shape {list(t.shape)}; {what}")
         rows = value.shape[0] // experts if dims == 3 else 1
         for e in range(experts):
             part: torch.Tensor | RawBlocks
