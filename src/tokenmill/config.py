@@ -44,6 +44,8 @@ class MoEConfig:
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]
     weights_in_float32: bool = False
+    # gpt-oss: the experts' clamped SwiGLU, (alpha, limit): up * sigmoid-gated gate, each clamped to `limit` first
+    clamped_swiglu: tuple[float, float] | None = None
 
     def check(self, num_layers: int) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -106,6 +108,7 @@ class ModelConfig:
     rope_local: RopeConfig | None = None  # Gemma 3: the sliding layers' own RoPE
     query_pre_attn_scalar: float | None = None  # Gemma: attention scores scaled by this ** -0.5, not Dh ** -0.5
     moe: MoEConfig | None = None  # a mixture of experts in (some of) the layers' MLPs
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in the softmax's denominator
 
     def __post_init__(self) -> None:
         checks = {

@@ -68,6 +68,20 @@ SHAPES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True, rms_norm_eps=1e-6, num_experts=32, num_experts_per_tok=4,
         moe_intermediate_size=512, norm_topk_prob=True,
     ),
+    # gpt-oss (`--arch gpt_oss`): its RoPE is YaRN (factor 32 over 4096, gpt_oss.py's default); windows of 128 in every
+    # other layer. make-model writes the experts in bf16, transformers' layout (the released checkpoints: MXFP4)
+    "gpt-oss-20b": dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, vocab_size=201088, max_position_embeddings=131072, rope_theta=150000.0,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, swiglu_limit=7.0,
+    ),
+    "gpt-oss-small": dict(  # 32 experts, 4 per token: ~1.0B parameters, ~0.4B of them active (0.24B embeddings)
+        hidden_size=768, intermediate_size=768, num_hidden_layers=12, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=64, vocab_size=201088, max_position_embeddings=131072, rope_theta=150000.0,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128,
+    ),
     "mixtral-8x7b": dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,

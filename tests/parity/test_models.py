@@ -29,6 +29,12 @@ YARN_ROPE = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=
 LONGROPE = dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 4.0],
                 long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0])  # fmt: skip  # head_dim 16: 8 each
 
+GPTOSS = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
+GPTOSS_MQA = dict(head_dim=32, num_key_value_heads=1, num_hidden_layers=3, num_local_experts=3, num_experts_per_tok=2,
+                  sliding_window=6, layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                  rope_scaling=dict(rope_type="yarn", factor=8.0, beta_fast=16.0, beta_slow=2.0, truncate=True,
+                                    original_max_position_embeddings=64))  # fmt: skip
+
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-gqa2": ("llama", {}),
     "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
@@ -76,6 +82,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "mixtral-top2of4": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # sinks, window 8 then full, YaRN (gpt-oss's: factor 32 over 4096, untruncated), biases, the clamped SwiGLU of
+    # experts whose gate/up columns interleave, top 2 of 4 softmaxed after the top-k
+    "gptoss-window8-top2of4": ("gpt_oss", GPTOSS),
+    # one KV head of 32 (the bf16 decode kernel's wide path), three layers full/window/window, truncated YaRN
+    "gptoss-mqa-headdim32-3layers": ("gpt_oss", GPTOSS_MQA),
 }
 SPREAD = dict(initializer_range=0.1)  # larger weights than HF's default: peaked logits, no near-ties in greedy
 PROMPT = "To be, or not to be, that is the question. Hello world!"

@@ -27,7 +27,8 @@ def _params(cfg: Any) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("shape,arch,total,active", [("qwen3-30b-a3b", "qwen3_moe", 30.5, 3.3),
-                                                     ("mixtral-8x7b", "mixtral", 46.7, 12.9)])  # fmt: skip
+                                                     ("mixtral-8x7b", "mixtral", 46.7, 12.9),
+                                                     ("gpt-oss-20b", "gpt_oss", 20.9, 4.2)])  # fmt: skip
 def test_make_model_shapes_are_the_real_models(shape: str, arch: str, total: float, active: float) -> None:
     cfg = _config(arch, **SHAPES[shape])
     assert cfg.moe is not None and all(cfg.moe.sparse_layers)
@@ -55,3 +56,38 @@ def test_a_bad_moe_config_is_one_line() -> None:
         family.config_from_hf({**base, "num_experts_per_tok": 5})
     with pytest.raises(ConfigError, match="moe_intermediate_size=-1 must be >= 1"):
         family.config_from_hf({**base, "num_experts_per_tok": 2, "moe_intermediate_size": -1})
+    awq = {**base, "num_experts_per_tok": 2, "quantization_config": {"quant_method": "awq", "bits": 4}}
+    with pytest.raises(ConfigError, match="quant_method 'awq' is not supported for Qwen3MoeForCausalLM.*: none"):
+        family.config_from_hf(awq)
+
+
+# openai/gpt-oss-20b's config.json as released (transformers v4 names: rope_scaling, torch_dtype)
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 201088,
+}  # fmt: skip
+
+
+def test_gpt_oss_20b_config_as_released() -> None:
+    """Windows of 128 in every other layer (the first sliding), YaRN over 4096 untruncated, sinks, biases on
+    attention and experts, the clamped SwiGLU, 4 of 32 experts; its make-model shape is the same model."""
+    cfg = family_for(GPT_OSS_20B).config_from_hf(GPT_OSS_20B)
+    assert cfg.layer_windows() == [128, None] * 12
+    assert (cfg.rope.kind, cfg.rope.theta, cfg.rope.params["factor"], cfg.rope.params["truncate"]) == (
+        "yarn", 150000.0, 32.0, False)  # fmt: skip
+    assert cfg.attention_sinks and cfg.attention_bias and cfg.o_proj_bias and cfg.mlp_bias
+    assert cfg.moe is not None and (cfg.moe.num_experts, cfg.moe.top_k) == (32, 4)
+    assert cfg.moe.clamped_swiglu == (1.702, 7.0) and cfg.torch_dtype == "bfloat16"
+    made = _config("gpt_oss", **SHAPES["gpt-oss-20b"])
+    assert (made.layer_windows(), made.rope, made.moe) == (cfg.layer_windows(), cfg.rope, cfg.moe)

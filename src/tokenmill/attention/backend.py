@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention.sinks import attend_with_sinks
 from tokenmill.types import SequenceInput
 
 
@@ -51,6 +52,7 @@ def attend_sequence(
     keys: torch.Tensor,  # [Hkv, ctx_len, Dh]: its whole context
     values: torch.Tensor,  # [Hkv, ctx_len, Dh]
     window: int | None = None,  # each query sees only the last `window` positions (itself included)
+    sinks: torch.Tensor | None = None,  # [H]: each head's sink logit (attention/sinks.py), or None
 ) -> torch.Tensor:  # [q_len, H, Dh]
     q_len, num_heads = q.shape[0], q.shape[1]
     if window is not None and keys.shape[1] > window:  # the window binds: keys no query can see are dropped first
@@ -59,6 +61,12 @@ def attend_sequence(
     else:
         window = None  # every query sees its whole context: plain causal
     ctx_len = keys.shape[1]
+    if sinks is not None:
+        hkv, dh = keys.shape[0], q.shape[2]
+        grouped = q.view(q_len, hkv, num_heads // hkv, dh).permute(1, 2, 0, 3)[None]  # [1, Hkv, G, q_len, Dh]
+        allowed = None if q_len == 1 else _causal_mask(q_len, ctx_len, q.device, window)  # [q_len, ctx]
+        o = attend_with_sinks(grouped, keys[None], values[None], sinks, allowed)  # [1, Hkv, G, q_len, Dh]
+        return o[0].permute(2, 0, 1, 3).reshape(q_len, num_heads, dh)
     queries = q.transpose(0, 1)  # [H, q_len, Dh]
     if num_heads != keys.shape[0]:  # NOTE: SDPA's fused CPU kernel wants 4-D inputs and equal head counts
         group = num_heads // keys.shape[0]

@@ -55,9 +55,8 @@ class ContiguousKVCache:
             buf[0, :, pos : pos + end - start] = k[start:end].transpose(0, 1)
             buf[1, :, pos : pos + end - start] = v[start:end].transpose(0, 1)
 
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ContiguousMetadata
-    ) -> torch.Tensor:  # [T, H, Dh]
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ContiguousMetadata,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         out = torch.empty_like(q)
         for b in range(meta.num_seqs):
             start, end, ctx = meta.query_start_loc[b], meta.query_start_loc[b + 1], meta.seq_lens[b]
@@ -66,7 +65,7 @@ class ContiguousKVCache:
             else:
                 buf = self._buffers[meta.request_ids[b]][layer]
                 keys, values = buf[0, :, :ctx], buf[1, :, :ctx]  # [Hkv, ctx, Dh]
-            out[start:end] = attend_sequence(q[start:end], keys, values, window_of(self.windows, layer))
+            out[start:end] = attend_sequence(q[start:end], keys, values, window_of(self.windows, layer), sinks)
         return out
 
     def release(self, request_id: str) -> None:

@@ -26,15 +26,14 @@ class NoKVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: BatchLayout) -> None:
         pass
 
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchLayout
-    ) -> torch.Tensor:  # [T, H, Dh]
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchLayout,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         out = torch.empty_like(q)
         for b in range(meta.num_seqs):
             start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
             assert end - start == meta.seq_lens[b], "without a KV cache every step must carry the whole context"
             keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, ctx, Dh]
-            out[start:end] = attend_sequence(q[start:end], keys, values, window_of(self.windows, layer))
+            out[start:end] = attend_sequence(q[start:end], keys, values, window_of(self.windows, layer), sinks)
         return out
 
     def release(self, request_id: str) -> None:

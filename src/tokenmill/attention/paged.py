@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import BatchLayout, attend_sequence, window_of
+from tokenmill.attention.sinks import attend_with_sinks
 from tokenmill.kernels import FusedOps, Kernels
 from tokenmill.types import SequenceInput
 
@@ -214,19 +215,20 @@ class PagedKVCache:
         self.cache[layer, 0].index_copy_(0, meta.slot_mapping, k)
         self.cache[layer, 1].index_copy_(0, meta.slot_mapping, v)
 
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata
-    ) -> torch.Tensor:  # [T, H, Dh]
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if sinks is not None and self.ops is not None and not isinstance(self.ops, Kernels):
+            raise ValueError("attention sinks run in the CPU kernels or in torch: build this pool with ops=None")
         nd = meta.num_decodes
         if meta.row_tables is not None and meta.row_lens is not None:  # batch-invariant: every row as a decode
-            assert self.ops is not None
+            assert isinstance(self.ops, Kernels)
             return self.ops.decode_attention(q.contiguous(), self.cache[layer], meta.row_tables, meta.row_lens,
-                                             self.block_size, window_of(self.windows, layer))  # fmt: skip
+                                             self.block_size, window_of(self.windows, layer), sinks)  # fmt: skip
         if nd == meta.num_seqs:  # a decode-only step (the common one): no output buffer to fill piecewise
-            return self._decode_batch(layer, q, meta)
+            return self._decode_batch(layer, q, meta, sinks)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
-            out[:nd] = self._decode_batch(layer, q[:nd], meta)
+            out[:nd] = self._decode_batch(layer, q[:nd], meta, sinks)
         fused = meta.prefill_seqs is not None and q.dtype == self.dtype and q.stride(1) == q.shape[-1]
         if fused and q.shape[-1] % 16 == 0:  # every prefill in one call (prefill_attention.h)
             assert (
@@ -235,7 +237,7 @@ class PagedKVCache:
                 and meta.prefill_seqs is not None
             )
             self.ops.prefill_attention(q, self.cache[layer], meta.prefill_block_tables, meta.prefill_seqs,
-                                       self.block_size, window_of(self.windows, layer), out)  # fmt: skip
+                                       self.block_size, window_of(self.windows, layer), out, sinks)  # fmt: skip
             return out
         for b in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
@@ -244,13 +246,18 @@ class PagedKVCache:
                 keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, ctx, Dh]
             else:
                 keys, values = self.cache[layer, 0, slots].transpose(0, 1), self.cache[layer, 1, slots].transpose(0, 1)
-            out[start:end] = attend_sequence(q[start:end], keys, values, window_of(self.windows, layer))
+            out[start:end] = attend_sequence(q[start:end], keys, values, window_of(self.windows, layer), sinks)
         return out
 
-    def _decode_batch(self, layer: int, q: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+    def _decode_batch(
+        self, layer: int, q: torch.Tensor, meta: PagedMetadata, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """q: [B, H, Dh], one new token per sequence -> [B, H, Dh], all sequences in one call."""
         assert meta.decode_block_tables is not None and meta.decode_lens is not None
         window = window_of(self.windows, layer)
+        if isinstance(self.ops, Kernels):
+            return self.ops.decode_attention(q.contiguous(), self.cache[layer], meta.decode_block_tables,
+                                             meta.decode_lens, self.block_size, window, sinks)  # fmt: skip
         if self.ops is not None:
             return self.ops.decode_attention(
                 q.contiguous(), self.cache[layer], meta.decode_block_tables, meta.decode_lens, self.block_size, window
@@ -265,6 +272,10 @@ class PagedKVCache:
         h, dh = q.shape[1], q.shape[2]
         hkv = keys.shape[2]
         queries = q.view(b, hkv, h // hkv, dh)  # [B, Hkv, G, Dh]: a KV head's query heads side by side
+        if sinks is not None:
+            allowed = bias[:, :, :, None, :] == 0  # [B, 1, 1, 1, S]
+            o = attend_with_sinks(queries[:, :, :, None], keys.transpose(1, 2), values.transpose(1, 2), sinks, allowed)
+            return o.reshape(b, h, dh)
         o = F.scaled_dot_product_attention(
             queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias
         )  # [B, Hkv, G, Dh]

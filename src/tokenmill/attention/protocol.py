@@ -48,8 +48,12 @@ class KVBackend(Protocol):
         """Store the batch's new keys/values (each [T, num_kv_heads, head_dim])."""
         ...
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
-        """q [T, H, Dh] (and the new k/v [T, Hkv, Dh]) -> [T, H, Dh]: each sequence over its whole context."""
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """q [T, H, Dh] (and the new k/v [T, Hkv, Dh]) -> [T, H, Dh]: each sequence over its whole context. `sinks`
+        [H] float32: each head's sink logit in the softmax's denominator (gpt-oss; attention/sinks.py)."""
         ...
 
     def release(self, request_id: str) -> None:

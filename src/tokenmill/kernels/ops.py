@@ -24,6 +24,15 @@ def _check_logits(logits: torch.Tensor) -> None:
         raise ValueError("logits must be a float32 or bfloat16 CPU tensor [B, V]")
 
 
+def _sinks(sinks: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """Attention sinks as the kernels read them: [heads] float32, contiguous (None: none)."""
+    if sinks is None:
+        return None
+    if sinks.numel() != heads:
+        raise ValueError(f"attention sinks: {sinks.numel()} values for {heads} heads")
+    return sinks.detach().float().contiguous()
+
+
 class Kernels:
     """One compiled variant (`level`: one of isa.LEVELS). The fused ops take tensors of `device_type` in `dtypes`
     (the GPU's Triton kernels, kernels/cuda, have the same calls)."""
@@ -189,19 +198,22 @@ class Kernels:
         block_size: int,
         window: int | None,
         out: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Prompts' new tokens (prefills and chunks) over a layer's paged cache [2, slots, Hkv, Dh], which already
         holds their keys and values: q [T, H, Dh] (token rows may be strided, heads Dh apart); tables [S, M]
         (int64) block ids; seqs [S, 3] (int64): each sequence's first row in q, new tokens, context length (new
         ones included). Writes those rows of out [T, H, Dh] (contiguous); with a window, each token sees only the
-        last `window` positions. Dh must be a multiple of 16."""
+        last `window` positions; with sinks [H], each head's sink logit joins its softmax's denominator. Dh must be
+        a multiple of 16."""
         h, dh = q.shape[1:]
         if q.stride(2) != 1 or q.stride(1) != dh or not out.is_contiguous() or dh % 16 or q.dtype != cache.dtype:
             raise ValueError("prefill_attention needs heads Dh apart, Dh % 16 == 0, a contiguous out, one dtype")
+        sink = _sinks(sinks, h)
         self.module.prefill_attention(
             q.data_ptr(), q.stride(0), cache.data_ptr(), q.dtype == torch.bfloat16, cache.shape[1], tables.data_ptr(),
             tables.shape[1], block_size, seqs.data_ptr(), seqs.shape[0], h, cache.shape[2], dh, dh**-0.5, window or 0,
-            out.data_ptr(),
+            out.data_ptr(), 0 if sink is None else sink.data_ptr(),
         )  # fmt: skip
 
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -219,15 +231,17 @@ class Kernels:
         lens: torch.Tensor,
         block_size: int,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [B, H, Dh], one new token per sequence, over a layer's paged cache [2, slots, Hkv, Dh] through block
         tables [B, M] (int64) and context lengths [B] (int64) -> [B, H, Dh]; with a window, over the last
-        `window` positions only."""
+        `window` positions only; with sinks [H], each head's sink logit joins its softmax's denominator."""
         b, h, dh = q.shape
         out = torch.empty_like(q)
+        sink = _sinks(sinks, h)
         self.module.decode_attention(
             q.data_ptr(), cache.data_ptr(), q.dtype == torch.bfloat16, cache.shape[1], tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), b, h, cache.shape[2], dh, block_size, dh**-0.5, window or 0,
-            out.data_ptr(),
+            out.data_ptr(), 0 if sink is None else sink.data_ptr(),
         )  # fmt: skip
         return out

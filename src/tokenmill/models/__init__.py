@@ -11,6 +11,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.models.family import ModelFamily
 from tokenmill.models.gemma3 import GEMMA3
 from tokenmill.models.gpt2 import GPT2
+from tokenmill.models.gpt_oss import GPT_OSS
 from tokenmill.models.layers import CausalLM
 from tokenmill.models.llama import LLAMA, MISTRAL
 from tokenmill.models.mixtral import MIXTRAL
@@ -27,6 +28,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     GEMMA3,
     QWEN3_MOE,
     MIXTRAL,
+    GPT_OSS,
 )
 
 

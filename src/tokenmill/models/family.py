@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config import ModelConfig
+from tokenmill.errors import ConfigError
 from tokenmill.models.layers import CausalLM
 
 
@@ -47,8 +48,17 @@ class ModelFamily:
     normalize_hf: Callable[[dict[str, Any]], dict[str, Any]] = field(default=same_names)
     # make-model's shape fields -> the family's transformers config arguments
     make_fields: Callable[[dict[str, Any]], dict[str, Any]] = field(default=rope_fields)
+    # the `quantization_config.quant_method`s whose checkpoints the family loads (gpt-oss: its MXFP4 experts)
+    quant_methods: tuple[str, ...] = ()
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
-        """Normalise a parsed config.json: the shared fields, then this family's quirks over them."""
+        """Normalise a parsed config.json: the shared fields, then this family's quirks over them. A checkpoint
+        quantized in a way the family does not load is refused here, in one line, before any weight is read."""
+        quant = hf.get("quantization_config")
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        if quant is not None and method not in self.quant_methods:
+            supported = ", ".join(self.quant_methods) or "none"
+            raise ConfigError(f"config.json: quantization_config quant_method {method!r} is not supported for "
+                              f"{self.architectures[0]} checkpoints; supported: {supported}")  # fmt: skip
         hf = self.normalize_hf(hf)
         return ModelConfig.from_hf(hf, default_architecture=self.architectures[0], **self.adapt_config(hf))

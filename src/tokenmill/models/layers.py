@@ -8,6 +8,7 @@ loader splits Hugging Face's separate tensors into the fused ones (see `STACKED_
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -194,6 +195,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.ops: FusedOps | None = None
+        self.sinks: torch.Tensor | None = None  # [H]: each head's sink logit in the softmax (gpt-oss's subclass)
 
     def forward(
         self,
@@ -216,7 +218,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv.write(self.layer_idx, k, v, meta)
-        o = kv.attend(self.layer_idx, q, k, v, meta)  # [T, H, Dh]
+        o = kv.attend(self.layer_idx, q, k, v, meta, self.sinks)  # [T, H, Dh]
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -344,6 +346,12 @@ class CausalLM(nn.Module):
     hf_part_renames: tuple[tuple[str, str], ...] = ()
     # whether a decode step may run as a recorded CUDA graph (a MoE's routing reads values on the host: not)
     graph_capturable: bool = True
+
+    @classmethod
+    def hf_tensors(cls, tensors: Iterable[Any]) -> Iterable[Any]:
+        """A checkpoint's (name, tensor, where) in another layout than the modules' rewritten to theirs (gpt-oss's
+        stacked, interleaved and MXFP4 experts), before the renames above apply."""
+        return tensors
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -44,7 +44,7 @@ GPT2 = Family(None, nfc=False, ignore_merges=False)
 FAMILIES = {
     **{(arch, pre): QWEN2 for arch in ("qwen2", "qwen3") for pre in ("qwen2", "deepseek-r1-qwen")},
     **{("llama", pre): LLAMA3 for pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe")},
-    **{("gpt2", pre): GPT2 for pre in ("gpt-2", "default")},
+    **{(arch, pre): GPT2 for arch in ("gpt2", "gpt-oss") for pre in ("gpt-2", "default")},
 }
 
 

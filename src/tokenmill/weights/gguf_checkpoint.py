@@ -5,11 +5,13 @@ vocabulary) and dequantized, where needed, by the `gguf` package.
 - Architectures: `GGUF_ARCHS`. The config is built from `{arch}.*` metadata (llama.cpp's keys) and the tensor
   table (no `output.weight`: tied embeddings; `attn_q.bias`: attention biases; `rope_freqs`: llama3 RoPE;
   `rope_factors_long/short`: Phi-3's LongRoPE). `attention.sliding_window` gives the `llama` arch (Mistral v0.1)
-  and `phi3` a window in every layer (0: none, as Phi-4's files say).
+  and `phi3` a window in every layer (0: none, as Phi-4's files say). A `gpt-oss` file's window holds in every other
+  layer from the first, as llama.cpp runs it.
 - Tensors: F32, F16 and BF16 load as they are. Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1 (the Q4_K_M,
-  Q5_K_M and Q6_K mixes), IQ4_NL and IQ4_XS arrive as `RawBlocks`, their rows of ggml blocks in the map itself,
+  Q5_K_M and Q6_K mixes), IQ4_NL, IQ4_XS and MXFP4 (gpt-oss's experts) arrive as `RawBlocks`, their rows of ggml blocks in the map itself,
   which the loader repacks into the kernel formats in one pass, without re-quantizing (kernels/raw_blocks.py).
-  The other ggml types in `DEQUANTIZED` (Q2_K, Q3_K) are dequantized with a one-line notice.
+  The other ggml types in `DEQUANTIZED` (Q2_K, Q3_K, and an MXFP4 tensor whose scales no fp16 holds, exactly) are
+  dequantized with a one-line notice.
 - llama.cpp's `llama` arch rotates interleaved pairs where HF rotates halves, and its converter permutes the Q/K
   rows for that; they are permuted back here. The other archs rotate halves, as HF does. `phi3` keeps q|k|v and
   gate|up fused, as HF's Phi-3 does. RoPE over part of the head (Phi-4-mini) is refused.
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 # GGUF `general.architecture` -> the HF architecture whose model code runs it
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "gpt2": "GPT2LMHeadModel", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-              "qwen3moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+              "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}  # fmt: skip
 # llama.cpp's expert_gating_func values: the router's softmax is the one these families use
 _SOFTMAX_GATING = 1
 WINDOWED = ("llama", "phi3")  # archs whose `attention.sliding_window` holds in every layer
@@ -44,7 +46,7 @@ WINDOWED = ("llama", "phi3")  # archs whose `attention.sliding_window` holds in 
 # says) one global layer in every 6
 GEMMA3_LOCAL_ROPE_BASE, GEMMA3_PATTERN = 10000.0, 6
 DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-DEQUANTIZED = ("Q2_K", "Q3_K")
+DEQUANTIZED = ("Q2_K", "Q3_K", "MXFP4")  # (MXFP4: a tensor the panels cannot hold, exactly: every value is a bf16)
 _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # config, not weights
 
 
@@ -156,6 +158,8 @@ class GGUFCheckpoint:
         window = int(self._meta("attention.sliding_window", 0)) if self.arch in WINDOWED else 0
         if window:  # (ModelConfig drops a window no shorter than the context)
             config["sliding_window"] = window
+        if self.arch == "gpt-oss":
+            return self._gpt_oss(config)
         if int(self._meta("expert_count", 0)):
             return self._experts(config)
         return self._gemma3(config) if self.arch == "gemma3" else config
@@ -183,6 +187,21 @@ class GGUFCheckpoint:
         if self.arch == "llama":
             return {**config, **moe, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
         return {**config, **moe, "model_type": "qwen3_moe"}  # (transformers' name, which picks its tokenizer class)
+
+    def _gpt_oss(self, config: dict[str, Any]) -> dict[str, Any]:
+        """gpt-oss as llama.cpp runs the file: windows in every other layer from the first, and what its files do not
+        carry taken as transformers' GptOssConfig has it (YaRN's betas 32 and 1, untruncated; the SwiGLU's 1.702 and
+        7.0)."""
+        rope = {**config["rope_parameters"], "truncate": False,
+                "beta_fast": float(self._meta("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(self._meta("rope.scaling.yarn_beta_slow", 1.0))}  # fmt: skip
+        n = config["num_hidden_layers"]
+        return {**config, "model_type": "gpt_oss", "rope_parameters": rope,
+                "num_local_experts": int(self._meta("expert_count")),
+                "num_experts_per_tok": int(self._meta("expert_used_count")),
+                "intermediate_size": int(self._meta("expert_feed_forward_length", config["intermediate_size"])),
+                "sliding_window": int(self._meta("attention.sliding_window")),
+                "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]}  # fmt: skip
 
     def _gemma3(self, config: dict[str, Any]) -> dict[str, Any]:
         """Gemma 3's own fields, as llama.cpp runs the file: the window, one global layer in `pattern`, the local
@@ -276,25 +295,27 @@ class GGUFCheckpoint:
                   "(to the model dtype)", file=sys.stderr, flush=True)  # fmt: skip
 
     def _experts_of(
-        self, t: GGUFTensor, layer: int, proj: str, expert: int | None, dequantized: dict[str, int]
+        self, t: GGUFTensor, layer: int, proj: str, expert: int | None, kind: str, dequantized: dict[str, int]
     ) -> Iterator[tuple[str, torch.Tensor | RawBlocks, str]]:
         """Each expert's weight in a layer's [E, rows, cols] expert tensor (its rows where they lie in the map), or
-        the one expert an older file's tensor holds."""
+        the one expert an older file's tensor holds; gpt-oss's biases, [E, rows], row by row."""
         value = self._value(t, dequantized)
         if expert is not None:
-            yield hf_expert_name(layer, proj, expert), value, str(self.path)
+            yield hf_expert_name(layer, proj, expert, kind), value, str(self.path)
             return
-        experts = int(t.shape[-1]) if len(t.shape) == 3 else 0  # ggml order: [cols, rows, experts]
+        dims = 2 if kind == "bias" else 3
+        experts = int(t.shape[-1]) if len(t.shape) == dims else 0  # ggml order: [cols, rows, experts]
         if not experts:
-            raise ModelLoadError(f"{self.path}: {t.name} has shape {list(t.shape)}; an expert tensor is 3-D")
-        rows = value.shape[0] // experts
+            what = "an expert bias is 2-D" if kind == "bias" else "an expert tensor is 3-D"
+            raise ModelLoadError(f"{self.path}: {t.name} has shape {list(t.shape)}; {what}")
+        rows = value.shape[0] // experts if dims == 3 else 1
         for e in range(experts):
-            part = (
-                value[e * rows : (e + 1) * rows]
-                if isinstance(value, torch.Tensor)
-                else value.row_range(e * rows, (e + 1) * rows)
-            )
-            yield hf_expert_name(layer, proj, e), part, str(self.path)
+            part: torch.Tensor | RawBlocks
+            if isinstance(value, torch.Tensor):
+                part = value[e] if dims == 2 else value[e * rows : (e + 1) * rows]
+            else:
+                part = value.row_range(e * rows, (e + 1) * rows)
+            yield hf_expert_name(layer, proj, e, kind), part, str(self.path)
 
     def _value(self, t: GGUFTensor, dequantized: dict[str, int]) -> torch.Tensor | RawBlocks:
         """The tensor in torch order, [rows, cols] (a 3-D one's leading dimensions folded into its rows)."""

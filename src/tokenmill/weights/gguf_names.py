@@ -52,24 +52,34 @@ _PHI3 = {
     "model.layers.{bid}.self_attn.qkv_proj": "blk.{bid}.attn_qkv",
     "model.layers.{bid}.mlp.gate_up_proj": "blk.{bid}.ffn_up",
 }
+# gpt-oss: `post_attention_norm` is the norm before the MLP; the router (`mlp.router`, with a bias) and the attention
+# sinks (a bare parameter in HF: `self_attn.sinks`, no `.weight`) have their own names
+_GPT_OSS = {
+    **{k: v for k, v in _DECODER.items() if "_norm" not in k and ".mlp." not in k and "post_attention" not in k},
+    "model.layers.{bid}.post_attention_layernorm": "blk.{bid}.post_attention_norm",
+    "model.layers.{bid}.self_attn.sinks": "blk.{bid}.attn_sinks",
+    "model.layers.{bid}.mlp.router": "blk.{bid}.ffn_gate_inp",
+}
+_BARE = (".self_attn.sinks",)  # HF parameters named without a `.weight`
 HF_TO_GGUF: dict[str, dict[str, str]] = {
     "llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "gpt2": _GPT2, "gemma3": _GEMMA3, "phi3": _PHI3,
-    "qwen3moe": _DECODER,
+    "qwen3moe": _DECODER, "gpt-oss": _GPT_OSS,
 }  # fmt: skip
 # A MoE layer's experts: one tensor per projection holding every expert, [E, rows, cols], in a GGUF
-# (`blk.N.ffn_gate_exps`; older Mixtral files: one per expert, `blk.N.ffn_gate.E`); one per expert in HF
-# (`model.layers.N.mlp.experts.E.gate_proj`)
-_GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(?:_exps|\.(\d+))\.weight")
+# (`blk.N.ffn_gate_exps`, and gpt-oss's biases [E, rows]; older Mixtral files: one per expert, `blk.N.ffn_gate.E`);
+# one per expert in HF (`model.layers.N.mlp.experts.E.gate_proj`)
+_GGUF_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(?:_exps|\.(\d+))\.(weight|bias)")
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
-def gguf_experts(name: str) -> tuple[int, str, int | None] | None:
-    """A GGUF expert tensor's (layer, HF projection, expert: None where it holds them all), else None."""
+def gguf_experts(name: str) -> tuple[int, str, int | None, str] | None:
+    """A GGUF expert tensor's (layer, HF projection, expert: None where it holds them all, "weight" | "bias"), else
+    None."""
     found = _GGUF_EXPERTS.fullmatch(name)
     if found is None:
         return None
-    layer, proj, expert = found.groups()
-    return int(layer), f"{proj}_proj", None if expert is None else int(expert)
+    layer, proj, expert, kind = found.groups()
+    return int(layer), f"{proj}_proj", None if expert is None else int(expert), kind
 
 
 def hf_expert(name: str) -> tuple[int, str, int] | None:
@@ -78,8 +88,8 @@ def hf_expert(name: str) -> tuple[int, str, int] | None:
     return None if found is None else (int(found.group(1)), f"{found.group(3)}_proj", int(found.group(2)))
 
 
-def hf_expert_name(layer: int, proj: str, expert: int) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+def hf_expert_name(layer: int, proj: str, expert: int, kind: str = "weight") -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.{kind}"
 
 
 def gguf_experts_name(layer: int, proj: str) -> str:
@@ -107,7 +117,8 @@ def _translate(name: str, table: dict[str, str]) -> str | None:
 
 def gguf_to_hf(arch: str, name: str) -> str | None:
     """The HF name of GGUF tensor `name` (None: not one this arch maps)."""
-    return _translate(name, {v: k for k, v in HF_TO_GGUF[arch].items()})
+    hf = _translate(name, {v: k for k, v in HF_TO_GGUF[arch].items()})
+    return hf.removesuffix(".weight") if hf is not None and hf.removesuffix(".weight").endswith(_BARE) else hf
 
 
 def hf_to_gguf(arch: str, name: str) -> str | None:

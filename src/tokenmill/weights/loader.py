@@ -181,7 +181,7 @@ def load_weights(
     fill = _Fill(model, dtype, device, _repacker(device), cache, packer, pack_format)
     tied_head: PackedWeight | None = None
     embedding = _embedding_name(model)
-    for hf_name, tensor, where in tensors:
+    for hf_name, tensor, where in model.hf_tensors(tensors) if hf_layout else tensors:
         renamed = _model_name(model, hf_name)
         if renamed is None:
             continue

@@ -139,7 +139,7 @@ void silu_mul(uintptr_t gate_up, uintptr_t out, bool bf16, int64_t rows, int64_t
 template <typename T>
 void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const int64_t* tab, int64_t max_blocks,
                            const int64_t* len, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size,
-                           float scale, int64_t window, uintptr_t out) {
+                           float scale, int64_t window, uintptr_t out, const float* sinks) {
   const int64_t G = H / Hkv;
   std::vector<int64_t> first;  // sequence b's splits are [first[b], first[b + 1]), Hkv tasks each
   split_offsets(len, B, window, first);
@@ -158,29 +158,34 @@ void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const in
   at::parallel_for(0, B, std::max<int64_t>(1, (16 << 10) / (H * Dh)), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       merge_splits<T>(acc.get() + first[b] * H * Dh, ml.get() + first[b] * H * 2, first[b + 1] - first[b], H, 0, H, Dh,
-                      (T*)out + b * H * Dh);
+                      (T*)out + b * H * Dh, sinks);
   });
 }
 
 void decode_attention(uintptr_t q, uintptr_t cache, bool bf16, int64_t slots, uintptr_t tables, int64_t max_blocks,
                       uintptr_t lens, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size, double scale,
-                      int64_t window, uintptr_t out) {
+                      int64_t window, uintptr_t out, uintptr_t sinks) {
   const int64_t* tab = (const int64_t*)tables;
   const int64_t* len = (const int64_t*)lens;
+  const float* sink = (const float*)sinks;  // [H] float32, or null: no sinks
   if (bf16)
-    decode_attention_impl<uint16_t>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out);
-  else decode_attention_impl<float>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out);
+    decode_attention_impl<uint16_t>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out,
+                                    sink);
+  else
+    decode_attention_impl<float>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out,
+                                 sink);
 }
 
 // every prefill sequence's new tokens over its paged context (attention/prefill.h); seqs [S, 3] int64: first row
 // in q, new tokens, context length
 void prefill_attention(uintptr_t q, int64_t q_stride, uintptr_t cache, bool bf16, int64_t slots, uintptr_t tables,
                        int64_t max_blocks, int64_t block_size, uintptr_t seqs, int64_t S, int64_t H, int64_t Hkv,
-                       int64_t Dh, double scale, int64_t window, uintptr_t out) {
+                       int64_t Dh, double scale, int64_t window, uintptr_t out, uintptr_t sinks) {
   auto run = [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     const PrefillJob<T> job{(const T*)q, q_stride, (const T*)cache, slots, (const int64_t*)tables, max_blocks,
-                            block_size, (const int64_t*)seqs, H, Hkv, Dh, (float)scale, window, (T*)out};
+                            block_size, (const int64_t*)seqs, H, Hkv, Dh, (float)scale, window, (T*)out,
+                            (const float*)sinks};
     prefill_attention_run(job, S);
   };
   if (bf16) run((uint16_t*)nullptr);

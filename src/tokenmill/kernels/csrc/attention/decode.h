@@ -93,22 +93,24 @@ inline void attention_split(const T* q, const T* cache, int64_t slots, const int
 // A sequence's n splits of query heads [h0, h1) -> out (T [H, Dh], the sequence's row); acc [n, H, Dh] and
 // ml [n, H, 2] as attention_split left them. Split s's sums weigh in with its share of the softmax's denominator,
 // l_s e^(m_s - M) / L (M the largest score of all, L the sum of those terms), added in split order. One split
-// weighs 1 exactly: its sums as they are.
+// weighs 1 exactly: its sums as they are. With `sinks` ([H] float32, gpt-oss), head h's sink logit joins M and adds
+// e^(sink - M) to L, a term that weighs no values: then even one split is scaled.
 template <typename T>
 inline void merge_splits(const float* acc, const float* ml, int64_t n, int64_t H, int64_t h0, int64_t h1,
-                         int64_t Dh, T* out) {
+                         int64_t Dh, T* out, const float* sinks = nullptr) {
   thread_local std::vector<float> weight, sum;
   weight.resize(n), sum.resize(Dh);
   for (int64_t h = h0; h < h1; ++h) {
-    float top = -INFINITY, total = 0.f;
+    float top = sinks ? sinks[h] : -INFINITY, total = 0.f;
     for (int64_t s = 0; s < n; ++s) top = std::max(top, ml[(s * H + h) * 2]);
     for (int64_t s = 0; s < n; ++s) {
       weight[s] = ml[(s * H + h) * 2 + 1] * std::exp(ml[(s * H + h) * 2] - top);
       total += weight[s];
     }
+    if (sinks) total += std::exp(sinks[h] - top);
     const float* first = acc + h * Dh;
     const float* o = first;
-    if (n > 1) {
+    if (n > 1 || sinks) {
       for (int64_t d = 0; d < Dh; ++d) sum[d] = first[d] * (weight[0] / total);
       for (int64_t s = 1; s < n; ++s) {
         const float w = weight[s] / total;

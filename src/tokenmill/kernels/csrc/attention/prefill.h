@@ -62,6 +62,7 @@ struct PrefillJob {
   float scale;
   int64_t window;              // > 0: each token sees only the last `window` positions (itself included)
   T* out;                      // [tokens, H, Dh] contiguous
+  const float* sinks;          // [H]: each head's sink logit in the softmax's denominator (gpt-oss), or null
 };
 
 // The keys of n <= KB positions (row pointers) as ceil(n / P) panels in `panels`, zero past n: bf16 [Dh/2][P][2]
@@ -234,7 +235,11 @@ void prefill_task(const PrefillJob<T>& job, const PrefillTask& task, PrefillScra
   }
   for (int64_t r = 0; r < R; ++r) {
     T* dst = job.out + ((row0 + task.i0 + r / G) * job.H + task.g * G + r % G) * Dh;
-    const float inv = 1.f / sc.l[r];
+    float inv = 1.f / sc.l[r];
+    if (job.sinks) {  // the sink's e^(sink - M) joins the sum of exponentials, against the larger of the two maxima
+      const float sink = job.sinks[task.g * G + r % G], top = std::max(sc.mx[r], sink), corr = std::exp(sc.mx[r] - top);
+      inv = corr / (sc.l[r] * corr + std::exp(sink - top));
+    }
     for (int64_t d = 0; d < Dh; ++d) {
       const float y = sc.o[r * Dh + d] * inv;
       if constexpr (sizeof(T) == 2) *(uint16_t*)(dst + d) = float_to_bf16(y);

@@ -1,0 +1,243 @@
+"""gpt-oss beyond the parity table of test_models.py: checkpoints as OpenAI released them (experts in MXFP4), every
+attention path sinks run through, and what the family refuses.
+
+- An MXFP4 checkpoint is written here from a transformers one (kernels/mxfp4.quantize); transformers loads it too,
+  dequantizing, and our logits and greedy tokens are its own. Each expert's weight is the dequantized value exactly,
+  in float32 and bfloat16 alike (every MXFP4 value is a bfloat16).
+- The prompt runs past the window of 8 in prefill and decode, on the paged pool with the CPU kernels (sinks in the
+  decode and prefill kernels) and without them (torch), on the contiguous store and with no cache, alike.
+- A `gpt-oss` GGUF as llama.cpp's converter writes it (MXFP4 experts; written here with the `gguf` package) loads as
+  the transformers model with the experts its blocks hold.
+- Tensor parallelism, an unknown quantization or layer type, and half an MXFP4 weight are one line at load.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests import target
+from tokenmill import LLM, SamplingParams
+from tokenmill.attention import causal
+from tokenmill.errors import ConfigError, ModelLoadError
+from tokenmill.kernels import mxfp4
+from tokenmill.models.gpt_oss import GptOssMoE
+
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8, initializer_range=0.1)
+PROMPT = "To be, or not to be, that is the question. Hello world! Shall I compare thee to a summer's day?"
+NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def write_mxfp4(folder: Path, out: Path) -> Path:
+    """`folder`'s checkpoint with its experts' weights in MXFP4, as the released gpt-oss checkpoints hold them:
+    `*_blocks` [E, out, in/32, 16] and `*_scales` [E, out, in/32] for the [E, in, out] `gate_up_proj` / `down_proj`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    tensors = {}
+    for name, t in load_file(str(folder / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = mxfp4.quantize(t.transpose(1, 2))
+        else:
+            tensors[name] = t
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("gpt_oss", **GPT_OSS)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_mxfp4(folder, tmp_path_factory.mktemp("gpt-oss-mxfp4") / "ckpt")
+
+
+def _hf(folder: Path, **kwargs: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs).to(target.DEVICE).eval()
+
+
+def _hf_greedy(hf: Any, ids: list[int], n: int = 24) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(target.ids_tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def _greedy(llm: LLM, ids: list[int], n: int = 24) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
+
+
+def test_an_mxfp4_checkpoint_gives_transformers_logits_and_tokens(mxfp4_folder: Path) -> None:
+    from transformers import Mxfp4Config
+
+    hf = _hf(mxfp4_folder, quantization_config=Mxfp4Config(dequantize=True))
+    llm = LLM(str(mxfp4_folder), dtype="float32", device=target.DEVICE)
+    _assert_transformers_logits_and_tokens(llm, hf)
+
+
+def _assert_transformers_logits_and_tokens(llm: LLM, hf: Any) -> None:
+    """A whole prompt's float32 logits within 1e-4 of transformers', and 24 greedy tokens equal to its own."""
+    ids = llm.tokenizer.encode(PROMPT)
+    model = llm.loaded.model
+    with torch.inference_mode():
+        hidden = model(target.ids_tensor(ids), target.positions(0, len(ids)),
+                       *causal(len(ids), llm.loaded.config.layer_windows()))  # fmt: skip
+        ours = model.compute_logits(hidden).cpu()
+        ref = hf(target.ids_tensor([ids])).logits[0].float().cpu()
+    assert (ours - ref).abs().max().item() < 1e-4
+    assert _greedy(llm, ids) == _hf_greedy(hf, ids)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mxfp4_experts_load_as_their_exact_values(mxfp4_folder: Path, dtype: str) -> None:
+    """Each expert's [gate | up] and down weights are the blocks' values (gate and up de-interleaved), unrounded."""
+    from safetensors.torch import load_file
+
+    stored = load_file(str(mxfp4_folder / "model.safetensors"))
+    llm = LLM(str(mxfp4_folder), dtype=dtype, device="cpu", cpu_kernels=False)  # plain nn.Linear weights to read
+    for i, layer in enumerate(llm.loaded.model.model.layers):
+        stem = f"model.layers.{i}.mlp.experts"
+        gate_up = mxfp4.dequantize(stored[f"{stem}.gate_up_proj_blocks"], stored[f"{stem}.gate_up_proj_scales"])
+        down = mxfp4.dequantize(stored[f"{stem}.down_proj_blocks"], stored[f"{stem}.down_proj_scales"])
+        for e, expert in enumerate(layer.mlp.experts):
+            want = torch.cat([gate_up[e, 0::2], gate_up[e, 1::2]])  # [2I, D]
+            assert torch.equal(expert.gate_up_proj.weight.float(), want)
+            assert torch.equal(expert.down_proj.weight.float(), down[e])
+
+
+@pytest.mark.parametrize("engine", [dict(), dict(cpu_kernels=False), dict(kv_cache="contiguous"),
+                                    dict(kv_cache="none"), dict(batch_invariant=True)])  # fmt: skip
+def test_every_attention_path_gives_transformers_tokens(folder: Path, engine: dict[str, Any]) -> None:
+    """Sinks and the window of 8 in each backend: the paged pool through the CPU kernels (decode, prefill and the
+    batch-invariant per-row decode) or torch, the contiguous store, and recompute without a cache."""
+    if engine.get("batch_invariant"):
+        target.cpu_only("the batch-invariant CPU kernels")
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE, **engine)
+    ids = llm.tokenizer.encode(PROMPT)
+    assert len(ids) > 2 * 8
+    assert _greedy(llm, ids) == _hf_greedy(_hf(folder), ids)
+
+
+def test_gpt_oss_layers_run_on_their_modules(folder: Path) -> None:
+    """Neither the decode stack nor the one-call expert kernel (SiLU experts without biases) takes a gpt-oss layer."""
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE)
+    assert llm.engine.runner.decode_stack is None
+    moes = [m for m in llm.loaded.model.modules() if isinstance(m, GptOssMoE)]
+    assert len(moes) == 2 and not any(m._kernels_take(torch.zeros(1, 64)) for m in moes)
+
+
+def test_tensor_parallel_refuses_gpt_oss(folder: Path) -> None:
+    with pytest.raises(ConfigError, match="not GptOssForCausalLM"):
+        LLM(str(folder), dtype="float32", tensor_parallel_size=2)
+
+
+def _edited(folder: Path, out: Path, **fields: Any) -> Path:
+    shutil.copytree(folder, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **fields}))
+    return out
+
+
+def test_variants_we_do_not_run_are_one_line(folder: Path, mxfp4_folder: Path, tmp_path: Path) -> None:
+    fp8 = _edited(folder, tmp_path / "fp8", quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ConfigError, match="quant_method 'fp8' is not supported for GptOssForCausalLM"):
+        LLM(str(fp8))
+    chunked = _edited(folder, tmp_path / "chunked", layer_types=["chunked_attention", "full_attention"])
+    with pytest.raises(ConfigError, match=r"layer_types \['chunked_attention'\] are not supported"):
+        LLM(str(chunked))
+    from safetensors.torch import load_file, save_file
+
+    half = _edited(mxfp4_folder, tmp_path / "half")
+    tensors = load_file(str(half / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(half / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="down_proj_blocks came without their blocks or scales"):
+        LLM(str(half))
+
+
+def write_gguf(folder: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """`folder`'s checkpoint as llama.cpp's convert_hf_to_gguf writes gpt-oss: the `gpt-oss` arch's metadata and
+    names, each layer's experts stacked per projection (gate and up de-interleaved) in MXFP4 blocks, the rest F32.
+    Also returns the HF checkpoint's tensors with the experts' weights as those blocks hold them."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from tokenmill.bench.gguf_export import gguf_file
+    from tokenmill.bench.gguf_vocab import write_vocab
+    from tokenmill.weights.gguf_names import hf_to_gguf
+
+    config = json.loads((folder / "config.json").read_text())
+    rope = config["rope_parameters"]
+    tensors, dequantized = load_file(str(folder / "model.safetensors")), {}
+    with gguf_file(out, "gpt-oss") as w:
+        for add, value in ((w.add_context_length, config["max_position_embeddings"]),
+                           (w.add_embedding_length, config["hidden_size"]),
+                           (w.add_block_count, config["num_hidden_layers"]),
+                           (w.add_feed_forward_length, config["intermediate_size"]),
+                           (w.add_head_count, config["num_attention_heads"]),
+                           (w.add_head_count_kv, config["num_key_value_heads"]), (w.add_key_length, config["head_dim"]),
+                           (w.add_value_length, config["head_dim"]), (w.add_layer_norm_rms_eps, config["rms_norm_eps"]),
+                           (w.add_rope_freq_base, rope["rope_theta"]), (w.add_rope_scaling_factor, rope["factor"]),
+                           (w.add_rope_scaling_type, gguf.RopeScalingType.YARN),
+                           (w.add_rope_scaling_orig_ctx_len, rope["original_max_position_embeddings"]),
+                           (w.add_expert_count, config["num_local_experts"]),
+                           (w.add_expert_used_count, config["num_experts_per_tok"]),
+                           (w.add_expert_feed_forward_length, config["intermediate_size"]),
+                           (w.add_sliding_window, config["sliding_window"])):  # fmt: skip
+            add(value)
+        write_vocab(w, folder, config)
+        for name, t in tensors.items():
+            stem, _, part = name.rpartition(".experts.")
+            if not stem:
+                gguf_name = hf_to_gguf("gpt-oss", name + (".weight" if name.endswith(".sinks") else ""))
+                assert gguf_name is not None, name
+                w.add_tensor(gguf_name, t.float().numpy())
+                continue
+            layer = stem.split(".")[2]
+            if part.endswith("_bias"):  # [E, 2I] interleaved, or [E, D]
+                pieces = {"gate": t[:, 0::2], "up": t[:, 1::2]} if part.startswith("gate_up") else {"down": t}
+                for proj, b in pieces.items():
+                    w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.bias", b.float().contiguous().numpy())
+                continue
+            rows = t.transpose(1, 2)  # [E, out, in]
+            pieces = {"gate": rows[:, 0::2], "up": rows[:, 1::2]} if part == "gate_up_proj" else {"down": rows}
+            for proj, weight in pieces.items():
+                blocks = gguf.quants.quantize(weight.float().contiguous().numpy(), gguf.GGMLQuantizationType.MXFP4)
+                w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+                values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.MXFP4)
+                dequantized[(name, proj)] = torch.from_numpy(np.ascontiguousarray(values))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    for (name, proj), values in list(dequantized.items()):
+        if proj != "up":  # back to transformers' [E, in, out], gate and up interleaved again
+            both = torch.stack([values, dequantized[(name, "up")]], dim=2).flatten(1, 2) if proj == "gate" else values
+            tensors[name] = both.transpose(1, 2).contiguous()
+    return out, tensors
+
+
+def test_a_gpt_oss_gguf_with_mxfp4_experts_gives_transformers_tokens(folder: Path, tmp_path: Path) -> None:
+    """A `gpt-oss` GGUF (names, metadata and MXFP4 experts as llama.cpp's converter writes them) loads as the model
+    transformers runs with the experts those blocks hold."""
+    from safetensors.torch import save_file
+
+    path, tensors = write_gguf(folder, tmp_path / "gpt-oss.gguf")
+    reference = shutil.copytree(folder, tmp_path / "as-in-the-gguf")
+    save_file(tensors, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(str(path), dtype="float32", device=target.DEVICE)
+    assert llm.loaded.config.layer_windows() == [8, None]
+    _assert_transformers_logits_and_tokens(llm, _hf(reference))
