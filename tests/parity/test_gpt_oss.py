@@ -88,14 +88,19 @@ def test_an_mxfp4_checkpoint_gives_transformers_logits_and_tokens(mxfp4_folder: 
     _assert_transformers_logits_and_tokens(llm, hf)
 
 
-def _assert_transformers_logits_and_tokens(llm: LLM, hf: Any) -> None:
-    """A whole prompt's float32 logits within 1e-4 of transformers', and 24 greedy tokens equal to its own."""
-    ids = llm.tokenizer.encode(PROMPT)
+def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V] float32, a whole prompt's
     model = llm.loaded.model
     with torch.inference_mode():
         hidden = model(target.ids_tensor(ids), target.positions(0, len(ids)),
                        *causal(len(ids), llm.loaded.config.layer_windows()))  # fmt: skip
-        ours = model.compute_logits(hidden).cpu()
+        return model.compute_logits(hidden).cpu()
+
+
+def _assert_transformers_logits_and_tokens(llm: LLM, hf: Any) -> None:
+    """A whole prompt's float32 logits within 1e-4 of transformers', and 24 greedy tokens equal to its own."""
+    ids = llm.tokenizer.encode(PROMPT)
+    ours = _logits(llm, ids)
+    with torch.inference_mode():
         ref = hf(target.ids_tensor([ids])).logits[0].float().cpu()
     assert (ours - ref).abs().max().item() < 1e-4
     assert _greedy(llm, ids) == _hf_greedy(hf, ids)
@@ -168,7 +173,7 @@ def test_variants_we_do_not_run_are_one_line(folder: Path, mxfp4_folder: Path, t
         LLM(str(half))
 
 
-def write_gguf(folder: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+def write_gguf(folder: Path, out: Path, mxfp4_experts: bool = True) -> tuple[Path, dict[str, torch.Tensor]]:
     """`folder`'s checkpoint as llama.cpp's convert_hf_to_gguf writes gpt-oss: the `gpt-oss` arch's metadata and
     names, each layer's experts stacked per projection (gate and up de-interleaved) in MXFP4 blocks, the rest F32.
     Also returns the HF checkpoint's tensors with the experts' weights as those blocks hold them."""
@@ -216,6 +221,9 @@ def write_gguf(folder: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
             rows = t.transpose(1, 2)  # [E, out, in]
             pieces = {"gate": rows[:, 0::2], "up": rows[:, 1::2]} if part == "gate_up_proj" else {"down": rows}
             for proj, weight in pieces.items():
+                if not mxfp4_experts:
+                    w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", weight.float().contiguous().numpy())
+                    continue
                 blocks = gguf.quants.quantize(weight.float().contiguous().numpy(), gguf.GGMLQuantizationType.MXFP4)
                 w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
                 values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.MXFP4)
@@ -230,14 +238,40 @@ def write_gguf(folder: Path, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return out, tensors
 
 
-def test_a_gpt_oss_gguf_with_mxfp4_experts_gives_transformers_tokens(folder: Path, tmp_path: Path) -> None:
-    """A `gpt-oss` GGUF (names, metadata and MXFP4 experts as llama.cpp's converter writes them) loads as the model
-    transformers runs with the experts those blocks hold."""
-    from safetensors.torch import save_file
-
-    path, tensors = write_gguf(folder, tmp_path / "gpt-oss.gguf")
-    reference = shutil.copytree(folder, tmp_path / "as-in-the-gguf")
-    save_file(tensors, str(reference / "model.safetensors"), metadata={"format": "pt"})
+def test_a_gpt_oss_gguf_gives_transformers_logits_and_tokens(folder: Path, tmp_path: Path) -> None:
+    """A `gpt-oss` GGUF (names and metadata as llama.cpp's converter writes them; float experts) loads as the model
+    transformers runs."""
+    path, _ = write_gguf(folder, tmp_path / "gpt-oss.gguf", mxfp4_experts=False)
     llm = LLM(str(path), dtype="float32", device=target.DEVICE)
     assert llm.loaded.config.layer_windows() == [8, None]
-    _assert_transformers_logits_and_tokens(llm, _hf(reference))
+    _assert_transformers_logits_and_tokens(llm, _hf(folder))
+
+
+def test_a_gpt_oss_ggufs_mxfp4_experts_run_in_the_mxfp4_kernels(folder: Path, tmp_path: Path) -> None:
+    """Its MXFP4 experts load into the MXFP4 kernels (not dequantized), each expert's gate|up and down holding
+    exactly the values of the file's blocks (transformers' tensors of them), biases as they are; the kernels'
+    logits are the pure-torch reference's of the same formats. (Their rows are quantized to Q8_0 blocks, as
+    llama.cpp's MXFP4 product takes them, so the logits are not transformers' float ones.)"""
+    from tokenmill.kernels import formats
+    from tokenmill.models.linear import KernelLinear
+
+    target.cpu_only("the CPU kernels' MXFP4 format")
+    path, tensors = write_gguf(folder, tmp_path / "gpt-oss.gguf")
+    llm = LLM(str(path), dtype="float32")
+    if llm.loaded.ops is None:
+        pytest.skip("no compiled CPU kernels here")
+    moes = [m for m in llm.loaded.model.modules() if isinstance(m, GptOssMoE)]
+    assert moes and llm.loaded.kernels.get("mxfp4") == 2 * sum(len(m.experts) for m in moes), llm.loaded.kernels
+    for i, moe in enumerate(moes):
+        gate_up = tensors[f"model.layers.{i}.mlp.experts.gate_up_proj"]  # [E, D, 2I], gate and up interleaved
+        down = tensors[f"model.layers.{i}.mlp.experts.down_proj"]  # [E, I, D]
+        for e, expert in enumerate(moe.experts):
+            gu, dn = expert.gate_up_proj, expert.down_proj
+            assert isinstance(gu, KernelLinear) and gu.format == "mxfp4" and isinstance(dn, KernelLinear)
+            rows = gate_up[e].t()  # [2I, D]
+            assert torch.equal(formats.unpack(gu.packed()), torch.cat([rows[0::2], rows[1::2]]))
+            assert torch.equal(formats.unpack(dn.packed()), down[e].t())
+    reference = LLM(str(path), dtype="float32", cpu_kernels=False)
+    ids = llm.tokenizer.encode(PROMPT)
+    assert torch.allclose(_logits(llm, ids), _logits(reference, ids), rtol=0, atol=1e-4)
+    assert _greedy(llm, ids) == _greedy(reference, ids)
