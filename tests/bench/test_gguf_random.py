@@ -93,3 +93,28 @@ def test_what_it_cannot_write_is_one_line(tokenizer_dir: Path, tmp_path: Path) -
     with pytest.raises(ValueError, match="Llama-shaped families .* not gpt2"):
         write_random_gguf("gpt2", {}, tokenizer_dir, tmp_path / "x.gguf", "q8_0", seed=0)
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_gpt_oss_mxfp4_file_has_the_released_types_and_runs(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """`--gguf mxfp4` at a gpt-oss shape: the `gpt-oss` arch with its experts in MXFP4 and the other matrices in
+    Q8_0 (llama.cpp's MXFP4_MOE, as the released files hold them); tokenmill runs the experts in its MXFP4 kernels,
+    and llama.cpp (where installed) reads the file as one of its own."""
+    target.cpu_only("the CPU kernels' formats")
+    fields = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=384, max_position_embeddings=512,
+                  num_local_experts=4, num_experts_per_tok=2, sliding_window=8)  # fmt: skip
+    path = write_random_gguf("gpt_oss", fields, tokenizer_dir, tmp_path / "oss.gguf", "mxfp4", seed=0)
+    types = _types(path)
+    assert types["blk.1.ffn_gate_exps.weight"] == types["blk.0.ffn_down_exps.weight"] == "MXFP4"
+    assert types["blk.0.attn_q.weight"] == types["output.weight"] == "Q8_0"
+    assert types["blk.0.ffn_up_exps.bias"] == types["blk.0.attn_sinks.weight"] == "F32"
+    llm = LLM(str(path))
+    assert llm.loaded.kernels.get("mxfp4") == 2 * 2 * 4, llm.loaded.kernels  # gate|up and down, 4 experts, 2 layers
+    assert llm.loaded.config.layer_windows() == [8, None]
+    out = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 8
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from tokenmill.bench.llamacpp_backend import run_llamacpp
+
+        ran = run_llamacpp(path, [[1, 2, 3]], max_tokens=4, n_threads=1, n_ctx=64, warmup=False)
+        assert ran["runs"][0]["completion_tokens"] == 4

@@ -350,6 +350,9 @@ def encode(data: Any, dtype: str) -> tuple[npt.NDArray[Any], Any]:
         return data.to(torch.float32).numpy(), None
     if dtype == "bf16":
         return data.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), gguf.GGMLQuantizationType.BF16
+    if dtype == "mxfp4" and data.shape[-1] % 32 == 0:  # (gpt-oss's experts)
+        qtype = gguf.GGMLQuantizationType.MXFP4
+        return gguf.quants.quantize(data.to(torch.float32).numpy(), qtype), qtype
     if dtype in KSPECS and data.shape[-1] % 32 == 0:
         fmt = format_for(dtype, data.shape[-1])
         qtype = gguf.GGMLQuantizationType[fmt.upper()]

@@ -8,8 +8,8 @@ ggml-exact quantizers (bench/gguf_export.py's `encode`) from N(0, 0.02) floats, 
 values; routers, norms and the like are floats. The tensor types follow llama-quantize's recipes (`--gguf q4_k_m`:
 Q4_K, with Q6_K for the LM head (a tied embedding) and for attn_v and the down projections (the experts' too) in the
 layers `quant_mix.more_bits` picks: tensor for tensor the types llama-quantize gives qwen3-moe-small).
-Llama-shaped families only (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral): Q/K rows are random, so no
-permutation applies.
+Llama-shaped families (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral: Q/K rows are random, so no permutation
+applies) and gpt-oss (bench/gguf_random_oss.py; `--gguf mxfp4`: its experts in MXFP4, the rest Q8_0).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ import numpy as np
 import numpy.typing as npt
 
 from tokenmill.bench.gguf_export import _write_hparams, _write_moe_hparams, encode, gguf_file
+from tokenmill.bench.gguf_random_oss import gpt_oss_tensors, write_gpt_oss_hparams
 from tokenmill.bench.gguf_vocab import write_vocab
 from tokenmill.models import family_named
 from tokenmill.models.quant_mix import MIXES, MORE, more_bits
 
-GGUF_KINDS = ("f32", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
+GGUF_KINDS = ("f32", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m", "mxfp4")
 _FILE_TYPES = {"f32": "ALL_F32", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0",
                "q4_k": "MOSTLY_Q4_K_S", "q5_k": "MOSTLY_Q5_K_S", "q6_k": "MOSTLY_Q6_K", "q4_k_m": "MOSTLY_Q4_K_M",
-               "q5_k_m": "MOSTLY_Q5_K_M"}  # fmt: skip
+               "q5_k_m": "MOSTLY_Q5_K_M", "mxfp4": "MOSTLY_MXFP4_MOE"}  # fmt: skip
 LLAMA_SHAPED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 POOL_ROWS = 512  # rows quantized per (type, width); a tensor's rows are drawn from them
 Spec = tuple[str, tuple[int, ...], str]  # (GGUF name, shape in torch order, our dtype name)
@@ -43,21 +44,28 @@ def write_random_gguf(arch: str, fields: dict[str, Any], tokenizer_dir: Path, ou
 
     if kind not in GGUF_KINDS:
         raise ValueError(f"--gguf {kind!r} is not supported; allowed: {', '.join(GGUF_KINDS)}")
-    if arch not in LLAMA_SHAPED:
-        raise ValueError(f"--gguf writes Llama-shaped families ({', '.join(LLAMA_SHAPED)}), not {arch}")
+    if arch not in (*LLAMA_SHAPED, "gpt_oss"):
+        raise ValueError(f"--gguf writes Llama-shaped families ({', '.join(LLAMA_SHAPED)}) and gpt_oss, not {arch}")
+    if kind == "mxfp4" and arch != "gpt_oss":
+        raise ValueError("--gguf mxfp4 is gpt-oss's (its experts in MXFP4); other families: the K-quants")
     family = family_named(arch)
     config = hf_config(arch, **fields).to_dict()
     cfg = family.config_from_hf(config)
-    assert family.gguf_arch is not None
-    arch_name = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[family.gguf_arch]]
-    specs = list(_tensors(cfg, kind))
+    if arch == "gpt_oss":
+        arch_name, specs = "gpt-oss", list(gpt_oss_tensors(cfg, kind))
+    else:
+        assert family.gguf_arch is not None
+        arch_name, specs = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[family.gguf_arch]], list(_tensors(cfg, kind))
     out.parent.mkdir(parents=True, exist_ok=True)
     with gguf_file(out, arch_name) as writer:
         writer.add_name(f"random {arch}")
         writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[kind]])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _write_hparams(writer, config, arch_name)
-        _write_moe_hparams(writer, cfg.moe, arch_name)
+        if arch == "gpt_oss":
+            write_gpt_oss_hparams(writer, config)
+        else:
+            _write_hparams(writer, config, arch_name)
+            _write_moe_hparams(writer, cfg.moe, arch_name)
         write_vocab(writer, tokenizer_dir, config)
         rng, pools = np.random.default_rng(seed), _Pools(seed)
         for name, shape, dtype in specs:  # each tensor's info first, its bytes later (streamed)

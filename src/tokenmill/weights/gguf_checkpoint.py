@@ -8,8 +8,9 @@ vocabulary) and dequantized, where needed, by the `gguf` package.
   and `phi3` a window in every layer (0: none, as Phi-4's files say). A `gpt-oss` file's window holds in every other
   layer from the first, as llama.cpp runs it.
 - Tensors: F32, F16 and BF16 load as they are. Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q4_1 (the Q4_K_M,
-  Q5_K_M and Q6_K mixes), IQ4_NL, IQ4_XS and MXFP4 (gpt-oss's experts) arrive as `RawBlocks`, their rows of ggml blocks in the map itself,
-  which the loader repacks into the kernel formats in one pass, without re-quantizing (kernels/raw_blocks.py).
+  Q5_K_M and Q6_K mixes), IQ4_NL, IQ4_XS and MXFP4 (gpt-oss's experts) arrive as `RawBlocks`, their rows of ggml
+  blocks in the map itself, which the loader repacks into the kernel formats in one pass, without re-quantizing
+  (kernels/raw_blocks.py).
   The other ggml types in `DEQUANTIZED` (Q2_K, Q3_K, and an MXFP4 tensor whose scales no fp16 holds, exactly) are
   dequantized with a one-line notice.
 - llama.cpp's `llama` arch rotates interleaved pairs where HF rotates halves, and its converter permutes the Q/K
