@@ -63,13 +63,27 @@ class RawBlocks:
         return BlockWeight(q.reshape(n, -1), d, self.format)
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32
+        if self.format == "mxfp4" and not mxfp4_fits(self):  # (its numbers hold d as fp16): the gguf package's
+            import gguf
+
+            values = gguf.quants.dequantize(self.raw.numpy(), gguf.GGMLQuantizationType.MXFP4)
+            return torch.from_numpy(values.copy()).view(self.shape)
         return self.numbers().dequantize()
+
+
+def mxfp4_fits(w: RawBlocks) -> bool:
+    """Whether every MXFP4 block's scale is one the panels hold as fp16 (kformats.mxfp4_scales): e in [104, 143]."""
+    e = w.raw.reshape(-1, 17)[:, 0]  # each block's e8m0 exponent
+    return not e.numel() or (int(e.min()) >= 104 and int(e.max()) <= 143)
 
 
 def pack_raw(w: RawBlocks, ops: Any | None) -> PackedWeight:
     """The blocks in their kernel format: repacked by the compiled kernels `ops` where given, else decoded and
-    packed in torch."""
+    packed in torch. MXFP4 blocks whose scales no fp16 holds raise kformats.MXFP4ScaleError (the caller loads that
+    weight dense)."""
     n, k = w.shape
+    if w.format == "mxfp4" and not mxfp4_fits(w):
+        raise kformats.MXFP4ScaleError(f"MXFP4 scales outside 2^-24 .. 2^15 in a [{n}, {k}] weight")
     if ops is None:
         return pack_block_weight(w.numbers())
     raw = w.raw.contiguous()

@@ -11,8 +11,8 @@ vocabulary) and dequantized, where needed, by the `gguf` package.
   Q5_K_M and Q6_K mixes), IQ4_NL, IQ4_XS and MXFP4 (gpt-oss's experts) arrive as `RawBlocks`, their rows of ggml
   blocks in the map itself, which the loader repacks into the kernel formats in one pass, without re-quantizing
   (kernels/raw_blocks.py).
-  The other ggml types in `DEQUANTIZED` (Q2_K, Q3_K, and an MXFP4 tensor whose scales no fp16 holds, exactly) are
-  dequantized with a one-line notice.
+  The other ggml types in `DEQUANTIZED` (Q2_K, Q3_K) are dequantized with a one-line notice (and the loader
+  dequantizes, exactly, an MXFP4 tensor whose scales the panels' fp16 cannot hold).
 - llama.cpp's `llama` arch rotates interleaved pairs where HF rotates halves, and its converter permutes the Q/K
   rows for that; they are permuted back here. The other archs rotate halves, as HF does. `phi3` keeps q|k|v and
   gate|up fused, as HF's Phi-3 does. RoPE over part of the head (Phi-4-mini) is refused.
@@ -47,7 +47,7 @@ WINDOWED = ("llama", "phi3")  # archs whose `attention.sliding_window` holds in 
 # says) one global layer in every 6
 GEMMA3_LOCAL_ROPE_BASE, GEMMA3_PATTERN = 10000.0, 6
 DENSE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-DEQUANTIZED = ("Q2_K", "Q3_K", "MXFP4")  # (MXFP4: a tensor the panels cannot hold, exactly: every value is a bf16)
+DEQUANTIZED = ("Q2_K", "Q3_K")
 _IGNORED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # config, not weights
 
 
@@ -322,7 +322,7 @@ class GGUFCheckpoint:
         """The tensor in torch order, [rows, cols] (a 3-D one's leading dimensions folded into its rows)."""
         kind, shape = t.tensor_type.name, [int(n) for n in reversed(t.shape)]
         shape = [int(np.prod(shape[:-1])), shape[-1]] if len(shape) > 2 else shape
-        if kind in GGUF_BLOCK_TYPES and not (kind == "MXFP4" and not _mxfp4_fits(t)):  # (the loader repacks them)
+        if kind in GGUF_BLOCK_TYPES:  # read from the map in place: the loader repacks them in one pass
             return RawBlocks(GGUF_BLOCK_TYPES[kind], _torch_bytes(t.data, copy=False).view(shape[0], -1), shape[1])
         raw = _torch_bytes(t.data)
         if kind in DENSE:
@@ -331,13 +331,6 @@ class GGUFCheckpoint:
 
         dequantized[kind] = dequantized.get(kind, 0) + 1
         return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).view(shape)
-
-
-def _mxfp4_fits(t: GGUFTensor) -> bool:
-    """Whether every MXFP4 block's scale of `t` is one the panels hold (kernels/kformats.py: mxfp4_scales); the
-    rare tensor with another loads dequantized."""
-    e = _torch_bytes(t.data, copy=False).view(-1, 17)[:, 0].to(torch.int32)  # each block's e8m0 exponent
-    return not e.numel() or (int(e.min()) >= 104 and int(e.max()) <= 143)
 
 
 def _torch_bytes(data: np.ndarray, copy: bool = True) -> torch.Tensor:

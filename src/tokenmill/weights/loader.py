@@ -30,6 +30,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.formats import PackedWeight, format_for
+from tokenmill.kernels.kformats import MXFP4ScaleError
 from tokenmill.kernels.raw_blocks import RawBlocks, dequantize_raw, pack_raw
 from tokenmill.models import CausalLM
 from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
@@ -116,7 +117,12 @@ class _Fill:
             if len({p.format for p in parts}) == 1:
                 rows = sum(p.shape[0] for p in parts)
                 cached = self.cached(module, parts[0].format, rows, parts[0].k)
-                self.packed[name] = cached or pack_raw(RawBlocks.cat(parts), self.ops)
+                try:
+                    self.packed[name] = cached or pack_raw(RawBlocks.cat(parts), self.ops)
+                except MXFP4ScaleError:  # a scale the panels cannot hold: the weight dense, exactly (bf16 values)
+                    self._allocate(name)
+                    for i, part in zip(sorted(held), parts, strict=True):
+                        self._copy(name, self._offset(name, i), part.dequantize().to(self.dtype))
             else:  # shards of several formats: each keeps its own
                 self.packed[name] = [self.pack(f"{module}.parts.{i}", p) for i, p in enumerate(parts)]
 
