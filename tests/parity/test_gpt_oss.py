@@ -80,12 +80,25 @@ def _greedy(llm: LLM, ids: list[int], n: int = 24) -> list[int]:
     return llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
 
 
-def test_an_mxfp4_checkpoint_gives_transformers_logits_and_tokens(mxfp4_folder: Path) -> None:
+def test_an_mxfp4_checkpoint_runs_its_experts_in_the_mxfp4_kernels(mxfp4_folder: Path) -> None:
+    """On the CPU the experts stay MXFP4 blocks in the kernels' format (a 20B checkpoint in ~13 GB), whose product
+    quantizes its rows to Q8_0 blocks as llama.cpp's does: the logits are the pure-torch reference's of the same
+    formats to 1e-4, and transformers' (on the dequantized experts) to that rounding. Elsewhere the experts load
+    dequantized, and the logits and tokens are transformers' exactly."""
     from transformers import Mxfp4Config
 
     hf = _hf(mxfp4_folder, quantization_config=Mxfp4Config(dequantize=True))
     llm = LLM(str(mxfp4_folder), dtype="float32", device=target.DEVICE)
-    _assert_transformers_logits_and_tokens(llm, hf)
+    if target.DEVICE != "cpu" or llm.loaded.ops is None:
+        return _assert_transformers_logits_and_tokens(llm, hf)
+    experts = sum(len(m.experts) for m in llm.loaded.model.modules() if isinstance(m, GptOssMoE))
+    assert llm.loaded.kernels.get("mxfp4") == 2 * experts, llm.loaded.kernels
+    ids = llm.tokenizer.encode(PROMPT)
+    reference = LLM(str(mxfp4_folder), dtype="float32", cpu_kernels=False)
+    assert torch.allclose(_logits(llm, ids), _logits(reference, ids), rtol=0, atol=1e-4)
+    with torch.inference_mode():
+        ref = hf(target.ids_tensor([ids])).logits[0].float().cpu()
+    assert (_logits(llm, ids) - ref).abs().max().item() < 0.1
 
 
 def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V] float32, a whole prompt's
@@ -111,16 +124,22 @@ def test_mxfp4_experts_load_as_their_exact_values(mxfp4_folder: Path, dtype: str
     """Each expert's [gate | up] and down weights are the blocks' values (gate and up de-interleaved), unrounded."""
     from safetensors.torch import load_file
 
+    from tokenmill.kernels import formats
+    from tokenmill.models.linear import KernelLinear
+
+    def weight(linear: torch.nn.Module) -> torch.Tensor:  # [out, in] float32: the MXFP4 panels' values, or dense
+        return formats.unpack(linear.packed()) if isinstance(linear, KernelLinear) else linear.weight.float()
+
     stored = load_file(str(mxfp4_folder / "model.safetensors"))
-    llm = LLM(str(mxfp4_folder), dtype=dtype, device="cpu", cpu_kernels=False)  # plain nn.Linear weights to read
+    llm = LLM(str(mxfp4_folder), dtype=dtype, device="cpu", cpu_kernels=False)
     for i, layer in enumerate(llm.loaded.model.model.layers):
         stem = f"model.layers.{i}.mlp.experts"
         gate_up = mxfp4.dequantize(stored[f"{stem}.gate_up_proj_blocks"], stored[f"{stem}.gate_up_proj_scales"])
         down = mxfp4.dequantize(stored[f"{stem}.down_proj_blocks"], stored[f"{stem}.down_proj_scales"])
         for e, expert in enumerate(layer.mlp.experts):
             want = torch.cat([gate_up[e, 0::2], gate_up[e, 1::2]])  # [2I, D]
-            assert torch.equal(expert.gate_up_proj.weight.float(), want)
-            assert torch.equal(expert.down_proj.weight.float(), down[e])
+            assert torch.equal(weight(expert.gate_up_proj), want)
+            assert torch.equal(weight(expert.down_proj), down[e])
 
 
 @pytest.mark.parametrize("engine", [dict(), dict(cpu_kernels=False), dict(kv_cache="contiguous"),

@@ -4,7 +4,8 @@ e2m1 float (4 bits: sign, 2 exponent bits, 1 mantissa bit) times the block's pow
 A Hugging Face checkpoint stores a weight [..., rows, K] as `*_blocks` uint8 [..., rows, K/32, 16] (two values a
 byte, the even-indexed one in the low nibble) and `*_scales` uint8 [..., rows, K/32]. Every value is exactly a bf16
 (and a float32), so dequantizing is exact: what `dequantize` gives is what transformers' `convert_moe_packed_tensors`
-gives. There is no MXFP4 kernel format yet: the loader dequantizes the experts to the model's dtype.
+gives. On the CPU the loader keeps them as blocks instead (`raw_blocks`: the kernels' MXFP4 format, kformats.py),
+unless a block's scale is one the panels' fp16 cannot hold; then that expert loads dequantized.
 
 `quantize` is the other way, to write such checkpoints (tests): each block's scale is the largest power of two that
 keeps its largest value within e2m1's 6, and each value rounds to the nearest e2m1 value.
@@ -13,6 +14,9 @@ keeps its largest value within e2m1's 6, and each value rounds to the nearest e2
 from __future__ import annotations
 
 import torch
+
+from tokenmill.kernels import kformats
+from tokenmill.kernels.raw_blocks import RawBlocks
 
 BLOCK = 32  # values per scale
 # e2m1 code -> value: codes 8-15 are 0-7 negated
@@ -30,6 +34,13 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 32]
     exponents = scales.to(torch.int32)[..., None] - 127  # [..., G, 1]
     return torch.ldexp(lut[codes], exponents).flatten(-2)
+
+
+def raw_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> RawBlocks:
+    """blocks uint8 [rows, G, 16], scales uint8 [rows, G] -> the same weight as a GGUF's MXFP4 blocks (the loader
+    repacks them into the kernels' panels), or kformats.MXFP4ScaleError for a scale no fp16 holds."""
+    numbers = kformats.mxfp4_from_hf(blocks, scales)
+    return RawBlocks("mxfp4", kformats.encode_gguf_rows(numbers), numbers.shape[1])
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@
   (alpha * gate). The checkpoint interleaves gate and up columns ([..., ::2], [..., 1::2]); loading splits them into
   our [gate | up] rows, so an expert is a `GatedMLP` with biases and this activation;
 - experts stored stacked ([E, D, 2I] and [E, I, D], transposed), or in MXFP4 blocks as the released checkpoints ship
-  them (`quantization_config.quant_method: mxfp4`, kernels/mxfp4.py): dequantized exactly to the model's dtype.
+  them (`quantization_config.quant_method: mxfp4`, kernels/mxfp4.py): on the CPU kept as blocks in the kernels'
+  MXFP4 format (a 20B checkpoint in ~13 GB, not 42 GB of bf16), elsewhere dequantized exactly.
 
 Every layer is refused by the decode stack (its attention is not the plain `Attention`, and its windows) and by the
 one-call expert kernel (`_kernels_take`): its steps run on these modules. Tensor parallelism refuses the family.
@@ -27,6 +28,8 @@ from torch import nn
 from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.kernels import mxfp4
+from tokenmill.kernels.kformats import MXFP4ScaleError
+from tokenmill.kernels.raw_blocks import RawBlocks
 from tokenmill.models.family import ModelFamily
 from tokenmill.models.layers import Attention, GatedMLP
 from tokenmill.models.moe import MoECausalLM, Router, SparseMoE
@@ -119,32 +122,43 @@ class GptOssForCausalLM(MoECausalLM):
 EXPERT_PARTS = {f"{p}{s}" for p in ("gate_up_proj", "down_proj") for s in ("", "_bias", "_blocks", "_scales")}
 
 
-def _experts(name: str, tensor: torch.Tensor, scales: torch.Tensor | None) -> Iterator[torch.Tensor]:
+def _experts(name: str, tensor: torch.Tensor, scales: torch.Tensor | None) -> Iterator[torch.Tensor | RawBlocks]:
     """Each expert's [out, in] weight or [out] bias from a stacked one: [E, in, out] (transposed), [E, out], or MXFP4
-    blocks [E, out, in/32, 16] with their scales [E, out, in/32] (dequantized here, one expert at a time)."""
+    blocks [E, out, in/32, 16] with their scales [E, out, in/32], one expert at a time: as blocks for the kernels'
+    MXFP4 format, or dequantized where a scale is one its panels cannot hold."""
     for e in range(tensor.shape[0]):
         if scales is None:
             yield tensor[e] if tensor.dim() == 2 else tensor[e].t()
             continue
         try:
-            yield mxfp4.dequantize(tensor[e], scales[e])
-        except (ValueError, IndexError) as err:
+            try:
+                yield mxfp4.raw_blocks(tensor[e], scales[e])
+            except MXFP4ScaleError:
+                yield mxfp4.dequantize(tensor[e], scales[e])
+        except (ValueError, IndexError, RuntimeError) as err:
             raise ModelLoadError(f"{name}: {err}") from None
 
 
 def _per_expert(
-    stem: str, base: str, experts: Iterator[torch.Tensor], where: str
-) -> Iterator[tuple[str, torch.Tensor, str]]:
+    stem: str, base: str, experts: Iterator[torch.Tensor | RawBlocks], where: str
+) -> Iterator[tuple[str, torch.Tensor | RawBlocks, str]]:
     """HF's per-expert names for each expert's tensor, the gate|up one split into gate and up (its rows interleave
     them: gate, up, gate, up, ...)."""
     proj, _, bias = base.partition("_proj")
     kind = "bias" if bias else "weight"
     for e, tensor in enumerate(experts):
         if proj == "gate_up":
-            yield f"{stem}.{e}.gate_proj.{kind}", tensor[0::2], where
-            yield f"{stem}.{e}.up_proj.{kind}", tensor[1::2], where
+            yield f"{stem}.{e}.gate_proj.{kind}", _every_other(tensor, 0), where
+            yield f"{stem}.{e}.up_proj.{kind}", _every_other(tensor, 1), where
         else:
             yield f"{stem}.{e}.down_proj.{kind}", tensor, where
+
+
+def _every_other(t: torch.Tensor | RawBlocks, first: int) -> torch.Tensor | RawBlocks:
+    """Rows first, first + 2, ... (a tensor's, or a block weight's rows of blocks)."""
+    if isinstance(t, RawBlocks):
+        return t.rows(torch.arange(first, t.shape[0], 2))
+    return t[first::2]
 
 
 def _gpt_oss_config(hf: dict[str, Any]) -> dict[str, Any]:
