@@ -155,12 +155,27 @@ def test_every_attention_path_gives_transformers_tokens(folder: Path, engine: di
     assert _greedy(llm, ids) == _hf_greedy(_hf(folder), ids)
 
 
-def test_gpt_oss_layers_run_on_their_modules(folder: Path) -> None:
-    """Neither the decode stack nor the one-call expert kernel (SiLU experts without biases) takes a gpt-oss layer."""
-    llm = LLM(str(folder), dtype="float32", device=target.DEVICE)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpt_oss_experts_take_one_kernel_call_with_the_modules_bits(folder: Path, dtype: str) -> None:
+    """The decode stack refuses gpt-oss (sinks, windows), but each layer's experts run in one call of the CPU kernels
+    (linear/experts.h: the biases, the clamped SwiGLU), whose rows are each expert module's own bits, at one row per
+    expert and at many."""
+    llm = LLM(str(folder), dtype=dtype, device=target.DEVICE)
     assert llm.engine.runner.decode_stack is None
+    if target.DEVICE != "cpu" or llm.loaded.ops is None:
+        pytest.skip("the one-call expert kernel is the CPU kernels'")
     moes = [m for m in llm.loaded.model.modules() if isinstance(m, GptOssMoE)]
-    assert len(moes) == 2 and not any(m._kernels_take(torch.zeros(1, 64)) for m in moes)
+    torch.manual_seed(0)
+    for tokens in (1, 5, 30):
+        x = torch.randn(tokens, 64).to(getattr(torch, dtype))
+        with torch.inference_mode():
+            for moe in moes:
+                moe._experts_call = None
+                fused = moe(x)
+                assert moe._experts_call, "the one-call path was not taken"
+                moe._experts_call = ()
+                assert torch.equal(fused, moe(x)), tokens
+                moe._experts_call = None
 
 
 def test_tensor_parallel_refuses_gpt_oss(folder: Path) -> None:

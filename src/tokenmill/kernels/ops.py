@@ -130,6 +130,15 @@ class Kernels:
         self.module.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.dtype == torch.bfloat16, rows, width // 2)
         return out
 
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """[rows, 2I] (gate, then up) -> gpt-oss's (clamp(up) + 1) * g * sigmoid(alpha g), g = gate clamped above at
+        `limit` [rows, I], each op rounded as torch's (ops/fused.h)."""
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self.module.clamped_swiglu(gate_up.data_ptr(), out.data_ptr(), gate_up.dtype == torch.bfloat16, rows,
+                                   width // 2, alpha, limit)  # fmt: skip
+        return out
+
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """logits [B, V] float32: where bitmask [B, W] int32 has token t's bit clear, -inf (in place)."""
         if logits.dtype != torch.float32 or not logits.is_contiguous() or logits.device.type != "cpu":

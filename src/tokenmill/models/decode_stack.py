@@ -87,6 +87,8 @@ def _experts(mlp: SparseMoE, d: int, dtype: torch.dtype) -> StackExperts | None:
     call, cfg = experts_call(mlp), mlp.moe
     if not call or mlp.router_ops(torch.empty(0, d, dtype=dtype)) is None or mlp.experts[0].act != "silu":
         return None
+    if cfg.clamped_swiglu is not None or call.gate_up_bias is not None or call.down_bias is not None:
+        return None  # (stack/moe.h: SiLU experts without biases)
     weights = [tuple(getattr(e, name).data for e in mlp.experts) for name in ("gate_up_proj", "down_proj")]
     return StackExperts(mlp.gate.weight, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, cfg.weights_in_float32,
                         cfg.intermediate_size, call.gate_up, call.gate_up_format, call.gate_up_k, weights[0],

@@ -12,8 +12,9 @@
   them (`quantization_config.quant_method: mxfp4`, kernels/mxfp4.py): on the CPU kept as blocks in the kernels'
   MXFP4 format (a 20B checkpoint in ~13 GB, not 42 GB of bf16), elsewhere dequantized exactly.
 
-Every layer is refused by the decode stack (its attention is not the plain `Attention`, and its windows) and by the
-one-call expert kernel (`_kernels_take`): its steps run on these modules. Tensor parallelism refuses the family.
+Every layer is refused by the decode stack (its attention is not the plain `Attention`, and its windows): its steps
+run on these modules, each layer's experts in one call of the CPU kernels (linear/experts.h, with the biases and the
+clamped SwiGLU) after the router in torch. Tensor parallelism refuses the family.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from torch import nn
 
 from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.errors import ConfigError, ModelLoadError
-from tokenmill.kernels import mxfp4
+from tokenmill.kernels import Kernels, mxfp4
 from tokenmill.kernels.kformats import MXFP4ScaleError
 from tokenmill.kernels.raw_blocks import RawBlocks
 from tokenmill.models.family import ModelFamily
-from tokenmill.models.layers import Attention, GatedMLP
+from tokenmill.models.layers import Attention, GatedMLP, _fused
 from tokenmill.models.moe import MoECausalLM, Router, SparseMoE
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -66,7 +67,10 @@ class ClampedSwiGLU(GatedMLP):
         self.alpha, self.limit = moe.clamped_swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if isinstance(ops := _fused(self.ops, gate_up), Kernels):  # the CPU kernels' (the one-call experts' too)
+            return self.down_proj(ops.clamped_swiglu(gate_up, self.alpha, self.limit))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
@@ -81,9 +85,6 @@ class GptOssMoE(SparseMoE):
         """The top k logits, then their softmax, in the model's dtype (transformers' GptOssTopKRouter)."""
         top, ids = torch.topk(self.gate(x), self.moe.top_k, dim=-1)  # [T, k] each
         return torch.softmax(top, dim=-1, dtype=top.dtype), ids
-
-    def _kernels_take(self, x: torch.Tensor) -> bool:
-        return False  # the one-call expert kernel runs SiLU experts without biases: these run as modules
 
 
 class GptOssForCausalLM(MoECausalLM):

@@ -105,10 +105,12 @@ class SparseMoE(nn.Module):
         x, ids = x.contiguous(), ids.contiguous()
         w = weights.float().contiguous()  # [T, k] (already rounded to x's dtype where the family rounds them)
         out = torch.empty_like(x)  # [T, D]
+        clamped = self.moe.clamped_swiglu or (0.0, 0.0)
         call.ops.module.moe_routed(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], ids.data_ptr(),
                                    w.data_ptr(), self.moe.top_k, self.moe.num_experts, call.gate_up.data_ptr(),
                                    call.gate_up_format, call.gate_up_k, call.down.data_ptr(), call.down_format,
-                                   self.moe.intermediate_size, call.down_k, out.data_ptr())  # fmt: skip
+                                   self.moe.intermediate_size, call.down_k, out.data_ptr(), _ptr(call.gate_up_bias),
+                                   _ptr(call.down_bias), self.moe.clamped_swiglu is not None, *clamped)  # fmt: skip
         return out
 
     def _each(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:  # [R, D] -> [R, D]
@@ -129,7 +131,8 @@ class SparseMoE(nn.Module):
 
 
 class _ExpertsCall(NamedTuple):
-    """What the one-call expert kernel needs: the experts' packed weights (int64 [E] data pointers each) and formats."""
+    """What the one-call expert kernel needs: the experts' packed weights (int64 [E] data pointers each) and formats,
+    and their float32 biases' pointers (int64 [E], or None: no biases)."""
 
     ops: Any
     gate_up: torch.Tensor
@@ -138,6 +141,12 @@ class _ExpertsCall(NamedTuple):
     down: torch.Tensor
     down_format: int
     down_k: int
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def experts_call(moe: SparseMoE) -> _ExpertsCall | tuple[()]:
@@ -149,21 +158,23 @@ def experts_call(moe: SparseMoE) -> _ExpertsCall | tuple[()]:
 
 def _experts_call(experts: nn.ModuleList) -> _ExpertsCall | tuple[()]:
     """The experts' weights for linear/experts.h, or () where a module is not a plain kernel linear (another device,
-    a bias, a mixed format, per-row invariance, no kernels): then each expert runs as a module."""
+    a mixed format, biases on some only, per-row invariance, no kernels): then each expert runs as a module."""
     projections: list[list[KernelLinear]] = []
     for name in ("gate_up_proj", "down_proj"):
         linears = [getattr(e, name) for e in experts]
         first = linears[0]
         if not isinstance(first, KernelLinear) or first.ops is None:
             return ()
-        same = (first.format_id, first.padded_in, first.out_features, first.ops)
-        if any(not isinstance(m, KernelLinear) or (m.format_id, m.padded_in, m.out_features, m.ops) != same
-               or m.bias is not None or m.row_group or m.row_invariant for m in linears):  # fmt: skip
+        same = (first.format_id, first.padded_in, first.out_features, first.ops, first.bias is None)
+        if any(not isinstance(m, KernelLinear) or (m.format_id, m.padded_in, m.out_features, m.ops, m.bias is None)
+               != same or m.row_group or m.row_invariant for m in linears):  # fmt: skip
             return ()
         projections.append(linears)
     (gu, *_), (dn, *_) = projections
     gate_up, down = (torch.tensor([m.data.data_ptr() for m in linears], dtype=torch.int64) for linears in projections)
-    return _ExpertsCall(gu.ops, gate_up, gu.format_id, gu.padded_in, down, dn.format_id, dn.padded_in)
+    biases = [None if p[0].bias is None else torch.tensor([m.bias.data_ptr() for m in p], dtype=torch.int64)
+              for p in projections]  # fmt: skip
+    return _ExpertsCall(gu.ops, gate_up, gu.format_id, gu.padded_in, down, dn.format_id, dn.padded_in, *biases)
 
 
 class MoECausalLM(CausalLM):

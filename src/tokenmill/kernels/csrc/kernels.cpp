@@ -127,6 +127,14 @@ void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, bool bf16, int64_t T, int64
   });
 }
 
+void clamped_swiglu(uintptr_t gate_up, uintptr_t out, bool bf16, int64_t rows, int64_t I, double alpha, double limit) {
+  const int64_t e = bf16 ? 2 : 4;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, I)), [&](int64_t begin, int64_t end) {
+    clamped_swiglu_rows(Act{(char*)gate_up + begin * 2 * I * e, bf16}, Act{(char*)out + begin * I * e, bf16},
+                        end - begin, I, (float)alpha, (float)limit);
+  });
+}
+
 void silu_mul(uintptr_t gate_up, uintptr_t out, bool bf16, int64_t rows, int64_t I) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
     const int64_t e = bf16 ? 2 : 4;
@@ -326,6 +334,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &tmk::rmsnorm, "residual += x (if given); out = rmsnorm(.) * weight");
   m.def("rope", &tmk::rope, "rotate-half RoPE in place");
   m.def("silu_mul", &tmk::silu_mul, "silu(gate) * up");
+  m.def("clamped_swiglu", &tmk::clamped_swiglu, "gpt-oss's (up + 1) * gate * sigmoid(alpha gate), clamped");
   m.def("decode_attention", &tmk::decode_attention, "one new token per sequence over a paged KV cache");
   m.def("prefill_attention", &tmk::prefill_attention, "prompts' new tokens over a paged KV cache (flash style)");
   m.def("kv_write", &tmk::kv_write, "new keys and values into their cache slots");

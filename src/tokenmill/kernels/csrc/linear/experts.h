@@ -24,9 +24,10 @@
 namespace tmk {
 
 // One projection of every expert: rows [start[e], start[e + 1]) of x (Kx wide, the model dtype) times expert e's
-// packed weight w[e] (N outputs, K inputs) -> the same rows of out (N wide, the model dtype).
+// packed weight w[e] (N outputs, K inputs), plus its float32 bias bias[e] [N] where `bias` is given -> the same rows of
+// out (N wide, the model dtype).
 inline void experts_linear(const char* x, bool bf16, int64_t Kx, const std::vector<int64_t>& start, Format F,
-                           const int64_t* w, int64_t N, int64_t K, char* out) {
+                           const int64_t* w, int64_t N, int64_t K, char* out, const int64_t* bias = nullptr) {
   const int64_t E = (int64_t)start.size() - 1, rows = start[E], e_bytes = bf16 ? 2 : 4;
   const RowPrep how = row_prep(F);
   const bool pairs = pairs_apply(F, bf16, Kx, K);
@@ -54,7 +55,8 @@ inline void experts_linear(const char* x, bool bf16, int64_t Kx, const std::vect
       float* o32 = bf16 ? nullptr : (float*)out + s * N;
       uint16_t* o16 = bf16 ? (uint16_t*)out + s * N : nullptr;
       const uint16_t* xh = bf16 ? (const uint16_t*)x + s * Kx : nullptr;
-      linear_range(F, pairs ? nullptr : xf_ptr + s * K, n, K, (const uint8_t*)w[k.expert], N, K, nullptr, o32, o16,
+      const float* b = bias ? (const float*)bias[k.expert] : nullptr;
+      linear_range(F, pairs ? nullptr : xf_ptr + s * K, n, K, (const uint8_t*)w[k.expert], N, K, b, o32, o16,
                    k.p_begin, k.p_end, xh, Kx);
     }
   });
@@ -108,10 +110,13 @@ inline void combine_row(Act out, const char* ys, const Grouping& g, const int64_
 // A MoE layer after its router: ids [T, k] int64 each token's experts (distinct, k <= 64), w [T, k] float32 their
 // weights (rounded to the model dtype first where the family rounds them; ops/route.h) -> out [T, D], each token's
 // combine_row. x and out in the model dtype (bfloat16 where `bf16`, else float32); gate_up / down [E] int64 the
-// experts' packed weights (one format each: gate|up 2I x gu_K, down D x dn_K).
+// experts' packed weights (one format each: gate|up 2I x gu_K, down D x dn_K); gu_bias / dn_bias [E] int64 pointers to
+// their float32 biases, or 0. The activation: SiLU(gate) * up, or with `clamped` gpt-oss's clamped SwiGLU
+// (ops/fused.h: clamped_swiglu_rows, at alpha and limit).
 inline void moe_routed(uintptr_t x, bool bf16, int64_t T, int64_t D, uintptr_t ids, uintptr_t w, int64_t k, int64_t E,
                        uintptr_t gate_up, int64_t gu_format, int64_t gu_K, uintptr_t down, int64_t dn_format,
-                       int64_t I, int64_t dn_K, uintptr_t out) {
+                       int64_t I, int64_t dn_K, uintptr_t out, uintptr_t gu_bias = 0, uintptr_t dn_bias = 0,
+                       bool clamped = false, double alpha = 0, double limit = 0) {
   if (k < 1 || k > 64) throw std::invalid_argument("moe: 1 to 64 experts per token");
   const int64_t R = T * k, e_bytes = bf16 ? 2 : 4;
   const int64_t* id = (const int64_t*)ids;
@@ -123,12 +128,14 @@ inline void moe_routed(uintptr_t x, bool bf16, int64_t T, int64_t D, uintptr_t i
       std::memcpy(rows.data() + j * D * e_bytes, (const char*)x + g.order[j] / k * D * e_bytes, D * e_bytes);
   });
   experts_linear(rows.data(), bf16, D, g.start, static_cast<Format>(gu_format), (const int64_t*)gate_up, 2 * I, gu_K,
-                 h.data());
+                 h.data(), (const int64_t*)gu_bias);
   at::parallel_for(0, R, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
-    silu_mul_rows(Act{h.data() + begin * 2 * I * e_bytes, bf16}, Act{act.data() + begin * I * e_bytes, bf16},
-                  end - begin, I);
+    const Act in{h.data() + begin * 2 * I * e_bytes, bf16}, o{act.data() + begin * I * e_bytes, bf16};
+    if (clamped) clamped_swiglu_rows(in, o, end - begin, I, (float)alpha, (float)limit);
+    else silu_mul_rows(in, o, end - begin, I);
   });
-  experts_linear(act.data(), bf16, I, g.start, static_cast<Format>(dn_format), (const int64_t*)down, D, dn_K, ys.data());
+  experts_linear(act.data(), bf16, I, g.start, static_cast<Format>(dn_format), (const int64_t*)down, D, dn_K, ys.data(),
+                 (const int64_t*)dn_bias);
   at::parallel_for(0, T, std::max<int64_t>(1, 4096 / D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       combine_row(Act{(char*)out + t * D * e_bytes, bf16}, ys.data(), g, id, (const float*)w, t, k, D);

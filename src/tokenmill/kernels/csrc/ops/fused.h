@@ -129,6 +129,20 @@ inline void silu_mul_rows(Act gate_up, Act out, int64_t rows, int64_t I, int64_t
   }
 }
 
+// gpt-oss's clamped SwiGLU over rows of [gate | up] (I each): gate = min(gate, limit), up = clamp(up, -limit,
+// limit), out = (up + 1) * (gate * sigmoid(gate * alpha)), each op's result rounded to the dtype as torch's ops store
+// it (models/gpt_oss.py: ClampedSwiGLU). A NaN stays NaN, as torch's clamp keeps it.
+inline void clamped_swiglu_rows(Act gate_up, Act out, int64_t rows, int64_t I, float alpha, float limit) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      float g = gate_up.get(r * 2 * I + i), u = gate_up.get(r * 2 * I + I + i);
+      g = g > limit ? limit : g;
+      u = u > limit ? limit : (u < -limit ? -limit : u);
+      const float sig = out.round(1.f / (1.f + std::exp(-out.round(g * alpha))));
+      out.set(r * I + i, out.round(u + 1.f) * out.round(g * sig));
+    }
+}
+
 // The index of the largest of x[0..n) (float32), as torch.argmax: the first of equal maxima; the first NaN where
 // there is one. Lane by lane, then across lanes (torch's reduction was a visible share of a decode step).
 inline int64_t argmax_row(const float* x, int64_t n) {
