@@ -172,7 +172,7 @@ def _experts_call(experts: nn.ModuleList) -> _ExpertsCall | tuple[()]:
         projections.append(linears)
     (gu, *_), (dn, *_) = projections
     gate_up, down = (torch.tensor([m.data.data_ptr() for m in linears], dtype=torch.int64) for linears in projections)
-    biases = [None if p[0].bias is None else torch.tensor([m.bias.data_ptr() for m in p], dtype=torch.int64)
+    biases = [None if p[0].bias is None else torch.tensor([_ptr(m.bias) for m in p], dtype=torch.int64)
               for p in projections]  # fmt: skip
     return _ExpertsCall(gu.ops, gate_up, gu.format_id, gu.padded_in, down, dn.format_id, dn.padded_in, *biases)
 
