@@ -78,6 +78,18 @@ def test_dimensions_cut_the_vector_then_normalise_it(last_token: Path) -> None:
         assert _diff(b.outputs.embedding, last) < TOL
 
 
+def test_a_gguf_with_a_pooling_type_embeds_as_its_folder_does(last_token: Path, tmp_path: Path) -> None:
+    """The exporter writes the folder's pooling as llama.cpp's converter does (`qwen3.pooling_type`), which says
+    embed."""
+    from tokenmill.bench.gguf_export import export_gguf
+
+    llm = _llm(export_gguf(last_token, tmp_path / "embedder.gguf", "f32"))
+    assert llm.loaded.task.names == ("embed",)
+    for ours, ref in zip(llm.embed(TEXTS), _llm(last_token).embed(TEXTS), strict=True):
+        assert ours.prompt_token_ids == ref.prompt_token_ids
+        assert _diff(ours.outputs.embedding, torch.tensor(ref.outputs.embedding)) < TOL
+
+
 def test_mean_pooled_embeddings_match_transformers(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     folder = sentence_transformers(make_checkpoint("llama", initializer_range=0.1), tmp_path / "mean", "mean")
     llm = _llm(folder)

@@ -45,7 +45,7 @@ def resolve_task(
     names = parse_task(requested)
     arch = str((hf.get("architectures") or [""])[0])
     made_for = POOLING_ARCHITECTURES[arch][1] if arch in POOLING_ARCHITECTURES else None
-    declared = _gguf_pooling(gguf) if gguf is not None else _sentence_transformers_pooling(path)
+    declared = _gguf_pooling(gguf) if gguf is not None else sentence_transformers_pooling(path)
     if names == {"auto"}:
         detected = made_for or ("embed" if declared else None)
         names = frozenset({detected or "generate"})
@@ -97,7 +97,7 @@ def _yes_no_ids(tokenizer: Tokenizer) -> tuple[int, int]:
     return ids[0], ids[1]
 
 
-def _sentence_transformers_pooling(path: Path) -> PoolingType | None:
+def sentence_transformers_pooling(path: Path) -> PoolingType | None:
     """The pooling a sentence-transformers folder declares (modules.json -> its Pooling module's config.json), or
     None without one. ConfigError for a pooling mode or a module we do not run."""
     modules_file = path / "modules.json"
