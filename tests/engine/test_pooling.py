@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import target
 from tests.pooling_checkpoints import hf_hidden, sentence_transformers
 from tokenmill import LLM, PoolingParams, SamplingParams
 from tokenmill.engine.core import EngineCore
@@ -60,7 +61,7 @@ def _mean_ref(hf: object, ids: list[int]) -> torch.Tensor:
 def test_a_pooling_request_shares_a_step_with_generation_and_changes_none_of_its_tokens(
     folder: Path, hf: object
 ) -> None:
-    llm = LLM(str(folder), dtype="float32", task="generate,embed")
+    llm = LLM(str(folder), device=target.DEVICE, dtype="float32", task="generate,embed")
     core, tok = llm.engine, llm.tokenizer
     prompt, text = tok.encode("ROMEO: Hello world"), tok.encode("To be, or not to be, that is the question.")
     alone = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0].outputs[0].token_ids
@@ -76,7 +77,7 @@ def test_a_pooling_request_shares_a_step_with_generation_and_changes_none_of_its
 
 def test_a_one_token_pooled_prompt_in_a_decode_step_is_the_final_norms_output(folder: Path, hf: object) -> None:
     """A one-token prompt beside decoding sequences makes a decode-only step (the decode stack's, where it runs)."""
-    llm = LLM(str(folder), dtype="float32", task="generate,embed")
+    llm = LLM(str(folder), device=target.DEVICE, dtype="float32", task="generate,embed")
     core = llm.engine
     gen = _add(core, llm.tokenizer.encode("ROMEO: Hello world"))
     core.step()  # its prompt: from now on it decodes
@@ -91,7 +92,7 @@ def test_a_one_token_pooled_prompt_in_a_decode_step_is_the_final_norms_output(fo
 def test_a_preempted_mean_pooled_prompt_is_recomputed_from_its_start(folder: Path, hf: object) -> None:
     """Six blocks of four tokens: a generating sequence and a 24-token prompt chunked 8 tokens a step cannot both
     hold theirs, so the pooled prompt (the newest) is preempted and later pooled from its first token again."""
-    llm = LLM(str(folder), dtype="float32", task="generate,embed", block_size=4, num_kv_blocks=6,
+    llm = LLM(str(folder), device=target.DEVICE, dtype="float32", task="generate,embed", block_size=4, num_kv_blocks=6,
               max_num_batched_tokens=8)  # fmt: skip
     core, tok = llm.engine, llm.tokenizer
     text = tok.encode("Shall I compare thee to a summer's day? Thou art more lovely and more temperate.")[:24]
@@ -105,7 +106,7 @@ def test_a_preempted_mean_pooled_prompt_is_recomputed_from_its_start(folder: Pat
 
 
 def test_an_aborted_pooling_request_ends_without_a_result_and_frees_its_blocks(folder: Path) -> None:
-    llm = LLM(str(folder), dtype="float32", task="generate,embed", max_num_batched_tokens=8)
+    llm = LLM(str(folder), device=target.DEVICE, dtype="float32", task="generate,embed", max_num_batched_tokens=8)
     core = llm.engine
     rid = _add(core, llm.tokenizer.encode("To be, or not to be, that is the question."), PoolingParams())
     core.step()  # its first chunk
@@ -115,7 +116,9 @@ def test_an_aborted_pooling_request_ends_without_a_result_and_frees_its_blocks(f
 
 
 def test_requests_a_model_cannot_serve_are_refused_with_what_to_do(folder: Path) -> None:
-    embedder = LLM(str(folder), dtype="float32", max_model_len=32)  # auto: sentence-transformers files -> embed
+    embedder = LLM(
+        str(folder), device=target.DEVICE, dtype="float32", max_model_len=32
+    )  # auto: sentence-transformers files -> embed
     core = embedder.engine
     with pytest.raises(ValueError, match="does not generate.*--task generate"):
         core.validate([1, 2, 3], GREEDY)
@@ -132,6 +135,6 @@ def test_requests_a_model_cannot_serve_are_refused_with_what_to_do(folder: Path)
             core.validate_pooling(ids, params)
     with pytest.raises(ValueError, match="dimensions"):
         PoolingParams(dimensions=0)
-    generator = LLM(str(folder), dtype="float32", task="generate")
+    generator = LLM(str(folder), device=target.DEVICE, dtype="float32", task="generate")
     with pytest.raises(ValueError, match="not embed.*--task embed"):
         generator.embed(["Hello"])

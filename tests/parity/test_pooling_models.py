@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import target
 from tests.conftest import TINY
 from tests.pooling_checkpoints import (
     bare_decoder,
@@ -36,7 +37,7 @@ CHUNKED = dict(dtype="float32", max_num_batched_tokens=8)  # prompts of up to ~2
 
 
 def _llm(folder: Path, **kwargs: Any) -> LLM:
-    return LLM(str(folder), **{**CHUNKED, **kwargs})
+    return LLM(str(folder), **{**CHUNKED, "device": target.DEVICE, **kwargs})
 
 
 def _hf_base(folder: Path) -> Any:
@@ -100,6 +101,17 @@ def test_mean_pooled_embeddings_match_transformers(make_checkpoint: Callable[...
         ref = F.normalize(hf_hidden(hf, a.prompt_token_ids).mean(0), dim=-1)
         assert _diff(a.outputs.embedding, ref) < TOL
         assert _diff(b.outputs.embedding, ref) < TOL
+
+
+@pytest.mark.parametrize("kv_cache", ["contiguous", "none"])
+def test_mean_pooling_in_the_other_kv_backends(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, kv_cache: str
+) -> None:
+    """One buffer per sequence, or no cache (every step recomputes from the first token: no chunks)."""
+    folder = sentence_transformers(make_checkpoint("llama", initializer_range=0.1), tmp_path / "mean", "mean")
+    hf = _hf_base(folder)
+    for out in _llm(folder, kv_cache=kv_cache).embed(TEXTS):
+        assert _diff(out.outputs.embedding, F.normalize(hf_hidden(hf, out.prompt_token_ids).mean(0), dim=-1)) < TOL
 
 
 def test_a_bare_decoder_checkpoint_embeds_as_qwen3_embedding_is_saved(tokenizer_dir: Path, tmp_path: Path) -> None:

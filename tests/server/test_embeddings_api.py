@@ -7,6 +7,7 @@ tests/parity/test_pooling_models.py holds to transformers. Also: the rerank and 
 from __future__ import annotations
 
 import base64
+import re
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -153,3 +154,7 @@ def test_nothing_leaked_and_the_server_is_healthy(http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200
     stats = http.get("/stats").json()
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+    assert stats["completed_requests"] > 0 and stats["failed_requests"] == 0
+    metrics = http.get("/metrics").text  # each embedded input is a finished request, and its tokens prompt tokens
+    assert re.search(r'tokenmill:request_success_total\{[^}]*finished_reason="stop"[^}]*\} [1-9]', metrics)
+    assert re.search(r"tokenmill:prompt_tokens_total\{[^}]*\} [1-9]", metrics)

@@ -51,7 +51,9 @@ class Call:
 
     def observe(self, out: RequestOutput) -> None:
         if out.finished and out.metrics is not None and self.metrics is not None:
-            self.metrics.observe_finished(out.metrics, [c.finish_reason for c in out.outputs])
+            # (a pooling request has no completions: it stopped at its prompt's end, or was aborted)
+            reasons = [c.finish_reason for c in out.outputs] or ["stop" if out.pooled is not None else "abort"]
+            self.metrics.observe_finished(out.metrics, reasons)
 
     def usage(self, num_completion_tokens: int) -> dict[str, int]:
         prompt = sum(len(p) for p in self.prompts)
