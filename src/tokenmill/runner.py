@@ -3,8 +3,7 @@ the step's plan (forward/), samples.
 
 It owns the step's tensors, the per-request random generators, a chunked pooled prompt's running sum and the KV
 backend it was given, and nothing about who runs or why: it reads the batch description the engine core built and
-never a `Request`. Before each
-step it runs the test hooks the environment sets (fault_hooks.py).
+never a `Request`. Before each step it runs the test hooks the environment sets (fault_hooks.py).
 """
 
 from __future__ import annotations

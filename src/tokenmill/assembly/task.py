@@ -45,7 +45,9 @@ def resolve_task(
     names = parse_task(requested)
     arch = str((hf.get("architectures") or [""])[0])
     made_for = POOLING_ARCHITECTURES[arch][1] if arch in POOLING_ARCHITECTURES else None
-    declared = _gguf_pooling(gguf) if gguf is not None else sentence_transformers_pooling(path)
+    declared = None  # the pooling the checkpoint names, read only where it decides something
+    if names == {"auto"} or "embed" in names:
+        declared = _gguf_pooling(gguf) if gguf is not None else sentence_transformers_pooling(path)
     if names == {"auto"}:
         detected = made_for or ("embed" if declared else None)
         names = frozenset({detected or "generate"})

@@ -431,13 +431,8 @@ class EngineCore:
                 req.spec_skip -= 1
                 continue
             constrained = self.structured.has(req.request_id)  # no drafts: they would skip the grammar
-            if (
-                off
-                or constrained
-                or req.pooling is not None
-                or req.finished
-                or req.num_computed_tokens != req.num_tokens - 1
-            ):
+            pooled = req.pooling is not None  # it samples nothing
+            if off or constrained or pooled or req.finished or req.num_computed_tokens != req.num_tokens - 1:
                 continue
             # each kept draft and the token after them are outputs: stay inside max_tokens and the context
             limit = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
