@@ -35,7 +35,8 @@ async def rerank(body: RerankRequest, raw: Request, state: State, engine: Engine
     check_count(state, len(docs), "documents")
     if body.top_n is not None and body.top_n < 1:
         raise APIError(400, f"top_n={body.top_n} is invalid: allowed an integer >= 1", param="top_n")
-    scores, call = await _scores(state, engine, raw, [(body.query, d) for d in docs], body.instruction, body.priority)
+    pairs = [(body.query, d) for d in docs]
+    scores, call = await _scores(state, engine, raw, "rerank-", pairs, body.instruction, body.priority)
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[: body.top_n]
     results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}} if body.return_documents
                                                                else {})} for i in order]  # fmt: skip
@@ -51,7 +52,7 @@ async def score(body: ScoreRequest, raw: Request, state: State, engine: Engine) 
     except ValueError as e:
         raise APIError(400, str(e), param="text_2") from None
     check_count(state, len(pairs), "text_2")
-    scores, call = await _scores(state, engine, raw, pairs, body.instruction, body.priority)
+    scores, call = await _scores(state, engine, raw, "score-", pairs, body.instruction, body.priority)
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
     usage = {**call.usage(), "completion_tokens": 0}
     return {"id": call.id, "object": "list", "created": call.created, "model": state.config.served_model_name,
@@ -59,8 +60,8 @@ async def score(body: ScoreRequest, raw: Request, state: State, engine: Engine) 
 
 
 async def _scores(
-    state: ServerState, engine: AsyncEngine, raw: Request, pairs: list[tuple[str, str]], instruction: str | None,
-    priority: int,
+    state: ServerState, engine: AsyncEngine, raw: Request, id_prefix: str, pairs: list[tuple[str, str]],
+    instruction: str | None, priority: int,
 ) -> tuple[list[float], PooledCall]:  # fmt: skip
     """One score per (query, document) pair: the scorer's, or an embedding model's cosine of the two."""
     served = engine.task.pooling
@@ -68,10 +69,10 @@ async def _scores(
     if served is not None and served.task == "embed":
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         prompts = await run_in_threadpool(lambda: [tok.encode(t) for t in texts])
-        call = await run_pooling(state, engine, raw, "score-", prompts, PoolingParams(), priority)
+        call = await run_pooling(state, engine, raw, id_prefix, prompts, PoolingParams(), priority)
         vectors = dict(zip(texts, call.vectors, strict=True))  # unit vectors: their dot product is the cosine
         return [sum(a * b for a, b in zip(vectors[q], vectors[d], strict=True)) for q, d in pairs], call
     pooling = pooling_of(engine, "score")
     prompts = await run_in_threadpool(lambda: [score_prompt(tok, pooling, q, d, instruction) for q, d in pairs])
-    call = await run_pooling(state, engine, raw, "score-", prompts, PoolingParams(task="score"), priority)
+    call = await run_pooling(state, engine, raw, id_prefix, prompts, PoolingParams(task="score"), priority)
     return [v[0] for v in call.vectors], call
