@@ -148,6 +148,7 @@ def test_generation_is_refused_with_how_to_serve_it(http: httpx.Client) -> None:
     msg = http.post("/v1/messages", json={"model": NAME, "max_tokens": 8,
                                           "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
     assert msg.status_code == 400 and msg.json()["type"] == "error" and "--task generate" in msg.text
+    assert_openai_error(http.post("/v1/responses", json={"model": NAME, "input": "Hi"}), 400, "--task generate")
 
 
 def test_nothing_leaked_and_the_server_is_healthy(http: httpx.Client) -> None:
