@@ -13,4 +13,4 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PYTHON" -m pytest --device cuda tests/cuda tests/parity/test_models.py \
   tests/parity/test_sliding_window.py tests/parity/test_quantization.py tests/engine/test_batching.py \
   tests/engine/test_generate.py tests/engine/test_spec_decode.py \
-  tests/engine/test_cuda_graphs_change_no_token.py "$@"
+  tests/engine/test_cuda_graphs_change_no_token.py tests/parity/test_pooling_models.py tests/engine/test_pooling.py "$@"

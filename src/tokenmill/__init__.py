@@ -15,13 +15,14 @@ if os.environ.get("TOKENMILL_OMP_DEFAULT") != "0":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tokenmill.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from tokenmill.pooling_params import PoolingParams  # noqa: E402
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "CompletionOutput", "PoolingParams", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -37,6 +37,9 @@ _CHOICES = {"dtype": DTYPES, "kv_cache": KV_CACHE_MODES, "batching": BATCHING_MO
 
 # one line per engine flag; `--help` adds the default
 _HELP = {
+    "task": "what the model serves: auto (what the checkpoint says: a *ForSequenceClassification scores, a bare "
+    "decoder or a sentence-transformers folder embeds, else generate), generate, embed, score (rerank: the same), or "
+    "generate,embed / generate,score for both from one causal LM",
     "dtype": "weights and activations: auto (the checkpoint's), float32, bfloat16, float16",
     "device": "auto (cuda when there is one), cpu, cuda or cuda:N",
     "kv_cache": "paged (blocks, prefix caching), contiguous (one buffer per sequence) or none (recompute)",
@@ -160,6 +163,9 @@ def _serve_args(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-n", type=int, default=128, help="most samples (n) per request (default: 128)")
     srv.add_argument("--max-prompts", type=int, default=256, help="most prompts per completions call (default: 256)")
     srv.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (default: 4)")
+    srv.add_argument("--max-pooling-inputs", type=int, default=2048,
+                     help="most inputs per embeddings call, documents per rerank call, pairs per score call "
+                     "(default: 2048, OpenAI's embeddings cap)")  # fmt: skip
     srv.add_argument(
         "--data-parallel-size",
         type=int,

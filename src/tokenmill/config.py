@@ -226,6 +226,23 @@ def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     return RopeConfig(theta=theta, kind=kind, params=params)
 
 
+# what a model serves (--task): generate, embed, score ("rerank" is its other name), or generation and one pooling
+# task together ("generate,embed"); auto: what the checkpoint says (assembly/task.py)
+TASKS: tuple[str, ...] = ("auto", "generate", "embed", "score", "rerank")
+
+
+def parse_task(task: str) -> frozenset[str]:
+    """`--task`'s value as the set of tasks it names ("rerank" read as "score"); ValueError for one that is not a
+    task or a combination we serve."""
+    names = [n.strip() for n in str(task).split(",")]
+    bad = next((n for n in names if n not in TASKS), None)
+    tasks = frozenset("score" if n == "rerank" else n for n in names)
+    if bad is not None or ("auto" in tasks and len(tasks) > 1) or {"embed", "score"} <= tasks:
+        raise ValueError(f"task={task!r} is invalid: allowed {', '.join(TASKS)}, or generate with one of embed, score "
+                         "(generate,embed)")  # fmt: skip
+    return tasks
+
+
 Batching = Literal["continuous", "static"]
 BATCHING_MODES: tuple[str, ...] = ("continuous", "static")
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -248,6 +265,7 @@ class EngineConfig:
     """
 
     model: str | None = None
+    task: str = "auto"  # see TASKS / parse_task
     dtype: DType = "auto"
     device: str = "auto"
     kv_cache: KVCacheMode = "paged"
@@ -325,6 +343,7 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} is invalid: allowed an integer >= 1")
         if self.touch_kv_cache and self.kv_cache != "paged":
             raise ValueError(f"touch_kv_cache needs kv_cache='paged'; kv_cache={self.kv_cache!r} has no pool to touch")
+        parse_task(self.task)
         self._check_speculation()
         self._check_parallel()
         self._check_batch_invariant()
@@ -350,11 +369,11 @@ class EngineConfig:
         if self.tensor_parallel_size == 1:
             return
         clash = {"kv_cache": self.kv_cache != "paged", "speculative_model": self.speculative_model is not None,
-                 "compile": self.compile}  # fmt: skip
+                 "compile": self.compile, "task": bool(parse_task(self.task) & {"embed", "score"})}  # fmt: skip
         named = [k for k, v in clash.items() if v]
         if named:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} runs with kv_cache='paged', no "
-                             f"speculative_model and no compile; drop {', '.join(named)}")  # fmt: skip
+                             f"speculative_model, no compile and task generate; drop {', '.join(named)}")  # fmt: skip
 
     def _check_speculation(self) -> None:
         for name in ("num_speculative_tokens", "ngram_prompt_lookup_min", "ngram_prompt_lookup_max",

@@ -79,6 +79,13 @@ class RequestMetrics:
 
 
 @dataclass
+class PoolingOutput:
+    """A pooling request's result: an embedding, or a score as its one value."""
+
+    data: list[float]
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -89,3 +96,35 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     new_text: list[str] = field(default_factory=list)  # per completion: text added since the last output
     error: str | None = None  # set when a failure inside the engine ended this request (finish_reason "error")
+    # a pooling request's result (its `outputs` are empty; it comes once, finished); None where it was aborted
+    pooled: PoolingOutput | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result per prompt, as vLLM's: `.outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result per pair, as vLLM's: `.outputs.score`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -1,9 +1,9 @@
 """The model runner: turns a `ModelInput` into one flattened batch, runs it on the first forward path that supports
 the step's plan (forward/), samples.
 
-It owns the step's tensors, the per-request random generators and the KV backend it was given, and nothing
-about who runs or why: it reads the batch description the engine core built and never a `Request`. Before each
-step it runs the test hooks the environment sets (fault_hooks.py).
+It owns the step's tensors, the per-request random generators, a chunked pooled prompt's running sum and the KV
+backend it was given, and nothing about who runs or why: it reads the batch description the engine core built and
+never a `Request`. Before each step it runs the test hooks the environment sets (fault_hooks.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tokenmill.forward import (
 )
 from tokenmill.models import CausalLM
 from tokenmill.models.decode_stack import DecodeStack
+from tokenmill.models.pooling import Pooler
 from tokenmill.outputs import Logprobs
 from tokenmill.sampling import Sampler, SamplingBatch, drafts
 from tokenmill.types import ModelInput, RunnerOutput, SequenceInput, StepPlan
@@ -38,6 +39,8 @@ class ModelRunner:
         self.sample = sample  # False: compute only (a tensor-parallel worker; rank 0 samples)
         self.sampler = Sampler(seed, getattr(kv, "ops", None))
         self._generators: dict[str, torch.Generator] = {}
+        self.pooler: Pooler | None = None  # a pooling model's (models/pooling.py; the assembly sets it)
+        self._pool_sums: dict[str, torch.Tensor] = {}  # mean pooling: a prompt's rows summed so far [D] float32
         self._graphs: DecodeGraphs | None = None
         self._stack = DecodeStack.build(model, kv)  # decode-only steps in one kernel call, where it fits
         self._set_paths()
@@ -84,9 +87,11 @@ class ModelRunner:
         return self.run_path is not None
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request: its KV storage (where the backend keeps any) and its random generator."""
+        """Forget a finished request: its KV storage (where the backend keeps any), its random generator and its
+        pooling sum."""
         self.kv.release(request_id)
         self._generators.pop(request_id, None)
+        self._pool_sums.pop(request_id, None)
 
     def _generator(self, seq: SequenceInput) -> torch.Generator | None:
         seed = seq.sampling.seed if seq.sampling is not None else None
@@ -136,6 +141,9 @@ class ModelRunner:
         hidden, all_logits, all_argmax = computed.hidden, computed.logits, computed.argmax
 
         out = RunnerOutput()
+        if plan.pooling and self.sample:
+            assert hidden is not None  # (the CUDA graphs, which give none, take no pooling step)
+            out.pooled = self._pool(rows, hidden)
         for s, row in prompt_rows:
             plp = s.prompt_logprobs
             assert plp is not None and hidden is not None
@@ -159,6 +167,32 @@ class ModelRunner:
             if self.sample:
                 self._sample(sampling, logits, out, batch, argmax)
         return out
+
+    def _pool(self, rows: Rows, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """The pooled sequences' part of the step (hidden [T, D]): each chunk's rows reduced (mean pooling keeps a
+        prompt's running sum from chunk to chunk, restarting at its first: a preempted prompt is recomputed from
+        there), and the outputs of those whose prompts end here. The sums are kept only once all are done: a step
+        that fails is rerun sequence by sequence."""
+        pooler = self.pooler
+        assert pooler is not None, "a pooling request reached a runner without a pooler"
+        sums: dict[str, torch.Tensor] = {}
+        done: list[tuple[SequenceInput, torch.Tensor]] = []  # (sequence, pooled [D])
+        for s, offset in zip(rows.sequences, rows.offsets, strict=True):
+            if s.pooling is None:
+                continue
+            part = pooler.reduce(hidden[offset : offset + s.num_new_tokens])  # [D]
+            if pooler.mean:
+                before = self._pool_sums.get(s.request_id) if s.start > 0 else None
+                part = part if before is None else before + part
+                sums[s.request_id] = part
+            if s.pooling.finish:
+                done.append((s, part / s.seq_len if pooler.mean else part))
+        self._pool_sums.update(sums)
+        if not done:
+            return {}
+        pooled = torch.stack([p for _, p in done])  # [N, D]
+        outputs = pooler.finish(pooled, [s.pooling.params for s, _ in done if s.pooling is not None], hidden.dtype)
+        return {s.request_id: vector for (s, _), vector in zip(done, outputs, strict=True)}
 
     def _decode_run(self, batch: ModelInput) -> RunnerOutput:
         """A decode run (`DecodeRunPath`): `plan.num_steps` decode steps for every sequence in one call, each fed

@@ -212,7 +212,7 @@ class Scheduler:
             shared = self.kv.fork(sibling.request_id, req.request_id, req.num_prompt_tokens - 1)
             if shared:
                 return shared, []
-        if req.params.prompt_logprobs is not None:
-            return 0, []  # prompt logprobs need logits at every prompt position: compute them all
+        if req.params.prompt_logprobs is not None or req.no_prefix_cache:
+            return 0, []  # prompt logprobs (mean pooling) read every prompt position's logits (hidden state)
         blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids)
         return num_cached, blocks

@@ -53,7 +53,7 @@ def plan_step(sequences: Sequence[SequenceInput], constrained: Collection[str], 
              for s in sequences if s.sampling is not None
              for ids in s.sampling.suppressed_token_ids or [[]]]  # fmt: skip
     logits = max(reads, default=LogitsRead.FULL)
-    if len(rows) < len(sequences) or drafts:  # a prompt's chunk that samples nothing, or drafts to verify
+    if len(rows) < len(sequences) or drafts:  # a prompt's chunk that samples nothing (or is pooled), or drafts
         logits = LogitsRead.FULL
     decode_only = all(s.num_new_tokens == 1 + (len(s.sampling.draft_token_ids) if s.sampling else 0) for s in sequences)
     return StepPlan(
@@ -63,6 +63,7 @@ def plan_step(sequences: Sequence[SequenceInput], constrained: Collection[str], 
         drafts=drafts,
         decode_only=bool(sequences) and decode_only,
         prompt_logprobs=any(s.prompt_logprobs is not None for s in sequences),
+        pooling=any(s.pooling is not None for s in sequences),
     )
 
 

@@ -7,10 +7,11 @@ Who writes what (one writer each):
 - `ModelInput` is the core's description of that batch for the runner; the runner never sees a `Request`.
   Its one tensor is the grammar bitmask of constrained sequences (structured_output/). Its `StepPlan` (made by
   step_plan.py alone) says what the step computes and what its sampling reads.
-- `RunnerOutput` is what the runner computed: sampled tokens and prompt logprobs, by request id.
+- `RunnerOutput` is what the runner computed: sampled tokens, prompt logprobs and pooled vectors, by request id.
 
 One `Request` is one sequence being generated. A user request with `n > 1` becomes n Requests sharing a
-`parent_id`; the output processor groups them back into one `RequestOutput`.
+`parent_id`; the output processor groups them back into one `RequestOutput`. A pooling request (`pooling` set:
+pooling_params.py) is one sequence that samples nothing: its prompt is computed and pooled, and it ends there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from enum import IntEnum
 from typing import Any
 
 from tokenmill.outputs import Logprobs, RequestMetrics
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -36,6 +38,7 @@ class EngineRequest:
     tokenization_ms: float = 0.0
     priority: int = 0
     grammar: Any = None  # params.structured_outputs compiled (off the engine thread); None: the core compiles it
+    pooling: PoolingParams | None = None  # a pooling request: its prompt is pooled and nothing generated (max_tokens 0)
 
 
 @dataclass
@@ -64,6 +67,11 @@ class Request:
     spec_skip: int = 0  # steps to go without drafts (after misses: 2, 4, ... 64)
     # decode steps this sequence may take in one call next step (0: it may not; scheduler._decode_runs)
     multi_step_limit: int = 0
+    pooling: PoolingParams | None = None  # a pooling request (it samples nothing)
+    pooled: list[float] | None = None  # its pooler's result, once its prompt is computed
+    # every prompt position is computed, none taken from the prefix cache: its hidden states are all read (mean
+    # pooling) (prompt logprobs are the other such case: `params.prompt_logprobs`)
+    no_prefix_cache: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -150,6 +158,15 @@ class PromptLogprobsInput:
 
 
 @dataclass(frozen=True)
+class PoolingInput:
+    """A pooling sequence's part of a step: the model's pooler reads its rows' hidden states; `finish`: the step
+    reaches the prompt's end, and the pooled vector is made."""
+
+    params: PoolingParams
+    finish: bool
+
+
+@dataclass(frozen=True)
 class SequenceInput:
     """One sequence of the batch: compute `token_ids` at positions start, start + 1, ..."""
 
@@ -160,6 +177,7 @@ class SequenceInput:
     max_num_tokens: int  # the most tokens this sequence can ever hold (prompt + output budget)
     sampling: SamplingInput | None  # set when this step reaches the sequence's last known token
     prompt_logprobs: PromptLogprobsInput | None = None
+    pooling: PoolingInput | None = None  # a pooling request's: it never samples
 
     @property
     def num_new_tokens(self) -> int:
@@ -190,6 +208,7 @@ class StepPlan:
     drafts: bool = False  # some sequence verifies drafts (a row per draft after its known token)
     decode_only: bool = False  # every sequence computes one known token (and its drafts), each its own row
     prompt_logprobs: bool = False  # some sequence scores prompt positions: the hidden states of its rows are read
+    pooling: bool = False  # some sequence is pooled: the hidden states of its rows are read
 
 
 @dataclass(frozen=True)
@@ -209,3 +228,4 @@ class RunnerOutput:
     # each of its steps' tokens)
     sampled: dict[str, list[tuple[int, Logprobs | None]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)  # request id -> new entries
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # request id -> its pooled vector, once finished

@@ -102,6 +102,20 @@ def test_unknown_parameter_is_400_naming_it(http: httpx.Client, path: str) -> No
     assert_openai_error(http.post(path, json=body), 400, "frobnicate")
 
 
+POOLING = [
+    ("/v1/embeddings", {"input": "Hello"}, "--task embed"),
+    ("/v1/rerank", {"query": "Hello", "documents": ["world"]}, "--task score"),
+    ("/v1/score", {"text_1": "Hello", "text_2": "world"}, "--task score"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "hint"), POOLING, ids=[p for p, _, _ in POOLING])
+def test_pooling_a_generating_model_is_a_400_saying_how_to_serve_one(
+    http: httpx.Client, path: str, body: dict[str, Any], hint: str
+) -> None:
+    assert_openai_error(http.post(path, json={"model": SERVED_MODEL_NAME, **body}), 400, hint)
+
+
 PASS_THROUGH = [
     {"repetition_penalty": 1.5},
     {"presence_penalty": 1.5, "frequency_penalty": 1.0},

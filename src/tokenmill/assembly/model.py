@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.assembly.task import resolve_task
 from tokenmill.config import DTYPES, EngineConfig, ModelConfig
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.kernels import CudaKernels, FusedOps, Kernels
@@ -30,7 +31,9 @@ from tokenmill.models.linear import (
     place_weights,
     prepare_linears,
 )
+from tokenmill.models.pooling import as_pooling_model
 from tokenmill.models.sharding import Shard, check_shardable, split_head, wrap_row_parallel
+from tokenmill.pooling_params import ModelTask
 from tokenmill.progress import progress
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
@@ -57,6 +60,7 @@ class LoadedModel:
     generation_config: dict[str, Any] = field(default_factory=dict)
     kernels: dict[str, int] = field(default_factory=dict)  # linear kernel -> how many linears use it
     ops: FusedOps | None = None  # the fused ops the model and the paged KV cache use (None: pure torch)
+    task: ModelTask = field(default_factory=ModelTask)  # generation and/or pooling (assembly/task.py)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -131,8 +135,9 @@ def load_front(cfg: EngineConfig) -> LoadedModel:
     path, gguf, hf_config, config = read_checkpoint(cfg)
     generation = {} if gguf else read_json(path / "generation_config.json", required=False)
     tokenizer = Tokenizer(path, hf_config.get("model_type"), gguf.metadata if gguf else None)
+    task = resolve_task(cfg.task, path, hf_config, gguf, tokenizer)
     return LoadedModel(path, config, tokenizer, None, torch.device("cpu"), torch.float32,  # type: ignore[arg-type]
-                       config.max_position_embeddings, generation)  # fmt: skip
+                       config.max_position_embeddings, generation, task=task)  # fmt: skip
 
 
 def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
@@ -163,10 +168,16 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         raise ConfigError(f"batch_invariant runs on the CPU in bfloat16 or float32; this model resolved to "
                           f"{resolved}: pass --device cpu and --dtype")  # fmt: skip
     tokenizer = Tokenizer(path, hf_config.get("model_type"), gguf.metadata if gguf else None)
+    task = resolve_task(cfg.task, path, hf_config, gguf, tokenizer)
+    if task.pooling is not None and shard is not None:
+        raise ConfigError(f"tensor_parallel_size > 1 serves generation only; this checkpoint is served for "
+                          f"{', '.join(task.names)}")  # fmt: skip
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with torch.device("meta"):
         model = family.model_class(model_config)
+        if task.pooling is not None:
+            as_pooling_model(model, task.pooling, task.generate)
     cache = _packed_cache(cfg, gguf, device) if gguf else None
     # each dense linear packed as it completes (unless a tensor-parallel shard splits its head first): the file's
     # pages plus one packed copy, never every weight dense and packed at once; a GGUF's taken from its packed cache
@@ -216,6 +227,7 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         generation_config={} if gguf else read_json(path / "generation_config.json", required=False),
         kernels=kernels,
         ops=ops,
+        task=task,
     )
 
 

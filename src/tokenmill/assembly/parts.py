@@ -18,6 +18,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.kv_cache import KVCacheManager, KVManager, UnpagedKVManager
 from tokenmill.models import CausalLM
+from tokenmill.models.pooling import Pooler
 from tokenmill.runner import ModelRunner
 
 # how a runner is made: (model, device, KV backend, seed); a tensor-parallel engine passes its rank-0 runner
@@ -54,6 +55,11 @@ def build_parts(
     if make_runner is not None:
         return Parts(backend, kv, make_runner(loaded.model, loaded.device, backend, cfg.seed))
     runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed, sample=sample)
+    if loaded.task.pooling is not None:
+        runner.pooler = Pooler(loaded.model, loaded.task.pooling)
+    if not loaded.task.generate:  # the fast paths are for decode steps, which a model that only pools never takes
+        runner.decode_stack = None
+        return Parts(backend, kv, runner)
     if cfg.batch_invariant:  # the decode stack multiplies a step's rows together (a lone row sums otherwise)
         runner.decode_stack = None
     runner.graphs = DecodeGraphs.build(loaded.model, backend, cfg.max_num_seqs, max_len, cfg.enforce_eager)

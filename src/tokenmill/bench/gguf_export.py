@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from tokenmill.assembly.task import sentence_transformers_pooling
 from tokenmill.bench.gguf_vocab import write_vocab
 from tokenmill.kernels.formats import format_for
 from tokenmill.kernels.kformats import KSPECS, encode_gguf_rows
@@ -91,6 +92,9 @@ def export_gguf(
             rope_tensors = _write_hparams(writer, config, arch_name)
             _write_moe_hparams(writer, family.config_from_hf(config).moe, arch_name)
         write_vocab(writer, hf_dir, config)
+        pooling = sentence_transformers_pooling(hf_dir)  # an embedding model's, as llama.cpp's converter writes it
+        if pooling is not None:
+            writer.add_pooling_type(gguf.PoolingType.MEAN if pooling == "mean" else gguf.PoolingType.LAST)
         for name, data in _hf_tensors(hf_dir, config, arch_name, family):
             _add_tensor(writer, name, data, (overrides or {}).get(name, dtype))
         for name, factors in rope_tensors.items():

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.metrics import EngineSnapshot
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling_params import ModelTask, PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.types import EngineRequest
@@ -35,6 +36,9 @@ if TYPE_CHECKING:  # NOTE: the core pulls in torch; this module stays importable
     from tokenmill.engine.core import EngineCore
 
 log = logging.getLogger("tokenmill.engine")
+
+
+_NO_SAMPLING = SamplingParams(max_tokens=None)  # a pooling request's sampling parameters: it samples nothing
 
 
 class EngineDeadError(RuntimeError):
@@ -129,6 +133,7 @@ class AsyncEngine:
         self.tokenizer: Tokenizer = model.tokenizer
         self.max_model_len: int = core.max_model_len
         self.vocab_size: int = core.vocab_size
+        self.task: ModelTask = core.task  # what it serves: generation and/or pooling requests
         self._defaults = model.default_sampling_params()
         kv = core.kv
         capacity = f"{kv.num_blocks * kv.block_size} tokens ({kv.num_blocks} blocks)" if kv.num_blocks else "unpaged"
@@ -184,6 +189,10 @@ class AsyncEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise ValueError for a request that can never run; return its output budget (max_tokens)."""
         return self.core.validate(prompt_token_ids, params)
+
+    def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        """Raise ValueError for a pooling request this model cannot serve or that can never run."""
+        self.core.validate_pooling(prompt_token_ids, params)
 
     def compile_grammar(self, params: SamplingParams) -> Any:
         """The request's grammar (structured_outputs) compiled, or None without one. Cached by its text; the first
@@ -246,6 +255,19 @@ class AsyncEngine:
             EngineRequest(rid, ids, params, self.validate(ids, params), None, arrival, 0.0, priority, grammar)
             for rid, ids in zip(request_ids, prompts, strict=True)
         ]
+        return self._post(requests)
+
+    def add_pooling_requests(
+        self, prompts: list[list[int]], params: PoolingParams, request_ids: list[str], priority: int = 0
+    ) -> list[RequestStream]:
+        """Pooling requests (embeddings or scores), all or none: every one is validated before any starts. Each
+        stream gives one output, at the end, with its `pooled` result."""
+        self._check_alive()
+        arrival = time.perf_counter()
+        for ids in prompts:
+            self.validate_pooling(ids, params)
+        requests = [EngineRequest(rid, ids, _NO_SAMPLING, 0, None, arrival, 0.0, priority, pooling=params)
+                    for rid, ids in zip(request_ids, prompts, strict=True)]  # fmt: skip
         return self._post(requests)
 
     def _check_alive(self) -> None:

@@ -30,11 +30,13 @@ def build_engine_core(loaded: LoadedModel, cfg: EngineConfig) -> EngineCore:
     )
     return EngineCore(parts.runner, scheduler, loaded.tokenizer, loaded.config.vocab_size, max_len,
                       loaded.eos_token_ids, make_proposer(loaded, cfg, max_len), cfg.speculative_disable_by_batch_size,
-                      cfg.num_scheduler_steps)  # fmt: skip
+                      cfg.num_scheduler_steps, loaded.task, loaded.config.hidden_size)  # fmt: skip
 
 
 def make_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -> Proposer | None:
     """The proposer `cfg.speculative_model` names: prompt lookup ("ngram"), a draft model, or none."""
+    if not target.task.generate:  # drafts propose tokens, and a model that only pools samples none
+        return None
     if cfg.speculative_model == "ngram":
         return NgramProposer(cfg.num_speculative_tokens, cfg.ngram_prompt_lookup_min, cfg.ngram_prompt_lookup_max)
     if cfg.speculative_model is not None:

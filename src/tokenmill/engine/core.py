@@ -3,6 +3,8 @@
 One `step()`: the scheduler decides who runs -> the core describes that batch (`ModelInput`) -> the runner
 runs the model once and samples -> `update_from_output` appends tokens, advances `num_computed_tokens`,
 checks stop tokens, lengths and (through the output processor) stop strings, and frees what finished.
+A pooling request (pooling_params.py) runs in the same batches: its prompt is computed like any prefill, and the
+step that reaches its end gives its pooled vector and finishes it.
 
 Only this class writes a `Request`. The scheduler owns its queues and the KV manager; the runner owns tensors
 and never sees a request; the output processor detokenizes and reports. `snapshot()` publishes the numbers
@@ -19,11 +21,12 @@ from itertools import count
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.sequence_input import sequence_input
 from tokenmill.engine.thinking import ThinkingBudgets
-from tokenmill.engine.validation import output_budget
+from tokenmill.engine.validation import check_pooling, output_budget
 from tokenmill.kv_cache import KVManager
 from tokenmill.memory import trim
 from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
-from tokenmill.outputs import RequestMetrics, RequestOutput
+from tokenmill.outputs import PoolingOutput, RequestMetrics, RequestOutput
+from tokenmill.pooling_params import ModelTask, PoolingParams
 from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
@@ -40,6 +43,7 @@ from tokenmill.types import (
 )
 
 log = logging.getLogger("tokenmill.engine")
+GENERATE = ModelTask()  # a model that generates and pools nothing
 
 
 class EngineCore:
@@ -54,6 +58,8 @@ class EngineCore:
         proposer: Proposer | None = None,
         spec_off_above: int | None = None,  # no drafts while more sequences than this run
         num_scheduler_steps: int = 1,  # decode steps in one call, where the runner can (Request.multi_step_limit)
+        task: ModelTask = GENERATE,  # generation and/or pooling requests (a pooler: the runner's)
+        hidden_size: int = 0,  # the longest embedding a pooling request may ask for
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
         self.scheduler_steps = num_scheduler_steps if runner.runs_decode_steps else 1
@@ -62,6 +68,7 @@ class EngineCore:
         self.output = OutputProcessor(tokenizer)
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
+        self.task, self.hidden_size = task, hidden_size
         self.structured = StructuredOutputManager(tokenizer.rust, vocab_size, eos_token_ids)  # grammars' matchers
         self.thinking = ThinkingBudgets()  # thinking budgets' counts (engine/thinking.py)
         self.requests: dict[str, list[Request]] = {}  # parent request id -> its sequences
@@ -78,7 +85,15 @@ class EngineCore:
         """Reject a request that can never run; return its output budget (max_tokens).
 
         Reads only facts fixed at construction, so any thread may call it."""
+        if not self.task.generate:
+            raise ValueError(f"this model is served for {', '.join(self.task.names)}: it does not generate text; "
+                             "serve it with --task generate")  # fmt: skip
         return output_budget(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.kv)
+
+    def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        """Reject a pooling request this model cannot serve or that can never run (any thread may call it)."""
+        check_pooling(prompt_token_ids, params, self.task, self.hidden_size, self.vocab_size, self.max_model_len,
+                      self.kv)  # fmt: skip
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue one validated user request (its n sequences)."""
@@ -108,6 +123,8 @@ class EngineCore:
                 fork_of=f"{request_id}-0" if i > 0 else None,
                 logprobs=[] if params.logprobs is not None else None,
                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                pooling=request.pooling,
+                no_prefix_cache=request.pooling is not None and self._pools_every_row,
             )
             for i in range(params.n)
         ]
@@ -122,7 +139,8 @@ class EngineCore:
             for child in children:
                 self.thinking.add(child.request_id, params.thinking)
         self.stats.prompt_tokens += len(request.prompt_token_ids)
-        self.output.add_request(request.prompt, children)
+        if request.pooling is None:  # (a pooling request has no text to make)
+            self.output.add_request(request.prompt, children)
         for child in children:
             self._seqs[child.request_id] = child
             self.scheduler.add(child)
@@ -152,7 +170,7 @@ class EngineCore:
                 req.finish_reason = "abort"
             self._release(req)
         self.stats.num_aborted += 1
-        return self.output.abort(request_id)
+        return self._final_output(request_id, children)
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's numbers as one frozen object, for readers on other threads."""
@@ -245,10 +263,11 @@ class EngineCore:
         outputs = []
         for parent_id in dict.fromkeys(self._seqs[rid].parent_id for rid in failed):
             error = next(msg for rid, msg in failed.items() if self._seqs[rid].parent_id == parent_id)
-            for req in self.requests.pop(parent_id):
+            children = self.requests.pop(parent_id)
+            for req in children:
                 req.finish_reason = req.finish_reason or "error"
                 self._release(req)
-            final = self.output.abort(parent_id)
+            final = self._final_output(parent_id, children)
             if final is not None:
                 outputs.append(replace(final, error=error))
             self.stats.num_failed += 1
@@ -279,6 +298,9 @@ class EngineCore:
         for s in so.scheduled:
             req = self._seqs[s.request_id]
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or scheduled_at or now
+            if req.pooling is not None:
+                self._advance_pooling(req, s.num_computed_tokens + s.num_new_tokens, result, retains_kv)
+                continue
             new_tokens = result.sampled.get(req.request_id, [])
             num_drafts = len(s.spec_token_ids)
             # kept drafts, and a decode run's tokens before its last: their keys/values stand
@@ -304,6 +326,8 @@ class EngineCore:
                 if req.finished:  # a stop inside an accepted run: the rest is dropped
                     break
         parents = list(dict.fromkeys(self._seqs[s.request_id].parent_id for s in so.scheduled))
+        pooled = [p for p in parents if self.requests[p][0].pooling is not None]
+        parents = [p for p in parents if self.requests[p][0].pooling is None]
         for parent_id in parents:
             for req in self.requests[parent_id]:
                 hit = self.output.detokenize(parent_id, req.index)
@@ -311,6 +335,7 @@ class EngineCore:
                     self._keep_tokens(req, hit.num_tokens)
                     req.finish_reason, req.stop_reason = "stop", hit.stop
         outputs = self.output.make_outputs(parents)
+        outputs += [self._pooling_output(p, self.requests[p][0]) for p in pooled if self.requests[p][0].finished]
         for out in outputs:
             if out.finished:
                 for req in self.requests.pop(out.request_id, []):
@@ -321,6 +346,33 @@ class EngineCore:
                     if req.finished:
                         self._release(req)
         return outputs
+
+    @property
+    def _pools_every_row(self) -> bool:
+        """The pooler reads every prompt position's hidden state (mean pooling): none may come from the prefix cache."""
+        return self.task.pooling is not None and self.task.pooling.pooling == "mean"
+
+    @staticmethod
+    def _advance_pooling(req: Request, computed: int, result: RunnerOutput, retains_kv: bool) -> None:
+        """A pooling request's step: its prompt computed so far; its pooled vector, where the step ended its prompt."""
+        req.num_computed_tokens = computed if retains_kv else 0
+        vector = result.pooled.get(req.request_id)
+        if vector is not None:
+            req.pooled, req.finish_reason = vector, "stop"
+            req.metrics.finished_time = time.perf_counter()
+
+    def _final_output(self, parent_id: str, children: list[Request]) -> RequestOutput | None:
+        """The last output of an aborted or failed request (None where the output processor never knew it)."""
+        if children[0].pooling is not None:
+            return self._pooling_output(parent_id, children[0])
+        return self.output.abort(parent_id)
+
+    @staticmethod
+    def _pooling_output(parent_id: str, req: Request) -> RequestOutput:
+        """A pooling request's one output: its result, or none where it did not finish (aborted, failed)."""
+        pooled = PoolingOutput(req.pooled) if req.pooled is not None else None
+        return RequestOutput(parent_id, None, req.prompt_token_ids, [], finished=True, metrics=req.metrics,
+                             pooled=pooled)  # fmt: skip
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         req.output_token_ids.append(token)
@@ -379,7 +431,8 @@ class EngineCore:
                 req.spec_skip -= 1
                 continue
             constrained = self.structured.has(req.request_id)  # no drafts: they would skip the grammar
-            if off or constrained or req.finished or req.num_computed_tokens != req.num_tokens - 1:
+            pooled = req.pooling is not None  # it samples nothing
+            if off or constrained or pooled or req.finished or req.num_computed_tokens != req.num_tokens - 1:
                 continue
             # each kept draft and the token after them are outputs: stay inside max_tokens and the context
             limit = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1

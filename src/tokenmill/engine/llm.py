@@ -2,6 +2,9 @@
 
 llm = LLM(model="path-or-hub-id", dtype="float32", device="cpu")
 outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+
+A model served for pooling (`task="embed"` / `"score"`, or detected from the checkpoint) embeds and scores:
+`llm.embed(["Hello"])[0].outputs.embedding`, `llm.score("query", ["doc 1", "doc 2"])[0].outputs.score`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,15 @@ from typing import Any
 from tokenmill.assembly import LoadedModel, load
 from tokenmill.config import EngineConfig
 from tokenmill.engine.build import build_engine_core
-from tokenmill.outputs import RequestOutput
+from tokenmill.engine.scoring import score_pairs, score_prompt
+from tokenmill.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.types import EngineRequest
 
@@ -99,6 +110,52 @@ class LLM:
             )
             prompts.append({"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids, False)})
         return self.generate(prompts, sampling_params)
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (`.outputs.embedding`), in the order of the prompts; `pooling_params` sets
+        `dimensions` and `normalize` for all of them."""
+        batch = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params = pooling_params or PoolingParams()
+        outs = self._pool([self._tokenize(p)[1] for p in batch], params)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(data)) for o, data in outs]
+
+    def score(
+        self, data_1: str | Sequence[str], data_2: str | Sequence[str], instruction: str | None = None
+    ) -> list[ScoringRequestOutput]:
+        """The relevance score of each pair (`.outputs.score`): one data_1 with each data_2, or element by element
+        (as vLLM's `LLM.score`). `instruction`: a yes/no reranker's task description (Qwen3-Reranker's default)."""
+        pooling = self.loaded.task.pooling
+        if pooling is None or pooling.task != "score":
+            raise ValueError(f"this model is served for {', '.join(self.loaded.task.names)}, not score: load it with "
+                             "task='score'")  # fmt: skip
+        first = data_1 if isinstance(data_1, str) else list(data_1)
+        second = data_2 if isinstance(data_2, str) else list(data_2)
+        prompts = [score_prompt(self.tokenizer, pooling, q, d, instruction) for q, d in score_pairs(first, second)]
+        outs = self._pool(prompts, PoolingParams(task="score"))
+        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(data[0])) for o, data in outs]
+
+    def _pool(self, prompts: list[list[int]], params: PoolingParams) -> list[tuple[RequestOutput, list[float]]]:
+        """Run pooling requests to the end: (each one's output, its pooled vector), in order."""
+        ids: list[str] = []
+        try:
+            for token_ids in prompts:
+                self.engine.validate_pooling(token_ids, params)
+                request_id = self.engine.new_request_id()
+                self.engine.add_request(EngineRequest(request_id, token_ids, SamplingParams(max_tokens=None), 0,
+                                                      arrival_time=time.perf_counter(), pooling=params))  # fmt: skip
+                ids.append(request_id)
+        except Exception:
+            for rid in ids:  # a bad prompt fails the call without leaving the others running
+                self.engine.abort(rid)
+            raise
+        results = []
+        for out in self._run(ids):
+            if out.pooled is None:
+                raise RuntimeError(f"request {out.request_id} ended without a result: {out.error or 'aborted'}")
+            results.append((out, out.pooled.data))
+        return results
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield a `RequestOutput` after every step for one prompt; `new_text` holds each step's text."""

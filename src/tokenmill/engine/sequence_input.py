@@ -3,16 +3,19 @@ writes) and the scheduler's decision for it."""
 
 from __future__ import annotations
 
-from tokenmill.types import PromptLogprobsInput, Request, SamplingInput, ScheduledRequest, SequenceInput
+from tokenmill.types import PoolingInput, PromptLogprobsInput, Request, SamplingInput, ScheduledRequest, SequenceInput
 
 
 def sequence_input(req: Request, s: ScheduledRequest) -> SequenceInput:
     """What the runner computes of `req` this step: its known tokens the scheduler chose (and drafts), the sampling
-    inputs where the step reaches its last known token, and the prompt positions to score."""
+    inputs where the step reaches its last known token (a pooling request's: its pooling), and the prompt positions to
+    score."""
     drafts = list(s.spec_token_ids)
     start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens - len(drafts)  # known tokens
-    sampling = None
-    if end == req.num_tokens:
+    sampling, pooling = None, None
+    if req.pooling is not None:
+        pooling = PoolingInput(req.pooling, finish=end == req.num_tokens)
+    elif end == req.num_tokens:
         num_out, min_tokens = len(req.output_token_ids), req.params.min_tokens
         stop = req.stop_ids_active() if num_out < min_tokens else []
         suppressed = [stop if num_out + j < min_tokens else [] for j in range(len(drafts) + 1)]
@@ -34,4 +37,5 @@ def sequence_input(req: Request, s: ScheduledRequest) -> SequenceInput:
         max_num_tokens=req.num_prompt_tokens + req.max_tokens,
         sampling=sampling,
         prompt_logprobs=prompt_logprobs,
+        pooling=pooling,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tokenmill.kv_cache import KVManager
+from tokenmill.pooling_params import ModelTask, PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -42,3 +43,33 @@ def output_budget(
             "kv_cache_memory_gb"
         )
     return max_tokens
+
+
+def check_pooling(
+    prompt_token_ids: list[int], params: PoolingParams, task: ModelTask, hidden_size: int, vocab_size: int,
+    max_model_len: int, kv: KVManager,
+) -> None:  # fmt: skip
+    """ValueError for a pooling request this model cannot serve or that can never run: it needs a prompt of at least
+    one token that fits the context and the KV pool (it computes no output)."""
+    pooling = task.pooling
+    if pooling is None or pooling.task != params.task:
+        flag = "embed" if params.task == "embed" else "score"
+        raise ValueError(f"this model is served for {', '.join(task.names)}, not {params.task}: serve it with "
+                         f"--task {flag}")  # fmt: skip
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError("the input is empty: at least one token is needed")
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"input token id {bad} is out of range: allowed [0, {vocab_size - 1}]")
+    if num_prompt > max_model_len:
+        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                         f"{num_prompt} tokens in the input. Please reduce the length of the input.")  # fmt: skip
+    dims, allowed = params.dimensions, pooling.matryoshka_dimensions
+    if dims is not None and (dims > hidden_size or (allowed and dims not in allowed)):
+        choices = ", ".join(map(str, allowed)) if allowed else f"an integer in [1, {hidden_size}]"
+        raise ValueError(f"dimensions={dims} is invalid: allowed {choices}")
+    needed = kv.num_blocks_needed(num_prompt)
+    if needed > kv.num_blocks:
+        raise ValueError(f"this input needs {needed} KV blocks ({num_prompt} tokens) but the whole pool has "
+                         f"{kv.num_blocks}; shorten it or raise num_kv_blocks / kv_cache_memory_gb")  # fmt: skip

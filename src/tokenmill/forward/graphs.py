@@ -14,8 +14,12 @@ class GraphsPath:
         self.graphs = graphs
 
     def supports(self, plan: StepPlan, rows: Rows) -> bool:
-        """A decode-only step of a size some bucket holds, that reads no hidden state (prompt logprobs)."""
-        return plan.decode_only and not plan.prompt_logprobs and len(rows.sequences) <= self.graphs.batch_buckets[-1]
+        """A decode-only step of a size some bucket holds, that reads no hidden state (prompt logprobs, pooling)."""
+        return (
+            plan.decode_only
+            and not (plan.prompt_logprobs or plan.pooling)
+            and len(rows.sequences) <= self.graphs.batch_buckets[-1]
+        )
 
     def forward(self, plan: StepPlan, rows: Rows) -> Forward:
         return Forward(None, self.graphs.logits(rows.sequences))  # [B, V] float32

@@ -16,6 +16,7 @@ from tokenmill.models.layers import CausalLM
 from tokenmill.models.llama import LLAMA, MISTRAL
 from tokenmill.models.mixtral import MIXTRAL
 from tokenmill.models.phi3 import PHI3
+from tokenmill.models.pooling import POOLING_ARCHITECTURES
 from tokenmill.models.qwen import QWEN2, QWEN3, QWEN3_MOE
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -33,13 +34,16 @@ FAMILIES: tuple[ModelFamily, ...] = (
 
 
 def family_for(hf: dict[str, Any]) -> ModelFamily:
-    """The family of a parsed config.json: by its first `architectures` name, else by its `model_type`."""
+    """The family of a parsed config.json: by its first `architectures` name (a pooling model's: the causal one that
+    runs it, models/pooling.py), else by its `model_type`."""
     archs = hf.get("architectures") or []
+    if archs and archs[0] in POOLING_ARCHITECTURES:
+        archs = [POOLING_ARCHITECTURES[archs[0]][0]]
     for family in FAMILIES:
         if (archs and archs[0] in family.architectures) or (not archs and hf.get("model_type") in family.model_types):
             return family
     name = archs[0] if archs else str(hf.get("model_type") or "<missing>")
-    supported = ", ".join(sorted(a for f in FAMILIES for a in f.architectures))
+    supported = ", ".join(sorted([*(a for f in FAMILIES for a in f.architectures), *POOLING_ARCHITECTURES]))
     raise ConfigError(f"architecture {name!r} is not supported; supported architectures: {supported}")
 
 

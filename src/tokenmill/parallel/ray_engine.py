@@ -114,6 +114,10 @@ class RayEngine:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
                      **({} if address else {"num_cpus": max(size, 1)}))  # fmt: skip
         self.front = load_front(cfg)  # tokenizer, sampling defaults, EOS ids: no weights
+        if self.front.task.pooling is not None:
+            raise ValueError(f"data_parallel_size > 1 serves generation only; this checkpoint is served for "
+                             f"{', '.join(self.front.task.names)}")  # fmt: skip
+        self.task = self.front.task
         self.tokenizer = self.front.tokenizer
         self.structured = StructuredOutputManager(self.tokenizer.rust, self.front.config.vocab_size,
                                                   self.front.eos_token_ids)  # fmt: skip

@@ -1,7 +1,8 @@
 """The FastAPI app: lifecycle (the model loads in a background thread; /health says 503 until it is ready),
 the request guard (guard.py), error handlers, and the routers (`routes.py`: health, metrics, stats, models,
 tokenize, /generate; `openai_routes.py`: completions and chat; `anthropic_routes.py`: Anthropic's messages;
-`responses_routes.py`: OpenAI's Responses API).
+`responses_routes.py`: OpenAI's Responses API; `embeddings_routes.py` and `score_routes.py`: embeddings, rerank and
+score).
 
 Must not import torch: it talks to the engine only through the `AsyncEngine` it is handed.
 """
@@ -17,7 +18,14 @@ from fastapi import FastAPI
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.metrics import PrometheusMetrics
-from tokenmill.server import anthropic_routes, openai_routes, responses_routes, routes
+from tokenmill.server import (
+    anthropic_routes,
+    embeddings_routes,
+    openai_routes,
+    responses_routes,
+    routes,
+    score_routes,
+)
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.guard import RequestGuard
 from tokenmill.server.state import ServerConfig, ServerState
@@ -55,4 +63,6 @@ def build_app(load_engine: Callable[[], AsyncEngine], config: ServerConfig) -> F
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
+    app.include_router(embeddings_routes.router)
+    app.include_router(score_routes.router)
     return app

@@ -53,7 +53,7 @@ def server_config(args: argparse.Namespace, name: str) -> Any:
 
     if args.responses_store_size < 0:
         raise ValueError(f"--responses-store-size={args.responses_store_size} is invalid: allowed an integer >= 0")
-    for flag in ("max_waiting_requests", "max_n", "max_prompts"):
+    for flag in ("max_waiting_requests", "max_n", "max_prompts", "max_pooling_inputs"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={value} is invalid: allowed an integer >= 1")
@@ -61,7 +61,8 @@ def server_config(args: argparse.Namespace, name: str) -> Any:
         raise ValueError(f"--max-body-mb={args.max_body_mb} is invalid: allowed values > 0")
     return ServerConfig(name, api_key(args), args.max_waiting_requests, args.max_n, args.max_prompts,
                         int(args.max_body_mb * 2**20), args.public_docs, args.tool_call_parser,
-                        args.grammar_compile_timeout, args.responses_store_size, args.reasoning_parser)  # fmt: skip
+                        args.grammar_compile_timeout, args.responses_store_size, args.reasoning_parser,
+                        args.max_pooling_inputs)  # fmt: skip
 
 
 def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) -> int:

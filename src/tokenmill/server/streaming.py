@@ -54,7 +54,9 @@ class Call:
         if out.finished and out.metrics is not None:
             self.cached_tokens += out.metrics.num_cached_tokens
             if self.metrics is not None:
-                self.metrics.observe_finished(out.metrics, [c.finish_reason for c in out.outputs])
+                # (a pooling request has no completions: it stopped at its prompt's end, or was aborted)
+                reasons = [c.finish_reason for c in out.outputs] or ["stop" if out.pooled is not None else "abort"]
+                self.metrics.observe_finished(out.metrics, reasons)
 
     def usage(self, num_completion_tokens: int) -> dict[str, Any]:
         """OpenAI's usage, with `prompt_tokens_details.cached_tokens` (the prefix cache's share of the prompts, as

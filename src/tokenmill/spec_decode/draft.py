@@ -139,10 +139,11 @@ def build_draft_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -
     from tokenmill.assembly.model import DEMO_DRAFT, load
 
     ref = str(DEMO_DRAFT) if cfg.speculative_model == "demo-draft" else cfg.speculative_model
-    draft_cfg = replace(cfg, model=ref, speculative_model=None, quantization=cfg.speculative_model_quantization,
-                        max_model_len=None, kv_cache="paged", num_kv_blocks=None, kv_cache_memory_gb=None,
-                        max_num_seqs=cfg.speculative_disable_by_batch_size, touch_kv_cache=False,
-                        enable_prefix_caching=False, enforce_eager=True)  # fmt: skip
+    draft_cfg = replace(cfg, model=ref, task="generate", speculative_model=None,
+                        quantization=cfg.speculative_model_quantization, max_model_len=None, kv_cache="paged",
+                        num_kv_blocks=None, kv_cache_memory_gb=None, touch_kv_cache=False,
+                        max_num_seqs=cfg.speculative_disable_by_batch_size, enable_prefix_caching=False,
+                        enforce_eager=True)  # fmt: skip
     draft = load(draft_cfg)
     max_len = min(max_len, draft.max_model_len)  # a draft with a shorter context drafts for shorter sequences
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():

@@ -83,6 +83,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens)
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Two texts as one input (a cross-encoder's query and document): joined by the tokenizer's pair template,
+        as transformers' `tokenizer(text, pair)`; without a Rust tokenizer, the first's tokens (special tokens
+        added) then the second's."""
+        rust = self.backend.rust
+        if rust is not None:
+            return list(rust.encode(text, pair, add_special_tokens=True).ids)
+        return self.encode(text) + self.encode(pair, add_special_tokens=False)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens)
 
