@@ -163,6 +163,8 @@ class EngineCore:
             kv_blocks_free=self.kv.num_free_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
+            **{f"prefix_cache_{tier}_hits": hits for tier, hits in self.kv.prefix_cache_hits_by_tier.items()},
+            **{f"prefix_cache_{tier}_bytes": used for tier, used in self.kv.tier_bytes().items()},
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.stats.num_steps,
             mean_batch_size=self.stats.mean_batch_size,
@@ -180,6 +182,7 @@ class EngineCore:
             return []
         start = time.perf_counter()
         so = self.scheduler.schedule()
+        self.kv.move_blocks(self.runner.kv.paged)  # the prefix cache's tiers: evicted blocks out, hits in
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not so.scheduled:
             return self.update_from_output(so, RunnerOutput(), start)
