@@ -140,3 +140,19 @@ def test_an_unusable_folder_is_one_warning_and_serving_goes_on(folder: Path, tmp
     assert _prefix_again(llm) == fresh
     assert _hits(llm)["disk"] == 0
     assert_pool_full(llm.engine)
+
+
+@pytest.mark.parametrize("arch, overrides", [("mistral", dict(sliding_window=8)),
+                                             ("gemma3", dict(head_dim=16, sliding_window=8))])  # fmt: skip
+def test_a_windowed_model_loads_its_blocks_back_with_the_same_tokens(
+    make_checkpoint: Callable[..., Path], arch: str, overrides: dict[str, Any]
+) -> None:
+    """Every layer's keys and values stay in the pool while the sequence runs, windowed or not (blocks before the window
+    are not freed early), so a block from a tier is the block the pool held."""
+    windowed = make_checkpoint(arch, initializer_range=0.1, **overrides)
+    fresh = _tokens(_llm(windowed, enable_prefix_caching=False), PREFIX)
+    assert _prefix_again(_llm(windowed)) == fresh
+    llm = _llm(windowed, num_kv_blocks=14, prefix_cache_ram_gb=0.01)
+    assert _prefix_again(llm) == fresh
+    assert _hits(llm)["ram"] > 0
+    assert_pool_full(llm.engine)
