@@ -98,6 +98,17 @@ def test_ram_spills_to_disk_and_the_disk_survives_a_restart(folder: Path, expect
     assert_pool_full(restarted.engine)
 
 
+def test_a_restart_finds_the_blocks_the_pool_held_at_shutdown(folder: Path, tmp_path: Path) -> None:
+    llm = _llm(folder, prefix_cache_dir=str(tmp_path))  # a pool that evicts nothing: the disk gets blocks at close
+    first = _tokens(llm, PREFIX)
+    assert not list(tmp_path.rglob("*.kvblock"))
+    llm.close()
+    restarted = _llm(folder, prefix_cache_dir=str(tmp_path))
+    assert _tokens(restarted, PREFIX) == first
+    assert _hits(restarted) == {"pool": 0, "ram": 0, "disk": HIT_TOKENS}
+    assert_pool_full(restarted.engine)
+
+
 def test_a_changed_setting_reads_no_stale_block(folder: Path, tmp_path: Path) -> None:
     """Another dtype (another layout of bytes) is another folder: no hit, no error."""
     _prefix_again(_llm(folder, "float32", num_kv_blocks=14, prefix_cache_dir=str(tmp_path)))

@@ -87,6 +87,19 @@ def test_a_pool_hit_comes_first_and_a_tier_hit_follows() -> None:
     mgr.check_integrity()
 
 
+def test_saves_write_through_to_disk_and_flush_writes_what_the_pool_holds(tmp_path: Path) -> None:
+    mgr, pool = KVCacheManager(num_blocks=4, block_size=2), BytesPool()
+    disk = DiskTier(tmp_path, LAYOUT, NBYTES, 100 * NBYTES)
+    mgr.use_tiers(PrefixTiers(NBYTES, ram_bytes=4 * NBYTES, disk=disk))
+    run_prompt(mgr, pool, "a", [1, 2, 3, 4, 5])
+    run_prompt(mgr, pool, "b", [9, 9, 8, 8, 7, 7, 6])  # evicts a's two cached blocks: saved to RAM and disk at once
+    a_blocks = chain([1, 2, 3, 4], 2)
+    assert all(h in disk for h in a_blocks) and disk.used_bytes == 2 * disk.file_nbytes
+    mgr.flush(pool)  # b's three cached blocks, still in the pool
+    b_blocks = chain([9, 9, 8, 8, 7, 7], 2)
+    assert [disk.get(h) for h in b_blocks] == [payload(9), payload(8), payload(7)]
+
+
 def test_a_block_evicted_in_this_step_is_not_a_tier_hit_yet() -> None:
     mgr, pool = KVCacheManager(num_blocks=2, block_size=2), BytesPool()
     mgr.use_tiers(PrefixTiers(NBYTES, ram_bytes=4 * NBYTES))

@@ -67,6 +67,7 @@ class EngineCore:
         self.requests: dict[str, list[Request]] = {}  # parent request id -> its sequences
         self._seqs: dict[str, Request] = {}  # sequence (request) id -> sequence
         self.stats = EngineStats()
+        self._step_running = False
         self._ids = count()
         self._arrivals = count()
 
@@ -128,7 +129,9 @@ class EngineCore:
             self.scheduler.add(child)
 
     def close(self) -> None:
-        """Stop what runs beside the engine (tensor-parallel workers)."""
+        """Stop what runs beside the engine (tensor-parallel workers); the prefix cache's pool blocks go to disk."""
+        if not self._step_running:
+            self.kv.flush(self.runner.kv.paged)
         self.runner.close()
 
     def idle(self) -> None:
@@ -180,6 +183,12 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         if not self.requests:
             return []
+        self._step_running = True  # until the step ends: a step that raised may leave hashed blocks never written
+        outputs = self._step()
+        self._step_running = False
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         so = self.scheduler.schedule()
         self.kv.move_blocks(self.runner.kv.paged)  # the prefix cache's tiers: evicted blocks out, hits in

@@ -304,6 +304,18 @@ class KVCacheManager:
             hashes.append(parent)
         return hashes
 
+    def flush(self, pool: BlockIO | None) -> None:
+        """At shutdown: write the cached blocks the pool still holds to the disk tier (if any), so that a restart over
+        the same folder finds them. Every registered block has been computed by then: a step runs right after the
+        scheduling that registers its blocks, and a failed one's blocks lose their hashes (`forget_from`)."""
+        if self.tiers is None or pool is None:
+            return
+        for block_hash, block_id in self.block_pool.cached_blocks().items():
+            if self.tiers.disk is None:
+                return
+            if not self.tiers.on_disk(block_hash):
+                self.tiers.write_disk(block_hash, pool.read_block(block_id))
+
     # ---- invariants ----
 
     def check_integrity(self) -> None:

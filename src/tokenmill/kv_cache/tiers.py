@@ -1,9 +1,11 @@
 """The prefix cache's tiers below the KV pool: host RAM (`--prefix-cache-ram-gb`), then disk (`--prefix-cache-dir`).
 
-A cached block evicted from the pool keeps its KV here, under its chained hash: in RAM first, least recently used
-blocks spilling to disk when RAM is full (straight to disk without a RAM tier). A later prompt whose block hashes
-miss the pool but hit a tier has those blocks copied back into fresh pool blocks instead of recomputing them
-(manager.py decides which; the engine core moves the bytes between steps through a `BlockIO`, the KV pool).
+A cached block evicted from the pool keeps its KV here, under its chained hash: on disk at once (write-through) and
+in RAM, which keeps the most recently used blocks that fit. At shutdown the pool's own cached blocks go to disk too
+(`KVCacheManager.flush`), so a restart finds every block the last run computed, as far as the disk's size allows.
+A later prompt whose block hashes miss the pool but hit a tier has those blocks copied back into fresh pool blocks
+instead of recomputing them (manager.py decides which; the engine core moves the bytes between steps through a
+`BlockIO`, the KV pool).
 
 Pure Python: a block's payload is the bytes of every layer's keys and values for its tokens, as the pool holds them
 (attention/paged.py `read_block`). Both tiers are inclusive: a block loaded back into the pool stays in its tier.
@@ -74,19 +76,24 @@ class PrefixTiers:
         return True
 
     def save(self, block_hash: int, payload: bytes) -> None:
-        """Keep an evicted block: in RAM, whose least recently used blocks spill to disk (RAM of 0: to disk)."""
+        """Keep an evicted block: on disk at once (write-through, so a restart finds it), and in RAM, which drops its
+        least recently used blocks past its size."""
         if len(payload) != self.block_nbytes:
             raise ValueError(f"a block payload must be {self.block_nbytes} bytes, got {len(payload)}")
         self.blocks_saved += 1
+        self.write_disk(block_hash, payload)
         if self.ram_bytes < self.block_nbytes:
-            self._spill(block_hash, payload)
             return
         self._ram[block_hash] = payload
         self._ram.move_to_end(block_hash)
         while len(self._ram) * self.block_nbytes > self.ram_bytes:
-            self._spill(*self._ram.popitem(last=False))
+            self._ram.popitem(last=False)
 
-    def _spill(self, block_hash: int, payload: bytes) -> None:
+    def on_disk(self, block_hash: int) -> bool:
+        return self.disk is not None and block_hash in self.disk
+
+    def write_disk(self, block_hash: int, payload: bytes) -> None:
+        """Write the block to the disk tier, if there is one (a failure turns the tier off, in one warning line)."""
         if self.disk is None:
             return
         try:

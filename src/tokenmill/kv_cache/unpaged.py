@@ -53,5 +53,8 @@ class UnpagedKVManager:
     def move_blocks(self, pool: BlockIO | None) -> None:
         pass
 
+    def flush(self, pool: BlockIO | None) -> None:
+        pass
+
     def check_integrity(self) -> None:
         pass
