@@ -200,3 +200,38 @@ def test_an_unwritable_folder_raises_at_start(tmp_path: Path) -> None:
     blocker.write_text("")
     with pytest.raises(OSError):
         DiskTier(blocker / "cache", LAYOUT, NBYTES, 100 * NBYTES)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_hit_block_holds_its_own_prefix_under_random_traffic(seed: int, tmp_path: Path) -> None:
+    """Prompts from a small alphabet over a small pool, RAM for two blocks and disk for twelve: after each
+    lookup and `move_blocks`, every block counted as computed holds the payload of its own chained hash."""
+    import random
+
+    rng = random.Random(seed)
+    mgr, pool = KVCacheManager(num_blocks=8, block_size=2), BytesPool()
+    disk = DiskTier(tmp_path, LAYOUT, NBYTES, 1)
+    disk.capacity_bytes = 12 * disk.file_nbytes  # twelve blocks on disk, two in RAM
+    mgr.use_tiers(PrefixTiers(NBYTES, ram_bytes=2 * NBYTES, disk=disk))
+
+    def own(block_hash: int) -> bytes:
+        return block_hash.to_bytes(16, "little")[:NBYTES]
+
+    running: list[str] = []
+    for step in range(200):
+        if running and (rng.random() < 0.4 or len(running) > 2):
+            mgr.free(running.pop(rng.randrange(len(running))))
+            continue
+        prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+        hit_blocks, num_hit = mgr.get_computed_blocks(prompt)
+        if not mgr.allocate_slots(f"r{step}", prompt, num_hit, len(prompt) - num_hit, hit_blocks):
+            mgr.move_blocks(pool)
+            continue
+        mgr.move_blocks(pool)
+        table, hashes = mgr.block_table(f"r{step}"), chain(prompt, 2)
+        assert [pool.blocks[b] for b in table[: num_hit // 2]] == [own(h) for h in hashes[: num_hit // 2]]
+        for i in range(num_hit // 2, len(table)):  # the step computes the rest
+            pool.write_block(table[i], own(hashes[i]) if i < len(hashes) else b"partial!")
+        running.append(f"r{step}")
+        mgr.check_integrity()
+    assert all(mgr.prefix_cache_hits_by_tier.values()), mgr.prefix_cache_hits_by_tier

@@ -112,10 +112,6 @@ class BlockPool:
         evicted, self._evictions = self._evictions or {}, {} if self._evictions is not None else None
         return evicted
 
-    def was_evicted(self, block_hash: int) -> bool:
-        """The hash was evicted since the last `take_evictions` (its KV is not in a tier yet)."""
-        return self._evictions is not None and block_hash in self._evictions
-
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Refused (False, nothing changes) while any block is referenced."""
         if len(self._free) != self.num_blocks:

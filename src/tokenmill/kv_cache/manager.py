@@ -107,7 +107,7 @@ class KVCacheManager:
 
     def _stage(self, block_hash: int) -> bool:
         """Find the block in a tier and hold its KV until `move_blocks`: True if found."""
-        if self.tiers is None or self.block_pool.was_evicted(block_hash):  # evicted this step: not in a tier yet
+        if self.tiers is None:  # NOTE: a block evicted this step is in no tier until `move_blocks` saves it: a miss
             return False
         found = self._staged.get(block_hash) or self.tiers.find(block_hash)
         if found is None:
