@@ -109,7 +109,9 @@ class BlockPool:
 
     def take_evictions(self) -> dict[int, int]:
         """The hashes evicted since the last call, each with the block that still holds its KV; forgets them."""
-        evicted, self._evictions = self._evictions or {}, {} if self._evictions is not None else None
+        if self._evictions is None:
+            return {}
+        evicted, self._evictions = self._evictions, {}
         return evicted
 
     def reset_prefix_cache(self) -> bool:
