@@ -106,8 +106,9 @@ class KVCacheManager:
         return block_ids, num_hit_tokens
 
     def _stage(self, block_hash: int) -> bool:
-        """Find the block in a tier and hold its KV until `move_blocks`: True if found."""
-        if self.tiers is None:  # NOTE: a block evicted this step is in no tier until `move_blocks` saves it: a miss
+        """Find the block in a tier and hold its KV until `move_blocks`: True if found. (A block the pool evicted in
+        this step is saved by `move_blocks`; until then a tier has it only from an earlier save, of the same bytes.)"""
+        if self.tiers is None:
             return False
         found = self._staged.get(block_hash) or self.tiers.find(block_hash)
         if found is None:
