@@ -61,6 +61,11 @@ _HELP = {
     "x --max-num-seqs, see --max-model-len; on a GPU 80%% of its free memory)",
     "kv_cache_memory_gb": "memory for the KV pool in GB (default: see --num-kv-blocks)",
     "touch_kv_cache": "write the whole KV pool at start, so its memory is resident and known up front",
+    "prefix_cache_ram_gb": "host RAM in GB for prefix-cache blocks the KV pool evicts, loaded back by a later prompt "
+    "that starts alike instead of recomputed (0: off)",
+    "prefix_cache_dir": "a folder for prefix-cache blocks evicted from RAM (or from the pool, without RAM), kept "
+    "across restarts and keyed by model, dtype and KV layout",
+    "prefix_cache_disk_gb": "disk in GB for --prefix-cache-dir; the least recently used blocks go first",
     "quantization": "weight-only, in ggml's block types, quantized as llama-quantize does: none, int8 (Q8_0), int4 "
     "(Q4_0), q4_k, q5_k, q6_k (rows not a multiple of 256 take Q5_0, Q5_1, Q8_0, as llama-quantize's), q5_0, q5_1, "
     "q4_1",

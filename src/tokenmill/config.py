@@ -287,6 +287,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     touch_kv_cache: bool = False  # write the whole pool at start: its memory is resident, and known, up front
+    # the prefix cache's tiers below the pool (kv_cache/tiers.py): cached blocks the pool evicts are kept in host RAM,
+    # then on disk under `prefix_cache_dir` (kept across restarts), and loaded back by a later prompt that hits them
+    prefix_cache_ram_gb: float = 0.0  # 0: no RAM tier
+    prefix_cache_dir: str | None = None  # None: no disk tier
+    prefix_cache_disk_gb: float = 10.0
     # kernels
     quantization: Quantization = "none"
     cpu_kernels: bool = True  # tokenmill's own CPU kernels for bf16 / int8 / int4 linears (kernels/)
@@ -349,6 +354,10 @@ class EngineConfig:
         self._check_batch_invariant()
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: allowed values > 0")
+        if not self.prefix_cache_ram_gb >= 0:
+            raise ValueError(f"prefix_cache_ram_gb={self.prefix_cache_ram_gb!r} is invalid: allowed values >= 0")
+        if not self.prefix_cache_disk_gb > 0:
+            raise ValueError(f"prefix_cache_disk_gb={self.prefix_cache_disk_gb!r} is invalid: allowed values > 0")
 
     def _check_batch_invariant(self) -> None:
         """The mode holds for the CPU kernels over the paged pool; the other paths' sums depend on the batch."""

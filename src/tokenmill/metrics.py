@@ -71,6 +71,12 @@ class EngineSnapshot:
     kv_blocks_free: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # of prefix_cache_hits, those found in the pool, in the RAM tier and on disk (kv_cache/tiers.py)
+    prefix_cache_pool_hits: int = 0
+    prefix_cache_ram_hits: int = 0
+    prefix_cache_disk_hits: int = 0
+    prefix_cache_ram_bytes: int = 0  # bytes of KV blocks the RAM tier holds now
+    prefix_cache_disk_bytes: int = 0  # and the disk tier
     num_preemptions: int = 0
     num_steps: int = 0
     mean_batch_size: float = 0.0
@@ -84,6 +90,15 @@ class EngineSnapshot:
     @property
     def kv_usage(self) -> float:
         return 1 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hits_by_tier(self) -> dict[str, int]:
+        return {"pool": self.prefix_cache_pool_hits, "ram": self.prefix_cache_ram_hits,
+                "disk": self.prefix_cache_disk_hits}  # fmt: skip
+
+    @property
+    def prefix_cache_tier_bytes(self) -> dict[str, int]:
+        return {"ram": self.prefix_cache_ram_bytes, "disk": self.prefix_cache_disk_bytes}
 
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -193,6 +208,12 @@ class _EngineCollector:
                       lambda s: s.prefix_cache_queries)  # fmt: skip
         yield counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       lambda s: s.prefix_cache_hits)  # fmt: skip
+        yield self._by_tier(snaps, CounterMetricFamily, "tokenmill:prefix_cache_hits_by_tier",
+                            "Prompt tokens found in the prefix cache, by where: pool, ram or disk.",
+                            lambda s: s.prefix_cache_hits_by_tier)  # fmt: skip
+        yield self._by_tier(snaps, GaugeMetricFamily, "tokenmill:prefix_cache_tier_bytes",
+                            "Bytes of KV blocks the prefix cache's RAM and disk tiers hold.",
+                            lambda s: s.prefix_cache_tier_bytes)  # fmt: skip
         yield counter(
             "tokenmill:num_preemptions", "Requests preempted (to be recomputed).", lambda s: s.num_preemptions
         )
@@ -210,3 +231,12 @@ class _EngineCollector:
         process[0].add_metric([self.model_name], self.process.cpu_percent(None))
         process[1].add_metric([self.model_name], self.process.memory_info().rss)
         yield from process
+
+    def _by_tier(self, snaps: dict[str, EngineSnapshot], kind: Any, name: str, doc: str,
+                 values: Callable[[EngineSnapshot], dict[str, int]]) -> Any:  # fmt: skip
+        """A family with a `tier` label (and `replica` where labelled), one sample per tier a snapshot has."""
+        f = kind(name, doc, labels=["model_name", *(["replica"] if self.labelled else []), "tier"])
+        for replica, s in snaps.items():
+            for tier, value in values(s).items():
+                f.add_metric([self.model_name, *([replica] if self.labelled else []), tier], value)
+        return f

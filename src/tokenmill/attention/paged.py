@@ -284,6 +284,29 @@ class PagedKVCache:
     def release(self, request_id: str) -> None:
         pass  # the KV manager frees the blocks; their slots are simply overwritten later
 
+    # -- whole blocks, for the prefix cache's tiers (kv_cache/tiers.py) -----------------------------------------
+    @property
+    def block_nbytes(self) -> int:
+        """The bytes of one block's keys and values, every layer's: a tier's payload."""
+        num_layers, _, _, num_kv_heads, head_dim = self.cache.shape
+        return self.bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, self.dtype)
+
+    def read_block(self, block_id: int) -> bytes:
+        """Block `block_id`'s keys and values as bytes: [L, 2, block_size, Hkv, Dh] in the pool's dtype."""
+        start = block_id * self.block_size
+        block = self.cache[:, :, start : start + self.block_size].contiguous()  # [L, 2, bs, Hkv, Dh]
+        return bytes(block.view(torch.uint8).cpu().numpy().data)
+
+    def write_block(self, block_id: int, data: bytes) -> None:
+        """Overwrite block `block_id` with what `read_block` gave (of this same layout)."""
+        if len(data) != self.block_nbytes:
+            raise ValueError(f"a block of this pool is {self.block_nbytes} bytes, got {len(data)}")
+        self.zero_new_blocks([[block_id]])  # NOTE: first, or the step's zeroing of new blocks would wipe it
+        start = block_id * self.block_size
+        target = self.cache[:, :, start : start + self.block_size]  # [L, 2, bs, Hkv, Dh]
+        source = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(target.shape)
+        target.copy_(source)
+
 
 def new_slots(tables: list[list[int]], seq_lens: list[int], block_size: int) -> list[int]:
     """Each decode's new token's cache slot: position seq_len - 1 of its table."""

@@ -9,6 +9,7 @@ from tokenmill.assembly import LoadedModel, build_parts
 from tokenmill.assembly.parts import RunnerFactory
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
+from tokenmill.engine.prefix_tiers import attach_prefix_tiers
 from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.spec_decode import NgramProposer, Proposer
 
@@ -22,6 +23,7 @@ def build_engine_core(loaded: LoadedModel, cfg: EngineConfig) -> EngineCore:
         make_runner = partial(TensorParallelRunner, cfg=cfg)  # rank 0: broadcasts each step to the workers
 
     parts = build_parts(loaded, cfg, make_runner=make_runner)
+    attach_prefix_tiers(parts.kv, parts.backend.paged, loaded, cfg)  # RAM and disk below the pool, where asked
     max_len = loaded.max_model_len
     chunked = cfg.enable_chunked_prefill and parts.backend.retains_kv  # recompute keeps no partial prefill
     budget = cfg.max_num_batched_tokens if chunked else max(cfg.max_num_batched_tokens, max_len)

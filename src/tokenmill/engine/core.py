@@ -74,6 +74,7 @@ class EngineCore:
         self.requests: dict[str, list[Request]] = {}  # parent request id -> its sequences
         self._seqs: dict[str, Request] = {}  # sequence (request) id -> sequence
         self.stats = EngineStats()
+        self._step_running = False
         self._ids = count()
         self._arrivals = count()
 
@@ -146,7 +147,9 @@ class EngineCore:
             self.scheduler.add(child)
 
     def close(self) -> None:
-        """Stop what runs beside the engine (tensor-parallel workers)."""
+        """Stop what runs beside the engine (tensor-parallel workers); the prefix cache's pool blocks go to disk."""
+        if not self._step_running:
+            self.kv.flush(self.runner.kv.paged)
         self.runner.close()
 
     def idle(self) -> None:
@@ -181,6 +184,8 @@ class EngineCore:
             kv_blocks_free=self.kv.num_free_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
+            **{f"prefix_cache_{tier}_hits": hits for tier, hits in self.kv.prefix_cache_hits_by_tier.items()},
+            **{f"prefix_cache_{tier}_bytes": used for tier, used in self.kv.tier_bytes().items()},
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.stats.num_steps,
             mean_batch_size=self.stats.mean_batch_size,
@@ -196,8 +201,15 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         if not self.requests:
             return []
+        self._step_running = True  # until the step ends: a step that raised may leave hashed blocks never written
+        outputs = self._step()
+        self._step_running = False
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         so = self.scheduler.schedule()
+        self.kv.move_blocks(self.runner.kv.paged)  # the prefix cache's tiers: evicted blocks out, hits in
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if not so.scheduled:
             return self.update_from_output(so, RunnerOutput(), start)

@@ -24,6 +24,9 @@ class BlockPool:
         # freed; popitem(last=False), insertion and `del` of any key are all O(1). Initially ids in order 0..N-1.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
+        # block hash -> the block `allocate` evicted it from, since the last `take_evictions`; None: not recorded (no
+        # tier below the pool). The block's contents stand until the step that reuses it runs.
+        self._evictions: dict[int, int] | None = None
 
     # ---- queries ----
 
@@ -65,6 +68,9 @@ class BlockPool:
         block_ids: list[int] = []
         for _ in range(num_blocks):
             block_id = self._free.popitem(last=False)[0]
+            block_hash = self._block_hashes[block_id]
+            if block_hash is not None and self._evictions is not None:
+                self._evictions[block_hash] = block_id
             self._evict_hash(block_id)
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
@@ -95,6 +101,18 @@ class BlockPool:
         self._cached[block_hash] = block_id
         self._block_hashes[block_id] = block_hash
         return True
+
+    def record_evictions(self) -> None:
+        """From now on remember which cached blocks `allocate` evicts (`take_evictions`)."""
+        if self._evictions is None:
+            self._evictions = {}
+
+    def take_evictions(self) -> dict[int, int]:
+        """The hashes evicted since the last call, each with the block that still holds its KV; forgets them."""
+        if self._evictions is None:
+            return {}
+        evicted, self._evictions = self._evictions, {}
+        return evicted
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Refused (False, nothing changes) while any block is referenced."""

@@ -3,6 +3,10 @@
 The scheduler drives one request through `get_computed_blocks` (prefix hit, new requests only), then
 `allocate_slots` every step it runs, `fork` for n > 1 sampling, and `free` when it finishes or is preempted.
 Everything here is block ids and token ids; the runner turns block tables into slot mappings.
+
+With tiers below the pool (`use_tiers`, tiers.py), a prefix lookup goes on past the pool's blocks into the tiers:
+their blocks count as computed, `allocate_slots` gives them fresh pool blocks, and `move_blocks`, which the engine
+core calls after scheduling and before the step runs, saves the blocks the pool evicted and loads those.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.kv_cache.block_pool import BlockPool
 from tokenmill.kv_cache.hashing import hash_block_tokens
+from tokenmill.kv_cache.tiers import TIERS, BlockIO, PrefixTiers
 
 
 @dataclass
@@ -37,6 +42,17 @@ class KVCacheManager:
         self._requests: dict[str, _RequestBlocks] = {}
         self.prefix_cache_queries = 0  # tokens looked up by get_computed_blocks, cumulative
         self.prefix_cache_hits = 0  # tokens those lookups covered, cumulative
+        self.prefix_cache_hits_by_tier = dict.fromkeys(TIERS, 0)  # of which found in the pool, in RAM, on disk
+        self.tiers: PrefixTiers | None = None
+        self._staged: dict[int, tuple[str, bytes]] = {}  # hash -> (tier, KV) a lookup found, until `move_blocks`
+        self._loads: list[tuple[int, int]] = []  # (block id, hash): blocks to fill from `_staged` before the step
+
+    def use_tiers(self, tiers: PrefixTiers) -> None:
+        """Keep evicted cached blocks in `tiers`, and find prefixes there too (needs prefix caching)."""
+        if not self.enable_prefix_caching:
+            raise ValueError("prefix-cache tiers need prefix caching on")
+        self.tiers = tiers
+        self.block_pool.record_evictions()
 
     # ---- queries ----
 
@@ -49,6 +65,10 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks referenced by some request, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes of KV blocks the RAM and disk tiers hold now (0 without them)."""
+        return self.tiers.used_bytes() if self.tiers is not None else {"ram": 0, "disk": 0}
 
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block ids in token order; [] for an unknown request."""
@@ -68,17 +88,34 @@ class KVCacheManager:
         # NOTE: (n - 1) // bs full blocks at most, so at least one token is always left to compute.
         max_blocks = max(0, (len(token_ids) - 1) // bs)
         block_ids: list[int] = []
+        num_tier_blocks = 0  # after the pool's blocks: blocks a tier holds (`_stage`), loaded before the step
         parent: int | None = None
         for i in range(max_blocks):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             block_id = self.block_pool.get_cached_block(parent)
-            if block_id is None:
+            if block_id is not None and not num_tier_blocks:
+                block_ids.append(block_id)
+                self.prefix_cache_hits_by_tier["pool"] += bs
+            elif block_id is None and self._stage(parent):
+                num_tier_blocks += 1
+            else:  # NOTE: a pool block after a tier's would need its own place in the table; the rest is computed
                 break
-            block_ids.append(block_id)
-        num_hit_tokens = len(block_ids) * bs
+        num_hit_tokens = (len(block_ids) + num_tier_blocks) * bs
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += num_hit_tokens
         return block_ids, num_hit_tokens
+
+    def _stage(self, block_hash: int) -> bool:
+        """Find the block in a tier and hold its KV until `move_blocks`: True if found. (A block the pool evicted in
+        this step is saved by `move_blocks`; until then a tier has it only from an earlier save, of the same bytes.)"""
+        if self.tiers is None:
+            return False
+        found = self._staged.get(block_hash) or self.tiers.find(block_hash)
+        if found is None:
+            return False
+        self._staged[block_hash] = found
+        self.prefix_cache_hits_by_tier[found[0]] += self.block_size
+        return True
 
     # ---- state changes ----
 
@@ -98,21 +135,27 @@ class KVCacheManager:
         `token_ids` are the request's known tokens, at least `num_computed_tokens + num_new_tokens` of them; with
         prefix caching, every block that becomes full within that range is registered under its chained hash.
         `new_computed_blocks` (from `get_computed_blocks`, only for a request with no blocks yet) start the table
-        and are already counted in `num_computed_tokens`.
+        and are already counted in `num_computed_tokens`; so are the blocks that lookup found in a tier, which follow
+        them: they take fresh blocks here, filled by `move_blocks` before the step.
         """
         num_tokens = num_computed_tokens + num_new_tokens
         req = self._requests.get(request_id)
         old_block_ids = req.block_ids if req is not None else []
         old_hashes = req.block_hashes if req is not None else []
+        num_hits = len(new_computed_blocks)
+        num_tier = 0 if old_block_ids or not self._staged else max(0, num_computed_tokens // self.block_size - num_hits)
         self._check_allocation(request_id, len(token_ids), num_computed_tokens, num_new_tokens, new_computed_blocks,
-                               num_lookahead_tokens, len(old_block_ids))  # fmt: skip
-        num_table_blocks = len(old_block_ids) + len(new_computed_blocks)
+                               num_lookahead_tokens, len(old_block_ids), num_tier)  # fmt: skip
+        num_table_blocks = len(old_block_ids) + num_hits
 
         # Hash first (no side effects) so a stale or wrong new_computed_blocks fails before anything changes.
         new_hashes = self._hash_new_full_blocks(old_hashes, token_ids, num_tokens)
         for i, block_id in enumerate(new_computed_blocks):
             if self.block_pool.block_hash(block_id) != new_hashes[i]:
                 raise ValueError(f"computed block {block_id} no longer holds this prompt's block {i} (evicted?)")
+        for i in range(num_hits, num_hits + num_tier):
+            if new_hashes[i] not in self._staged:
+                raise ValueError(f"this prompt's block {i} is counted as computed but no lookup found it in a tier")
 
         num_required = max(0, self.num_blocks_needed(num_tokens + num_lookahead_tokens) - num_table_blocks)
         # NOTE: prefix-hit blocks with ref count 0 sit in the free queue; taking them shrinks what is left to pop.
@@ -126,6 +169,7 @@ class KVCacheManager:
         self.block_pool.touch(new_computed_blocks)
         req.block_ids.extend(new_computed_blocks)
         req.block_ids.extend(self.block_pool.allocate(num_required))
+        self._loads += [(req.block_ids[i], new_hashes[i]) for i in range(num_hits, num_hits + num_tier)]
         for i, block_hash in enumerate(new_hashes, start=len(req.block_hashes)):
             # A no-op for hit blocks (already registered) and when another block already holds this hash.
             self.block_pool.cache_block(req.block_ids[i], block_hash)
@@ -142,6 +186,7 @@ class KVCacheManager:
         new_computed_blocks: Sequence[int],
         num_lookahead_tokens: int,
         num_old_blocks: int,
+        num_tier_blocks: int,
     ) -> None:
         """allocate_slots' arguments, checked against each other and the request's table before anything changes:
         a ValueError naming what is wrong."""
@@ -164,7 +209,7 @@ class KVCacheManager:
                     f"{len(new_computed_blocks)} computed blocks cover {len(new_computed_blocks) * bs} tokens, "
                     f"more than num_computed_tokens={num_computed_tokens}"
                 )
-        num_table_blocks = num_old_blocks + len(new_computed_blocks)
+        num_table_blocks = num_old_blocks + len(new_computed_blocks) + num_tier_blocks
         if num_computed_tokens > num_table_blocks * bs:
             raise ValueError(
                 f"request {request_id!r}: num_computed_tokens={num_computed_tokens} but its blocks hold only "
@@ -233,6 +278,21 @@ class KVCacheManager:
         """Forget all cached hashes; refused (False) while any block is referenced by a request."""
         return self.block_pool.reset_prefix_cache()
 
+    def move_blocks(self, pool: BlockIO | None) -> None:
+        """Between scheduling and the step (the engine core calls it every step): the cached blocks this step's
+        allocations evicted go to the tiers, read while the pool still holds them; then the blocks lookups found in a
+        tier are written into the fresh blocks given to them. No-op without tiers."""
+        evicted, loads, staged = self.block_pool.take_evictions(), self._loads, self._staged
+        self._loads, self._staged = [], {}
+        if self.tiers is None or pool is None:
+            return
+        for block_hash, block_id in evicted.items():
+            if not self.tiers.refresh(block_hash):
+                self.tiers.save(block_hash, pool.read_block(block_id))
+        for block_id, block_hash in loads:
+            pool.write_block(block_id, staged[block_hash][1])
+        self.tiers.blocks_loaded += len(loads)
+
     def _hash_new_full_blocks(self, known: list[int], token_ids: Sequence[int], num_tokens: int) -> list[int]:
         """Chained hashes of the full blocks in [len(known), num_tokens // block_size); [] without caching."""
         if not self.enable_prefix_caching:
@@ -244,6 +304,18 @@ class KVCacheManager:
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             hashes.append(parent)
         return hashes
+
+    def flush(self, pool: BlockIO | None) -> None:
+        """At shutdown: write the cached blocks the pool still holds to the disk tier (if any), so that a restart over
+        the same folder finds them. Every registered block has been computed by then: a step runs right after the
+        scheduling that registers its blocks, and a failed one's blocks lose their hashes (`forget_from`)."""
+        if self.tiers is None or pool is None:
+            return
+        for block_hash, block_id in self.block_pool.cached_blocks().items():
+            if self.tiers.disk is None:
+                return
+            if not self.tiers.on_disk(block_hash):
+                self.tiers.write_disk(block_hash, pool.read_block(block_id))
 
     # ---- invariants ----
 
@@ -267,3 +339,5 @@ class KVCacheManager:
         for block_id in range(self.num_blocks):
             ref = self.block_pool.ref_count(block_id)
             assert ref == occurrences[block_id], f"block {block_id}: ref count {ref}, in {occurrences[block_id]} tables"
+        for block_id, block_hash in self._loads:  # a block waiting for its KV from a tier is some request's
+            assert occurrences[block_id] and block_hash in self._staged, f"block {block_id} to load is orphaned"

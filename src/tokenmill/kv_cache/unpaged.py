@@ -8,6 +8,9 @@ fits, nothing is cached, nothing is shared. So the scheduler has one code path f
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
+
+from tokenmill.kv_cache.tiers import TIERS, BlockIO
 
 
 class UnpagedKVManager:
@@ -17,9 +20,14 @@ class UnpagedKVManager:
     usage = 0.0
     prefix_cache_queries = 0
     prefix_cache_hits = 0
+    prefix_cache_hits_by_tier = MappingProxyType(dict.fromkeys(TIERS, 0))
+    tiers = None
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return 0
+
+    def tier_bytes(self) -> dict[str, int]:
+        return {"ram": 0, "disk": 0}
 
     def block_table(self, request_id: str) -> list[int]:
         return []
@@ -40,6 +48,12 @@ class UnpagedKVManager:
         return []
 
     def free(self, request_id: str) -> None:
+        pass
+
+    def move_blocks(self, pool: BlockIO | None) -> None:
+        pass
+
+    def flush(self, pool: BlockIO | None) -> None:
         pass
 
     def check_integrity(self) -> None:

@@ -57,6 +57,8 @@ async def stats(engine: Engine) -> dict[str, Any]:
         "prefix_cache_queries": s.prefix_cache_queries,
         "prefix_cache_hits": s.prefix_cache_hits,
         "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+        "prefix_cache_hits_by_tier": s.prefix_cache_hits_by_tier,
+        "prefix_cache_tier_bytes": s.prefix_cache_tier_bytes,
         "avg_batch_size": s.mean_batch_size,
         "max_batch_size": s.max_batch_size,
         "num_steps": s.num_steps,
