@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from itertools import count
 
+from tokenmill.engine.lookahead import draft_requests, run_limit
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.sequence_input import sequence_input
 from tokenmill.engine.thinking import ThinkingBudgets
@@ -30,8 +31,8 @@ from tokenmill.pooling_params import ModelTask, PoolingParams
 from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
-from tokenmill.spec_decode import DraftRequest, Proposer
-from tokenmill.step_plan import model_input, run_steps_allowed
+from tokenmill.spec_decode import Proposer
+from tokenmill.step_plan import model_input
 from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.types import (
@@ -437,36 +438,22 @@ class EngineCore:
         running = self.scheduler.running
         busy = len(running) + len(self.scheduler.waiting)
         off = self.spec_off_above is not None and busy > self.spec_off_above
-        asks = []
+        asks = draft_requests(running, off, self.structured, self.thinking, self.max_model_len)
         for req in running:
             if req.spec_skip > 0:
                 req.spec_skip -= 1
-                continue
-            constrained = self.structured.has(req.request_id)  # no drafts: they would skip the grammar
-            pooled = req.pooling is not None  # it samples nothing
-            if off or constrained or pooled or req.finished or req.num_computed_tokens != req.num_tokens - 1:
-                continue
-            # each kept draft and the token after them are outputs: stay inside max_tokens and the context
-            limit = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
-            free = self.thinking.free_tokens(req.request_id)  # drafts stop short of a token a budget forces
-            limit = limit if free is None else min(limit, free - 1)
-            if limit < 1:
-                continue
-            asks.append(DraftRequest(req.request_id, req.all_token_ids, limit))
         drafts = self.proposer.propose_batch(asks) if asks else {}
         for req in running:  # every running sequence: none keeps last step's drafts
             req.spec_token_ids = drafts.get(req.request_id, [])
 
     def _plan_decode_runs(self) -> None:
-        """How many decode steps each running sequence may take in one call next step (step_plan.run_steps_allowed;
-        the scheduler decides whether the step takes them)."""
+        """How many decode steps each running sequence may take in one call next step (the scheduler decides
+        whether the step takes them)."""
         if self.scheduler_steps < 2:
             return
         for req in self.scheduler.running:
-            constrained = self.structured.has(req.request_id)
-            limit = run_steps_allowed(req, self.scheduler_steps, self.max_model_len, constrained)
-            free = self.thinking.free_tokens(req.request_id)  # a run stops short of a token a budget forces
-            req.multi_step_limit = limit if free is None else min(limit, free)
+            req.multi_step_limit = run_limit(req, self.scheduler_steps, self.max_model_len, self.structured,
+                                             self.thinking)  # fmt: skip
 
     def _release(self, req: Request) -> None:
         req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()
