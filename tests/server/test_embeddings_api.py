@@ -159,3 +159,24 @@ def test_nothing_leaked_and_the_server_is_healthy(http: httpx.Client) -> None:
     metrics = http.get("/metrics").text  # each embedded input is a finished request, and its tokens prompt tokens
     assert re.search(r'tokenmill:request_success_total\{[^}]*finished_reason="stop"[^}]*\} [1-9]', metrics)
     assert re.search(r"tokenmill:prompt_tokens_total\{[^}]*\} [1-9]", metrics)
+
+
+def test_the_embed_benchmark_workload_runs_against_the_server(server: Server, tmp_path: Path) -> None:
+    """`tokenmill bench serve --workload embed` (bench/embed.py): every request's texts come back embedded, and the
+    summary counts them and their prompt tokens from `usage`."""
+    import argparse
+    import json
+
+    from tokenmill.bench.serve import add_serve_parser, run_serve
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--url", server.url, "--model", NAME, "--workload", "embed", "--num-prompts",
+                              "6", "--embed-batch", "3", "--input-len", "12", "--max-concurrency", "4",
+                              "--output-dir", str(tmp_path)])  # fmt: skip
+    run = run_serve(args)
+    summary = json.loads((run / "summary" / "summary.json").read_text())
+    rows = json.loads((run / "raw" / "trials.json").read_text())
+    assert summary["requests_completed"] == 6 and summary["requests_errors"] == 0
+    assert summary["input_throughput"] == pytest.approx(18 / summary["duration_s"])
+    assert all(r["ok"] and r["prompt_tokens"] >= 3 * 10 for r in rows)  # ~12 tokens a text, three texts a request

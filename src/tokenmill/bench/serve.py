@@ -40,6 +40,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "prefix_caching": {"num_prompts": 48, "request_rate": 8.0, "prefix_len": 1024},
     "custom": {"num_prompts": 32, "request_rate": INF},
     "agent": {},  # turns of growing conversations (bench/agent.py), its own flags
+    "embed": {},  # /v1/embeddings requests (bench/embed.py)
 }
 LONG_FACTOR = 4  # chunked_prefill: a long prompt is LONG_FACTOR x input-len tokens
 CONTEXT_MARGIN = 8  # tokens kept free of the context when scaling prompts (chat templates, BOS)
@@ -333,10 +334,11 @@ def _progress(total: int, label: str) -> tuple[Callable[[], None], Callable[[], 
 
 
 def run_workload(args: argparse.Namespace, workload: str) -> Path:
-    if workload == "agent":
+    if workload in ("agent", "embed"):
         from tokenmill.bench.agent import run_agent
+        from tokenmill.bench.embed import run_embed
 
-        return Path(run_agent(args))
+        return Path(run_agent(args) if workload == "agent" else run_embed(args))
     seed = args.seed if args.seed is not None else 0
     slos = parse_goodput(args.goodput)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -391,7 +393,9 @@ def run_serve(args: argparse.Namespace) -> Path:
     parse_goodput(args.goodput)  # fail fast on a bad spec
     peers = parse_peers(args.server_peers)
     args.flops_basis = flops_basis(args.flops_model, args.probe_threads) if args.flops_model else None
-    names = [w for w in WORKLOADS if w not in ("custom", "agent")] if args.workload == "all" else [args.workload]
+    names = (
+        [w for w in WORKLOADS if w not in ("custom", "agent", "embed")] if args.workload == "all" else [args.workload]
+    )
     runs = [run_workload(args, w) for w in names]
     for label, url, model in peers:
         runs += [run_workload(peer_args(args, label, url, model), w) for w in names]
@@ -412,6 +416,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--conversations", type=int, default=None, help="agent: conversations at once (4)")
     p.add_argument("--turns", type=int, default=None, help="agent: turns per conversation (10)")
     p.add_argument("--max-context", type=int, default=None, help="agent: tokens the history grows to (32768)")
+    p.add_argument("--embed-batch", type=int, default=1, help="embed: texts per /v1/embeddings request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", default=None, metavar="ttft:MS,tpot:MS", help="SLOs (any of ttft, tpot, e2e)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
