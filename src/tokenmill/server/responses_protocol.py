@@ -251,9 +251,8 @@ class ResponsesRequest(_Strict):
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
-        if self.background:
-            raise ValueError("background=true is not supported: tokenmill answers while the request is open; use "
-                             "stream=true for long responses")  # fmt: skip
+        if self.background and not self.store:
+            raise ValueError("background=true needs store=true: a background response is read back from the store")
         bad = next((i for i in self.include or [] if i not in ALLOWED_INCLUDES), None)
         if bad is not None:
             raise ValueError(f"include {bad!r} is not supported: allowed {', '.join(ALLOWED_INCLUDES)}")

@@ -11,8 +11,9 @@ With a reasoning parser (`--reasoning-parser`), the model's thinking comes back 
 `thinking_token_budget` is the thinking budget, as in a chat completion. Without one, reasoning items in the input
 and efforts other than none/minimal are a 400.
 
-`background` is refused (400), so no response can be cancelled: cancel answers 400 for a stored response, as
-OpenAI does for one that was not created in the background, and 404 for an unknown one.
+`background: true` answers at once and runs on in the server (responses_background.py); cancel stops such a run
+(the response is `cancelled`), returns a finished one as it is, answers 400 for a response not made in the
+background, as OpenAI does, and 404 for an unknown one.
 
 Must not import torch.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -32,12 +33,13 @@ from tokenmill.server import reasoning, tools
 from tokenmill.server.calls import start_call
 from tokenmill.server.choice_stream import AnswerPlan, answer_plan, with_reasoning
 from tokenmill.server.errors import APIError, bad_value
+from tokenmill.server.responses_background import BackgroundRun
 from tokenmill.server.responses_output import ABORTED, ResponseHead, response_body
 from tokenmill.server.responses_protocol import THINKING_OFF, ResponsesRequest, template_messages
 from tokenmill.server.responses_store import StoredResponse
 from tokenmill.server.responses_stream import response_events
 from tokenmill.server.state import ServerState, get_state, ready_engine
-from tokenmill.server.streaming import run_to_end
+from tokenmill.server.streaming import Call, run_to_end
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
@@ -113,10 +115,15 @@ def _params(body: ResponsesRequest, engine: AsyncEngine, prompt: Prompt) -> Samp
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponsesRequest, raw: Request, state: State, engine: Engine) -> Any:
     state.check_model(body.model)
+    if body.background and state.responses.capacity == 0:
+        raise APIError(400, "background=true needs the response store, and this server keeps none "
+                       "(--responses-store-size 0)", param="background")  # fmt: skip
     prompt = await _prompt(body, state, engine)
     params = _params(body, engine, prompt)
     call = await start_call(state, engine, "response", "resp_", [prompt.token_ids], params, 0, prompt.field)
     head = ResponseHead.of(call.id, call.model, body, params.temperature, params.top_p)
+    if body.background:
+        return _background(body, state, prompt, call, head)
 
     def store(response: dict[str, Any]) -> None:
         if body.store and response["status"] != "failed":
@@ -132,12 +139,30 @@ async def create_response(body: ResponsesRequest, raw: Request, state: State, en
     return response
 
 
-@router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: ResponseId, state: State, stream: bool = False) -> dict[str, Any]:
-    if stream:
-        raise APIError(400, "stream=true is not supported here: a stored response is finished; retrieve it whole",
-                       param="stream")  # fmt: skip
-    return state.responses.get(response_id).body
+def _background(body: ResponsesRequest, state: ServerState, prompt: Prompt, call: Call, head: ResponseHead) -> Any:
+    """Store the response, queued, with its run; answer it (or stream its events) while the run goes on."""
+    run = BackgroundRun(streamed=body.stream)
+    queued = head.body("queued", [], None)
+    state.responses.put(StoredResponse(queued, prompt.input_items, body.previous_response_id, run))
+    run.start(call, prompt.answer, head, lambda response: state.responses.update(head.id, response))
+    if body.stream:
+        return StreamingResponse(run.follow(-1), media_type="text/event-stream")
+    return queued
+
+
+@router.get("/v1/responses/{response_id}", response_model=None)
+async def retrieve_response(
+    response_id: ResponseId, state: State, stream: bool = False, starting_after: Annotated[int, Query(ge=-1)] = -1
+) -> Any:
+    """The response as it is now; `stream=true`: a streamed background response's events after `starting_after`,
+    to its end."""
+    stored = state.responses.get(response_id)
+    if not stream:
+        return stored.body
+    if stored.run is None or stored.run.events is None:
+        raise APIError(400, "stream=true replays the events of a response created with background=true and "
+                       "stream=true; this one was not: retrieve it whole", param="stream")  # fmt: skip
+    return StreamingResponse(stored.run.follow(starting_after), media_type="text/event-stream")
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -148,9 +173,16 @@ async def delete_response(response_id: ResponseId, state: State) -> dict[str, An
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(response_id: ResponseId, state: State) -> dict[str, Any]:
-    state.responses.get(response_id)
-    raise APIError(400, "Only responses created with background=true can be cancelled; this one was not "
-                   "(tokenmill does not run background responses)", param="response_id")  # fmt: skip
+    """Stop a background response that is still running (it is then `cancelled`); a finished one is returned as it
+    is, as OpenAI does."""
+    stored = state.responses.get(response_id)
+    if stored.run is None:
+        raise APIError(400, "Only responses created with background=true can be cancelled; this one was not",
+                       param="response_id")  # fmt: skip
+    if not stored.run.done:
+        stored.run.stop()  # the engine request is aborted; the run writes nothing more
+        state.responses.update(response_id, {**stored.body, "status": "cancelled"})
+    return state.responses.get(response_id).body
 
 
 @router.get("/v1/responses/{response_id}/input_items")
