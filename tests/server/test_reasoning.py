@@ -1,6 +1,7 @@
 """Reasoning over HTTP, with the `openai` and `anthropic` clients against a real server: a tiny Llama trained here
-(a few seconds) to think in `<think>...</think>` before it answers, behind a Qwen3-like template. The reasoning
-parser is picked from the template (`--reasoning-parser auto`)."""
+(a few seconds) to think in `<think>...</think>` before it answers, behind a Qwen3-like template (which writes an
+earlier assistant turn's `reasoning_content` back as its thinking). The reasoning parser is picked from the
+template (`--reasoning-parser auto`). Chat completions, Anthropic's messages and OpenAI's Responses API."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import pytest
 from tests.server.helpers import Server, running, train_tiny_llama
 
 TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content is defined and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
@@ -115,6 +118,70 @@ def test_messages_return_thinking_blocks_and_stream_thinking_deltas(reasoner: Se
     assert client.messages.create(**{**kw, "messages": history}).content
 
 
+def _respond(client: openai.OpenAI, server: Server, max_output_tokens: int = 60, **kw: Any) -> Any:
+    kw = {"input": ASK, "temperature": 0, **kw}
+    return client.responses.create(model=server.model, max_output_tokens=max_output_tokens, **kw)
+
+
+def test_responses_return_a_reasoning_item_before_the_message_whole_and_streamed(
+    client: openai.OpenAI, reasoner: Server
+) -> None:
+    r = _respond(client, reasoner)
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.status == "completed"
+    thought = r.output[0]
+    assert thought.id.startswith("rs_") and thought.summary == [] and thought.status == "completed"
+    assert [(c.type, c.text) for c in thought.content or []] == [("reasoning_text", THOUGHT)]
+    assert r.output_text == ANSWER
+    chat = _chat(client, reasoner, logprobs=True)
+    tokens = [t.token for t in chat.choices[0].logprobs.content]
+    assert tokens[0] == "<think>" and r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == tokens.index("</think>") - 1  # the markers not counted
+    with client.responses.stream(model=reasoner.model, input=ASK, max_output_tokens=60, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    thinking, answering = kinds.count("response.reasoning_text.delta"), kinds.count("response.output_text.delta")
+    item = ["response.output_item.added", "response.content_part.added"]
+    done = ["response.content_part.done", "response.output_item.done"]
+    assert thinking > 1 and answering > 1 and kinds == [
+        "response.created", "response.in_progress",
+        *item, *["response.reasoning_text.delta"] * thinking, "response.reasoning_text.done", *done,
+        *item, *["response.output_text.delta"] * answering, "response.output_text.done", *done,
+        "response.completed",
+    ]  # fmt: skip
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHT  # type: ignore[union-attr]
+    assert final.output[0].model_dump(exclude={"id"}) == thought.model_dump(exclude={"id"})
+    assert (final.output_text, final.output[1].status, final.usage) == (ANSWER, "completed", r.usage)
+
+
+def test_a_thinking_budget_and_reasoning_effort_reach_a_response(client: openai.OpenAI, reasoner: Server) -> None:
+    budgeted = _respond(client, reasoner, extra_body={"thinking_token_budget": 2})
+    assert budgeted.output[0].type == "reasoning" and budgeted.usage.output_tokens_details.reasoning_tokens == 2
+    assert len(budgeted.output[0].content[0].text) < len(THOUGHT)  # type: ignore[index]
+    plain = _respond(client, reasoner, 1)
+    off = _respond(client, reasoner, 1, reasoning={"effort": "none"})
+    block = httpx.post(f"{reasoner.url}/tokenize", json={"prompt": "<think>\n\n</think>\n\n",
+                                                        "add_special_tokens": False}).json()["count"]  # fmt: skip
+    assert off.usage.input_tokens == plain.usage.input_tokens + block  # Qwen3's template: thinking off
+    assert off.reasoning and off.reasoning.effort == "none"
+    high = _respond(client, reasoner, 1, reasoning={"effort": "high"})
+    assert high.usage.input_tokens == plain.usage.input_tokens
+
+
+def test_reasoning_items_given_back_reach_the_template_as_thinking_blocks_do(
+    client: openai.OpenAI, reasoner: Server
+) -> None:
+    r = _respond(client, reasoner)
+    then: Any = {"role": "user", "content": "And now?"}
+    by_hand = _respond(client, reasoner, 1, input=[*ASK, *r.output, then], store=False)
+    continued = _respond(client, reasoner, 1, input=[then], previous_response_id=r.id)
+    claude = anthropic.Anthropic(base_url=reasoner.url, api_key="x", timeout=120, max_retries=0)
+    turn: Any = [{"type": "thinking", "thinking": THOUGHT, "signature": ""}, {"type": "text", "text": ANSWER}]
+    count = lambda content: claude.messages.count_tokens(  # noqa: E731
+        model=reasoner.model, messages=[*ASK, {"role": "assistant", "content": content}, then]).input_tokens  # type: ignore[list-item]  # fmt: skip
+    assert by_hand.usage.input_tokens == continued.usage.input_tokens == count(turn) > count(ANSWER)
+
+
 def test_a_budget_or_thinking_without_a_parser_is_a_400(server: Server) -> None:
     """The module server's model has a template without <think>: no reasoning parser."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=120, max_retries=0)
@@ -127,3 +194,7 @@ def test_a_budget_or_thinking_without_a_parser_is_a_400(server: Server) -> None:
     with pytest.raises(anthropic.BadRequestError, match="reasoning parser"):
         claude.messages.create(model=server.model, max_tokens=4, messages=ASK,  # type: ignore[arg-type]
                                thinking={"type": "enabled", "budget_tokens": 2})  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="reasoning parser"):
+        _respond(client, server, 4, extra_body={"thinking_token_budget": 4})
+    off = _respond(client, server, 4, reasoning={"effort": "minimal"})  # nothing to turn off: accepted
+    assert [o.type for o in off.output] == ["message"] and off.usage.output_tokens_details.reasoning_tokens == 0

@@ -222,7 +222,8 @@ def _bad_cases(model: str, stored: str) -> list[tuple[dict[str, Any], int, tuple
         (items({"type": "computer_call_output", "call_id": "c", "output": {}}), 400,
          ("unknown input item type 'computer_call_output'",)),
         (items({"role": "user", "content": [image]}), 400, ("'input_image'", "text only")),
-        (items({"type": "reasoning", "summary": []}), 400, ("'reasoning'", "reasoning parser")),
+        (items({"type": "reasoning", "summary": []}), 400, ("'reasoning'", "--reasoning-parser")),
+        (items({"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}), 400, ("encrypted_content",)),
         (items(orphan), 400, ("call_nope",)),
         ({**ok, "previous_response_id": stored, "input": [orphan]}, 400, ("call_nope",)),
         ({**ok, "previous_response_id": "resp_gone"}, 404, ("resp_gone", "previous_response_id")),
@@ -236,8 +237,9 @@ def _bad_cases(model: str, stored: str) -> list[tuple[dict[str, Any], int, tuple
         ({**ok, "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, ("schema",)),
         ({**ok, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}}}, 400,
          ("text.format",)),
-        ({**ok, "background": True}, 400, ("background",)),
-        ({**ok, "reasoning": {"effort": "high"}}, 400, ("reasoning", "reasoning parser")),
+        ({**ok, "background": True, "store": False}, 400, ("background", "store=true")),
+        ({**ok, "reasoning": {"effort": "high"}}, 400, ("reasoning.effort", "--reasoning-parser")),
+        ({**ok, "reasoning": {"effort": "huge"}}, 400, ("effort",)),
         ({**ok, "include": ["file_search_call.results"]}, 400, ("file_search_call.results",)),
         ({**ok, "truncation": "auto"}, 400, ("truncation",)),
         ({**ok, "top_logprobs": 2}, 400, ("unsupported parameter: top_logprobs",)),
@@ -260,6 +262,7 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_healthy(client: ope
         raw = {"content-type": "application/json"}
         assert_openai_error(http.post("/v1/responses", content=b'{"model": ', headers=raw), 400, "malformed JSON")
         assert_openai_error(http.get("/v1/responses/resp_nope"), 404, "resp_nope")
+        assert_openai_error(http.get(f"/v1/responses/{stored}", params={"stream": "true"}), 400, "background")
         assert_openai_error(http.delete("/v1/responses/chatcmpl-1"), 400, "response_id")
         assert_openai_error(http.get(f"/v1/responses/{stored}/input_items", params={"limit": 0}), 400, "limit")
         assert http.get("/health").status_code == 200

@@ -1,6 +1,6 @@
 """The server's readers of an output as it streams: reasoning parsers (qwen3 / deepseek_r1 `<think>`, gpt_oss
-harmony channels), tool calls read as they are written, and the engine's thinking-budget counter. Every streamed
-reading, in pieces of any size, must equal the whole one."""
+harmony channels), tool calls read as they are written, the engine's thinking-budget counter, and the count of
+an output's reasoning tokens. Every streamed reading, in pieces of any size, must equal the whole one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from tokenmill.engine.thinking import ThinkingBudgets
 from tokenmill.sampling_params import ThinkingBudget
-from tokenmill.server.reasoning import pick
+from tokenmill.server.choice_stream import AnswerPlan
+from tokenmill.server.reasoning import ReasoningParser, pick
 from tokenmill.server.tool_stream import ToolStream, parse
 from tokenmill.server.tools import ToolPlan
 
@@ -122,3 +123,24 @@ def test_a_thinking_budget_forces_the_end_after_exactly_n_reasoning_tokens() -> 
     assert budgets.forced("c") == 8 and budgets.free_tokens("c") == 0
     with pytest.raises(ValueError, match="thinking_token_budget"):
         ThinkingBudget(-1, end, start)
+
+
+def test_reasoning_tokens_are_counted_between_the_markers() -> None:
+    """`usage.output_tokens_details.reasoning_tokens` of the Responses API: the markers are not counted."""
+    tools = ToolPlan("none", "hermes")
+    think, harmony = _parser("qwen3"), _parser("gpt_oss")
+    start, end = (7,), (8,)  # "<think>" and "</think>"
+    assert AnswerPlan(tools, think, False, (start, end)).reasoning_tokens([5, 7, 1, 2, 8, 3, 7, 4, 8]) == 2
+    assert AnswerPlan(tools, think, True, (start, end)).reasoning_tokens([1, 2, 3, 8, 4]) == 3  # the prompt opened it
+    assert AnswerPlan(tools, think, False, (start, end)).reasoning_tokens([7, 1, 2]) == 2  # cut short
+    assert AnswerPlan(tools, think, False, (start, end)).reasoning_tokens([1, 2]) == 0
+    analysis, close = (20, 21, 22), (23,)  # "<|channel|>analysis<|message|>" and "<|end|>"
+    output = [*analysis, 1, 2, *close, 20, 30, 22, 3, *close, *analysis, 4, *close, 24]  # analysis, final, analysis
+    assert AnswerPlan(tools, harmony, False, (analysis, close)).reasoning_tokens(output) == 3
+    assert AnswerPlan(tools).reasoning_tokens(output) == 0  # no parser
+
+
+def _parser(name: str) -> ReasoningParser:
+    parser = pick(name, "")
+    assert parser is not None
+    return parser

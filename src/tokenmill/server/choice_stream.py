@@ -7,6 +7,7 @@ Must not import torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +28,26 @@ class AnswerPlan:
     tools: ToolPlan
     reasoning: ReasoningParser | None = None
     opened: bool = False
+    # the token ids that open a stretch of thinking and that close it (`</think>`; gpt_oss: `<|end|>`)
+    markers: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+
+    def reasoning_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of an output's tokens are reasoning: those inside the thinking, its markers not counted (as a
+        thinking budget counts them). `<think>` parsers: the first thinking only; gpt_oss: every analysis message."""
+        if self.reasoning is None:
+            return 0
+        (start, close), again = self.markers, self.reasoning.harmony
+        count, thinking, i = 0, self.opened, 0
+        while i < len(token_ids):
+            marker = close if thinking else start
+            if marker and tuple(token_ids[i : i + len(marker)]) == marker:
+                if thinking and not again:
+                    return count
+                thinking, i = not thinking, i + len(marker)
+                continue
+            count += thinking
+            i += 1
+        return count
 
     def budget(self, tok: Tokenizer, max_tokens: int | None) -> ThinkingBudget | None:
         """The engine's thinking budget for `max_tokens` reasoning tokens (None: no budget). ValueError without
@@ -54,7 +75,9 @@ def answer_plan(tools: ToolPlan, reasoning: ReasoningParser | None, tok: Tokeniz
     if reasoning is None:
         return AnswerPlan(tools)
     tail = tok.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    return AnswerPlan(tools, reasoning, reasoning.opened_by(tail))
+    start = tuple(tok.encode(reasoning.start, add_special_tokens=False))
+    close = tuple(tok.encode("<|end|>" if reasoning.harmony else reasoning.end, add_special_tokens=False))
+    return AnswerPlan(tools, reasoning, reasoning.opened_by(tail), (start, close))
 
 
 class ChoiceStream:

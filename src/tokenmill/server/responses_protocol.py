@@ -4,13 +4,14 @@ the rest of the server speaks: conversation items, chat-template messages, tools
 structured-output constraint of `text.format`, and the sampling fields chat completions use.
 
 Input items are `message` (the `type` may be left out, as the SDK's easy messages do; content a string or
-`input_text` / `output_text` parts), `function_call` and `function_call_output`. Every item is normalized into
-one plain dict shape with an id (`normalize`): that is what the store keeps and `input_items` lists, and what
-`template_messages` renders, whether it came in this request or from a `previous_response_id`.
+`input_text` / `output_text` parts), `function_call`, `function_call_output` and `reasoning` (as a reasoning model's
+responses return them, and agents send them back). Every item is normalized into one plain dict shape with an id
+(`normalize`): that is what the store keeps and `input_items` lists, and what `template_messages` renders, whether
+it came in this request or from a `previous_response_id`.
 
-Any other item, content part or tool type is refused by name. `reasoning` items are refused while tokenmill has
-no reasoning parser; once it has one, a reasoning item becomes an accepted type here and is skipped (or passed to
-the template) in `template_messages`.
+Any other item, content part or tool type is refused by name, and so is a reasoning item whose thinking is
+encrypted (another service's: nothing here can read it). Whether a reasoning item may be given at all depends on
+the server (a reasoning parser): responses_routes.py checks that.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.protocol import Int64, Text, _SamplingFields, _Strict
 
-_REASONING = "tokenmill has no reasoning parser yet"
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # the SDK's ReasoningEffort
+THINKING_OFF = ("none", "minimal")  # efforts that turn the thinking off where the template can (enable_thinking)
 
 
 def new_id(prefix: str) -> str:
@@ -49,10 +51,8 @@ class UnsupportedPart(_Unsupported):
 class UnsupportedItem(_Unsupported):
     @model_validator(mode="after")
     def _refuse(self) -> UnsupportedItem:
-        if self.type == "reasoning":
-            raise ValueError(f"input items of type 'reasoning' are not supported: {_REASONING}")
-        raise ValueError(f"unknown input item type {self.type!r}: allowed message, function_call and "
-                         "function_call_output")  # fmt: skip
+        raise ValueError(f"unknown input item type {self.type!r}: allowed message, function_call, "
+                         "function_call_output and reasoning")  # fmt: skip
 
 
 class UnsupportedTool(_Unsupported):
@@ -132,10 +132,45 @@ class FunctionCallOutputItem(_Strict):
                 "output": output, "status": self.status or "completed"}  # fmt: skip
 
 
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class SummaryText(_Strict):
+    type: Literal["summary_text"]
+    text: Text
+
+
+class ReasoningItem(_Strict):
+    """A reasoning model's thinking, as a response returned it. Its `content` goes to the template as the next
+    assistant turn's `reasoning_content`; its `summary` is not read (tokenmill writes none)."""
+
+    type: Literal["reasoning"]
+    summary: list[SummaryText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: Text | None = None
+    id: Text | None = None
+    status: Status = None
+
+    @model_validator(mode="after")
+    def _readable(self) -> ReasoningItem:
+        if self.encrypted_content:
+            raise ValueError("reasoning items with encrypted_content cannot be read here: it is another service's "
+                             "encrypted thinking; send the item's reasoning_text content, or leave it out")  # fmt: skip
+        return self
+
+    def normalize(self) -> dict[str, Any]:
+        return {"id": self.id or new_id("rs_"), "type": "reasoning", "summary": [p.model_dump() for p in self.summary],
+                "content": [p.model_dump() for p in self.content or []],
+                "status": self.status or "completed"}  # fmt: skip
+
+
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[UnsupportedItem, Tag("other")],
-    Discriminator(_tag(("message", "function_call", "function_call_output"), default="message")),
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[UnsupportedItem, Tag("other")],
+    Discriminator(_tag(("message", "function_call", "function_call_output", "reasoning"), default="message")),
 ]  # fmt: skip
 
 
@@ -177,8 +212,8 @@ class TextConfig(_Strict):
 
 
 class ReasoningConfig(_Strict):
-    effort: Text | None = None
-    summary: Text | None = None
+    effort: Effort | None = None
+    summary: Text | None = None  # accepted: tokenmill writes no summaries (a reasoning item's summary is empty)
     generate_summary: Text | None = None
 
 
@@ -199,6 +234,7 @@ class ResponsesRequest(_Strict):
     stream_options: StreamOptions | None = None
     background: bool = False
     max_output_tokens: Int64 | None = None
+    thinking_token_budget: Int64 | None = None  # vLLM's extension, as chat completions take it
     temperature: float | None = None
     top_p: float | None = None
     tools: list[ToolDef] | None = None
@@ -215,11 +251,8 @@ class ResponsesRequest(_Strict):
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
-        if self.background:
-            raise ValueError("background=true is not supported: tokenmill answers while the request is open; use "
-                             "stream=true for long responses")  # fmt: skip
-        if self.reasoning is not None and self.reasoning.effort not in (None, "none"):
-            raise ValueError(f"reasoning.effort is not supported: {_REASONING}")
+        if self.background and not self.store:
+            raise ValueError("background=true needs store=true: a background response is read back from the store")
         bad = next((i for i in self.include or [] if i not in ALLOWED_INCLUDES), None)
         if bad is not None:
             raise ValueError(f"include {bad!r} is not supported: allowed {', '.join(ALLOWED_INCLUDES)}")
@@ -232,6 +265,19 @@ class ResponsesRequest(_Strict):
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input).normalize()]
         return [item.normalize() for item in self.input]  # type: ignore[union-attr]
+
+    @property
+    def effort(self) -> str | None:
+        return self.reasoning.effort if self.reasoning is not None else None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What `reasoning.effort` tells the chat template: `enable_thinking` (Qwen3's: false for none and minimal)
+        and `reasoning_effort` (gpt-oss's: low, medium or high). Templates ignore what they do not read."""
+        effort = self.effort
+        if effort is None:
+            return {}
+        level = "low" if effort in THINKING_OFF else "high" if effort in ("xhigh", "max") else effort
+        return {"enable_thinking": effort not in THINKING_OFF, "reasoning_effort": level}
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The function tools as chat templates (and tools.py) take them: chat completions' nested shape."""
@@ -261,12 +307,18 @@ class ResponsesRequest(_Strict):
 def template_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation (normalized items, oldest first) as the chat template sees it: `instructions` as the system
     message, a `developer` message as a system one, consecutive `function_call` items as one assistant message's
-    `tool_calls` (after its text, if the model wrote some), each `function_call_output` as a `tool` message.
-    ValueError for an output whose call_id no earlier function_call has."""
+    `tool_calls` (after its text, if the model wrote some), each `function_call_output` as a `tool` message, and
+    `reasoning` items as the next assistant message's `reasoning_content` (as the Messages API passes thinking
+    blocks; dropped when no assistant turn follows). ValueError for an output whose call_id no earlier function_call
+    has."""
     out: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     called: set[str] = set()
+    thought = ""  # reasoning items not yet given to an assistant message
     for item in items:
         kind = item["type"]
+        if kind == "reasoning":
+            thought += "".join(p["text"] for p in item["content"])
+            continue
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             out.append({"role": role, "content": "".join(p["text"] for p in item["content"])})
@@ -284,6 +336,9 @@ def template_messages(instructions: str | None, items: list[dict[str, Any]]) -> 
             output = item["output"]
             text = output if isinstance(output, str) else "".join(p["text"] for p in output)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+        if thought and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"] = out[-1].get("reasoning_content", "") + thought
+        thought = ""
     return out
 
 

@@ -4,7 +4,12 @@ read or continued) goes first when a new one needs room.
 
 Each response keeps its own items only (its input, then its output) and the id of the response it continued, so a
 long conversation costs its length once, not once per turn. Continuing one walks that chain back: when any
-response in it has been dropped or deleted, the conversation is gone (404), not silently shortened.
+response in it has been dropped or deleted, the conversation is gone (404), not silently shortened; when one is
+a background response still running, it is not finished yet (400).
+
+A background response is stored from the start, with its run (responses_background.py), which writes its progress
+with `update`. It counts against the capacity like any other, and a run whose response is dropped or deleted is
+stopped: its engine request is aborted.
 
 Used from the event loop only (no lock).
 
@@ -14,10 +19,13 @@ Must not import torch.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenmill.server.errors import APIError
+from tokenmill.server.responses_background import BackgroundRun
+
+RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class StoredResponse:
     body: dict[str, Any]  # the response object, as it was answered
     input_items: list[dict[str, Any]]  # this request's input items (normalized, with ids)
     previous_id: str | None  # the response this one continued
+    run: BackgroundRun | None = None  # a background response's generation
 
 
 class ResponseStore:
@@ -41,7 +50,13 @@ class ResponseStore:
         self._responses[stored.body["id"]] = stored
         self._responses.move_to_end(stored.body["id"])
         while len(self._responses) > self.capacity:
-            self._responses.popitem(last=False)
+            _drop(self._responses.popitem(last=False)[1])
+
+    def update(self, response_id: str, body: dict[str, Any]) -> None:
+        """A background response's current object; a no-op once the response is gone. Not a use: the order stays."""
+        stored = self._responses.get(response_id)
+        if stored is not None:
+            self._responses[response_id] = replace(stored, body=body)
 
     def get(self, response_id: str, param: str | None = None) -> StoredResponse:
         """The stored response (now the most recently used); 404 when it is not stored."""
@@ -53,7 +68,7 @@ class ResponseStore:
         return stored
 
     def delete(self, response_id: str) -> None:
-        self.get(response_id)
+        _drop(self.get(response_id))
         del self._responses[response_id]
 
     def conversation(self, response_id: str | None) -> list[dict[str, Any]]:
@@ -64,9 +79,17 @@ class ResponseStore:
         while response_id is not None and response_id not in seen:
             seen.add(response_id)
             stored = self.get(response_id, param="previous_response_id")
+            if stored.body["status"] in RUNNING:
+                raise APIError(400, f"Response '{response_id}' is still running in the background: wait until its "
+                               "status is no longer queued or in_progress", param="previous_response_id")  # fmt: skip
             chain.append(stored)
             response_id = stored.previous_id
         items: list[dict[str, Any]] = []
         for stored in reversed(chain):
             items += stored.input_items + stored.body["output"]
         return items
+
+
+def _drop(stored: StoredResponse) -> None:
+    if stored.run is not None:
+        stored.run.stop()

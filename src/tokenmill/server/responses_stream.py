@@ -3,6 +3,9 @@ order the `openai` SDK's `responses.stream()` assembles:
 
 1. `response.created`, `response.in_progress` (the response with no output yet);
 2. per output item, `response.output_item.added`, then
+   - reasoning (with a reasoning parser, while the model thinks): `response.content_part.added` (a
+     `reasoning_text` part), `response.reasoning_text.delta`s, `response.reasoning_text.done`,
+     `response.content_part.done`;
    - a message: `response.content_part.added`, `response.output_text.delta`s, `response.output_text.done`,
      `response.content_part.done`;
    - a function call: `response.function_call_arguments.delta`s, `response.function_call_arguments.done`;
@@ -11,9 +14,10 @@ order the `openai` SDK's `responses.stream()` assembles:
    output (as vLLM does: the SDK's `get_final_response` needs `response.completed`).
 A failure mid-stream is an `error` event, then `response.failed`.
 
-The text goes through the same `tools.ToolStream` as a chat completion's; `Items` turns the chat deltas it gives
-into output items. A forced function streams its arguments as they are generated; tool calls the model writes
-itself (`auto`) or that `required` constrains are read when the output is complete, each sent whole then.
+The text goes through the same `ChoiceStream` as a chat completion's (reasoning, then tool calls); `Items` turns
+the chat deltas it gives into output items. A forced function streams its arguments as they are generated; tool
+calls the model writes itself (`auto`) or that `required` constrains are read when the output is complete, each
+sent whole then.
 
 Must not import torch.
 """
@@ -24,17 +28,25 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tokenmill.outputs import RequestOutput
-from tokenmill.server import tool_stream, tools
+from tokenmill.server.choice_stream import AnswerPlan, ChoiceStream
 from tokenmill.server.responses_output import (
     ABORTED,
     ResponseHead,
     function_call_item,
     message_item,
+    reasoning_item,
+    reasoning_part,
     status_of,
     text_part,
     usage,
 )  # fmt: skip
 from tokenmill.server.streaming import Call, merged, sse
+
+# the items that hold one text part: how a new one starts, its empty part, and the prefix of its text events
+_TEXT_ITEMS: dict[str, tuple[Callable[[str, str], dict[str, Any]], Callable[[str], dict[str, Any]], str]] = {
+    "reasoning": (reasoning_item, reasoning_part, "response.reasoning_text"),
+    "message": (message_item, text_part, "response.output_text"),
+}
 
 
 class Events:
@@ -50,8 +62,8 @@ class Events:
 
 
 class Items:
-    """Output items, and their events, from chat deltas (`{"content"?, "tool_calls"?}`, as `tools.ToolStream`
-    gives them). Items are sent one after another: a new one closes the open one."""
+    """Output items, and their events, from chat deltas (`{"reasoning_content"?, "content"?, "tool_calls"?}`, as
+    `ChoiceStream` gives them). Items are sent one after another: a new one closes the open one."""
 
     def __init__(self, emit: Events) -> None:
         self.emit = emit
@@ -61,13 +73,9 @@ class Items:
 
     def feed(self, delta: dict[str, Any]) -> list[str]:
         events = []
-        if delta.get("content"):
-            if not (self.open and self.items[-1]["type"] == "message"):
-                events += self._add(message_item("", "in_progress"))
-            part = self.items[-1]["content"][0]
-            part["text"] += delta["content"]
-            events.append(self._event("response.output_text.delta", content_index=0, delta=delta["content"],
-                                      logprobs=[]))  # fmt: skip
+        for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
+            if delta.get(key):
+                events += self._text(kind, delta[key])
         for piece in delta.get("tool_calls", []):
             if piece["index"] not in self.calls:
                 events += self._add(function_call_item(piece["id"], piece["function"]["name"], "", "in_progress"))
@@ -77,6 +85,14 @@ class Items:
                 self.items[-1]["arguments"] += arguments
                 events.append(self._event("response.function_call_arguments.delta", delta=arguments))
         return events
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        """`text` added to the open item of `kind` (a new one if another is open)."""
+        make, _, events_prefix = _TEXT_ITEMS[kind]
+        events = [] if self.open and self.items[-1]["type"] == kind else self._add(make("", "in_progress"))
+        self.items[-1]["content"][0]["text"] += text
+        logprobs: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        return events + [self._event(f"{events_prefix}.delta", content_index=0, delta=text, **logprobs)]
 
     def finish(self, status: str) -> list[str]:
         """Close the last item with `status`; a model that wrote nothing gets an empty message, as a whole response
@@ -88,10 +104,12 @@ class Items:
         events = self._close("completed")
         self.items.append(item)
         self.open = True
+        text = item["type"] in _TEXT_ITEMS
         events.append(self.emit("response.output_item.added", output_index=len(self.items) - 1,
-                                item={**item, "content": []} if item["type"] == "message" else item))  # fmt: skip
-        if item["type"] == "message":
-            events.append(self._event("response.content_part.added", content_index=0, part=text_part("")))
+                                item={**item, "content": []} if text else item))  # fmt: skip
+        if text:
+            empty = _TEXT_ITEMS[item["type"]][1]("")
+            events.append(self._event("response.content_part.added", content_index=0, part=empty))
         return events
 
     def _close(self, status: str) -> list[str]:
@@ -100,9 +118,11 @@ class Items:
         self.open = False
         item = self.items[-1]
         item["status"] = status
-        if item["type"] == "message":
+        if item["type"] in _TEXT_ITEMS:
             part = item["content"][0]
-            events = [self._event("response.output_text.done", content_index=0, text=part["text"], logprobs=[]),
+            logprobs: dict[str, Any] = {"logprobs": []} if item["type"] == "message" else {}
+            events = [self._event(f"{_TEXT_ITEMS[item['type']][2]}.done", content_index=0, text=part["text"],
+                                  **logprobs),
                       self._event("response.content_part.done", content_index=0, part=part)]  # fmt: skip
         else:
             events = [self._event("response.function_call_arguments.done", name=item["name"],
@@ -115,17 +135,25 @@ class Items:
 
 
 async def response_events(
-    call: Call, plan: tools.ToolPlan, head: ResponseHead, on_done: Callable[[dict[str, Any]], None]
+    call: Call,
+    answer: AnswerPlan,
+    head: ResponseHead,
+    on_done: Callable[[dict[str, Any]], None],
+    on_first: Callable[[], None] | None = None,
 ) -> AsyncIterator[str]:
-    """The response's SSE; `on_done` gets the finished response object (to store it) before the last event."""
+    """The response's SSE. `on_done` gets the last response object, finished or failed (to store it), before the last
+    event; `on_first` is called when the engine's first output comes."""
     emit = Events()
     started = head.body("in_progress", [], None)
     yield emit("response.created", response=started)
     yield emit("response.in_progress", response=started)
-    text, items = tool_stream.ToolStream(plan), Items(emit)
+    text, items = ChoiceStream(answer), Items(emit)
     final: RequestOutput | None = None
     try:
         async for _, out in merged(call):
+            if on_first is not None:
+                on_first()
+                on_first = None
             c = out.outputs[0]
             for event in items.feed(text.feed(out.new_text[0], c.finish_reason is not None)):
                 yield event
@@ -133,21 +161,25 @@ async def response_events(
                 final = out
                 call.observe(out)
     except Exception as e:  # the request failed in the engine, or the engine died: say so in-band, then end
-        for event in _failed(emit, head, items.items, f"generation failed: {e}"):
+        for event in _failed(emit, head, items.items, f"generation failed: {e}", on_done):
             yield event
         return
     if final is None or final.outputs[0].finish_reason == "abort":  # the server is shutting down (launch.py)
-        for event in _failed(emit, head, items.items, ABORTED):
+        for event in _failed(emit, head, items.items, ABORTED, on_done):
             yield event
         return
     status = status_of(final.outputs[0])
     for event in items.finish(status):
         yield event
-    body = head.body(status, items.items, usage(len(call.prompts[0]), final))
+    body = head.body(status, items.items, usage(len(call.prompts[0]), final, answer))
     on_done(body)
     yield emit("response.completed", response=body)
 
 
-def _failed(emit: Events, head: ResponseHead, output: list[dict[str, Any]], message: str) -> list[str]:
-    return [emit("error", code="server_error", message=message, param=None),
-            emit("response.failed", response=head.body("failed", output, None, error=message))]  # fmt: skip
+def _failed(
+    emit: Events, head: ResponseHead, output: list[dict[str, Any]], message: str,
+    on_done: Callable[[dict[str, Any]], None],
+) -> list[str]:  # fmt: skip
+    body = head.body("failed", output, None, error=message)
+    on_done(body)
+    return [emit("error", code="server_error", message=message, param=None), emit("response.failed", response=body)]
