@@ -99,6 +99,44 @@ def pytest_configure(config: pytest.Config) -> None:
     if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
         raise pytest.UsageError(f"--device {device}: this PyTorch sees no such device; allowed: cpu, or cuda on a GPU")
     target.DEVICE = device
+    _prebuild_kernel_variants(config)
+
+
+# Building a kernel variant takes a minute, on one core (one translation unit); the tests need every variant the CPU
+# runs, and each built the first time a test asked for it, while the other core waited. One background process builds
+# them in turn from the start instead: a test that needs a variant the builder is still making waits on the build's
+# lock (kernels/build.py) and then loads it. TOKENMILL_TEST_PREBUILD=0 turns it off.
+_PREBUILD = """
+import sys
+from tokenmill.kernels import build
+for level in sys.argv[1:]:
+    try:
+        build.load(level)
+    except Exception:
+        pass
+"""
+
+
+def _prebuild_kernel_variants(config: pytest.Config) -> None:
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("TOKENMILL_TEST_PREBUILD", "1") == "0":
+        return
+    from tests.unit.conftest import kernel_levels
+
+    levels = kernel_levels()
+    config._tokenmill_prebuild = subprocess.Popen(  # type: ignore[attr-defined]
+        [sys.executable, "-c", _PREBUILD, *levels], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    builder = getattr(config, "_tokenmill_prebuild", None)
+    if builder is not None and builder.poll() is None:
+        builder.terminate()
+        builder.wait(timeout=30)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
