@@ -167,7 +167,8 @@ def test_the_embed_benchmark_workload_runs_against_the_server(server: Server, tm
     import argparse
     import json
 
-    from tokenmill.bench.serve import add_serve_parser, run_serve
+    from tokenmill.bench.serve import add_serve_parser
+    from tokenmill.bench.serve_run import run_serve
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))

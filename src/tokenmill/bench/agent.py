@@ -25,7 +25,9 @@ from typing import Any
 import httpx
 
 from tokenmill.bench.prompts import TokenCounter, fit_text
+from tokenmill.bench.serve import _finish_rows, _model_len, sampling, send, summarize_rows
 from tokenmill.bench.stats import summarize
+from tokenmill.bench.store import Run
 
 CONTEXT_MARGIN = 64  # tokens kept free of the context for the chat template's own
 
@@ -68,8 +70,6 @@ def conversation_texts(plan: AgentPlan, counter: TokenCounter, seed: int) -> lis
 
 async def run_loops(args: argparse.Namespace, plan: AgentPlan, texts: list[list[str]]) -> tuple[list[dict], float]:
     """Every conversation's turns, conversations concurrently; rows in (conversation, turn) order, wall seconds."""
-    from tokenmill.bench.serve import sampling, send
-
     args = argparse.Namespace(**{**vars(args), "endpoint": "chat"})  # (send reads the endpoint from it)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -140,8 +140,6 @@ def agent_report(s: dict[str, Any]) -> list[str]:
 
 def run_agent(args: argparse.Namespace) -> Any:
     """The agent workload against `--url`: the run folder (manifest, rows, summary, report), as run_workload's."""
-    from tokenmill.bench.serve import _finish_rows, _model_len, sampling, summarize_rows
-    from tokenmill.bench.store import Run
 
     seed = args.seed if args.seed is not None else 0
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

@@ -62,7 +62,7 @@ def run_bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path |
 
         return run_throughput(args, engine_kwargs)
     if args.bench_command == "serve":
-        from tokenmill.bench.serve import run_serve
+        from tokenmill.bench.serve_run import run_serve
 
         return run_serve(args)
     if args.bench_command == "compare":

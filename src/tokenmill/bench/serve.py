@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from tokenmill.bench.flops import FORMULA, flops_basis, report_rows, run_flops
+from tokenmill.bench.flops import FORMULA, report_rows, run_flops
 from tokenmill.bench.plots import cdf_plot
 from tokenmill.bench.prompts import TokenCounter, fit_text
 from tokenmill.bench.stats import summarize
@@ -334,11 +334,6 @@ def _progress(total: int, label: str) -> tuple[Callable[[], None], Callable[[], 
 
 
 def run_workload(args: argparse.Namespace, workload: str) -> Path:
-    if workload in ("agent", "embed"):
-        from tokenmill.bench.agent import run_agent
-        from tokenmill.bench.embed import run_embed
-
-        return Path(run_agent(args) if workload == "agent" else run_embed(args))
     seed = args.seed if args.seed is not None else 0
     slos = parse_goodput(args.goodput)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -383,23 +378,6 @@ def run_workload(args: argparse.Namespace, workload: str) -> Path:
           f"{summary['output_throughput']:.1f} output tok/s, TTFT p50 {summary['ttft_ms']['p50']:.1f} ms -> {path}",
           flush=True)  # fmt: skip
     return path
-
-
-def run_serve(args: argparse.Namespace) -> Path:
-    """Run the chosen workload (or each in turn for `all`) against `--url`, then against each `--server-peers`
-    server; the run folder (the last one), or with peers the side-by-side table."""
-    from tokenmill.bench.serve_peers import parse_peers, peer_args, side_by_side
-
-    parse_goodput(args.goodput)  # fail fast on a bad spec
-    peers = parse_peers(args.server_peers)
-    args.flops_basis = flops_basis(args.flops_model, args.probe_threads) if args.flops_model else None
-    names = (
-        [w for w in WORKLOADS if w not in ("custom", "agent", "embed")] if args.workload == "all" else [args.workload]
-    )
-    runs = [run_workload(args, w) for w in names]
-    for label, url, model in peers:
-        runs += [run_workload(peer_args(args, label, url, model), w) for w in names]
-    return side_by_side(runs, Path(args.output_dir)) if peers else runs[-1]
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
