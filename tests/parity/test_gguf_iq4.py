@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -55,8 +56,9 @@ def iq4_blocks(w: torch.Tensor, fmt: str) -> np.ndarray:
     return encode_gguf_rows(KBlockWeight(fmt, q.view(n, k), d.view(n, -1), sc=sc.to(torch.int8).view(n, -1))).numpy()
 
 
-def retyped(src: Path, dst: Path, types: dict[str, str]) -> Path:
-    """The GGUF `src` again at `dst`, its tensors named in `types` in that IQ4 type (the others as they are)."""
+def retyped(src: Path, dst: Path, types: dict[str, str], encode: Any = None) -> Path:
+    """The GGUF `src` again at `dst`, its tensors named in `types` in that IQ4 type (the others as they are);
+    `encode(name, values, type) -> blocks` where given, for another type or other values."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
     for key, field in reader.fields.items():
@@ -68,7 +70,7 @@ def retyped(src: Path, dst: Path, types: dict[str, str]) -> Path:
         assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name
         data = np.array(t.data)
         if t.name in types:
-            raw = iq4_blocks(torch.from_numpy(data), types[t.name])
+            raw = encode(t.name, data, types[t.name]) if encode else iq4_blocks(torch.from_numpy(data), types[t.name])
             writer.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType[types[t.name].upper()])
         else:
             writer.add_tensor(t.name, data)

@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import torch
 
+from tests.parity.test_gguf_iq4 import retyped
 from tests.parity.test_gguf_kquants import _wide_llama
 from tests.parity.test_gguf_loading import PROMPTS, _greedy, _logits
 from tokenmill import LLM
@@ -22,32 +23,15 @@ MXFP4 = ("blk.0.ffn_down.weight", "blk.1.ffn_gate.weight", "blk.1.ffn_up.weight"
 TINY_SCALES = "blk.0.attn_output.weight"  # its blocks' scales ~2^-45: under what an fp16 scale holds
 
 
-def _retyped(src: Path, dst: Path) -> Path:
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
-    for t in reader.tensors:
-        data = np.array(t.data)
-        if t.name in (*MXFP4, TINY_SCALES):
-            data = data * np.float32(2.0**-40) if t.name == TINY_SCALES else data
-            raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType.MXFP4)
-            writer.add_tensor(t.name, raw, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
-        else:
-            writer.add_tensor(t.name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
+def _mxfp4(name: str, data: np.ndarray, kind: str) -> np.ndarray:
+    """gguf's MXFP4 blocks of `data` (TINY_SCALES' scaled down first, under what an fp16 scale holds)."""
+    data = data * np.float32(2.0**-40) if name == TINY_SCALES else data
+    return gguf.quants.quantize(data, gguf.GGMLQuantizationType.MXFP4)
 
 
 def test_mxfp4_tensors_run_in_their_own_kernels(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     f32 = export_gguf(_wide_llama(make_checkpoint), tmp_path / "f32.gguf", "f32")
-    path = _retyped(f32, tmp_path / "mxfp4.gguf")
+    path = retyped(f32, tmp_path / "mxfp4.gguf", dict.fromkeys((*MXFP4, TINY_SCALES), "mxfp4"), _mxfp4)
     gg = LLM(str(path), dtype="float32")
     assert gg.loaded.kernels.get("mxfp4") == 2, gg.loaded.kernels  # blk.0's down, blk.1's gate|up
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
