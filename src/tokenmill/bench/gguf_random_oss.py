@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from tokenmill.bench.gguf_export import _write_shape
+
 Spec = tuple[str, tuple[int, ...], str]  # (GGUF name, shape in torch order, our dtype name)
 
 
@@ -17,17 +19,9 @@ def write_gpt_oss_hparams(writer: Any, config: dict[str, Any]) -> None:
     import gguf
 
     rope = config["rope_parameters"]
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_rope_dimension_count(config["head_dim"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_vocab_size(config["vocab_size"])
+    head_dim = _write_shape(writer, config)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(float(rope["factor"]))
