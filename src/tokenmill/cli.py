@@ -13,6 +13,7 @@ from typing import Any, NoReturn, get_args, get_type_hints
 from tokenmill.config import (
     BATCHING_MODES,
     DTYPES,
+    KV_CACHE_DTYPES,
     KV_CACHE_MODES,
     QUANTIZATION_MODES,
     SCHEDULING_POLICIES,
@@ -30,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-_CHOICES = {"dtype": DTYPES, "kv_cache": KV_CACHE_MODES, "batching": BATCHING_MODES,
+_CHOICES = {"dtype": DTYPES, "kv_cache": KV_CACHE_MODES, "kv_cache_dtype": KV_CACHE_DTYPES, "batching": BATCHING_MODES,
             "scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATION_MODES,
             "speculative_model_quantization": QUANTIZATION_MODES}  # fmt: skip
 
@@ -43,6 +44,8 @@ _HELP = {
     "dtype": "weights and activations: auto (the checkpoint's), float32, bfloat16, float16",
     "device": "auto (cuda when there is one), cpu, cuda or cuda:N",
     "kv_cache": "paged (blocks, prefix caching), contiguous (one buffer per sequence) or none (recompute)",
+    "kv_cache_dtype": "what the paged KV pool holds: auto (the model's dtype), bfloat16, or int8 (each head's row of "
+    "keys or values as int8 with a half scale, as llama.cpp's -ctk/-ctv q8_0: 1.9x the tokens in the same memory)",
     "max_model_len": "the longest sequence, prompt + output (default: the model's max_position_embeddings). On the "
     "CPU the default KV pool follows it, like llama-server's -c: room for --max-num-seqs sequences of this length; "
     "without it, the model's context, at least 32768 tokens (or --max-num-seqs full-length sequences if less), "

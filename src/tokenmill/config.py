@@ -15,6 +15,8 @@ from tokenmill.errors import ConfigError
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 KVCacheMode = Literal["paged", "contiguous", "none"]
+KVCacheDType = Literal["auto", "bfloat16", "int8"]  # what the paged pool holds (attention/kv_quant.py)
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "int8")
 KV_CACHE_MODES: tuple[str, ...] = ("paged", "contiguous", "none")
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
 # the MLP activation; the GELUs are GPT-2's ("gelu_new", the tanh approximation) and the exact one
@@ -269,6 +271,7 @@ class EngineConfig:
     dtype: DType = "auto"
     device: str = "auto"
     kv_cache: KVCacheMode = "paged"
+    kv_cache_dtype: KVCacheDType = "auto"
     max_model_len: int | None = None
     seed: int = 0
     revision: str | None = None
@@ -322,6 +325,7 @@ class EngineConfig:
         choices = {
             "dtype": DTYPES,
             "kv_cache": KV_CACHE_MODES,
+            "kv_cache_dtype": KV_CACHE_DTYPES,
             "batching": BATCHING_MODES,
             "scheduling_policy": SCHEDULING_POLICIES,
             "quantization": QUANTIZATION_MODES,

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.attention.backend import BatchLayout, attend_sequence
 from tokenmill.attention.contiguous import ContiguousKVCache
+from tokenmill.attention.kv_quant import storage_dtype
 from tokenmill.attention.none import NoKVCache, causal
 from tokenmill.attention.paged import PagedKVCache
 from tokenmill.attention.protocol import KVBackend
@@ -28,10 +29,15 @@ def make_kv_backend(
     if cfg.kv_cache == "paged":
         num_blocks = plan_num_blocks(model, cfg, dtype, device, max_model_len)
         paged = PagedKVCache(model.num_layers, num_blocks, cfg.block_size, model.num_kv_heads, model.head_dim, dtype,
-                             device, ops, model.layer_windows(), cfg.batch_invariant)  # fmt: skip
+                             device, ops, model.layer_windows(), cfg.batch_invariant,
+                             storage_dtype(cfg.kv_cache_dtype, dtype))  # fmt: skip
         if cfg.touch_kv_cache:
             paged.touch()
         return paged
+    if cfg.kv_cache_dtype != "auto":
+        raise ValueError(
+            f"--kv-cache-dtype {cfg.kv_cache_dtype} needs the paged KV cache, not --kv-cache {cfg.kv_cache}"
+        )
     if cfg.kv_cache == "contiguous":
         return ContiguousKVCache(model.num_layers, model.num_kv_heads, model.head_dim, dtype, device,
                                  model.layer_windows())  # fmt: skip

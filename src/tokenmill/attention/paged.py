@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import BatchLayout, attend_sequence, window_of
+from tokenmill.attention.kv_quant import bytes_per_row, dequantize_rows, quantize_rows
 from tokenmill.attention.sinks import attend_with_sinks
 from tokenmill.kernels import FusedOps, Kernels
 from tokenmill.types import SequenceInput
@@ -58,12 +59,17 @@ class PagedKVCache:
         ops: FusedOps | None = None,
         windows: Sequence[int | None] = (),
         batch_invariant: bool = False,
+        storage: torch.dtype | None = None,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.windows = list(windows)  # per layer attention window (None: whole context); empty: none anywhere
-        self.dtype, self.device = dtype, device
-        # the fused decode attention (kernels/): it reads the blocks in place, no gather and no padding bias
+        self.dtype, self.device = dtype, device  # the activations' dtype: what attention takes and returns
+        self.storage = storage or dtype  # what the pool holds: `dtype`, bfloat16, or int8 rows (kv_quant.py)
+        quantized = self.storage == torch.int8
+        # the fused decode attention (kernels/): it reads the blocks in place, no gather and no padding bias; the
+        # CPU kernels also read an int8 pool, the GPU's only a pool in the activations' dtype
         fused = ops is not None and device.type == ops.device_type and dtype in ops.dtypes
+        fused = fused and (self.storage == dtype or (quantized and isinstance(ops, Kernels)))
         self.ops = ops if fused else None
         self.fused_prefill = isinstance(self.ops, Kernels)  # the CPU kernels also attend prefills in place
         # every row, prefill or decode, through the decode kernel, one query at a time: the same sums for a token
@@ -77,10 +83,12 @@ class PagedKVCache:
         shape = (num_layers, 2, (num_blocks + spare) * block_size, num_kv_heads, head_dim)
         # NOTE: empty, not zeros: untouched pages of a large CPU pool cost no resident memory. Blocks are zeroed
         # once, before first use (`_zeroed_below`), because the batched decode reads whole blocks, padding included.
-        self.cache = torch.empty(shape, dtype=dtype, device=device)  # [L, 2, slots, Hkv, Dh]
+        self.cache = torch.empty(shape, dtype=self.storage, device=device)  # [L, 2, slots, Hkv, Dh]
+        # an int8 pool's bf16 scales, one per (slot, KV head) row: [L, 2, slots, Hkv]
+        self.scales = torch.empty(shape[:4], dtype=torch.bfloat16, device=device) if quantized else None
         self._zeroed_below = 0  # blocks [0, this) have been zeroed
         if self.spare_slot is not None:
-            self.cache[:, :, self.spare_slot :].zero_()
+            self._zero_slots(self.spare_slot, None)
 
     @property
     def paged(self) -> PagedKVCache:
@@ -90,12 +98,34 @@ class PagedKVCache:
     def touch(self) -> None:
         """Zero the whole pool now: its pages become resident, so the process's memory use is known at start
         (the pool is otherwise `torch.empty`, and pages fill in as blocks are first used)."""
-        self.cache.zero_()
+        self._zero_slots(0, None)
         self._zeroed_below = self.num_blocks
+
+    def _zero_slots(self, start: int, end: int | None) -> None:
+        self.cache[:, :, start:end].zero_()
+        if self.scales is not None:
+            self.scales[:, :, start:end].zero_()
+
+    @property
+    def nbytes(self) -> int:
+        """The pool's bytes: its rows, and an int8 pool's scales."""
+        return self.cache.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        """The bytes of one block's keys and values, every layer's, in storage `dtype`."""
+        return 2 * num_layers * block_size * num_kv_heads * bytes_per_row(head_dim, dtype)
+
+    def _layer_scales(self, layer: int) -> torch.Tensor | None:
+        return None if self.scales is None else self.scales[layer]
+
+    def _rows(self, layer: int, half: int, index: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s keys (half 0) or values (1) at slots `index` [N] -> [N, Hkv, Dh] in the activations'
+        dtype: only these rows are widened."""
+        rows = self.cache[layer, half].index_select(0, index)
+        if self.scales is None:
+            return rows.to(self.dtype)
+        return dequantize_rows(rows, self.scales[layer, half].index_select(0, index), self.dtype)
 
     # -- per step ---------------------------------------------------------------------------------------------
     def prepare(self, sequences: Sequence[SequenceInput], num_decodes: int) -> PagedMetadata:
@@ -155,7 +185,7 @@ class PagedKVCache:
         batched decode never reads uninitialized memory (a NaN there would survive any mask)."""
         top = max((max(t) for t in tables if t), default=-1) + 1
         if top > self._zeroed_below:
-            self.cache[:, :, self._zeroed_below * self.block_size : top * self.block_size].zero_()
+            self._zero_slots(self._zeroed_below * self.block_size, top * self.block_size)
             self._zeroed_below = top
 
     def _decode_inputs(
@@ -210,10 +240,19 @@ class PagedKVCache:
     # -- per layer --------------------------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> None:
         if self.ops is not None and k.dtype == self.dtype and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]:
-            self.ops.kv_write(k, v, self.cache[layer], meta.slot_mapping)
+            if self.scales is None:
+                self.ops.kv_write(k, v, self.cache[layer], meta.slot_mapping)
+            else:
+                assert isinstance(self.ops, Kernels)
+                self.ops.kv_write(k, v, self.cache[layer], meta.slot_mapping, self.scales[layer])
             return
-        self.cache[layer, 0].index_copy_(0, meta.slot_mapping, k)
-        self.cache[layer, 1].index_copy_(0, meta.slot_mapping, v)
+        for half, x in enumerate((k, v)):
+            if self.scales is None:
+                self.cache[layer, half].index_copy_(0, meta.slot_mapping, x.to(self.storage))
+            else:
+                q, scale = quantize_rows(x)
+                self.cache[layer, half].index_copy_(0, meta.slot_mapping, q)
+                self.scales[layer, half].index_copy_(0, meta.slot_mapping, scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
                sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -223,7 +262,8 @@ class PagedKVCache:
         if meta.row_tables is not None and meta.row_lens is not None:  # batch-invariant: every row as a decode
             assert isinstance(self.ops, Kernels)
             return self.ops.decode_attention(q.contiguous(), self.cache[layer], meta.row_tables, meta.row_lens,
-                                             self.block_size, window_of(self.windows, layer), sinks)  # fmt: skip
+                                             self.block_size, window_of(self.windows, layer), sinks,
+                                             self._layer_scales(layer))  # fmt: skip
         if nd == meta.num_seqs:  # a decode-only step (the common one): no output buffer to fill piecewise
             return self._decode_batch(layer, q, meta, sinks)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -237,15 +277,18 @@ class PagedKVCache:
                 and meta.prefill_seqs is not None
             )
             self.ops.prefill_attention(q, self.cache[layer], meta.prefill_block_tables, meta.prefill_seqs,
-                                       self.block_size, window_of(self.windows, layer), out, sinks)  # fmt: skip
+                                       self.block_size, window_of(self.windows, layer), out, sinks,
+                                       self._layer_scales(layer))  # fmt: skip
             return out
         for b in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
             slots = meta.context_slots[b]
+            if slots is None and self.scales is not None:  # int8: attend to the rows as stored, as a later hit will
+                slots = meta.slot_mapping[start:end]
             if slots is None:
                 keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, ctx, Dh]
             else:
-                keys, values = self.cache[layer, 0, slots].transpose(0, 1), self.cache[layer, 1, slots].transpose(0, 1)
+                keys, values = self._rows(layer, 0, slots).transpose(0, 1), self._rows(layer, 1, slots).transpose(0, 1)
             out[start:end] = attend_sequence(q[start:end], keys, values, window_of(self.windows, layer), sinks)
         return out
 
@@ -257,7 +300,8 @@ class PagedKVCache:
         window = window_of(self.windows, layer)
         if isinstance(self.ops, Kernels):
             return self.ops.decode_attention(q.contiguous(), self.cache[layer], meta.decode_block_tables,
-                                             meta.decode_lens, self.block_size, window, sinks)  # fmt: skip
+                                             meta.decode_lens, self.block_size, window, sinks,
+                                             self._layer_scales(layer))  # fmt: skip
         if self.ops is not None:
             return self.ops.decode_attention(
                 q.contiguous(), self.cache[layer], meta.decode_block_tables, meta.decode_lens, self.block_size, window
@@ -265,10 +309,10 @@ class PagedKVCache:
         bias = meta.decode_bias if window is None else meta.window_bias[window]
         assert bias is not None
         b, m = meta.decode_block_tables.shape
-        flat = meta.decode_block_tables.reshape(-1)
-        kv = self.cache[layer].view(2, -1, self.block_size, *self.cache.shape[-2:])  # [2, blocks, bs, Hkv, Dh]
-        keys = kv[0].index_select(0, flat).view(b, m * self.block_size, *self.cache.shape[-2:])  # [B, S, Hkv, Dh]
-        values = kv[1].index_select(0, flat).view(b, m * self.block_size, *self.cache.shape[-2:])
+        bs = self.block_size
+        slots = (meta.decode_block_tables[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)  # [B*S]
+        keys = self._rows(layer, 0, slots).view(b, m * bs, *self.cache.shape[-2:])  # [B, S, Hkv, Dh]
+        values = self._rows(layer, 1, slots).view(b, m * bs, *self.cache.shape[-2:])
         h, dh = q.shape[1], q.shape[2]
         hkv = keys.shape[2]
         queries = q.view(b, hkv, h // hkv, dh)  # [B, Hkv, G, Dh]: a KV head's query heads side by side
@@ -289,23 +333,32 @@ class PagedKVCache:
     def block_nbytes(self) -> int:
         """The bytes of one block's keys and values, every layer's: a tier's payload."""
         num_layers, _, _, num_kv_heads, head_dim = self.cache.shape
-        return self.bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, self.dtype)
+        return self.bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, self.storage)
+
+    def _block_parts(self, block_id: int) -> list[torch.Tensor]:
+        """Views of block `block_id`: its rows [L, 2, bs, Hkv, Dh], and an int8 pool's scales [L, 2, bs, Hkv]."""
+        start = block_id * self.block_size
+        parts = [self.cache[:, :, start : start + self.block_size]]
+        if self.scales is not None:
+            parts.append(self.scales[:, :, start : start + self.block_size])
+        return parts
 
     def read_block(self, block_id: int) -> bytes:
-        """Block `block_id`'s keys and values as bytes: [L, 2, block_size, Hkv, Dh] in the pool's dtype."""
-        start = block_id * self.block_size
-        block = self.cache[:, :, start : start + self.block_size].contiguous()  # [L, 2, bs, Hkv, Dh]
-        return bytes(block.view(torch.uint8).cpu().numpy().data)
+        """Block `block_id`'s keys and values as bytes: [L, 2, block_size, Hkv, Dh] in the pool's storage dtype,
+        then an int8 pool's scales [L, 2, block_size, Hkv]."""
+        return b"".join(bytes(p.contiguous().view(torch.uint8).cpu().numpy().data) for p in self._block_parts(block_id))
 
     def write_block(self, block_id: int, data: bytes) -> None:
         """Overwrite block `block_id` with what `read_block` gave (of this same layout)."""
         if len(data) != self.block_nbytes:
             raise ValueError(f"a block of this pool is {self.block_nbytes} bytes, got {len(data)}")
         self.zero_new_blocks([[block_id]])  # NOTE: first, or the step's zeroing of new blocks would wipe it
-        start = block_id * self.block_size
-        target = self.cache[:, :, start : start + self.block_size]  # [L, 2, bs, Hkv, Dh]
-        source = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(target.shape)
-        target.copy_(source)
+        source = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        at = 0
+        for target in self._block_parts(block_id):
+            n = target.numel() * target.dtype.itemsize
+            target.copy_(source[at : at + n].view(target.dtype).view(target.shape))
+            at += n
 
 
 def new_slots(tables: list[list[int]], seq_lens: list[int], block_size: int) -> list[int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.attention.kv_quant import storage_dtype
 from tokenmill.attention.paged import PagedKVCache
 from tokenmill.config import EngineConfig, ModelConfig
 
@@ -59,7 +60,8 @@ def plan_num_blocks(
     if engine.num_kv_blocks is not None:
         return engine.num_kv_blocks
     block_size = engine.block_size
-    per_block = PagedKVCache.bytes_per_block(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype)
+    storage = storage_dtype(engine.kv_cache_dtype, dtype)
+    per_block = PagedKVCache.bytes_per_block(model.num_layers, block_size, model.num_kv_heads, model.head_dim, storage)
     if engine.kv_cache_memory_gb is not None:
         return max(1, int(engine.kv_cache_memory_gb * 2**30 // per_block))
     if device.type == "cuda":

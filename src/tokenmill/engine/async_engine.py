@@ -122,7 +122,7 @@ def _memory(model: LoadedModel, core: EngineCore) -> str:
     tied = getattr(head, "weight", getattr(head, "data", None)) is embedding  # weight_bytes counted it as the head
     weights = weight_bytes(model.model) + (0 if tied else embedding.nbytes)
     pool = getattr(core.runner, "kv", None)
-    kv = pool.cache.nbytes if isinstance(pool, PagedKVCache) else 0
+    kv = pool.nbytes if isinstance(pool, PagedKVCache) else 0
     return (f"memory: weights {round(weights / mb)} MiB, KV pool {round(kv / mb)} MiB reserved, "
             f"process RSS {round(psutil.Process().memory_info().rss / mb)} MiB")  # fmt: skip
 

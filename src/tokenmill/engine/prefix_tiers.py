@@ -66,6 +66,7 @@ def model_identity(loaded: LoadedModel, cfg: EngineConfig, pool: PagedKVCache) -
         "model": str(path),
         "files": [[f.name, st.st_size, st.st_mtime_ns, st.st_ino] for f in files if (st := f.stat())],
         "dtype": str(pool.dtype),
+        "storage": str(pool.storage),
         "layout": {"layers": num_layers, "kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": pool.block_size},
         "device": pool.device.type,
         "kernels": [type(ops).__name__, getattr(getattr(ops, "module", None), "__name__", None)],

@@ -208,29 +208,36 @@ class Kernels:
         window: int | None,
         out: torch.Tensor,
         sinks: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
     ) -> None:
         """Prompts' new tokens (prefills and chunks) over a layer's paged cache [2, slots, Hkv, Dh], which already
         holds their keys and values: q [T, H, Dh] (token rows may be strided, heads Dh apart); tables [S, M]
         (int64) block ids; seqs [S, 3] (int64): each sequence's first row in q, new tokens, context length (new
         ones included). Writes those rows of out [T, H, Dh] (contiguous); with a window, each token sees only the
         last `window` positions; with sinks [H], each head's sink logit joins its softmax's denominator. Dh must be
-        a multiple of 16."""
+        a multiple of 16. An int8 cache comes with its bf16 scales [2, slots, Hkv] (`_int8_scales`)."""
         h, dh = q.shape[1:]
-        if q.stride(2) != 1 or q.stride(1) != dh or not out.is_contiguous() or dh % 16 or q.dtype != cache.dtype:
+        same = q.dtype == cache.dtype if scales is None else cache.dtype == torch.int8
+        if q.stride(2) != 1 or q.stride(1) != dh or not out.is_contiguous() or dh % 16 or not same:
             raise ValueError("prefill_attention needs heads Dh apart, Dh % 16 == 0, a contiguous out, one dtype")
         sink = _sinks(sinks, h)
         self.module.prefill_attention(
             q.data_ptr(), q.stride(0), cache.data_ptr(), q.dtype == torch.bfloat16, cache.shape[1], tables.data_ptr(),
             tables.shape[1], block_size, seqs.data_ptr(), seqs.shape[0], h, cache.shape[2], dh, dh**-0.5, window or 0,
-            out.data_ptr(), 0 if sink is None else sink.data_ptr(),
+            out.data_ptr(), 0 if sink is None else sink.data_ptr(), _int8_scales(cache, scales),
         )  # fmt: skip
 
-    def kv_write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    def kv_write(
+        self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+        scales: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         """k, v [T, Hkv, Dh] (rows may be strided: slices of a fused qkv) -> a layer's cache [2, S, Hkv, Dh] at
-        `slots` [T] (int64)."""
+        `slots` [T] (int64); an int8 cache's rows are quantized, their bf16 scales written to `scales` [2, S, Hkv]
+        (attention/kv_int8.h)."""
         width = k.shape[1] * k.shape[2]
         self.module.kv_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.dtype == torch.bfloat16,
-                             cache.data_ptr(), cache.shape[1], slots.data_ptr(), k.shape[0], width)  # fmt: skip
+                             cache.data_ptr(), cache.shape[1], slots.data_ptr(), k.shape[0], width,
+                             _int8_scales(cache, scales), k.shape[2])  # fmt: skip
 
     def decode_attention(
         self,
@@ -241,16 +248,34 @@ class Kernels:
         block_size: int,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [B, H, Dh], one new token per sequence, over a layer's paged cache [2, slots, Hkv, Dh] through block
         tables [B, M] (int64) and context lengths [B] (int64) -> [B, H, Dh]; with a window, over the last
-        `window` positions only; with sinks [H], each head's sink logit joins its softmax's denominator."""
+        `window` positions only; with sinks [H], each head's sink logit joins its softmax's denominator. An int8
+        cache comes with its bf16 scales [2, slots, Hkv]."""
         b, h, dh = q.shape
         out = torch.empty_like(q)
         sink = _sinks(sinks, h)
         self.module.decode_attention(
             q.data_ptr(), cache.data_ptr(), q.dtype == torch.bfloat16, cache.shape[1], tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), b, h, cache.shape[2], dh, block_size, dh**-0.5, window or 0,
-            out.data_ptr(), 0 if sink is None else sink.data_ptr(),
+            out.data_ptr(), 0 if sink is None else sink.data_ptr(), _int8_scales(cache, scales),
         )  # fmt: skip
         return out
+
+
+def _int8_scales(cache: torch.Tensor, scales: torch.Tensor | None) -> int:
+    """The kernels' `kv_scales` argument: an int8 cache's bf16 scales [2, slots, Hkv] (contiguous), or 0 for a cache in
+    the activations' dtype."""
+    if scales is None:
+        if cache.dtype == torch.int8:
+            raise ValueError("an int8 KV cache needs its scales")
+        return 0
+    if cache.dtype != torch.int8 or scales.dtype != torch.bfloat16 or not scales.is_contiguous():
+        raise ValueError("int8 KV scales are a contiguous bfloat16 [2, slots, Hkv] beside an int8 cache")
+    if tuple(scales.shape) != tuple(cache.shape[:3]):
+        raise ValueError(
+            f"int8 KV scales of shape {tuple(scales.shape)} do not match the cache's {tuple(cache.shape[:3])}"
+        )
+    return int(scales.data_ptr())

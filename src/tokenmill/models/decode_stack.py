@@ -130,6 +130,8 @@ class DecodeStack:
             return None  # the stack is the CPU kernels' (a GPU's fused ops run in the layers)
         if any(w is not None for w in pool.windows):  # sliding-window layers take the modules' attention
             return None
+        if pool.storage != pool.dtype:  # an int8 (or other-dtype) pool: the modules' attention reads it
+            return None
         layers = [layer for layer in decoder.layers if type(layer) is DecoderLayer]
         if not layers or len(layers) != len(decoder.layers):
             return None

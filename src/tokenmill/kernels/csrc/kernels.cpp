@@ -144,10 +144,11 @@ void silu_mul(uintptr_t gate_up, uintptr_t out, bool bf16, int64_t rows, int64_t
 }
 
 // Every sequence's splits of each KV head as tasks, then each sequence's merge (attention/decode.h)
-template <typename T>
+template <typename T, typename C = T>
 void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const int64_t* tab, int64_t max_blocks,
                            const int64_t* len, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size,
-                           float scale, int64_t window, uintptr_t out, const float* sinks) {
+                           float scale, int64_t window, uintptr_t out, const float* sinks,
+                           const uint16_t* kv_scales = nullptr) {
   const int64_t G = H / Hkv;
   std::vector<int64_t> first;  // sequence b's splits are [first[b], first[b + 1]), Hkv tasks each
   split_offsets(len, B, window, first);
@@ -159,8 +160,8 @@ void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const in
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task / Hkv, g = task % Hkv, at = split * H + g * G;
       const int64_t b = split_owner(first, split), s = split - first[b];
-      attention_split<T>((const T*)q, (const T*)cache, slots, tab + b * max_blocks, len[b], window, b, g, s, H, Hkv, Dh,
-                         block_size, scale, acc.get() + at * Dh, ml.get() + at * 2, scratch.data());
+      attention_split<T, C>((const T*)q, (const C*)cache, slots, tab + b * max_blocks, len[b], window, b, g, s, H, Hkv,
+                            Dh, block_size, scale, acc.get() + at * Dh, ml.get() + at * 2, scratch.data(), kv_scales);
     }
   });
   at::parallel_for(0, B, std::max<int64_t>(1, (16 << 10) / (H * Dh)), [&](int64_t begin, int64_t end) {
@@ -170,13 +171,21 @@ void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const in
   });
 }
 
+// kv_scales: an int8 cache's bf16 scales [2, slots, Hkv] (attention/kv_int8.h), or 0: the cache is in q's dtype
 void decode_attention(uintptr_t q, uintptr_t cache, bool bf16, int64_t slots, uintptr_t tables, int64_t max_blocks,
                       uintptr_t lens, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size, double scale,
-                      int64_t window, uintptr_t out, uintptr_t sinks) {
+                      int64_t window, uintptr_t out, uintptr_t sinks, uintptr_t kv_scales) {
   const int64_t* tab = (const int64_t*)tables;
   const int64_t* len = (const int64_t*)lens;
   const float* sink = (const float*)sinks;  // [H] float32, or null: no sinks
-  if (bf16)
+  const uint16_t* scales = (const uint16_t*)kv_scales;
+  if (scales && bf16)
+    decode_attention_impl<uint16_t, int8_t>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale,
+                                            window, out, sink, scales);
+  else if (scales)
+    decode_attention_impl<float, int8_t>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale,
+                                         window, out, sink, scales);
+  else if (bf16)
     decode_attention_impl<uint16_t>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out,
                                     sink);
   else
@@ -188,22 +197,32 @@ void decode_attention(uintptr_t q, uintptr_t cache, bool bf16, int64_t slots, ui
 // in q, new tokens, context length
 void prefill_attention(uintptr_t q, int64_t q_stride, uintptr_t cache, bool bf16, int64_t slots, uintptr_t tables,
                        int64_t max_blocks, int64_t block_size, uintptr_t seqs, int64_t S, int64_t H, int64_t Hkv,
-                       int64_t Dh, double scale, int64_t window, uintptr_t out, uintptr_t sinks) {
-  auto run = [&](auto* type) {
+                       int64_t Dh, double scale, int64_t window, uintptr_t out, uintptr_t sinks, uintptr_t kv_scales) {
+  auto run = [&](auto* type, auto* cache_type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    const PrefillJob<T> job{(const T*)q, q_stride, (const T*)cache, slots, (const int64_t*)tables, max_blocks,
-                            block_size, (const int64_t*)seqs, H, Hkv, Dh, (float)scale, window, (T*)out,
-                            (const float*)sinks};
+    using C = std::remove_pointer_t<decltype(cache_type)>;
+    const PrefillJob<T, C> job{(const T*)q, q_stride, (const C*)cache, slots, (const int64_t*)tables, max_blocks,
+                               block_size, (const int64_t*)seqs, H, Hkv, Dh, (float)scale, window, (T*)out,
+                               (const float*)sinks, (const uint16_t*)kv_scales};
     prefill_attention_run(job, S);
   };
-  if (bf16) run((uint16_t*)nullptr);
-  else run((float*)nullptr);
+  if (kv_scales && bf16) run((uint16_t*)nullptr, (int8_t*)nullptr);
+  else if (kv_scales) run((float*)nullptr, (int8_t*)nullptr);
+  else if (bf16) run((uint16_t*)nullptr, (uint16_t*)nullptr);
+  else run((float*)nullptr, (float*)nullptr);
 }
 
+// kv_scales: an int8 cache's bf16 scales [2, slots, Hkv] (the rows are quantized: attention/kv_int8.h), or 0
 void kv_write(uintptr_t k, int64_t k_stride, uintptr_t v, int64_t v_stride, bool bf16, uintptr_t cache, int64_t slots,
-              uintptr_t slot, int64_t n, int64_t width) {
+              uintptr_t slot, int64_t n, int64_t width, uintptr_t kv_scales, int64_t Dh) {
   const int64_t* s = (const int64_t*)slot;
-  if (bf16)
+  if (kv_scales && bf16)
+    kv_write_rows_int8((const uint16_t*)k, k_stride, (const uint16_t*)v, v_stride, (int8_t*)cache,
+                       (uint16_t*)kv_scales, slots, s, n, width / Dh, Dh);
+  else if (kv_scales)
+    kv_write_rows_int8((const float*)k, k_stride, (const float*)v, v_stride, (int8_t*)cache, (uint16_t*)kv_scales,
+                       slots, s, n, width / Dh, Dh);
+  else if (bf16)
     kv_write_rows((const uint16_t*)k, k_stride, (const uint16_t*)v, v_stride, (uint16_t*)cache, slots, s, n, width);
   else
     kv_write_rows((const float*)k, k_stride, (const float*)v, v_stride, (float*)cache, slots, s, n, width);

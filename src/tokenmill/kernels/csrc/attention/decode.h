@@ -18,10 +18,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "arch/isa.h"
 #include "attention/common.h"
+#include "attention/kv_int8.h"
 #include "core/simd.h"
 
 #if TM_BF16_PAIRS
@@ -47,17 +49,19 @@ inline void for_each_run(const int64_t* table, int64_t block_size, int64_t t0, i
 // softmax over the split's positions and their weighted sum of values. cache: [2, slots, Hkv, Dh] for this layer
 // (keys then values); q: [B, H, Dh]; table: the sequence's block ids; len: its context length. -> acc [G, Dh] (the
 // sums, float32) and ml [G, 2] (each head's largest score and sum of exponentials over the split), for
-// merge_splits. `scratch` holds attention_scratch(G, Dh, block_size) floats.
-template <typename T>
-inline void attention_split(const T* q, const T* cache, int64_t slots, const int64_t* table, int64_t len,
+// merge_splits. `scratch` holds attention_scratch(G, Dh, block_size) floats. An int8 cache (C = int8_t) comes with
+// its scales [2, slots, Hkv] (attention/kv_int8.h); its rows are widened a run at a time, as bf16 rows are.
+template <typename T, typename C = T>
+inline void attention_split(const T* q, const C* cache, int64_t slots, const int64_t* table, int64_t len,
                             int64_t window, int64_t b, int64_t g, int64_t s, int64_t H, int64_t Hkv, int64_t Dh,
-                            int64_t block_size, float scale, float* acc, float* ml, float* scratch) {
+                            int64_t block_size, float scale, float* acc, float* ml, float* scratch,
+                            const uint16_t* kv_scales = nullptr) {
   const int64_t G = H / Hkv, kv_stride = Hkv * Dh;
   // positions [begin, len): the whole context, or with a window (> 0) its last `window` positions; this split's
   // are [t0, t1)
   const int64_t begin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   const int64_t t0 = begin + s * kSplit, t1 = std::min(len, t0 + kSplit), n = t1 - t0;
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (sizeof(T) == 2 && std::is_same_v<C, T>) {
     if (attention_split_bf16((const uint16_t*)q, (const uint16_t*)cache, slots, table, t0, t1, b, g, H, G, Dh,
                              kv_stride, block_size, scale, acc, ml, scratch))
       return;
@@ -71,12 +75,25 @@ inline void attention_split(const T* q, const T* cache, int64_t slots, const int
                  const int64_t slot = table[t / block_size] * block_size + t % block_size;
                  return cache + (half * slots + slot) * kv_stride + g * Dh;
                },
-               2 * n, Dh * (int64_t)sizeof(T)};
+               2 * n, Dh * (int64_t)sizeof(C)};
+  // m rows of keys (half 0) or values (1) from `slot` as float32 rows, `stride` apart
+  auto rows = [&](int64_t half, int64_t slot, int64_t m, int64_t& stride) -> const float* {
+    const C* src = cache + (half * slots + slot) * kv_stride + g * Dh;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      stride = Dh;
+      widen_int8_rows(src, kv_stride, kv_scales + (half * slots + slot) * Hkv + g, Hkv, m, Dh, run);
+      if (sizeof(T) == 2 && half == 0)  // a bf16 model's keys rounded to bf16, as prefill's tiles take them: the
+        round_rows_bf16(run, m * Dh);   // same keys whichever kernel reads them (a preempted request's recompute)
+      return run;
+    } else {
+      return float_rows(src, m, stride, Dh, run);
+    }
+  };
   for (int64_t j = 0; j < G * Dh; ++j) qv[j] = load_one(q + (b * H + g * G) * Dh + j) * scale;
   for_each_run(table, block_size, t0, t1, [&](int64_t slot, int64_t t, int64_t m) {
     ask.until(t - t0 + m);  // this run's keys and kAskAhead more
     int64_t stride = kv_stride;
-    const float* kb = float_rows(cache + slot * kv_stride + g * Dh, m, stride, Dh, run);
+    const float* kb = rows(0, slot, m, stride);
     for (int64_t j = 0; j < G; ++j) dot_rows(qv + j * Dh, kb, stride, m, Dh, scores + j * n + t - t0);
   });
   ask.until(n);
@@ -85,7 +102,7 @@ inline void attention_split(const T* q, const T* cache, int64_t slots, const int
   for_each_run(table, block_size, t0, t1, [&](int64_t slot, int64_t t, int64_t m) {
     ask.until(n + t - t0 + m);
     int64_t stride = kv_stride;
-    const float* vb = float_rows(cache + (slots + slot) * kv_stride + g * Dh, m, stride, Dh, run);
+    const float* vb = rows(1, slot, m, stride);
     for (int64_t j = 0; j < G; ++j) axpy_run(acc + j * Dh, scores + j * n + t - t0, vb, stride, m, Dh);
   });
 }

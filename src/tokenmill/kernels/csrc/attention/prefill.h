@@ -22,10 +22,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention/common.h"
 #include "attention/decode.h"  // pack_keys_bf16 (this build's)
+#include "attention/kv_int8.h"
 #include "core/simd.h"
 #include "linear/dense_tiles.h"
 #include "linear/pair_tile.h"
@@ -49,11 +51,11 @@ struct PrefillTask {
   int64_t cost;            // rows x positions: the longest tasks go first
 };
 
-template <typename T>
+template <typename T, typename C = T>
 struct PrefillJob {
   const T* q;                  // [tokens, H, Dh], tokens q_stride elements apart, heads Dh apart
   int64_t q_stride;
-  const T* cache;              // this layer's [2, slots, Hkv, Dh]
+  const C* cache;              // this layer's [2, slots, Hkv, Dh]: T, or int8 (attention/kv_int8.h)
   int64_t slots;
   const int64_t* tables;       // [S, max_blocks] block ids
   int64_t max_blocks, block_size;
@@ -63,6 +65,7 @@ struct PrefillJob {
   int64_t window;              // > 0: each token sees only the last `window` positions (itself included)
   T* out;                      // [tokens, H, Dh] contiguous
   const float* sinks;          // [H]: each head's sink logit in the softmax's denominator (gpt-oss), or null
+  const uint16_t* kv_scales = nullptr;  // an int8 cache's bf16 scales [2, slots, Hkv]
 };
 
 // The keys of n <= KB positions (row pointers) as ceil(n / P) panels in `panels`, zero past n: bf16 [Dh/2][P][2]
@@ -153,12 +156,12 @@ inline float online_softmax_row(float* s, int64_t n, int64_t lo, int64_t hi, flo
 // Per-thread buffers of a task with up to `rows` rows.
 template <typename T>
 struct PrefillScratch {
-  std::vector<T> q, keys;                  // [rows, Dh]; [KB, Dh] packed
+  std::vector<T> q, keys, widened;         // [rows, Dh]; [KB, Dh] packed; [KB, Dh] an int8 cache's keys as T
   std::vector<float> values, s, o, mx, l;  // [KB, Dh]; [rows, KB]; [rows, Dh]; [rows]; [rows]
-  std::vector<const T*> krow, vrow;        // [KB]
+  std::vector<const T*> krow;              // [KB]
   PrefillScratch(int64_t rows, int64_t Dh)
-      : q(rows * Dh), keys(KB * Dh), values(KB * Dh), s(rows * KB), o(rows * Dh), mx(rows), l(rows), krow(KB),
-        vrow(KB) {}
+      : q(rows * Dh), keys(KB * Dh), widened(KB * Dh), values(KB * Dh), s(rows * KB), o(rows * Dh), mx(rows), l(rows),
+        krow(KB) {}
 };
 
 // The rows [first row's position + r / G] of a task, and the positions each sees.
@@ -199,9 +202,37 @@ void block_values(PrefillScratch<T>& sc, int64_t R, int64_t n, int64_t Dh) {
     });
 }
 
+// The keys of positions [t0, t0 + n) of KV head g as row pointers in sc.krow, their values as float32 rows in
+// sc.values: a T cache's keys where they lie; an int8 cache's widened into sc.widened (rounded to T, as the tiles
+// multiply T keys), its values widened exactly.
+template <typename T, typename C>
+void block_rows(const PrefillJob<T, C>& job, int64_t g, const int64_t* table, int64_t t0, int64_t n,
+                PrefillScratch<T>& sc) {
+  const int64_t Dh = job.Dh, kv_stride = job.Hkv * Dh;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = t0 + i, slot = table[t / job.block_size] * job.block_size + t % job.block_size;
+    const C* key = job.cache + slot * kv_stride + g * Dh;
+    float* value = sc.values.data() + i * Dh;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      const int64_t at = slot * job.Hkv + g;
+      const float* row = widen_int8_rows(key, 0, job.kv_scales + at, 0, 1, Dh, value);  // the key, for a moment
+      T* dst = sc.widened.data() + i * Dh;
+      for (int64_t d = 0; d < Dh; d += W) {
+        if constexpr (sizeof(T) == 2) store_bf16((uint16_t*)(dst + d), load(row + d));
+        else store((float*)(dst + d), load(row + d));
+      }
+      sc.krow[i] = dst;
+      widen_int8_rows(key + job.slots * kv_stride, 0, job.kv_scales + job.slots * job.Hkv + at, 0, 1, Dh, value);
+    } else {
+      sc.krow[i] = key;
+      for (int64_t d = 0; d < Dh; d += W) store(value + d, load_row(key + job.slots * kv_stride + d));
+    }
+  }
+}
+
 // One task: its rows' queries copied side by side, then the context block by block, then the rows normalized out.
-template <typename T>
-void prefill_task(const PrefillJob<T>& job, const PrefillTask& task, PrefillScratch<T>& sc) {
+template <typename T, typename C>
+void prefill_task(const PrefillJob<T, C>& job, const PrefillTask& task, PrefillScratch<T>& sc) {
   const int64_t G = job.H / job.Hkv, Dh = job.Dh, R = (task.i1 - task.i0) * G, kv_stride = job.Hkv * Dh;
   const int64_t* seq = job.seqs + task.seq * 3;
   const int64_t* table = job.tables + task.seq * job.max_blocks;
@@ -215,14 +246,8 @@ void prefill_task(const PrefillJob<T>& job, const PrefillTask& task, PrefillScra
   std::fill_n(sc.l.data(), R, 0.f);
   for (int64_t t0 = kbeg; t0 < kend; t0 += KB) {
     const int64_t n = std::min(KB, kend - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = t0 + i, slot = table[t / job.block_size] * job.block_size + t % job.block_size;
-      sc.krow[i] = job.cache + slot * kv_stride + task.g * Dh;
-      sc.vrow[i] = sc.krow[i] + job.slots * kv_stride;
-    }
+    block_rows(job, task.g, table, t0, n, sc);
     pack_keys(sc.krow.data(), n, Dh, sc.keys.data());
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t d = 0; d < Dh; d += W) store(sc.values.data() + i * Dh + d, load_row(sc.vrow[i] + d));
     block_scores(sc, sc.s.data(), R, n, t0, tr, Dh, job.scale);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t at = tr.pos(r), hi = std::min(n, at - t0 + 1);
@@ -249,8 +274,8 @@ void prefill_task(const PrefillJob<T>& job, const PrefillTask& task, PrefillScra
 }
 
 // Every task of the job over the threads: the longest first, each thread taking the next from a shared counter.
-template <typename T>
-void prefill_attention_run(const PrefillJob<T>& job, int64_t num_seqs) {
+template <typename T, typename C>
+void prefill_attention_run(const PrefillJob<T, C>& job, int64_t num_seqs) {
   const int64_t G = job.H / job.Hkv, qb = std::max<int64_t>(1, PREFILL_ROWS / G);
   std::vector<PrefillTask> tasks;
   for (int64_t b = 0; b < num_seqs; ++b) {

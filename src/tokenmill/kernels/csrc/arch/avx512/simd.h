@@ -20,6 +20,11 @@ inline vf load_bf16(const uint16_t* p) {
   return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
+// W int8 values -> W floats (the int8 KV cache's rows)
+inline vf load_i8(const int8_t* p) {
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
 // the sum of v's lanes, in a tree (a scalar chain of W adds is far slower where decode attention takes one sum per
 // position and head)
 inline float hsum(vf v) { return _mm512_reduce_add_ps((__m512)v); }

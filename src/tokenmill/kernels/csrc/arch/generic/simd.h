@@ -25,6 +25,13 @@ inline vf load_bf16(const uint16_t* p) {
   return f;
 }
 
+// W int8 values -> W floats (the int8 KV cache's rows)
+inline vf load_i8(const int8_t* p) {
+  vf f;
+  for (int i = 0; i < W; ++i) f[i] = (float)p[i];
+  return f;
+}
+
 // the sum of v's lanes
 inline float hsum(vf v) {
   float s = 0.f;
