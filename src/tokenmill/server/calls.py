@@ -8,6 +8,7 @@ Must not import torch.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -20,6 +21,8 @@ from tokenmill.server.errors import APIError, bad_value
 from tokenmill.server.logs import request_id_var
 from tokenmill.server.state import ServerState
 from tokenmill.server.streaming import Call
+
+log = logging.getLogger("tokenmill.server")
 
 
 async def start_call(
@@ -37,6 +40,7 @@ async def start_call(
                                       grammar)  # fmt: skip
     except ValueError as e:
         raise bad_value(e) from None
+    log.debug("started %d prompt(s), n=%d", len(prompts), params.n)
     return Call(kind, call_id, state.config.served_model_name, prompts, streams, params.n, int(time.time()),
                 state.metrics, state.tracer)  # fmt: skip
 
