@@ -30,15 +30,16 @@ def _serve(model: Path, log: Path, *flags: str, env: dict[str, str] | None = Non
                                 env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
 
 
-def _watch_until(proc: subprocess.Popen[bytes], found: dict[int, psutil.Process], done: str | None) -> None:
-    """Collect `proc`'s descendants until one's command line holds `done` (None: until `proc` exits)."""
+def _watch_until(proc: subprocess.Popen[bytes], found: dict[psutil.Process, str], done: str | None) -> None:
+    """Collect `proc`'s descendants and their command lines until one holds `done` (None: until `proc` exits)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while proc.poll() is None:
         try:
-            found.update({p.pid: p for p in started_by(proc.pid)})
+            # (read again while empty: a process just forked has no command line of its own yet)
+            found.update({p: " ".join(_cmdline(p)) for p in started_by(proc.pid) if not found.get(p)})
         except psutil.NoSuchProcess:
             break
-        if done is not None and any(done in " ".join(_cmdline(p)) for p in found.values()):
+        if done is not None and any(done in cmd for cmd in found.values()):
             return
         assert time.monotonic() < deadline, "never got there"
         time.sleep(0.02)  # bounded polling
@@ -65,13 +66,13 @@ def test_sigkill_during_a_kernel_build_ends_its_compiler(checkpoint: Path, tmp_p
     # a fresh cache: the server compiles the kernels for this CPU first (about a minute, on one core)
     proc = _serve(checkpoint, tmp_path / "server.log", "--threads", "1",
                   env={"TOKENMILL_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
-    found: dict[int, psutil.Process] = {}
+    found: dict[psutil.Process, str] = {}
     try:
         _watch_until(proc, found, "cc1plus")
     finally:
         proc.kill()
         proc.wait(timeout=10)
-    assert_none_left(list(found.values()), "SIGKILL during a kernel build")
+    assert_none_left(list(found), "SIGKILL during a kernel build")
 
 
 def test_a_failed_start_ends_rays_daemons(tokenizer_dir: Path, tmp_path: Path) -> None:
@@ -80,11 +81,11 @@ def test_a_failed_start_ends_rays_daemons(tokenizer_dir: Path, tmp_path: Path) -
     model = bare_decoder("qwen3", tokenizer_dir, tmp_path / "bare")
     log = tmp_path / "server.log"
     proc = _serve(model, log, "--data-parallel-size", "2", "--threads", "1")
-    found: dict[int, psutil.Process] = {}
+    found: dict[psutil.Process, str] = {}
     _watch_until(proc, found, None)
     assert proc.wait(timeout=60) == 2
-    names = " ".join(" ".join(_cmdline(p)) for p in found.values())
-    assert "gcs_server" in names, names  # Ray had started: the test saw something to clean up
+    names = " ".join(found.values())
+    assert "raylet" in names and "gcs_server" in names, names  # Ray had started: the test saw something to clean up
     errors = [line for line in log.read_text().splitlines() if line.startswith("tokenmill serve: error:")]
     assert len(errors) == 1 and "generation only" in errors[0], log.read_text()[-2000:]
-    assert_none_left(list(found.values()), "a failed start")
+    assert_none_left(list(found), "a failed start")
