@@ -1,6 +1,6 @@
-"""Nothing `tokenmill serve` started outlives it, however it ends: SIGINT with tensor-parallel workers, SIGKILL in
-the middle of a kernel build (its compiler jobs), and a start that fails after Ray's daemons are up. (SIGTERM and
-SIGKILL with Ray's replicas: tests/server/test_data_parallel.py; a dead worker rank: test_tensor_parallel_serve.py.)
+"""Nothing `tokenmill serve` started outlives it, however it ends: SIGTERM and SIGINT with tensor-parallel workers,
+SIGKILL in the middle of a kernel build (its compiler jobs), and a start that fails after Ray's daemons are up.
+(SIGKILL with Ray's replicas: tests/server/test_data_parallel.py; a dead worker rank: test_tensor_parallel_serve.py.)
 """
 
 from __future__ import annotations
@@ -53,13 +53,14 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
-def test_sigint_ends_the_tensor_parallel_workers(checkpoint: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_ends_the_tensor_parallel_workers(checkpoint: Path, tmp_path: Path, sig: signal.Signals) -> None:
     with running(checkpoint, tmp_path, "--tensor-parallel-size", "2", "--threads", "1") as server:
         started = started_by(server.proc.pid)
         assert any("spawn_main" in " ".join(_cmdline(p)) for p in started), [p.cmdline() for p in started]
-        server.proc.send_signal(signal.SIGINT)
-        assert server.proc.wait(timeout=60) in (0, 130), server.log_tail()
-    assert_none_left(started, "SIGINT")
+        server.proc.send_signal(sig)
+        assert server.proc.wait(timeout=60) in (0, 130), server.log_tail()  # 130: SIGINT, as a shell reports it
+    assert_none_left(started, sig.name)
 
 
 def test_sigkill_during_a_kernel_build_ends_its_compiler(checkpoint: Path, tmp_path: Path) -> None:
