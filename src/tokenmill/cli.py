@@ -185,6 +185,11 @@ def _serve_args(srv: argparse.ArgumentParser) -> None:
         default=None,
         help="an existing Ray cluster for --data-parallel-size (default: a local Ray started here)",
     )
+    srv.add_argument("--replica-max-restarts", type=int, default=10,
+                     help="times a dead data-parallel replica is started again (default: 10; 0: never)")  # fmt: skip
+    srv.add_argument("--replica-restart-backoff", type=float, default=1.0,
+                     help="seconds before a dead replica's first restart, doubled for each later one up to "
+                     "60 s (default: 1)")  # fmt: skip
     srv.add_argument(
         "--tool-call-parser",
         choices=["auto", "hermes", "llama3_json"],
@@ -213,6 +218,12 @@ def _serve_args(srv: argparse.ArgumentParser) -> None:
     )
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    srv.add_argument("--log-format", choices=["text", "json"], default="text",
+                     help="text, or json: one JSON object per line (time, level, logger, message, request_id where "
+                     "known), the access log too, for log shippers (default: text)")  # fmt: skip
+    srv.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                     help="send a trace per request (spans for queue, prefill, decode) to this OTLP/HTTP endpoint, "
+                     "e.g. http://localhost:4318/v1/traces (needs tokenmill[otel])")  # fmt: skip
 
 
 def _make_model_args(mk: argparse.ArgumentParser) -> None:

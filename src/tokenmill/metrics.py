@@ -101,6 +101,14 @@ class EngineSnapshot:
         return {"ram": self.prefix_cache_ram_bytes, "disk": self.prefix_cache_disk_bytes}
 
 
+@dataclass(frozen=True)
+class ReplicaState:
+    """One data-parallel replica as the front end sees it: serving (alive and answering), and restarts so far."""
+
+    serving: bool
+    restarts: int
+
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)  # fmt: skip
 
@@ -113,8 +121,10 @@ class PrometheusMetrics:
         model_name: str,
         snapshot: Callable[[], EngineSnapshot],
         replicas: Callable[[], dict[str, EngineSnapshot]] | None = None,
+        fleet: Callable[[], dict[str, ReplicaState]] | None = None,
     ) -> None:
-        """`replicas`: each data-parallel replica's snapshot; the engine numbers then carry a `replica` label."""
+        """`replicas`: each data-parallel replica's snapshot; the engine numbers then carry a `replica` label.
+        `fleet`: each replica's `ReplicaState` (`tokenmill:replicas_serving`, `tokenmill:replica_restarts`)."""
         from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 
         self.registry = CollectorRegistry()
@@ -147,6 +157,8 @@ class PrometheusMetrics:
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes
         by_replica = replicas or (lambda: {"": snapshot()})
         self.registry.register(_EngineCollector(model_name, by_replica, labelled=replicas is not None))
+        if fleet is not None:
+            self.registry.register(_FleetCollector(model_name, fleet))
 
     def observe_finished(self, m: RequestMetrics, finish_reasons: list[str | None]) -> None:
         self.prompt_tokens.inc(m.num_prompt_tokens)
@@ -240,3 +252,26 @@ class _EngineCollector:
             for tier, value in values(s).items():
                 f.add_metric([self.model_name, *([replica] if self.labelled else []), tier], value)
         return f
+
+
+class _FleetCollector:
+    """How many data-parallel replicas serve, how many were asked for, and each one's restarts."""
+
+    def __init__(self, model_name: str, fleet: Callable[[], dict[str, ReplicaState]]) -> None:
+        self.model_name, self.fleet = model_name, fleet
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        states = self.fleet()
+        serving = GaugeMetricFamily("tokenmill:replicas_serving", "Data-parallel replicas serving now.",
+                                    labels=["model_name"])  # fmt: skip
+        serving.add_metric([self.model_name], sum(s.serving for s in states.values()))
+        wanted = GaugeMetricFamily("tokenmill:replicas_desired", "Data-parallel replicas asked for.",
+                                   labels=["model_name"])  # fmt: skip
+        wanted.add_metric([self.model_name], len(states))
+        restarts = CounterMetricFamily("tokenmill:replica_restarts", "Data-parallel replicas started again after "
+                                       "dying.", labels=["model_name", "replica"])  # fmt: skip
+        for replica, s in states.items():
+            restarts.add_metric([self.model_name, replica], s.restarts)
+        yield from (serving, wanted, restarts)

@@ -1,7 +1,8 @@
 """`tokenmill serve --data-parallel-size 2`: two single-thread engine replicas as Ray actors on a local Ray,
 behind one OpenAI front end. 32 concurrent requests come back as one engine would give them and both replicas
 work; prompts with a shared prefix go to one replica (its prefix cache hits); a killed replica loses no request
-that had not started on it, and the server goes on serving."""
+that had not started on it, the server goes on serving (degraded) and the replica comes back; a killed server
+leaves no process behind."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import pytest
 
 from tests.server.helpers import Server, offline
 from tests.server.hold import Hold
+from tests.server.processes import assert_none_left, started_by
 from tokenmill import LLM
 
 pytest.importorskip("ray", reason="Ray is not installed: pip install 'tokenmill[ray]' to run the data-parallel tests")
 
-SERVER_FLAGS = ("--data-parallel-size", "2", "--threads", "1")
+SERVER_FLAGS = ("--data-parallel-size", "2", "--threads", "1", "--replica-restart-backoff", "2")
 HOLD_TOKEN = 8  # a prompt starting with it is held mid-request on its replica (tests/server/hold.py)
 
 
@@ -78,12 +80,11 @@ def test_a_shared_prefix_goes_to_one_replica(server: Server) -> None:
     assert sorted(gained.values())[0] == 0 and max(gained.values()) >= 5 * 64, gained
 
 
-def test_a_killed_replica_loses_no_request_that_had_not_started(server: Server) -> None:
+def test_a_killed_replica_loses_no_request_that_had_not_started_and_comes_back(server: Server) -> None:
     replicas = httpx.get(f"{server.url}/stats", timeout=10).json()["replicas"]
     assert [r["up"] for r in replicas] == [True, True]
-    psutil.Process(
-        replicas[0]["pid"]
-    ).kill()  # the front end learns of it at its next poll; requests sent before then are moved
+    killed = replicas[0]["pid"]
+    psutil.Process(killed).kill()  # the front end learns of it at its next poll; requests sent before then are moved
 
     async def main() -> list[str | None]:
         client = _client(server)
@@ -92,7 +93,34 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(server: Server) 
         return [r.choices[0].finish_reason for r in rs]
 
     assert asyncio.run(main()) == ["length"] * 8
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    # fewer replicas than asked for: degraded (200), until the dead one is back after its backoff and load
+    _health_until(server, lambda r: r.status_code == 200 and r.content and r.json()["status"] == "degraded")
+    _health_until(server, lambda r: r.status_code == 200 and not r.content)
+    replicas = httpx.get(f"{server.url}/stats", timeout=10).json()["replicas"]
+    assert [(r["serving"], r["restarts"]) for r in replicas] == [(True, 1), (True, 0)], replicas
+    assert replicas[0]["pid"] != killed
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert re.search(r"^tokenmill:replicas_serving\{[^}]*\} 2\.0$", metrics, re.M), metrics
+    assert re.search(r'^tokenmill:replica_restarts_total\{[^}]*replica="0"\} 1\.0$', metrics, re.M)
+    log = server.log_tail(100_000)
+    assert log.count("engine replica 0 (pid") == 1 and log.count("engine replica 0 is back") == 1, log[-3000:]
+    # the replica that came back serves: requests spread over both replicas again
+    before = _read_per_replica(server, "tokenmill:prefix_cache_queries_total").get("0", 0)
+
+    async def spread() -> None:
+        client = _client(server)
+        await asyncio.gather(*[client.completions.create(model=server.model, prompt=[60 + i, 61], max_tokens=2)
+                               for i in range(8)])  # fmt: skip
+
+    asyncio.run(spread())
+    _per_replica(server, "tokenmill:prefix_cache_queries_total", lambda q: q.get("0", 0) > before)
+
+
+def _health_until(server: Server, ok: Callable[[httpx.Response], bool]) -> None:
+    deadline = time.monotonic() + 120  # a restart loads a whole engine on a busy machine
+    while not ok(r := httpx.get(f"{server.url}/health", timeout=10)):
+        assert time.monotonic() < deadline, f"/health never got there: {r.status_code} {r.text}"
+        time.sleep(0.05)  # bounded polling
 
 
 def test_a_disconnect_aborts_the_request_on_its_replica(server: Server, hold: Hold) -> None:
@@ -114,3 +142,13 @@ def test_a_disconnect_aborts_the_request_on_its_replica(server: Server, hold: Ho
         assert time.monotonic() < deadline, "the request was not aborted on its replica"
         time.sleep(0.2)
     _per_replica(server, "tokenmill:num_requests_running", lambda r: len(r) == 2 and max(r.values()) == 0)
+
+
+def test_a_killed_server_leaves_no_process_behind(server: Server) -> None:
+    """Last: SIGKILL runs no cleanup in the server; its reaper ends Ray's daemons, agents and replicas."""
+    started = started_by(server.proc.pid)
+    names = " ".join(" ".join(p.cmdline()) for p in started)
+    assert "raylet" in names and "ray::Replica" in names and "tokenmill.server.reaper" in names, names
+    server.proc.kill()
+    server.proc.wait(timeout=10)
+    assert_none_left(started, "SIGKILL")

@@ -1,6 +1,7 @@
 """`tokenmill serve --tensor-parallel-size 2`: serves the same greedy tokens as one process through the openai
 client; a worker rank that dies ends an in-flight stream with an error and the server exits non-zero within
-seconds (as any engine death does, for a supervisor to restart), never a hang. Started by torchrun (one
+seconds (as any engine death does, for a supervisor to restart), with one line saying so and no process left,
+never a hang. Started by torchrun (one
 process per rank, as across machines), rank 0 serves and rank 1 computes its shard."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import psutil
 
 from tests.server.helpers import Server, free_port, offline, running
 from tests.server.hold import Hold
+from tests.server.processes import assert_none_left, started_by
 from tokenmill import LLM
 
 SERVER_FLAGS = ("--tensor-parallel-size", "2", "--threads", "1")
@@ -51,6 +53,7 @@ def test_two_ranks_serve_and_a_dead_rank_ends_the_server(server: Server, llm: LL
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))  # the stream is running
         hold.wait_held()
+        started = started_by(server.proc.pid)
         worker = _worker(server)
         worker.send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 30
@@ -63,6 +66,9 @@ def test_two_ranks_serve_and_a_dead_rank_ends_the_server(server: Server, llm: LL
     start = time.monotonic()
     assert server.proc.wait(timeout=20) != 0
     assert time.monotonic() - start < 20
+    assert_none_left(started, "a worker rank's death")  # the other ranks, the reaper and the resource tracker
+    died = [line for line in server.log_tail(100_000).splitlines() if "the engine loop died" in line]
+    assert len(died) == 1, server.log_tail()
 
 
 def test_ranks_that_torchrun_started(checkpoint: Path, llm: LLM, tmp_path: Path) -> None:

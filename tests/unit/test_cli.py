@@ -192,5 +192,9 @@ def test_every_engine_flag_says_what_it_does_and_its_default() -> None:
 
 def test_scale_out_flag_errors_are_one_line(folder: Path) -> None:
     assert_one_line_error(run_cli("serve", str(folder), "--data-parallel-size", "0"), "--data-parallel-size=0")
+    assert_one_line_error(run_cli("serve", str(folder), "--replica-max-restarts", "-1"), "--replica-max-restarts=-1")
+    assert_one_line_error(run_cli("serve", str(folder), "--replica-restart-backoff", "0"),
+                          "--replica-restart-backoff=0", "> 0")  # fmt: skip
+    assert_one_line_error(run_cli("serve", str(folder), "--log-format", "xml"), "--log-format", "json")
     assert_one_line_error(run_cli("generate", str(folder), "--prompt", "x", "--tensor-parallel-size", "3"),
                           "tensor_parallel_size=3 does not divide this model")  # fmt: skip

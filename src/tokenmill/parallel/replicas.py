@@ -9,10 +9,10 @@ routing needs what Serve's router does not know, each replica's load and prompt 
 the one that last served the prompt's longest known prefix (its prefix cache holds those blocks, as SGLang's
 router reasons), unless that one has `SLACK` more sequences in flight than the least loaded; else the least
 loaded. Outputs stream back through a Ray streaming generator; closing the stream (a finished or
-disconnected client) aborts the request on its replica. A replica that dies is restarted by Ray
-(`max_restarts`); while it is down the router sends nothing there. A request whose replica died before it
-produced anything is sent to another replica; one that had started gets a clean error. `/metrics` shows each
-replica's engine numbers with a `replica` label.
+disconnected client) aborts the request on its replica. A replica that dies is restarted by `RayEngine`'s
+watch thread (ray_engine.py: a backoff and a limit); while it is down the router sends nothing there. A
+request whose replica died before it produced anything is sent to another replica; one that had started gets a
+clean error. `/metrics` shows each replica's engine numbers with a `replica` label.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -33,15 +34,17 @@ from tokenmill.server.state import ServerConfig, ServerState
 log = logging.getLogger("tokenmill.server")
 
 
-def build_app(load_engine: Callable[[], AsyncEngine], config: ServerConfig) -> FastAPI:
-    """`load_engine` runs in a background thread at startup; until it returns, /health answers 503."""
-    state = ServerState(config)
+def build_app(load_engine: Callable[[], AsyncEngine], config: ServerConfig, tracer: Any = None) -> FastAPI:
+    """`load_engine` runs in a background thread at startup; until it returns, /health answers 503. `tracer`: a
+    `tracing.RequestTracer` that records every finished request, or None."""
+    state = ServerState(config, tracer=tracer)
 
     def load() -> None:
         try:
             engine = load_engine()
             replicas = getattr(engine, "replica_snapshots", None)  # data parallel: per-replica engine numbers
-            state.metrics = PrometheusMetrics(config.served_model_name, engine.snapshot, replicas)
+            fleet = getattr(engine, "replica_states", None)  # and whether each serves, and its restarts
+            state.metrics = PrometheusMetrics(config.served_model_name, engine.snapshot, replicas, fleet)
             state.engine = engine
         except BaseException as e:
             log.exception("loading the model failed")
@@ -54,6 +57,8 @@ def build_app(load_engine: Callable[[], AsyncEngine], config: ServerConfig) -> F
         yield
         if state.engine is not None:
             state.engine.shutdown()
+        if tracer is not None:
+            tracer.shutdown()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
     app.state.tokenmill = state

@@ -8,6 +8,7 @@ Must not import torch.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -17,8 +18,11 @@ from starlette.concurrency import run_in_threadpool
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, bad_value
+from tokenmill.server.logs import request_id_var
 from tokenmill.server.state import ServerState
 from tokenmill.server.streaming import Call
+
+log = logging.getLogger("tokenmill.server")
 
 
 async def start_call(
@@ -29,14 +33,16 @@ async def start_call(
     (all validated before any starts). The call's id is `id_prefix` and a random hex."""
     state.admit(engine, len(prompts) * params.n)
     call_id = id_prefix + uuid.uuid4().hex
+    request_id_var.set(call_id)  # the log lines written while serving it name it (logs.py)
     grammar = await _compile(state, engine, params, grammar_field)
     try:
         streams = engine.add_requests(prompts, params, [f"{call_id}-{i}" for i in range(len(prompts))], priority,
                                       grammar)  # fmt: skip
     except ValueError as e:
         raise bad_value(e) from None
+    log.debug("started %d prompt(s), n=%d", len(prompts), params.n)
     return Call(kind, call_id, state.config.served_model_name, prompts, streams, params.n, int(time.time()),
-                state.metrics)  # fmt: skip
+                state.metrics, state.tracer)  # fmt: skip
 
 
 async def _compile(state: ServerState, engine: AsyncEngine, params: SamplingParams, field: str | None) -> Any:

@@ -27,6 +27,8 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
+from tokenmill.server.logs import configure_logging
+from tokenmill.server.reaper import start_reaper
 
 EXIT_USAGE = 2
 EXIT_ENGINE_DIED = 1
@@ -67,6 +69,7 @@ def server_config(args: argparse.Namespace, name: str) -> Any:
 
 def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) -> int:
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     from tokenmill.server.app import build_app
 
@@ -74,19 +77,36 @@ def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) ->
     if args.data_parallel_size < 1 or (args.data_parallel_size > 1 and cfg.tensor_parallel_size > 1):
         raise ValueError(f"--data-parallel-size={args.data_parallel_size} is invalid: allowed an integer >= 1, "
                          "and 1 with --tensor-parallel-size > 1")  # fmt: skip
+    if args.replica_max_restarts < 0:
+        raise ValueError(f"--replica-max-restarts={args.replica_max_restarts} is invalid: allowed an integer >= 0")
+    if not args.replica_restart_backoff > 0:
+        raise ValueError(f"--replica-restart-backoff={args.replica_restart_backoff} is invalid: allowed seconds > 0")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is invalid: allowed an integer in [0, 65535] (0: any free port)")
     _check_port(args.host, args.port)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_reaper()  # before any other process starts: whatever ends this one, they end too (reaper.py)
+    json_logs = configure_logging(args.log_level, args.log_format)
     died = threading.Event()
-    app = build_app(lambda: _load(cfg, path, name, args, died), config)
+    app = build_app(lambda: _load(cfg, path, name, args, died), config, _tracer(args, name))
+    # JSON: uvicorn's loggers propagate to the handler logs.py set, instead of its own config's
+    log_config = None if json_logs else LOGGING_CONFIG
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=args.grace_period), app.state.tokenmill)  # fmt: skip
+                                    timeout_graceful_shutdown=args.grace_period, log_config=log_config),
+                     app.state.tokenmill)  # fmt: skip
     # uvicorn re-raises SIGTERM to the handler that was there before once it has shut down; a no-op there
     # makes a graceful stop exit 0 instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
     return EXIT_ENGINE_DIED if died.is_set() else 0
+
+
+def _tracer(args: argparse.Namespace, name: str) -> Any:
+    """The OpenTelemetry tracer `--otlp-traces-endpoint` asks for, else None (and opentelemetry is not imported)."""
+    if not args.otlp_traces_endpoint:
+        return None
+    from tokenmill.server.tracing import RequestTracer
+
+    return RequestTracer(args.otlp_traces_endpoint, name)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -120,9 +140,10 @@ def _load(cfg: EngineConfig, path: Path, name: str, args: argparse.Namespace, di
 
     try:
         if args.data_parallel_size > 1:
-            from tokenmill.parallel.ray_engine import RayEngine
+            from tokenmill.parallel.ray_engine import RayEngine, RestartPolicy
 
-            engine: Any = RayEngine(replace(cfg, model=str(path)), args.data_parallel_size, args.ray_address)
+            restarts = RestartPolicy(args.replica_max_restarts, args.replica_restart_backoff)
+            engine: Any = RayEngine(replace(cfg, model=str(path)), args.data_parallel_size, args.ray_address, restarts)
         else:
             engine = AsyncEngine.from_config(replace(cfg, model=str(path)))
     except (TokenmillError, ValueError) as e:

@@ -29,8 +29,19 @@ Engine = Annotated[AsyncEngine, Depends(ready_engine)]
 
 @router.get("/health")
 async def health(state: State) -> Response:
+    """200 while the engine serves; with data-parallel replicas, 200 with `{"status": "degraded"}` while fewer
+    serve than were asked for, and 503 while none does (all restarting)."""
     if state.engine is not None and state.engine.is_healthy:
-        return Response(status_code=200)
+        fleet = getattr(state.engine, "replica_states", None)
+        if fleet is None:
+            return Response(status_code=200)
+        states = fleet().values()
+        serving = sum(s.serving for s in states)
+        if serving == len(states):
+            return Response(status_code=200)
+        body = {"status": "degraded" if serving else "no replica serving", "replicas_serving": serving,
+                "replicas": len(states)}  # fmt: skip
+        return JSONResponse(body, status_code=200 if serving else 503)
     reason = "loading" if state.engine is None and state.load_error is None else "engine not running"
     return JSONResponse({"status": reason}, status_code=503)
 
@@ -146,6 +157,8 @@ async def generate(body: GenerateRequest, state: State, engine: Engine) -> Strea
         m, end, rss_end = final.metrics, time.perf_counter(), rss_mb()
         if state.metrics is not None:
             state.metrics.observe_finished(m, [c.finish_reason for c in final.outputs])
+        if state.tracer is not None:
+            state.tracer.finished(final)
         done = {
             "prompt_tokens": m.num_prompt_tokens,
             "completion_tokens": m.num_generated_tokens,

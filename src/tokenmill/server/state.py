@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -42,6 +43,7 @@ class ServerState:
     engine: AsyncEngine | None = None  # set once, by the loader thread, when the model is ready
     load_error: BaseException | None = None
     metrics: PrometheusMetrics | None = None
+    tracer: Any = None  # tracing.RequestTracer where --otlp-traces-endpoint is given
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(init=False)  # the Responses API's stored responses
 
@@ -53,6 +55,10 @@ class ServerState:
             raise APIError(503, "the model is still loading; retry shortly", headers={"Retry-After": "5"})
         if not self.engine.is_healthy:
             raise APIError(503, "the engine has stopped; the server must be restarted")
+        fleet = getattr(self.engine, "replica_states", None)  # data parallel: replicas may be restarting
+        if fleet is not None and not any(s.serving for s in fleet().values()):
+            raise APIError(503, "no engine replica is serving (they are restarting); retry shortly",
+                           headers={"Retry-After": "5"})  # fmt: skip
         return self.engine
 
     def check_model(self, model: str | None) -> None:

@@ -43,6 +43,7 @@ class Call:
     n: int
     created: int
     metrics: PrometheusMetrics | None = None
+    tracer: Any = None  # tracing.RequestTracer, or None
     echo_texts: list[str] = field(default_factory=list)
     cached_tokens: int = 0  # the finished requests' prompt tokens served from the prefix cache
 
@@ -57,6 +58,8 @@ class Call:
                 # (a pooling request has no completions: it stopped at its prompt's end, or was aborted)
                 reasons = [c.finish_reason for c in out.outputs] or ["stop" if out.pooled is not None else "abort"]
                 self.metrics.observe_finished(out.metrics, reasons)
+            if self.tracer is not None:
+                self.tracer.finished(out)
 
     def usage(self, num_completion_tokens: int) -> dict[str, Any]:
         """OpenAI's usage, with `prompt_tokens_details.cached_tokens` (the prefix cache's share of the prompts, as
