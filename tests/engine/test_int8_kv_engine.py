@@ -84,3 +84,31 @@ def test_a_kv_dtype_the_backend_cannot_hold_is_one_clear_error(folder: Path) -> 
         _llm(folder, kv_cache="contiguous")
     with pytest.raises(ValueError, match="allowed: auto, bfloat16, int8"):
         LLM(str(folder), kv_cache_dtype="fp4")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_stack_reads_and_writes_int8_rows_as_the_modules_do(folder: Path, dtype: str) -> None:
+    """Decode steps and decode runs over an int8 pool go through the decode stack (it quantizes each new row as
+    kv_write does and widens rows as decode attention does): the module path's tokens, its logprobs within the
+    dense stack's tolerance, and the same bytes in the pool."""
+    target.cpu_only("the CPU kernels")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    results = []
+    for use_stack in (True, False):
+        llm = _llm(folder, dtype=dtype, num_scheduler_steps=1, enable_prefix_caching=False)
+        runner = llm.engine.runner
+        if runner.decode_stack is None:
+            pytest.skip("no compiled CPU kernels here: the decode stack needs them")
+        if not use_stack:
+            runner.decode_stack = None
+        outs = llm.generate(prompts, params)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    tol = 1e-5 if dtype == "float32" else 0.05
+    for (tokens, logprobs), (want, want_logprobs) in zip(*results, strict=True):
+        assert tokens == want
+        assert max(abs(a[t] - b[t]) for a, b in zip(logprobs, want_logprobs) for t in a) < tol
+    runs = _llm(folder, dtype=dtype, num_scheduler_steps=4)
+    assert runs.engine.runner.runs_decode_steps
+    assert [o.outputs[0].token_ids for o in runs.generate(prompts, params)] == [r[0] for r in results[0]]
+    assert_pool_full(runs.engine)

@@ -99,10 +99,11 @@ class Kernels:
 
     def decode_stack(
         self, dtype: torch.dtype, shape: StackShape, eps: float, cache: torch.Tensor, final_norm: torch.Tensor,
-        num_layers: int, threads: int,
+        num_layers: int, threads: int, scales: torch.Tensor | None = None,
     ) -> NativeStack:  # fmt: skip
-        """A native decode stack over the KV pool `cache` [L, 2, slots, Hkv, Dh], behind checked calls."""
-        return NativeStack(self.module, dtype, shape, eps, cache, final_norm, num_layers, threads)
+        """A native decode stack over the KV pool `cache` [L, 2, slots, Hkv, Dh] (an int8 pool with its bf16
+        `scales` [L, 2, slots, Hkv]), behind checked calls."""
+        return NativeStack(self.module, dtype, shape, eps, cache, final_norm, num_layers, threads, scales)
 
     # -- the fused decode ops (fused.h). Callers pass contiguous CPU tensors of one dtype (bf16 or float32). ----
     def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

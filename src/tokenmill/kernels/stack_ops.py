@@ -97,14 +97,17 @@ def _in_range(values: Sequence[int], end: int, name: str) -> None:
 class NativeStack:
     def __init__(
         self, module: ModuleType, dtype: torch.dtype, shape: StackShape, eps: float, cache: torch.Tensor,
-        final_norm: torch.Tensor, num_layers: int, threads: int,
+        final_norm: torch.Tensor, num_layers: int, threads: int, scales: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"the decode stack computes in bfloat16 or float32, not {dtype}")
         if cache.dim() != 5 or cache.shape[1] != 2 or cache.shape[3:] != (shape.kv_heads, shape.head_dim):
             raise ValueError(f"the KV pool must be [L, 2, slots, {shape.kv_heads}, {shape.head_dim}]")
         _check(final_norm, "the final norm", (shape.d,), dtype)
-        self.dtype, self.shape, self.cache = dtype, shape, cache
+        if cache.dtype != (dtype if scales is None else torch.int8):
+            raise ValueError(f"the KV pool must hold {dtype}, or int8 with its scales, not {cache.dtype}")
+        _check(scales, "the int8 pool's scales", tuple(cache.shape[:4]), torch.bfloat16)
+        self.dtype, self.shape, self.cache, self.scales = dtype, shape, cache, scales
         self.num_slots = cache.shape[2]
         self.native = module.DecodeStack(dtype == torch.bfloat16, shape.d, shape.heads, shape.kv_heads,
                                              shape.head_dim, shape.intermediate, eps, self.num_slots,
@@ -137,6 +140,11 @@ class NativeStack:
         shapes = [(2 * s.intermediate, s.d), (s.d, s.intermediate)]
         mlp = [self._linear(lin, n, k) for lin, (n, k) in zip(linears[2:], shapes, strict=True)]
         self.native.add_layer(*norm_specs, self.cache[layer].data_ptr(), *attention, *mlp)
+        self._set_scales(layer)
+
+    def _set_scales(self, layer: int) -> None:
+        if self.scales is not None:  # an int8 pool: the layer quantizes its rows and widens them (kv_int8.h)
+            self.native.set_kv_scales(layer, self.scales[layer].data_ptr())
 
     def _attention(
         self, norms: Sequence[torch.Tensor | None], linears: Sequence[StackLinear]
@@ -177,6 +185,7 @@ class NativeStack:
                                      x.num_experts, x.top_k, x.renorm, x.keep_f32, x.gate_up.data_ptr(),
                                      x.gate_up_format, x.gate_up_k, x.down.data_ptr(), x.down_format, x.down_k,
                                      x.intermediate)  # fmt: skip
+        self._set_scales(layer)
 
     def set_packed_embedding(self, packed: torch.Tensor, format_id: int, rows: int, k: int) -> None:
         """The embedding is a quantized weight's panels [rows, k >= d] (its rows unpacked as they are looked up);

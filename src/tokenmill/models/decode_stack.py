@@ -130,7 +130,7 @@ class DecodeStack:
             return None  # the stack is the CPU kernels' (a GPU's fused ops run in the layers)
         if any(w is not None for w in pool.windows):  # sliding-window layers take the modules' attention
             return None
-        if pool.storage != pool.dtype:  # an int8 (or other-dtype) pool: the modules' attention reads it
+        if pool.storage not in (pool.dtype, torch.int8):  # a pool of another float dtype: the modules' attention
             return None
         layers = [layer for layer in decoder.layers if type(layer) is DecoderLayer]
         if not layers or len(layers) != len(decoder.layers):
@@ -142,7 +142,7 @@ class DecodeStack:
         if final is None:
             return None
         native = pool.ops.decode_stack(pool.dtype, StackShape(*dims), decoder.norm.eps, pool.cache, final, len(layers),
-                                       torch.get_num_threads())  # fmt: skip
+                                       torch.get_num_threads(), pool.scales)  # fmt: skip
         for index, layer in enumerate(layers):
             spec = _layer_spec(layer, dims, pool.dtype)
             if spec is None or layer.self_attn.layer_idx != index:

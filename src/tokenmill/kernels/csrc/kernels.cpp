@@ -390,6 +390,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<bool, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, uintptr_t, int64_t, int>())
       .def("add_layer", &tmk::DecodeStack::add_layer)
       .def("add_sparse_layer", &tmk::DecodeStack::add_sparse_layer)
+      .def("set_kv_scales", &tmk::DecodeStack::set_kv_scales)
       .def("num_layers", &tmk::DecodeStack::num_layers)
       .def("set_head", &tmk::DecodeStack::set_head)
       .def("set_packed_embedding", &tmk::DecodeStack::set_packed_embedding)

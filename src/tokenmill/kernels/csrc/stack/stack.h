@@ -43,6 +43,7 @@ struct LayerSpec {
   uintptr_t in_norm, post_norm, q_norm, k_norm, cache;  // q_norm / k_norm: 0 without (Qwen3 has them)
   LinearSpec qkv, o, gate_up, down;                     // (gate_up, down: a sparse layer's are unused)
   int64_t moe = -1;                                     // a sparse layer's index in moe_, else -1
+  uintptr_t kv_scales = 0;  // an int8 cache's bf16 scales [2, slots, Hkv] (attention/kv_int8.h), else 0
 };
 
 class DecodeStack {
@@ -92,6 +93,10 @@ class DecodeStack {
   }
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
+
+  // Layer l's cache holds int8 rows with these bf16 scales [2, slots, Hkv]: keys and values are quantized as
+  // they are written, and widened where attention reads them (attention/kv_int8.h).
+  void set_kv_scales(int64_t l, uintptr_t scales) { layers_.at(l).kv_scales = scales; }
 
   // The embedding is a quantized weight's panels (its rows unpacked as they are looked up: a GGUF's token_embd,
   // which also serves as a tied LM head), not a table in the model dtype.
@@ -366,9 +371,22 @@ class DecodeStack {
     if (s.k_norm) rmsnorm_rows(Act{k, bf16_}, Act{nullptr, bf16_}, false, param(s.k_norm), eps_, Act{k, bf16_}, 1, Dh_);
     const Act cos{(void*)(cos_ + b * Dh_ * e_), bf16_}, sin{(void*)(sin_ + b * Dh_ * e_), bf16_};
     rope_rows(Act{k, bf16_}, cos, sin, 1, 1, Dh_, width);
+    const int64_t key = slot_[b] * Hkv_ + g, value = (slots_ + slot_[b]) * Hkv_ + g;  // rows of the cache
+    if (s.kv_scales) {
+      int8_t* cache = (int8_t*)s.cache;
+      uint16_t* scales = (uint16_t*)s.kv_scales;
+      if (bf16_) {
+        quantize_kv_row((const uint16_t*)k, Dh_, cache + key * Dh_, scales + key);
+        quantize_kv_row((const uint16_t*)v, Dh_, cache + value * Dh_, scales + value);
+      } else {
+        quantize_kv_row((const float*)k, Dh_, cache + key * Dh_, scales + key);
+        quantize_kv_row((const float*)v, Dh_, cache + value * Dh_, scales + value);
+      }
+      return;
+    }
     char* cache = (char*)s.cache;
-    std::memcpy(cache + (slot_[b] * kv_width + g * Dh_) * e_, k, Dh_ * e_);
-    std::memcpy(cache + ((slots_ + slot_[b]) * kv_width + g * Dh_) * e_, v, Dh_ * e_);
+    std::memcpy(cache + key * Dh_ * e_, k, Dh_ * e_);
+    std::memcpy(cache + value * Dh_ * e_, v, Dh_ * e_);
   }
 
   // task `task` of the attention stage: split s of row b's KV head g -> part_acc_, part_ml_; the last of the
@@ -392,11 +410,22 @@ class DecodeStack {
     const float scale = (float)std::pow((double)Dh_, -0.5);
     const int64_t at = split * H_ + g * G;
     float *acc = part_acc_.data() + at * Dh_, *ml = part_ml_.data() + at * 2;
-    if (bf16_) attention_split<uint16_t>((const uint16_t*)q, (const uint16_t*)layers_[l].cache, slots_,
-                                         tables_ + b * max_blocks_, lens_[b], 0, q_row, g, s, H_, Hkv_, Dh_,
-                                         block_size_, scale, acc, ml, scratch.data());
-    else attention_split<float>((const float*)q, (const float*)layers_[l].cache, slots_, tables_ + b * max_blocks_,
-                                lens_[b], 0, q_row, g, s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data());
+    const uint16_t* kv_scales = (const uint16_t*)layers_[l].kv_scales;
+    const int64_t* table = tables_ + b * max_blocks_;
+    if (bf16_ && kv_scales)
+      attention_split<uint16_t, int8_t>((const uint16_t*)q, (const int8_t*)layers_[l].cache, slots_, table, lens_[b], 0,
+                                        q_row, g, s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data(),
+                                        kv_scales);
+    else if (kv_scales)
+      attention_split<float, int8_t>((const float*)q, (const int8_t*)layers_[l].cache, slots_, table, lens_[b], 0,
+                                     q_row, g, s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data(),
+                                     kv_scales);
+    else if (bf16_)
+      attention_split<uint16_t>((const uint16_t*)q, (const uint16_t*)layers_[l].cache, slots_, table, lens_[b], 0,
+                                q_row, g, s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data());
+    else
+      attention_split<float>((const float*)q, (const float*)layers_[l].cache, slots_, table, lens_[b], 0, q_row, g, s,
+                             H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data());
     if (n > 1) {  // the splits' writes before this one's are visible to whichever finishes last (acq_rel)
       std::atomic<int64_t>& done = splits_done_[b * Hkv_ + g];
       if (done.fetch_add(1, std::memory_order_acq_rel) + 1 < n) return;
