@@ -24,11 +24,14 @@ from typing import Any
 import httpx
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.forward import DecodeRunPath, GraphsPath, ModulesPath, StackListsPath, StackMetadataPath
 from tokenmill.outputs import CompletionOutput
 
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
+# the names a response's `timings.forward_steps` may hold: the runner's forward paths
+FORWARD_PATHS = frozenset(p.name for p in (GraphsPath, StackListsPath, StackMetadataPath, DecodeRunPath, ModulesPath))
 
 
 def free_port() -> int:
