@@ -163,6 +163,7 @@ def test_stop_aborts_the_request_on_the_server(page: Any, hold: Hold, http: http
         hold.release()  # a no-op once the abort ended the hold
     stats = http.get("/stats").json()
     assert stats["completed_requests"] == before["completed_requests"] and stats["running"] == 0
+    assert stats["kv_blocks_used"] == 0  # its blocks went back to the pool
     sync_api.expect(_finished_reply(page).locator(".stopped")).to_have_text("Stopped.")
     sync_api.expect(page.locator("#send")).to_be_enabled()
 
@@ -238,6 +239,36 @@ def test_the_engine_view_moves_under_load_and_a_full_queue_reads_as_503(
     sync_api.expect(_gauge(page, "running")).to_have_text("0")
     assert page.locator("#plots canvas").count() == 4
     page.click("#tab-chat")
+
+
+def test_markdown_is_rendered_and_raw_html_sanitised(page: Any, hold: Hold) -> None:
+    with hold.releasing():
+        _ask(page, "**bold** and `code`\n\n```\nblock\n```\n\n<img src=x onerror=\"document.title='owned'\">")
+        _finished_reply(page)
+    turn = page.locator("#messages > li.user .body")
+    sync_api.expect(turn.locator("strong")).to_have_text("bold")
+    sync_api.expect(turn.locator("pre code")).to_have_text("block\n")
+    assert turn.locator("img").get_attribute("onerror") is None and page.title() == "tokenmill"
+
+
+def test_a_json_schema_constrains_the_reply(page: Any, hold: Hold) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    page.fill("#schema", json.dumps(schema))
+    try:
+        with hold.releasing():
+            _ask(page, "A number, please")
+            sync_api.expect(_finished_reply(page).locator(".figures")).to_be_visible()
+    finally:
+        page.fill("#schema", "")
+    assert _stored(page)[-1]["content"].startswith('{"n": ')  # the grammar's first tokens, however it ends
+
+
+def test_export_downloads_the_stored_conversations(page: Any) -> None:
+    with page.expect_download() as download:
+        page.click("#export")
+    exported = json.loads(Path(download.value.path()).read_text())
+    assert exported == page.evaluate("JSON.parse(localStorage.getItem('tokenmill.conversations'))")
+    assert any(turn["role"] == "assistant" for conv in exported for turn in conv["messages"])
 
 
 def test_a_server_that_goes_away_mid_reply_reads_as_such(browser: Any, checkpoint: Path, tmp_path: Path) -> None:
