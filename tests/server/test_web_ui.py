@@ -16,7 +16,17 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.helpers import FORWARD_PATHS, Server, running, sse_events, sse_json
+from tests.server.helpers import (
+    FORWARD_PATHS,
+    REASONER_ANSWER,
+    REASONER_ASK,
+    REASONER_THOUGHT,
+    Server,
+    running,
+    sse_events,
+    sse_json,
+    train_reasoner,
+)
 from tests.server.hold import Hold, hold_env
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (the dev extra has it)")
@@ -271,17 +281,28 @@ def test_export_downloads_the_stored_conversations(page: Any) -> None:
     assert any(turn["role"] == "assistant" for conv in exported for turn in conv["messages"])
 
 
-def test_a_server_that_goes_away_mid_reply_reads_as_such(browser: Any, checkpoint: Path, tmp_path: Path) -> None:
-    """Its own server, killed while a reply streams: the page says the connection broke and takes new input."""
+def test_reasoning_is_folded_apart_and_a_server_gone_mid_reply_reads_as_such(
+    browser: Any, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Its own server, with a model that reasons (tests/server/helpers.py), killed while a second reply streams: the
+    first reply's reasoning is folded apart from its answer; then the page says the connection broke and goes on."""
     hold = Hold(tmp_path / "hold")
     hold.folder.mkdir()
-    env = hold_env(HOLD_TOKEN, hold.folder)
-    with running(checkpoint, tmp_path, "--no-enable-prefix-caching", env=env) as doomed:
+    model = train_reasoner(tokenizer_dir, tmp_path / "reasoner")
+    with running(model, tmp_path, "--no-enable-prefix-caching", env=hold_env(HOLD_TOKEN, hold.folder)) as doomed:
         page = _open(browser, doomed.url, key=None)
         try:
             sync_api.expect(page.locator("#model")).not_to_have_value("")  # no key asked: the server needs none
             sync_api.expect(page.locator("#key-form")).to_be_hidden()
-            _ask(page, "Goodbye")
+            page.fill("#temperature", "0")
+            with hold.releasing():
+                _ask(page, REASONER_ASK[0]["content"])
+                reply = _finished_reply(page)
+            folded = reply.locator("details.reasoning")
+            assert folded.get_attribute("open") is None  # folded until opened
+            assert folded.locator(".body").text_content().strip() == REASONER_THOUGHT.strip()
+            assert reply.locator(":scope > .body").inner_text().strip() == REASONER_ANSWER.strip()
+            _ask(page, REASONER_ASK[0]["content"])
             hold.wait_held()
             doomed.proc.kill()
             doomed.proc.wait(30)
