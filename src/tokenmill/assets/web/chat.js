@@ -31,6 +31,9 @@ export function init(pickModel) {
     }
   });
   $("stop").addEventListener("click", stop);
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && inFlight) stop();
+  });
   $("new-chat").addEventListener("click", () => open(store.create().id));
   $("export").addEventListener("click", store.exportAll);
   open(store.conversations[0]?.id ?? store.create().id);
