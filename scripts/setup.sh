@@ -12,5 +12,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install --quiet ${TOKENMILL_TORCH:-torch==2.13.0}
 fi
 .venv/bin/python -m pip install --quiet -e ".[dev]"
+# The web page's browser tests (tests/server/test_web_ui.py) drive Debian's Chromium; they skip without it.
+# Installed where this runs as root with apt; anything else (no root, no apt, no network) leaves it out, never failing.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
+    || echo "setup: could not install chromium with apt-get; the browser tests will skip" >&2
+fi
 # Build tokenmill's CPU kernels for this CPU now (cached; without a compiler this says so and torch runs instead)
 .venv/bin/tokenmill env

@@ -166,6 +166,8 @@ def _serve_args(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or TOKENMILL_API_KEY)")
     srv.add_argument("--api-key-file", default=None, help="read the API key from this file (keeps it out of ps)")
     srv.add_argument("--public-docs", action="store_true", help="serve /docs and /openapi.json without the key")
+    srv.add_argument("--no-web-ui", dest="web_ui", action="store_false",
+                     help="do not serve the web page at / (chat and engine view; docs/api.md)")  # fmt: skip
     srv.add_argument("--max-waiting-requests", type=int, default=None,
                      help="sequences queued beyond this get 503 (default: no limit)")  # fmt: skip
     srv.add_argument("--max-n", type=int, default=128, help="most samples (n) per request (default: 128)")

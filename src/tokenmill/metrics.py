@@ -86,6 +86,9 @@ class EngineSnapshot:
     num_failed: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # tokens so far, counted as the engine makes them (the Prometheus counters count at each request's end)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -42,6 +42,8 @@ class RequestMetrics:
     num_draft_tokens: int = 0  # speculative drafts verified for this request
     num_accepted_tokens: int = 0  # of which the target kept
     token_times: list[float] = field(default_factory=list)  # when each generated token appeared
+    # forward path name (forward/: "decode_stack", "decode_run", "modules", ...) -> the steps of this request it ran
+    forward_steps: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefill_ms(self) -> float | None:

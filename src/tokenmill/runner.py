@@ -137,10 +137,11 @@ class ModelRunner:
                 prompt_rows.append((s, offset + s.prompt_logprobs.first - s.start))
         sampling = [s for s in batch.sequences if s.sampling is not None]
         sample_rows = [flat_rows[s.request_id, j] for s in sampling for j in range(_num_drafts(s) + 1)]
-        computed = self.path_for(plan, rows).forward(plan, rows)
+        path = self.path_for(plan, rows)
+        computed = path.forward(plan, rows)
         hidden, all_logits, all_argmax = computed.hidden, computed.logits, computed.argmax
 
-        out = RunnerOutput()
+        out = RunnerOutput(forward_path=path.name)
         if plan.pooling and self.sample:
             assert hidden is not None  # (the CUDA graphs, which give none, take no pooling step)
             out.pooled = self._pool(rows, hidden)
@@ -215,7 +216,7 @@ class ModelRunner:
             for g, state in states:
                 g.set_state(state)
             raise
-        out = RunnerOutput()
+        out = RunnerOutput(forward_path=path.name)
         for s, tokens in zip(seqs, runs):
             out.sampled[s.request_id] = [(t, None) for t in tokens]
         return out

@@ -229,3 +229,4 @@ class RunnerOutput:
     sampled: dict[str, list[tuple[int, Logprobs | None]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)  # request id -> new entries
     pooled: dict[str, list[float]] = field(default_factory=dict)  # request id -> its pooled vector, once finished
+    forward_path: str | None = None  # the name of the forward path that computed the step (None: no step ran)

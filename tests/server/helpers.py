@@ -24,11 +24,14 @@ from typing import Any
 import httpx
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.forward import DecodeRunPath, GraphsPath, ModulesPath, StackListsPath, StackMetadataPath
 from tokenmill.outputs import CompletionOutput
 
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
+# the names a response's `timings.forward_steps` may hold: the runner's forward paths
+FORWARD_PATHS = frozenset(p.name for p in (GraphsPath, StackListsPath, StackMetadataPath, DecodeRunPath, ModulesPath))
 
 
 def free_port() -> int:
@@ -193,3 +196,32 @@ def train_tiny_llama(tok: Any, prompt_ids: list[int], target_ids: list[int], out
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+# A tiny Llama that thinks in `<think>...</think>` before it answers, behind a Qwen3-like template (which writes an
+# earlier assistant turn's `reasoning_content` back as its thinking): asked REASONER_ASK, it answers greedily with
+# REASONER_THOUGHT as its reasoning and REASONER_ANSWER as its content.
+REASONER_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content is defined and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+REASONER_ASK = [{"role": "user", "content": "How is the weather?"}]
+REASONER_THOUGHT = "\nThe sky is blue and the sun is up high.\n"
+REASONER_ANSWER = "\n\nIt is sunny."
+
+
+def train_reasoner(tokenizer_dir: Path, out: Path) -> Path:
+    """The reasoning model above, trained here (a few seconds) with the tests' tokenizer and saved to `out`."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok.add_tokens(["<think>", "</think>"])  # as Qwen3's: added tokens, not special ones
+    tok.chat_template = REASONER_TEMPLATE
+    p_ids = tok.encode(
+        tok.apply_chat_template(REASONER_ASK, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
+    t_ids = tok.encode(f"<think>{REASONER_THOUGHT}</think>{REASONER_ANSWER}<|im_end|>", add_special_tokens=False)
+    return train_tiny_llama(tok, p_ids, t_ids, out)

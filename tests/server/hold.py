@@ -6,7 +6,10 @@ waits for that instead of racing the CPU. A module's server runs with it when th
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 POLL_S = 0.002
@@ -28,6 +31,23 @@ class Hold:
         """End the hold, if the engine is held (a hold that begins later deletes a release left behind)."""
         if self.is_held:
             (self.folder / "release").touch()
+
+    @contextlib.contextmanager
+    def releasing(self) -> Iterator[None]:
+        """Release every hold that begins while the block runs: for a test whose requests need not stop midway."""
+        done = threading.Event()
+
+        def release_each() -> None:
+            while not done.wait(POLL_S):
+                self.release()
+
+        worker = threading.Thread(target=release_each, daemon=True)
+        worker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            worker.join()
 
     @property
     def is_held(self) -> bool:

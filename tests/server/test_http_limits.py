@@ -1,6 +1,6 @@
-"""A server started with `--api-key` and a tiny waiting queue: 401 without the right bearer token (or x-api-key),
-and overload refused with 503 + Retry-After instead of being queued without bound; under /v1/messages both in
-Anthropic's error shape."""
+"""A server started with `--api-key`, a tiny waiting queue and no web page: 401 without the right bearer token (or
+x-api-key), and overload refused with 503 + Retry-After instead of being queued without bound; under /v1/messages
+both in Anthropic's error shape."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.server.helpers import Server, assert_openai_error
 from tests.server.hold import Hold
 
 KEY = "sekret-key"
-SERVER_FLAGS = ("--api-key", KEY, "--max-waiting-requests", "1", "--max-num-seqs", "1")
+SERVER_FLAGS = ("--api-key", KEY, "--max-waiting-requests", "1", "--max-num-seqs", "1", "--no-web-ui")
 SERVED_MODEL_NAME = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 HOLD_TOKEN = 8  # a prompt starting with it is held mid-request (tests/server/hold.py)
@@ -51,6 +51,12 @@ def test_the_key_is_checked_before_the_body_is_read(http: httpx.Client) -> None:
     assert_openai_error(http.post("/v1/completions", content=huge, headers=raw), 401)
     assert_openai_error(http.post("/v1/completions", content=huge, headers={**raw, **AUTH}), 413)
     assert http.get("/openapi.json", headers=AUTH).status_code == 200
+
+
+def test_without_the_web_ui_its_paths_are_neither_open_nor_served(http: httpx.Client) -> None:
+    for path in ("/", "/ui/app.js"):
+        assert_openai_error(http.get(path), 401)  # no longer open paths: the key comes first
+        assert http.get(path, headers=AUTH).status_code == 404
 
 
 def test_right_key_is_served(http: httpx.Client) -> None:

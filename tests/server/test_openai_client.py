@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.server.helpers import Server, offline, offline_chat
+from tests.server.helpers import FORWARD_PATHS, Server, offline, offline_chat
 from tokenmill import LLM
 
 PROMPT = "The quick brown fox"
@@ -235,3 +235,15 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client: openai.
     for usage in (again.usage, last.usage):
         details = usage.prompt_tokens_details
         assert details is not None and 0 < (details.cached_tokens or 0) < usage.prompt_tokens
+
+
+def test_the_usage_chunk_carries_the_calls_timings(client: openai.OpenAI, server: Server) -> None:
+    """tokenmill's `timings` beside the usage (docs/api.md): an extra field the SDK keeps, streamed and not."""
+    *_, last = _chat(client, server, max_tokens=7, stream=True, stream_options={"include_usage": True})
+    whole = _chat(client, server, max_tokens=7)
+    for timings in (last.model_extra["timings"], whole.model_extra["timings"]):
+        assert timings["ttft_ms"] > 0 and timings["decode_tokens_per_sec"] > 0
+        assert timings["draft_tokens"] == timings["accepted_tokens"] == 0  # no drafting on this server
+        steps = timings["forward_steps"]
+        # one step of prefill, then decodes: at least two steps and at most one per token
+        assert steps and set(steps) <= FORWARD_PATHS and 2 <= sum(steps.values()) <= 7, steps

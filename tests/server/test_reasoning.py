@@ -14,33 +14,15 @@ import httpx
 import openai
 import pytest
 
-from tests.server.helpers import Server, running, train_tiny_llama
-
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m.reasoning_content is defined and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
-    "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
-ASK = [{"role": "user", "content": "How is the weather?"}]
-THOUGHT = "\nThe sky is blue and the sun is up high.\n"
-ANSWER = "\n\nIt is sunny."
+from tests.server.helpers import REASONER_ANSWER as ANSWER
+from tests.server.helpers import REASONER_ASK as ASK
+from tests.server.helpers import REASONER_THOUGHT as THOUGHT
+from tests.server.helpers import Server, running, train_reasoner
 
 
 @pytest.fixture(scope="module")
 def reasoner(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Iterator[Server]:
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("reasoner")
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    tok.add_tokens(["<think>", "</think>"])  # as Qwen3's: added tokens, not special ones
-    tok.chat_template = TEMPLATE
-    p_ids = tok.encode(
-        tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False), add_special_tokens=False
-    )
-    t_ids = tok.encode(f"<think>{THOUGHT}</think>{ANSWER}<|im_end|>", add_special_tokens=False)
-    train_tiny_llama(tok, p_ids, t_ids, out)
+    out = train_reasoner(tokenizer_dir, tmp_path_factory.mktemp("reasoner"))
     with running(out, tmp_path_factory.mktemp("reasoner-log")) as s:
         yield s
 

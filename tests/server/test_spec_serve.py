@@ -38,3 +38,19 @@ def test_drafts_are_verified_counted_and_change_nothing(http: httpx.Client, llm:
     assert drafted - _value(before, "tokenmill:spec_decode_num_draft_tokens_total") == m["spec_draft_tokens"]
     assert kept - _value(before, "tokenmill:spec_decode_num_accepted_tokens_total") == m["spec_accepted_tokens"]
     assert _value(after, "tokenmill:spec_decode_draft_acceptance_rate") == pytest.approx(kept / drafted)
+
+
+def test_a_streamed_replys_timings_count_its_drafts(http: httpx.Client) -> None:
+    """The final usage chunk's `timings` (docs/api.md) count the drafts of this request: what /generate reports."""
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    with http.stream("POST", "/generate", json=body) as r:
+        done = json.loads(sse_events(r.read().decode())[-1]["data"])
+    stream = {**body, "model": http.get("/v1/models").json()["data"][0]["id"], "stream": True,
+              "stream_options": {"include_usage": True}}  # fmt: skip
+    with http.stream("POST", "/v1/completions", json=stream) as r:
+        *_, last, end = sse_events(r.read().decode())
+    assert end["data"] == "[DONE]"
+    timings = json.loads(last["data"])["timings"]
+    assert (timings["draft_tokens"], timings["accepted_tokens"]) == (done["spec_draft_tokens"],
+                                                                    done["spec_accepted_tokens"])  # fmt: skip
+    assert timings["draft_tokens"] > 0

@@ -196,6 +196,8 @@ class EngineCore:
             num_failed=self.stats.num_failed,
             spec_draft_tokens=self.stats.spec_draft_tokens,
             spec_accepted_tokens=self.stats.spec_accepted_tokens,
+            prompt_tokens=self.stats.prompt_tokens,
+            generation_tokens=self.stats.generation_tokens,
         )
 
     # -- one step ---------------------------------------------------------------------------------------------
@@ -251,6 +253,7 @@ class EngineCore:
                 continue
             merged.sampled.update(result.sampled)
             merged.prompt_logprobs.update(result.prompt_logprobs)
+            merged.forward_path = result.forward_path
         return merged, failed
 
     def _unwind_failed(self, so: SchedulerOutput, failed: dict[str, str], result: RunnerOutput) -> set[str]:
@@ -311,6 +314,9 @@ class EngineCore:
         for s in so.scheduled:
             req = self._seqs[s.request_id]
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or scheduled_at or now
+            if result.forward_path is not None:
+                steps = req.metrics.forward_steps
+                steps[result.forward_path] = steps.get(result.forward_path, 0) + 1
             if req.pooling is not None:
                 self._advance_pooling(req, s.num_computed_tokens + s.num_new_tokens, result, retains_kv)
                 continue

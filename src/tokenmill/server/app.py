@@ -2,7 +2,7 @@
 the request guard (guard.py), error handlers, and the routers (`routes.py`: health, metrics, stats, models,
 tokenize, /generate; `openai_routes.py`: completions and chat; `anthropic_routes.py`: Anthropic's messages;
 `responses_routes.py`: OpenAI's Responses API; `embeddings_routes.py` and `score_routes.py`: embeddings, rerank and
-score).
+score; `web_ui.py`: the web page at /).
 
 Must not import torch: it talks to the engine only through the `AsyncEngine` it is handed.
 """
@@ -26,6 +26,7 @@ from tokenmill.server import (
     responses_routes,
     routes,
     score_routes,
+    web_ui,
 )
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.guard import RequestGuard
@@ -70,4 +71,6 @@ def build_app(load_engine: Callable[[], AsyncEngine], config: ServerConfig, trac
     app.include_router(responses_routes.router)
     app.include_router(embeddings_routes.router)
     app.include_router(score_routes.router)
+    if config.web_ui:
+        web_ui.install(app)
     return app

@@ -3,7 +3,8 @@ against a hostile client.
 
 1. The API key, from the headers alone, before a byte of the body is read (401 with `WWW-Authenticate`):
    `Authorization: Bearer <key>` (OpenAI's) or `x-api-key: <key>` (Anthropic's), on every path.
-   /health and /metrics are open; /docs and /openapi.json follow the key unless `--public-docs`.
+   /health and /metrics are open; /docs and /openapi.json follow the key unless `--public-docs`; the web page
+   (`/` and its files under `/ui/`) is open, and asks for the key for the API calls it makes.
 2. The body size: a declared `Content-Length` over the limit is refused at once, and a body that streams past
    it is cut off (413).
 Errors come in the shape of the API the path belongs to (errors.body_for).
@@ -31,6 +32,7 @@ log = logging.getLogger("tokenmill.server")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+WEB_UI_PREFIX = "/ui/"
 
 
 class BodyTooLarge(HTTPException):
@@ -88,6 +90,8 @@ class RequestGuard:
         cfg = self.state.config
         if cfg.api_key is None or path in OPEN_PATHS or (cfg.public_docs and path in DOCS_PATHS):
             return True
+        if cfg.web_ui and (path == "/" or path.startswith(WEB_UI_PREFIX)):
+            return True  # the page's own files hold no data; every API call it makes needs the key
         key_ok = api_key is not None and hmac.compare_digest(api_key.encode(), cfg.api_key.encode())
         return key_ok or hmac.compare_digest(bearer.encode(), f"Bearer {cfg.api_key}".encode())
 

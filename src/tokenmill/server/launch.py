@@ -64,7 +64,7 @@ def server_config(args: argparse.Namespace, name: str) -> Any:
     return ServerConfig(name, api_key(args), args.max_waiting_requests, args.max_n, args.max_prompts,
                         int(args.max_body_mb * 2**20), args.public_docs, args.tool_call_parser,
                         args.grammar_compile_timeout, args.responses_store_size, args.reasoning_parser,
-                        args.max_pooling_inputs)  # fmt: skip
+                        args.max_pooling_inputs, args.web_ui)  # fmt: skip
 
 
 def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) -> int:

@@ -22,7 +22,7 @@ from tokenmill.server.errors import APIError, bad_value
 from tokenmill.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions, _SamplingFields
 from tokenmill.server.state import ServerState, get_state, ready_engine
-from tokenmill.server.streaming import Call, ChoiceBuilder, completion_tokens, run_to_end, stream_events
+from tokenmill.server.streaming import Call, ChoiceBuilder, completion_tokens, run_to_end, stream_events, timings
 from tokenmill.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -95,7 +95,8 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
                 choice_body["prompt_logprobs"] = prompt_logprobs(tok, out.prompt_logprobs or [], body.prompt_logprobs)
             choices.append(choice_body)
     return {"id": call.id, "object": "text_completion", "created": call.created, "model": call.model,
-            "choices": choices, "usage": call.usage(completion_tokens(finals))}  # fmt: skip
+            "choices": choices, "usage": call.usage(completion_tokens(finals)),
+            "timings": timings(call.finished)}  # fmt: skip
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------------------------
@@ -184,7 +185,8 @@ def _chat_body(
         choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish,
                         "stop_reason": c.stop_reason})  # fmt: skip
     out = {"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
-           "choices": choices, "usage": call.usage(completion_tokens({0: final}))}  # fmt: skip
+           "choices": choices, "usage": call.usage(completion_tokens({0: final})),
+           "timings": timings(call.finished)}  # fmt: skip
     if body.prompt_logprobs is not None:
         out["prompt_logprobs"] = prompt_logprobs(tok, final.prompt_logprobs or [], body.prompt_logprobs)
     return out

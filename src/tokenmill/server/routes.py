@@ -77,6 +77,8 @@ async def stats(engine: Engine) -> dict[str, Any]:
         "aborted_requests": s.num_aborted,
         "failed_requests": s.num_failed,
         "preemptions": s.num_preemptions,
+        "prompt_tokens": s.prompt_tokens,
+        "generation_tokens": s.generation_tokens,
     }
 
 

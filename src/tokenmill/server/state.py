@@ -35,6 +35,7 @@ class ServerConfig:
     responses_store_size: int = 1000  # Responses API responses kept for previous_response_id (least recent dropped)
     reasoning_parser: str = "auto"  # how reasoning is told from the answer: qwen3 | deepseek_r1 | gpt_oss | none | auto
     max_pooling_inputs: int = 2048  # inputs in one embeddings call, documents in one rerank, pairs in one score
+    web_ui: bool = True  # serve the page at / and its files under /ui/ (web_ui.py), without the key
 
 
 @dataclass

@@ -21,7 +21,7 @@ from fastapi import Request
 
 from tokenmill.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from tokenmill.metrics import PrometheusMetrics
-from tokenmill.outputs import Logprobs, RequestOutput
+from tokenmill.outputs import Logprobs, RequestMetrics, RequestOutput
 from tokenmill.server.errors import APIError, error_body
 
 
@@ -46,6 +46,7 @@ class Call:
     tracer: Any = None  # tracing.RequestTracer, or None
     echo_texts: list[str] = field(default_factory=list)
     cached_tokens: int = 0  # the finished requests' prompt tokens served from the prefix cache
+    finished: list[RequestMetrics] = field(default_factory=list)  # the finished requests' metrics, for `timings`
 
     @property
     def chunk_object(self) -> str:
@@ -54,6 +55,7 @@ class Call:
     def observe(self, out: RequestOutput) -> None:
         if out.finished and out.metrics is not None:
             self.cached_tokens += out.metrics.num_cached_tokens
+            self.finished.append(out.metrics)
             if self.metrics is not None:
                 # (a pooling request has no completions: it stopped at its prompt's end, or was aborted)
                 reasons = [c.finish_reason for c in out.outputs] or ["stop" if out.pooled is not None else "abort"]
@@ -68,6 +70,28 @@ class Call:
         return {"prompt_tokens": prompt, "completion_tokens": num_completion_tokens,
                 "total_tokens": prompt + num_completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}  # fmt: skip
+
+
+def timings(finished: list[RequestMetrics]) -> dict[str, Any]:
+    """tokenmill's per-call figures (the `timings` field, as llama-server names its own): the first token's time
+    from arrival, the decode rate after it, speculative drafts verified and kept, and the steps each forward path
+    ran. A call of several requests reports the earliest first token and the rate over all of them."""
+    ttfts = [(m.first_token_time - m.arrival_time) * 1000 for m in finished if m.first_token_time is not None]
+    firsts = [m.first_token_time for m in finished if m.first_token_time is not None]
+    lasts = [m.last_token_time for m in finished if m.last_token_time is not None]
+    after_first = sum(max(m.num_generated_tokens - 1, 0) for m in finished)
+    span = max(lasts) - min(firsts) if firsts and lasts else 0.0
+    paths: dict[str, int] = {}
+    for m in finished:
+        for name, steps in m.forward_steps.items():
+            paths[name] = paths.get(name, 0) + steps
+    return {
+        "ttft_ms": min(ttfts) if ttfts else None,
+        "decode_tokens_per_sec": after_first / span if span > 0 and after_first else None,
+        "draft_tokens": sum(m.num_draft_tokens for m in finished),
+        "accepted_tokens": sum(m.num_accepted_tokens for m in finished),
+        "forward_steps": paths,
+    }
 
 
 def completion_tokens(finals: dict[int, RequestOutput]) -> int:
@@ -181,7 +205,8 @@ async def stream_events(
                 call.observe(out)
         if include_usage:
             yield sse({"id": call.id, "object": call.chunk_object, "created": call.created, "model": call.model,
-                       "choices": [], "usage": call.usage(completion_tokens(finals))})  # fmt: skip
+                       "choices": [], "usage": call.usage(completion_tokens(finals)),
+                       "timings": timings(call.finished)})  # fmt: skip
         yield sse("[DONE]")
     except Exception as e:  # the request failed in the engine, or the engine died: say so in-band, then end
         yield sse(error_body(500, f"generation failed: {e}"))
