@@ -44,8 +44,9 @@ _HELP = {
     "dtype": "weights and activations: auto (the checkpoint's), float32, bfloat16, float16",
     "device": "auto (cuda when there is one), cpu, cuda or cuda:N",
     "kv_cache": "paged (blocks, prefix caching), contiguous (one buffer per sequence) or none (recompute)",
-    "kv_cache_dtype": "what the paged KV pool holds: auto (the model's dtype), bfloat16, or int8 (each head's row of "
-    "keys or values as int8 with a half scale, as llama.cpp's -ctk/-ctv q8_0: 1.9x the tokens in the same memory)",
+    "kv_cache_dtype": "what the paged KV pool holds: auto (the model's dtype), bfloat16, int8 or fp8 (each head's row "
+    "of keys or values as int8, or float8 e4m3, with a bf16 scale, as llama.cpp's -ctk/-ctv q8_0: 1.9x the tokens in "
+    "the same memory)",
     "max_model_len": "the longest sequence, prompt + output (default: the model's max_position_embeddings). On the "
     "CPU the default KV pool follows it, like llama-server's -c: room for --max-num-seqs sequences of this length; "
     "without it, the model's context, at least 32768 tokens (or --max-num-seqs full-length sequences if less), "

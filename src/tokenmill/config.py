@@ -15,8 +15,8 @@ from tokenmill.errors import ConfigError
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 KVCacheMode = Literal["paged", "contiguous", "none"]
-KVCacheDType = Literal["auto", "bfloat16", "int8"]  # what the paged pool holds (attention/kv_quant.py)
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "int8")
+KVCacheDType = Literal["auto", "bfloat16", "int8", "fp8"]  # what the paged pool holds (attention/kv_quant.py)
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "int8", "fp8")
 KV_CACHE_MODES: tuple[str, ...] = ("paged", "contiguous", "none")
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
 # the MLP activation; the GELUs are GPT-2's ("gelu_new", the tanh approximation) and the exact one

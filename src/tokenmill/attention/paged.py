@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import BatchLayout, attend_sequence, window_of
-from tokenmill.attention.kv_quant import bytes_per_row, dequantize_rows, quantize_rows
+from tokenmill.attention.kv_quant import QUANTIZED, bytes_per_row, dequantize_rows, quantize_rows
 from tokenmill.attention.sinks import attend_with_sinks
 from tokenmill.kernels import FusedOps, Kernels
 from tokenmill.types import SequenceInput
@@ -64,10 +64,10 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.windows = list(windows)  # per layer attention window (None: whole context); empty: none anywhere
         self.dtype, self.device = dtype, device  # the activations' dtype: what attention takes and returns
-        self.storage = storage or dtype  # what the pool holds: `dtype`, bfloat16, or int8 rows (kv_quant.py)
-        quantized = self.storage == torch.int8
+        self.storage = storage or dtype  # what the pool holds: `dtype`, bfloat16, or int8 / fp8 rows (kv_quant.py)
+        quantized = self.storage in QUANTIZED
         # the fused decode attention (kernels/): it reads the blocks in place, no gather and no padding bias; the
-        # CPU kernels also read an int8 pool, the GPU's only a pool in the activations' dtype
+        # CPU kernels also read a quantized pool, the GPU's only a pool in the activations' dtype
         fused = ops is not None and device.type == ops.device_type and dtype in ops.dtypes
         fused = fused and (self.storage == dtype or (quantized and isinstance(ops, Kernels)))
         self.ops = ops if fused else None
@@ -84,7 +84,7 @@ class PagedKVCache:
         # NOTE: empty, not zeros: untouched pages of a large CPU pool cost no resident memory. Blocks are zeroed
         # once, before first use (`_zeroed_below`), because the batched decode reads whole blocks, padding included.
         self.cache = torch.empty(shape, dtype=self.storage, device=device)  # [L, 2, slots, Hkv, Dh]
-        # an int8 pool's bf16 scales, one per (slot, KV head) row: [L, 2, slots, Hkv]
+        # a quantized pool's bf16 scales, one per (slot, KV head) row: [L, 2, slots, Hkv]
         self.scales = torch.empty(shape[:4], dtype=torch.bfloat16, device=device) if quantized else None
         self._zeroed_below = 0  # blocks [0, this) have been zeroed
         if self.spare_slot is not None:
@@ -108,7 +108,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """The pool's bytes: its rows, and an int8 pool's scales."""
+        """The pool's bytes: its rows, and a quantized pool's scales."""
         return self.cache.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     @staticmethod
@@ -250,8 +250,8 @@ class PagedKVCache:
             if self.scales is None:
                 self.cache[layer, half].index_copy_(0, meta.slot_mapping, x.to(self.storage))
             else:
-                q, scale = quantize_rows(x)
-                self.cache[layer, half].index_copy_(0, meta.slot_mapping, q)
+                q, scale = quantize_rows(x, self.storage)  # torch has no index_copy_ of float8: as bytes
+                self.cache[layer, half].view(torch.uint8).index_copy_(0, meta.slot_mapping, q.view(torch.uint8))
                 self.scales[layer, half].index_copy_(0, meta.slot_mapping, scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
@@ -283,7 +283,7 @@ class PagedKVCache:
         for b in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
             slots = meta.context_slots[b]
-            if slots is None and self.scales is not None:  # int8: attend to the rows as stored, as a later hit will
+            if slots is None and self.scales is not None:  # quantized: attend to the rows as stored, as a hit will
                 slots = meta.slot_mapping[start:end]
             if slots is None:
                 keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, ctx, Dh]
@@ -336,7 +336,7 @@ class PagedKVCache:
         return self.bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, self.storage)
 
     def _block_parts(self, block_id: int) -> list[torch.Tensor]:
-        """Views of block `block_id`: its rows [L, 2, bs, Hkv, Dh], and an int8 pool's scales [L, 2, bs, Hkv]."""
+        """Views of block `block_id`: its rows [L, 2, bs, Hkv, Dh], and a quantized pool's scales [L, 2, bs, Hkv]."""
         start = block_id * self.block_size
         parts = [self.cache[:, :, start : start + self.block_size]]
         if self.scales is not None:
@@ -345,7 +345,7 @@ class PagedKVCache:
 
     def read_block(self, block_id: int) -> bytes:
         """Block `block_id`'s keys and values as bytes: [L, 2, block_size, Hkv, Dh] in the pool's storage dtype,
-        then an int8 pool's scales [L, 2, block_size, Hkv]."""
+        then a quantized pool's scales [L, 2, block_size, Hkv]."""
         return b"".join(bytes(p.contiguous().view(torch.uint8).cpu().numpy().data) for p in self._block_parts(block_id))
 
     def write_block(self, block_id: int, data: bytes) -> None:

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from tokenmill.sampling_params import SamplingParams
 
 
+QUANTIZED_KV = (torch.int8, torch.float8_e4m3fn)  # the KV caches that come with row scales (kv_quant.h)
+
+
 def _check_logits(logits: torch.Tensor) -> None:
     if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or logits.device.type != "cpu":
         raise ValueError("logits must be a float32 or bfloat16 CPU tensor [B, V]")
@@ -101,7 +104,7 @@ class Kernels:
         self, dtype: torch.dtype, shape: StackShape, eps: float, cache: torch.Tensor, final_norm: torch.Tensor,
         num_layers: int, threads: int, scales: torch.Tensor | None = None,
     ) -> NativeStack:  # fmt: skip
-        """A native decode stack over the KV pool `cache` [L, 2, slots, Hkv, Dh] (an int8 pool with its bf16
+        """A native decode stack over the KV pool `cache` [L, 2, slots, Hkv, Dh] (a quantized pool with its bf16
         `scales` [L, 2, slots, Hkv]), behind checked calls."""
         return NativeStack(self.module, dtype, shape, eps, cache, final_norm, num_layers, threads, scales)
 
@@ -216,16 +219,16 @@ class Kernels:
         (int64) block ids; seqs [S, 3] (int64): each sequence's first row in q, new tokens, context length (new
         ones included). Writes those rows of out [T, H, Dh] (contiguous); with a window, each token sees only the
         last `window` positions; with sinks [H], each head's sink logit joins its softmax's denominator. Dh must be
-        a multiple of 16. An int8 cache comes with its bf16 scales [2, slots, Hkv] (`_int8_scales`)."""
+        a multiple of 16. A quantized cache comes with its bf16 scales [2, slots, Hkv] (`_kv_scales`)."""
         h, dh = q.shape[1:]
-        same = q.dtype == cache.dtype if scales is None else cache.dtype == torch.int8
+        same = q.dtype == cache.dtype if scales is None else cache.dtype in QUANTIZED_KV
         if q.stride(2) != 1 or q.stride(1) != dh or not out.is_contiguous() or dh % 16 or not same:
             raise ValueError("prefill_attention needs heads Dh apart, Dh % 16 == 0, a contiguous out, one dtype")
         sink = _sinks(sinks, h)
         self.module.prefill_attention(
             q.data_ptr(), q.stride(0), cache.data_ptr(), q.dtype == torch.bfloat16, cache.shape[1], tables.data_ptr(),
             tables.shape[1], block_size, seqs.data_ptr(), seqs.shape[0], h, cache.shape[2], dh, dh**-0.5, window or 0,
-            out.data_ptr(), 0 if sink is None else sink.data_ptr(), _int8_scales(cache, scales),
+            out.data_ptr(), 0 if sink is None else sink.data_ptr(), *_kv_scales(cache, scales),
         )  # fmt: skip
 
     def kv_write(
@@ -233,12 +236,12 @@ class Kernels:
         scales: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """k, v [T, Hkv, Dh] (rows may be strided: slices of a fused qkv) -> a layer's cache [2, S, Hkv, Dh] at
-        `slots` [T] (int64); an int8 cache's rows are quantized, their bf16 scales written to `scales` [2, S, Hkv]
-        (attention/kv_int8.h)."""
+        `slots` [T] (int64); a quantized cache's rows (int8 or float8_e4m3fn) are quantized, their bf16 scales
+        written to `scales` [2, S, Hkv] (attention/kv_quant.h)."""
         width = k.shape[1] * k.shape[2]
         self.module.kv_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.dtype == torch.bfloat16,
                              cache.data_ptr(), cache.shape[1], slots.data_ptr(), k.shape[0], width,
-                             _int8_scales(cache, scales), k.shape[2])  # fmt: skip
+                             *_kv_scales(cache, scales), k.shape[2])  # fmt: skip
 
     def decode_attention(
         self,
@@ -253,7 +256,7 @@ class Kernels:
     ) -> torch.Tensor:
         """q [B, H, Dh], one new token per sequence, over a layer's paged cache [2, slots, Hkv, Dh] through block
         tables [B, M] (int64) and context lengths [B] (int64) -> [B, H, Dh]; with a window, over the last
-        `window` positions only; with sinks [H], each head's sink logit joins its softmax's denominator. An int8
+        `window` positions only; with sinks [H], each head's sink logit joins its softmax's denominator. A quantized
         cache comes with its bf16 scales [2, slots, Hkv]."""
         b, h, dh = q.shape
         out = torch.empty_like(q)
@@ -261,22 +264,21 @@ class Kernels:
         self.module.decode_attention(
             q.data_ptr(), cache.data_ptr(), q.dtype == torch.bfloat16, cache.shape[1], tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), b, h, cache.shape[2], dh, block_size, dh**-0.5, window or 0,
-            out.data_ptr(), 0 if sink is None else sink.data_ptr(), _int8_scales(cache, scales),
+            out.data_ptr(), 0 if sink is None else sink.data_ptr(), *_kv_scales(cache, scales),
         )  # fmt: skip
         return out
 
 
-def _int8_scales(cache: torch.Tensor, scales: torch.Tensor | None) -> int:
-    """The kernels' `kv_scales` argument: an int8 cache's bf16 scales [2, slots, Hkv] (contiguous), or 0 for a cache in
-    the activations' dtype."""
+def _kv_scales(cache: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, bool]:
+    """The kernels' `kv_scales, fp8` arguments: a quantized cache's bf16 scales [2, slots, Hkv] (contiguous), and
+    whether its rows are float8 e4m3 (else int8); (0, False) for a cache in the activations' dtype."""
+    quantized = cache.dtype in QUANTIZED_KV
     if scales is None:
-        if cache.dtype == torch.int8:
-            raise ValueError("an int8 KV cache needs its scales")
-        return 0
-    if cache.dtype != torch.int8 or scales.dtype != torch.bfloat16 or not scales.is_contiguous():
-        raise ValueError("int8 KV scales are a contiguous bfloat16 [2, slots, Hkv] beside an int8 cache")
+        if quantized:
+            raise ValueError(f"a {cache.dtype} KV cache needs its scales")
+        return 0, False
+    if not quantized or scales.dtype != torch.bfloat16 or not scales.is_contiguous():
+        raise ValueError("KV scales are a contiguous bfloat16 [2, slots, Hkv] beside an int8 or float8_e4m3fn cache")
     if tuple(scales.shape) != tuple(cache.shape[:3]):
-        raise ValueError(
-            f"int8 KV scales of shape {tuple(scales.shape)} do not match the cache's {tuple(cache.shape[:3])}"
-        )
-    return int(scales.data_ptr())
+        raise ValueError(f"KV scales of shape {tuple(scales.shape)} do not match the cache's {tuple(cache.shape[:3])}")
+    return int(scales.data_ptr()), cache.dtype == torch.float8_e4m3fn

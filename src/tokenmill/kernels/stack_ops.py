@@ -104,9 +104,9 @@ class NativeStack:
         if cache.dim() != 5 or cache.shape[1] != 2 or cache.shape[3:] != (shape.kv_heads, shape.head_dim):
             raise ValueError(f"the KV pool must be [L, 2, slots, {shape.kv_heads}, {shape.head_dim}]")
         _check(final_norm, "the final norm", (shape.d,), dtype)
-        if cache.dtype != (dtype if scales is None else torch.int8):
-            raise ValueError(f"the KV pool must hold {dtype}, or int8 with its scales, not {cache.dtype}")
-        _check(scales, "the int8 pool's scales", tuple(cache.shape[:4]), torch.bfloat16)
+        if cache.dtype != dtype and (scales is None or cache.dtype not in (torch.int8, torch.float8_e4m3fn)):
+            raise ValueError(f"the KV pool must hold {dtype}, or int8 / float8_e4m3fn with scales, not {cache.dtype}")
+        _check(scales, "the quantized pool's scales", tuple(cache.shape[:4]), torch.bfloat16)
         self.dtype, self.shape, self.cache, self.scales = dtype, shape, cache, scales
         self.num_slots = cache.shape[2]
         self.native = module.DecodeStack(dtype == torch.bfloat16, shape.d, shape.heads, shape.kv_heads,
@@ -143,8 +143,8 @@ class NativeStack:
         self._set_scales(layer)
 
     def _set_scales(self, layer: int) -> None:
-        if self.scales is not None:  # an int8 pool: the layer quantizes its rows and widens them (kv_int8.h)
-            self.native.set_kv_scales(layer, self.scales[layer].data_ptr())
+        if self.scales is not None:  # a quantized pool: the layer quantizes its rows and widens them (kv_quant.h)
+            self.native.set_kv_scales(layer, self.scales[layer].data_ptr(), self.cache.dtype == torch.float8_e4m3fn)
 
     def _attention(
         self, norms: Sequence[torch.Tensor | None], linears: Sequence[StackLinear]

@@ -171,61 +171,60 @@ void decode_attention_impl(uintptr_t q, uintptr_t cache, int64_t slots, const in
   });
 }
 
-// kv_scales: an int8 cache's bf16 scales [2, slots, Hkv] (attention/kv_int8.h), or 0: the cache is in q's dtype
+// fn((T*)0, (C*)0) for the activations' type T (bf16 as uint16_t, or float) and the cache's C: T itself without
+// kv_scales, else int8 or float8 e4m3 rows with bf16 scales [2, slots, Hkv] (attention/kv_quant.h)
+template <typename Fn>
+void with_kv_types(bool bf16, uintptr_t kv_scales, bool fp8, Fn&& fn) {
+  auto cache = [&](auto* t) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    if (!kv_scales) fn(t, (T*)nullptr);
+    else if (fp8) fn(t, (f8e4m3*)nullptr);
+    else fn(t, (int8_t*)nullptr);
+  };
+  if (bf16) cache((uint16_t*)nullptr);
+  else cache((float*)nullptr);
+}
+
 void decode_attention(uintptr_t q, uintptr_t cache, bool bf16, int64_t slots, uintptr_t tables, int64_t max_blocks,
                       uintptr_t lens, int64_t B, int64_t H, int64_t Hkv, int64_t Dh, int64_t block_size, double scale,
-                      int64_t window, uintptr_t out, uintptr_t sinks, uintptr_t kv_scales) {
-  const int64_t* tab = (const int64_t*)tables;
-  const int64_t* len = (const int64_t*)lens;
-  const float* sink = (const float*)sinks;  // [H] float32, or null: no sinks
-  const uint16_t* scales = (const uint16_t*)kv_scales;
-  if (scales && bf16)
-    decode_attention_impl<uint16_t, int8_t>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale,
-                                            window, out, sink, scales);
-  else if (scales)
-    decode_attention_impl<float, int8_t>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale,
-                                         window, out, sink, scales);
-  else if (bf16)
-    decode_attention_impl<uint16_t>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out,
-                                    sink);
-  else
-    decode_attention_impl<float>(q, cache, slots, tab, max_blocks, len, B, H, Hkv, Dh, block_size, scale, window, out,
-                                 sink);
+                      int64_t window, uintptr_t out, uintptr_t sinks, uintptr_t kv_scales, bool fp8) {
+  with_kv_types(bf16, kv_scales, fp8, [&](auto* t, auto* c) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    using C = std::remove_pointer_t<decltype(c)>;
+    decode_attention_impl<T, C>(q, cache, slots, (const int64_t*)tables, max_blocks, (const int64_t*)lens, B, H, Hkv,
+                                Dh, block_size, scale, window, out, (const float*)sinks, (const uint16_t*)kv_scales);
+  });
 }
 
 // every prefill sequence's new tokens over its paged context (attention/prefill.h); seqs [S, 3] int64: first row
 // in q, new tokens, context length
 void prefill_attention(uintptr_t q, int64_t q_stride, uintptr_t cache, bool bf16, int64_t slots, uintptr_t tables,
                        int64_t max_blocks, int64_t block_size, uintptr_t seqs, int64_t S, int64_t H, int64_t Hkv,
-                       int64_t Dh, double scale, int64_t window, uintptr_t out, uintptr_t sinks, uintptr_t kv_scales) {
-  auto run = [&](auto* type, auto* cache_type) {
-    using T = std::remove_pointer_t<decltype(type)>;
-    using C = std::remove_pointer_t<decltype(cache_type)>;
+                       int64_t Dh, double scale, int64_t window, uintptr_t out, uintptr_t sinks, uintptr_t kv_scales,
+                       bool fp8) {
+  with_kv_types(bf16, kv_scales, fp8, [&](auto* t, auto* c) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    using C = std::remove_pointer_t<decltype(c)>;
     const PrefillJob<T, C> job{(const T*)q, q_stride, (const C*)cache, slots, (const int64_t*)tables, max_blocks,
                                block_size, (const int64_t*)seqs, H, Hkv, Dh, (float)scale, window, (T*)out,
                                (const float*)sinks, (const uint16_t*)kv_scales};
     prefill_attention_run(job, S);
-  };
-  if (kv_scales && bf16) run((uint16_t*)nullptr, (int8_t*)nullptr);
-  else if (kv_scales) run((float*)nullptr, (int8_t*)nullptr);
-  else if (bf16) run((uint16_t*)nullptr, (uint16_t*)nullptr);
-  else run((float*)nullptr, (float*)nullptr);
+  });
 }
 
-// kv_scales: an int8 cache's bf16 scales [2, slots, Hkv] (the rows are quantized: attention/kv_int8.h), or 0
+// new keys and values into their cache slots; a quantized cache's rows quantized, their scales beside them
 void kv_write(uintptr_t k, int64_t k_stride, uintptr_t v, int64_t v_stride, bool bf16, uintptr_t cache, int64_t slots,
-              uintptr_t slot, int64_t n, int64_t width, uintptr_t kv_scales, int64_t Dh) {
+              uintptr_t slot, int64_t n, int64_t width, uintptr_t kv_scales, bool fp8, int64_t Dh) {
   const int64_t* s = (const int64_t*)slot;
-  if (kv_scales && bf16)
-    kv_write_rows_int8((const uint16_t*)k, k_stride, (const uint16_t*)v, v_stride, (int8_t*)cache,
-                       (uint16_t*)kv_scales, slots, s, n, width / Dh, Dh);
-  else if (kv_scales)
-    kv_write_rows_int8((const float*)k, k_stride, (const float*)v, v_stride, (int8_t*)cache, (uint16_t*)kv_scales,
-                       slots, s, n, width / Dh, Dh);
-  else if (bf16)
-    kv_write_rows((const uint16_t*)k, k_stride, (const uint16_t*)v, v_stride, (uint16_t*)cache, slots, s, n, width);
-  else
-    kv_write_rows((const float*)k, k_stride, (const float*)v, v_stride, (float*)cache, slots, s, n, width);
+  with_kv_types(bf16, kv_scales, fp8, [&](auto* t, auto* c) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    using C = std::remove_pointer_t<decltype(c)>;
+    if constexpr (kv_quantized<C>)
+      kv_write_rows_quant((const T*)k, k_stride, (const T*)v, v_stride, (C*)cache, (uint16_t*)kv_scales, slots, s, n,
+                          width / Dh, Dh);
+    else
+      kv_write_rows((const T*)k, k_stride, (const T*)v, v_stride, (T*)cache, slots, s, n, width);
+  });
 }
 
 // Stream `bytes` of memory once and return their float sum: the machine's read bandwidth, as the GEMVs see it.

@@ -23,7 +23,7 @@
 
 #include "arch/isa.h"
 #include "attention/common.h"
-#include "attention/kv_int8.h"
+#include "attention/kv_quant.h"
 #include "core/simd.h"
 
 #if TM_BF16_PAIRS
@@ -49,8 +49,9 @@ inline void for_each_run(const int64_t* table, int64_t block_size, int64_t t0, i
 // softmax over the split's positions and their weighted sum of values. cache: [2, slots, Hkv, Dh] for this layer
 // (keys then values); q: [B, H, Dh]; table: the sequence's block ids; len: its context length. -> acc [G, Dh] (the
 // sums, float32) and ml [G, 2] (each head's largest score and sum of exponentials over the split), for
-// merge_splits. `scratch` holds attention_scratch(G, Dh, block_size) floats. An int8 cache (C = int8_t) comes with
-// its scales [2, slots, Hkv] (attention/kv_int8.h); its rows are widened a run at a time, as bf16 rows are.
+// merge_splits. `scratch` holds attention_scratch(G, Dh, block_size) floats. A quantized cache (C = int8_t or
+// f8e4m3) comes with its scales [2, slots, Hkv] (attention/kv_quant.h); its rows are widened a run at a time, as
+// bf16 rows are.
 template <typename T, typename C = T>
 inline void attention_split(const T* q, const C* cache, int64_t slots, const int64_t* table, int64_t len,
                             int64_t window, int64_t b, int64_t g, int64_t s, int64_t H, int64_t Hkv, int64_t Dh,
@@ -79,9 +80,9 @@ inline void attention_split(const T* q, const C* cache, int64_t slots, const int
   // m rows of keys (half 0) or values (1) from `slot` as float32 rows, `stride` apart
   auto rows = [&](int64_t half, int64_t slot, int64_t m, int64_t& stride) -> const float* {
     const C* src = cache + (half * slots + slot) * kv_stride + g * Dh;
-    if constexpr (std::is_same_v<C, int8_t>) {
+    if constexpr (kv_quantized<C>) {
       stride = Dh;
-      widen_int8_rows(src, kv_stride, kv_scales + (half * slots + slot) * Hkv + g, Hkv, m, Dh, run);
+      widen_quant_rows(src, kv_stride, kv_scales + (half * slots + slot) * Hkv + g, Hkv, m, Dh, run);
       if (sizeof(T) == 2 && half == 0)  // a bf16 model's keys rounded to bf16, as prefill's tiles take them: the
         round_rows_bf16(run, m * Dh);   // same keys whichever kernel reads them (a preempted request's recompute)
       return run;

@@ -27,7 +27,7 @@
 
 #include "attention/common.h"
 #include "attention/decode.h"  // pack_keys_bf16 (this build's)
-#include "attention/kv_int8.h"
+#include "attention/kv_quant.h"
 #include "core/simd.h"
 #include "linear/dense_tiles.h"
 #include "linear/pair_tile.h"
@@ -55,7 +55,7 @@ template <typename T, typename C = T>
 struct PrefillJob {
   const T* q;                  // [tokens, H, Dh], tokens q_stride elements apart, heads Dh apart
   int64_t q_stride;
-  const C* cache;              // this layer's [2, slots, Hkv, Dh]: T, or int8 (attention/kv_int8.h)
+  const C* cache;              // this layer's [2, slots, Hkv, Dh]: T, or quantized (attention/kv_quant.h)
   int64_t slots;
   const int64_t* tables;       // [S, max_blocks] block ids
   int64_t max_blocks, block_size;
@@ -65,7 +65,7 @@ struct PrefillJob {
   int64_t window;              // > 0: each token sees only the last `window` positions (itself included)
   T* out;                      // [tokens, H, Dh] contiguous
   const float* sinks;          // [H]: each head's sink logit in the softmax's denominator (gpt-oss), or null
-  const uint16_t* kv_scales = nullptr;  // an int8 cache's bf16 scales [2, slots, Hkv]
+  const uint16_t* kv_scales = nullptr;  // a quantized cache's bf16 scales [2, slots, Hkv]
 };
 
 // The keys of n <= KB positions (row pointers) as ceil(n / P) panels in `panels`, zero past n: bf16 [Dh/2][P][2]
@@ -156,7 +156,7 @@ inline float online_softmax_row(float* s, int64_t n, int64_t lo, int64_t hi, flo
 // Per-thread buffers of a task with up to `rows` rows.
 template <typename T>
 struct PrefillScratch {
-  std::vector<T> q, keys, widened;         // [rows, Dh]; [KB, Dh] packed; [KB, Dh] an int8 cache's keys as T
+  std::vector<T> q, keys, widened;         // [rows, Dh]; [KB, Dh] packed; [KB, Dh] a quantized cache's keys as T
   std::vector<float> values, s, o, mx, l;  // [KB, Dh]; [rows, KB]; [rows, Dh]; [rows]; [rows]
   std::vector<const T*> krow;              // [KB]
   PrefillScratch(int64_t rows, int64_t Dh)
@@ -203,7 +203,7 @@ void block_values(PrefillScratch<T>& sc, int64_t R, int64_t n, int64_t Dh) {
 }
 
 // The keys of positions [t0, t0 + n) of KV head g as row pointers in sc.krow, their values as float32 rows in
-// sc.values: a T cache's keys where they lie; an int8 cache's widened into sc.widened (rounded to T, as the tiles
+// sc.values: a T cache's keys where they lie; a quantized cache's widened into sc.widened (rounded to T, as the tiles
 // multiply T keys), its values widened exactly.
 template <typename T, typename C>
 void block_rows(const PrefillJob<T, C>& job, int64_t g, const int64_t* table, int64_t t0, int64_t n,
@@ -213,16 +213,16 @@ void block_rows(const PrefillJob<T, C>& job, int64_t g, const int64_t* table, in
     const int64_t t = t0 + i, slot = table[t / job.block_size] * job.block_size + t % job.block_size;
     const C* key = job.cache + slot * kv_stride + g * Dh;
     float* value = sc.values.data() + i * Dh;
-    if constexpr (std::is_same_v<C, int8_t>) {
+    if constexpr (kv_quantized<C>) {
       const int64_t at = slot * job.Hkv + g;
-      const float* row = widen_int8_rows(key, 0, job.kv_scales + at, 0, 1, Dh, value);  // the key, for a moment
+      const float* row = widen_quant_rows(key, 0, job.kv_scales + at, 0, 1, Dh, value);  // the key, for a moment
       T* dst = sc.widened.data() + i * Dh;
       for (int64_t d = 0; d < Dh; d += W) {
         if constexpr (sizeof(T) == 2) store_bf16((uint16_t*)(dst + d), load(row + d));
         else store((float*)(dst + d), load(row + d));
       }
       sc.krow[i] = dst;
-      widen_int8_rows(key + job.slots * kv_stride, 0, job.kv_scales + job.slots * job.Hkv + at, 0, 1, Dh, value);
+      widen_quant_rows(key + job.slots * kv_stride, 0, job.kv_scales + job.slots * job.Hkv + at, 0, 1, Dh, value);
     } else {
       sc.krow[i] = key;
       for (int64_t d = 0; d < Dh; d += W) store(value + d, load_row(key + job.slots * kv_stride + d));

@@ -43,7 +43,8 @@ struct LayerSpec {
   uintptr_t in_norm, post_norm, q_norm, k_norm, cache;  // q_norm / k_norm: 0 without (Qwen3 has them)
   LinearSpec qkv, o, gate_up, down;                     // (gate_up, down: a sparse layer's are unused)
   int64_t moe = -1;                                     // a sparse layer's index in moe_, else -1
-  uintptr_t kv_scales = 0;  // an int8 cache's bf16 scales [2, slots, Hkv] (attention/kv_int8.h), else 0
+  uintptr_t kv_scales = 0;  // a quantized cache's bf16 scales [2, slots, Hkv] (attention/kv_quant.h), else 0
+  bool kv_fp8 = false;      // that cache's rows are float8 e4m3, not int8
 };
 
 class DecodeStack {
@@ -94,9 +95,12 @@ class DecodeStack {
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
 
-  // Layer l's cache holds int8 rows with these bf16 scales [2, slots, Hkv]: keys and values are quantized as
-  // they are written, and widened where attention reads them (attention/kv_int8.h).
-  void set_kv_scales(int64_t l, uintptr_t scales) { layers_.at(l).kv_scales = scales; }
+  // Layer l's cache holds int8 (or, with fp8, float8 e4m3) rows with these bf16 scales [2, slots, Hkv]: keys and
+  // values are quantized as they are written, and widened where attention reads them (attention/kv_quant.h).
+  void set_kv_scales(int64_t l, uintptr_t scales, bool fp8) {
+    layers_.at(l).kv_scales = scales;
+    layers_.at(l).kv_fp8 = fp8;
+  }
 
   // The embedding is a quantized weight's panels (its rows unpacked as they are looked up: a GGUF's token_embd,
   // which also serves as a tied LM head), not a table in the model dtype.
@@ -373,20 +377,33 @@ class DecodeStack {
     rope_rows(Act{k, bf16_}, cos, sin, 1, 1, Dh_, width);
     const int64_t key = slot_[b] * Hkv_ + g, value = (slots_ + slot_[b]) * Hkv_ + g;  // rows of the cache
     if (s.kv_scales) {
-      int8_t* cache = (int8_t*)s.cache;
-      uint16_t* scales = (uint16_t*)s.kv_scales;
-      if (bf16_) {
-        quantize_kv_row((const uint16_t*)k, Dh_, cache + key * Dh_, scales + key);
-        quantize_kv_row((const uint16_t*)v, Dh_, cache + value * Dh_, scales + value);
-      } else {
-        quantize_kv_row((const float*)k, Dh_, cache + key * Dh_, scales + key);
-        quantize_kv_row((const float*)v, Dh_, cache + value * Dh_, scales + value);
-      }
+      with_row_types(s, [&](auto* t, auto* c) {
+        using T = std::remove_pointer_t<decltype(t)>;
+        using C = std::remove_pointer_t<decltype(c)>;
+        if constexpr (kv_quantized<C>) {
+          uint16_t* scales = (uint16_t*)s.kv_scales;
+          quantize_kv_row((const T*)k, Dh_, (C*)s.cache + key * Dh_, scales + key);
+          quantize_kv_row((const T*)v, Dh_, (C*)s.cache + value * Dh_, scales + value);
+        }
+      });
       return;
     }
     char* cache = (char*)s.cache;
     std::memcpy(cache + key * Dh_ * e_, k, Dh_ * e_);
     std::memcpy(cache + value * Dh_ * e_, v, Dh_ * e_);
+  }
+
+  // fn((T*)0, (C*)0) for the model's type T and layer s's cache rows C (T, int8 or float8 e4m3)
+  template <typename Fn>
+  void with_row_types(const LayerSpec& s, Fn&& fn) const {
+    auto rows = [&](auto* t) {
+      using T = std::remove_pointer_t<decltype(t)>;
+      if (!s.kv_scales) fn(t, (T*)nullptr);
+      else if (s.kv_fp8) fn(t, (f8e4m3*)nullptr);
+      else fn(t, (int8_t*)nullptr);
+    };
+    if (bf16_) rows((uint16_t*)nullptr);
+    else rows((float*)nullptr);
   }
 
   // task `task` of the attention stage: split s of row b's KV head g -> part_acc_, part_ml_; the last of the
@@ -410,22 +427,14 @@ class DecodeStack {
     const float scale = (float)std::pow((double)Dh_, -0.5);
     const int64_t at = split * H_ + g * G;
     float *acc = part_acc_.data() + at * Dh_, *ml = part_ml_.data() + at * 2;
-    const uint16_t* kv_scales = (const uint16_t*)layers_[l].kv_scales;
-    const int64_t* table = tables_ + b * max_blocks_;
-    if (bf16_ && kv_scales)
-      attention_split<uint16_t, int8_t>((const uint16_t*)q, (const int8_t*)layers_[l].cache, slots_, table, lens_[b], 0,
-                                        q_row, g, s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data(),
-                                        kv_scales);
-    else if (kv_scales)
-      attention_split<float, int8_t>((const float*)q, (const int8_t*)layers_[l].cache, slots_, table, lens_[b], 0,
-                                     q_row, g, s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data(),
-                                     kv_scales);
-    else if (bf16_)
-      attention_split<uint16_t>((const uint16_t*)q, (const uint16_t*)layers_[l].cache, slots_, table, lens_[b], 0,
-                                q_row, g, s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data());
-    else
-      attention_split<float>((const float*)q, (const float*)layers_[l].cache, slots_, table, lens_[b], 0, q_row, g, s,
-                             H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data());
+    const LayerSpec& spec = layers_[l];
+    with_row_types(spec, [&](auto* t, auto* c) {
+      using T = std::remove_pointer_t<decltype(t)>;
+      using C = std::remove_pointer_t<decltype(c)>;
+      attention_split<T, C>((const T*)q, (const C*)spec.cache, slots_, tables_ + b * max_blocks_, lens_[b], 0, q_row, g,
+                            s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data(),
+                            (const uint16_t*)spec.kv_scales);
+    });
     if (n > 1) {  // the splits' writes before this one's are visible to whichever finishes last (acq_rel)
       std::atomic<int64_t>& done = splits_done_[b * Hkv_ + g];
       if (done.fetch_add(1, std::memory_order_acq_rel) + 1 < n) return;

@@ -25,6 +25,9 @@ inline vf load_i8(const int8_t* p) {
   return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
 
+// W bytes -> W 32-bit lanes (the fp8 KV cache's rows)
+inline vu load_u8(const uint8_t* p) { return (vu)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+
 // the sum of v's lanes, in a tree (a scalar chain of W adds is far slower where decode attention takes one sum per
 // position and head)
 inline float hsum(vf v) { return _mm512_reduce_add_ps((__m512)v); }

@@ -32,6 +32,13 @@ inline vf load_i8(const int8_t* p) {
   return f;
 }
 
+// W bytes -> W 32-bit lanes (the fp8 KV cache's rows)
+inline vu load_u8(const uint8_t* p) {
+  vu u;
+  for (int i = 0; i < W; ++i) u[i] = p[i];
+  return u;
+}
+
 // the sum of v's lanes
 inline float hsum(vf v) {
   float s = 0.f;
