@@ -1,0 +1,192 @@
+"""LoRA adapters against transformers + peft's `PeftModel` on tiny random checkpoints and adapters made here.
+
+peft writes each adapter with random non-zero B (`init_lora_weights=False`), so the update changes the logits. For
+each: float32 logits over a prompt within 1e-4 of PeftModel's, and greedy tokens equal to its `generate`; a batch
+mixing four adapters and the base model gives each prompt what it gets alone; an int8 base with an adapter equals
+the dequantized base with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests import target
+from tests.lora_adapters import make_adapter
+from tokenmill import LLM, LoRARequest, SamplingParams
+from tokenmill.attention import causal
+from tokenmill.models.lora import LoraBatch
+
+peft = pytest.importorskip("peft", reason="peft (the dev extra) makes the reference adapters")
+
+FP32_TOL = 1e-4
+PROMPT = "The quick brown fox jumps over the lazy dog, and then"
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL = [*ATTN, "gate_proj", "up_proj", "down_proj"]
+# (targets, rank, alpha, rsLoRA): every projection, attention only, a few shards of the fused ones, rsLoRA
+ADAPTERS: dict[str, tuple[list[str], int, int, bool]] = {
+    "all-r8": (ALL, 8, 16, False),
+    "attn-r4": (ATTN, 4, 8, False),
+    "qv-down-r2": (["q_proj", "v_proj", "down_proj"], 2, 4, False),
+    "up-k-r16-rslora": (["k_proj", "up_proj"], 16, 8, True),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("qwen2", initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("adapters")
+    return {name: make_adapter(checkpoint, folder / name, *spec, seed=i)
+            for i, (name, spec) in enumerate(ADAPTERS.items())}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint: Path, adapters: dict[str, Path]) -> LLM:
+    return LLM(str(checkpoint), dtype="float32", device=target.DEVICE, max_lora_rank=16,
+               lora_modules={name: str(path) for name, path in adapters.items()})  # fmt: skip
+
+
+def _peft(checkpoint: Path, adapter: Path) -> Any:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter).eval()
+
+
+def _greedy(ref: Any, ids: list[int], steps: int) -> list[int]:
+    """`steps` greedy tokens of the reference, EOS included (as `ignore_eos`): the whole context each step."""
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            seq.append(int(ref(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
+def _our_logits(llm: LLM, name: str | None, ids: list[int]) -> torch.Tensor:  # [T, V] float32, on the CPU
+    """The whole prompt through the model's modules, every row with adapter `name` (None: the base model)."""
+    loras = llm.engine.runner.lora
+    assert loras is not None and llm.engine.lora is not None
+    model = llm.loaded.model
+    if name is not None:
+        loras.state.batch = LoraBatch([(llm.engine.lora.get(name).adapter_id, slice(None))])
+    try:
+        with torch.inference_mode():
+            hidden = model(target.ids_tensor(ids), target.positions(0, len(ids)), *causal(len(ids)))
+            return model.compute_logits(hidden).float().cpu()
+    finally:
+        loras.state.batch = None
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+def test_adapter_logits_and_greedy_tokens_match_peft(
+    llm: LLM, checkpoint: Path, adapters: dict[str, Path], name: str
+) -> None:
+    ref = _peft(checkpoint, adapters[name])
+    ids = llm.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].float()  # [T, V]
+        base = ref.get_base_model()
+        with ref.disable_adapter():
+            base_logits = base(torch.tensor([ids])).logits[0].float()
+    ours = _our_logits(llm, name, ids)
+    assert (expected - base_logits).abs().max().item() > 1e-2, "the adapter must change the logits"
+    assert (ours - expected).abs().max().item() < FP32_TOL
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                       lora_request=name)  # fmt: skip
+    assert list(out[0].outputs[0].token_ids) == _greedy(ref, ids, 24)
+
+
+def test_base_rows_are_untouched_by_loaded_adapters(llm: LLM, checkpoint: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    ids = llm.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].float()
+    assert (_our_logits(llm, None, ids) - expected).abs().max().item() < FP32_TOL
+
+
+def test_a_batch_mixing_four_adapters_and_the_base_equals_each_alone(llm: LLM) -> None:
+    prompts = ["Once upon a time", "To be or not to be", "The rain in Spain", "All happy families", "In the beginning"]
+    loras: list[str | None] = [*ADAPTERS, None]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    together = llm.generate(prompts, params, lora_request=loras)
+    for prompt, lora, mixed in zip(prompts, loras, together, strict=True):
+        alone = llm.generate([prompt], params, lora_request=lora)[0].outputs[0]
+        assert mixed.outputs[0].token_ids == alone.token_ids, lora
+        for a, b in zip(mixed.outputs[0].logprobs or [], alone.logprobs or [], strict=True):
+            for token, lp in b.items():
+                assert abs(a[token] - lp) < 1e-4
+    differs = {tuple(o.outputs[0].token_ids) for o in llm.generate([prompts[0]] * 5, params, lora_request=loras)}
+    assert len(differs) > 1, "adapters must change what the same prompt generates"
+
+
+def test_a_lora_request_loads_its_folder_once(checkpoint: Path, adapters: dict[str, Path]) -> None:
+    llm = LLM(str(checkpoint), dtype="float32", device=target.DEVICE, enable_lora=True)
+    request = LoRARequest("late", 1, str(adapters["attn-r4"]))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = llm.generate(["Hello there"], params, lora_request=request)
+    again = llm.generate(["Hello there"], params, lora_request=request)
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
+    assert llm.engine.lora is not None and llm.engine.lora.names == ("late",)
+    llm.unload_lora("late")
+    with pytest.raises(ValueError, match="no LoRA adapter named 'late'"):
+        llm.generate(["Hello there"], params, lora_request="late")
+
+
+def test_int8_base_with_an_adapter_equals_the_dequantized_base_with_it(
+    checkpoint: Path, adapters: dict[str, Path]
+) -> None:
+    """The update runs beside the quantized linears: the same adapter over the int8 model agrees with peft over that
+    model's own dequantized weights as closely as the int8 base alone agrees with that base (the kernels also round
+    each activation row to 8 bits, which no float32 reference does), and the adapter moves the logits by far more."""
+    q = LLM(str(checkpoint), dtype="float32", device=target.DEVICE, quantization="int8",
+            lora_modules={"a": str(adapters["all-r8"])})  # fmt: skip
+    ids = q.tokenizer.encode(PROMPT)
+    with_adapter, base = _our_logits(q, "a", ids), _our_logits(q, None, ids)
+    ref = _peft(checkpoint, adapters["all-r8"])
+    _load_dequantized(ref.get_base_model(), q)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].float()
+        with ref.disable_adapter():
+            expected_base = ref(torch.tensor([ids])).logits[0].float()
+    base_error = (base - expected_base).abs().max().item()
+    error = (with_adapter - expected).abs().max().item()
+    moved = (expected - expected_base).abs().max().item()
+    print(f"int8 + adapter: error {error:.4f}, the base's own {base_error:.4f}, the adapter moves {moved:.4f}")
+    assert error <= 2 * base_error + 1e-4
+    assert moved > 10 * error
+
+
+def _load_dequantized(hf: Any, llm: LLM) -> None:
+    """Put our int8 model's dequantized weights into the transformers model (its q/k/v, gate/up split back)."""
+    from tokenmill.kernels import formats
+
+    def dequantized_weight(linear: Any) -> torch.Tensor:  # [N, K] float32
+        return formats.unpack(linear.packed())
+
+    sd = hf.state_dict()
+    for i, layer in enumerate(llm.loaded.model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = dequantized_weight(attn.qkv_proj).float()
+        q_size, kv = attn.q_size, attn.kv_size
+        parts = {"self_attn.q_proj": qkv[:q_size], "self_attn.k_proj": qkv[q_size : q_size + kv],
+                 "self_attn.v_proj": qkv[q_size + kv :], "self_attn.o_proj": dequantized_weight(attn.o_proj).float(),
+                 "mlp.gate_proj": dequantized_weight(mlp.gate_up_proj).float()[: mlp.intermediate_size],
+                 "mlp.up_proj": dequantized_weight(mlp.gate_up_proj).float()[mlp.intermediate_size :],
+                 "mlp.down_proj": dequantized_weight(mlp.down_proj).float()}  # fmt: skip
+        for name, w in parts.items():
+            key = next(k for k in sd if k.endswith(f"layers.{i}.{name}.base_layer.weight") or
+                       k.endswith(f"layers.{i}.{name}.weight"))  # fmt: skip
+            sd[key].copy_(w)
+    head = llm.loaded.model.lm_head
+    sd[next(k for k in sd if k.endswith("lm_head.weight"))].copy_(dequantized_weight(head).float())
