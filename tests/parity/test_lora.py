@@ -105,6 +105,46 @@ def test_adapter_logits_and_greedy_tokens_match_peft(
     assert list(out[0].outputs[0].token_ids) == _greedy(ref, ids, 24)
 
 
+PHI3_FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize(("arch", "targets"), [("llama", ALL), ("phi3", PHI3_FUSED)])
+def test_other_families_match_peft(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, arch: str, targets: list[str]
+) -> None:
+    """Llama's separate projections, and Phi-3's fused ones as its checkpoints (and so peft) name them."""
+    checkpoint = make_checkpoint(arch, initializer_range=0.1)
+    adapter = make_adapter(checkpoint, tmp_path / "a", targets, 4, 8, seed=7)
+    llm = LLM(str(checkpoint), dtype="float32", device=target.DEVICE, lora_modules={"a": str(adapter)})
+    ref = _peft(checkpoint, adapter)
+    ids = llm.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].float()
+    assert (_our_logits(llm, "a", ids) - expected).abs().max().item() < FP32_TOL
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       lora_request="a")  # fmt: skip
+    assert list(out[0].outputs[0].token_ids) == _greedy(ref, ids, 12)
+
+
+def test_the_prefix_cache_never_shares_kv_across_adapters(
+    checkpoint: Path, adapters: dict[str, Path], llm: LLM
+) -> None:
+    """A long prompt run on the base model, then with an adapter, then with it again: the adapter's run equals peft's
+    (no base blocks taken), and its second run hits its own cached blocks."""
+    prompt = " ".join(["the cat sat on the mat and looked at the dog"] * 4)
+    ids = llm.tokenizer.encode(prompt)
+    assert len(ids) > 2 * 16  # two full blocks at least
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": ids}], params)
+    hits = llm.engine.kv.prefix_cache_hits
+    first = llm.generate([{"prompt_token_ids": ids}], params, lora_request="attn-r4")[0]
+    assert llm.engine.kv.prefix_cache_hits == hits  # the base model's blocks are not the adapter's
+    assert list(first.outputs[0].token_ids) == _greedy(_peft(checkpoint, adapters["attn-r4"]), ids, 8)
+    second = llm.generate([{"prompt_token_ids": ids}], params, lora_request="attn-r4")[0]
+    assert llm.engine.kv.prefix_cache_hits > hits
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_base_rows_are_untouched_by_loaded_adapters(llm: LLM, checkpoint: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -143,13 +183,15 @@ def test_a_lora_request_loads_its_folder_once(checkpoint: Path, adapters: dict[s
         llm.generate(["Hello there"], params, lora_request="late")
 
 
-def test_int8_base_with_an_adapter_equals_the_dequantized_base_with_it(
-    checkpoint: Path, adapters: dict[str, Path]
+@pytest.mark.parametrize("quantization", ["int8", "int4", "q4_k"])
+def test_a_quantized_base_with_an_adapter_equals_the_dequantized_base_with_it(
+    checkpoint: Path, adapters: dict[str, Path], quantization: str
 ) -> None:
-    """The update runs beside the quantized linears: the same adapter over the int8 model agrees with peft over that
-    model's own dequantized weights as closely as the int8 base alone agrees with that base (the kernels also round
-    each activation row to 8 bits, which no float32 reference does), and the adapter moves the logits by far more."""
-    q = LLM(str(checkpoint), dtype="float32", device=target.DEVICE, quantization="int8",
+    """The update runs beside the quantized linears: the same adapter over the quantized model agrees with peft over
+    that model's own dequantized weights as closely as the quantized base alone agrees with that base (the kernels
+    also round each activation row to 8 bits, which no float32 reference does), and the adapter moves the logits by
+    far more."""
+    q = LLM(str(checkpoint), dtype="float32", device=target.DEVICE, quantization=quantization,
             lora_modules={"a": str(adapters["all-r8"])})  # fmt: skip
     ids = q.tokenizer.encode(PROMPT)
     with_adapter, base = _our_logits(q, "a", ids), _our_logits(q, None, ids)
@@ -162,7 +204,7 @@ def test_int8_base_with_an_adapter_equals_the_dequantized_base_with_it(
     base_error = (base - expected_base).abs().max().item()
     error = (with_adapter - expected).abs().max().item()
     moved = (expected - expected_base).abs().max().item()
-    print(f"int8 + adapter: error {error:.4f}, the base's own {base_error:.4f}, the adapter moves {moved:.4f}")
+    print(f"{quantization} + adapter: error {error:.4f}, the base's own {base_error:.4f}, moved {moved:.4f}")
     assert error <= 2 * base_error + 1e-4
     assert moved > 10 * error
 

@@ -20,8 +20,11 @@ from torch import nn
 
 from tokenmill.models.layers import Attention, DecoderLayer, GatedMLP
 
-# peft's module name -> (our projection, the shard of it) in a Llama-shaped decoder layer
+# peft's module name -> (our projection, the shard of it; -1: the whole fused projection, as Phi-3's checkpoints
+# name theirs) in a Llama-shaped decoder layer
 TARGETS: dict[str, tuple[str, int]] = {
+    "qkv_proj": ("qkv_proj", -1),
+    "gate_up_proj": ("gate_up_proj", -1),
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),

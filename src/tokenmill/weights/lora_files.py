@@ -112,12 +112,14 @@ def _weights(
     """A projection's stacked A [n*r, D_in] and block-diagonal B [D_out, n*r], checked against its shape."""
     alpha, rslora = float(config["lora_alpha"]), bool(config.get("use_rslora", False))
     where = f"LoRA adapter {name!r}: layer {layer} {proj}"
+    if -1 in shards and len(shards) > 1:
+        raise ValueError(f"{where}: adapts the fused projection and its parts at once")
     scales: dict[int, float] = {}
     for shard, (a, b) in shards.items():
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
             raise ValueError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not a rank-r pair")
-        want = (shape.in_features, shape.shards[shard])
+        want = (shape.in_features, shape.shards[shard] if shard >= 0 else sum(shape.shards))
         if (a.shape[1], b.shape[0]) != want:
             raise ValueError(f"{where} shard {shard}: the adapter maps {a.shape[1]} -> {b.shape[0]} features but "
                              f"this model's projection maps {want[0]} -> {want[1]}: an adapter for another base "
@@ -128,6 +130,8 @@ def _weights(
         scales[shard] = alpha / (math.sqrt(r) if rslora else r)
     order = sorted(shards)
     scale = scales[order[0]]
+    if order == [-1]:  # the whole fused projection (Phi-3's names)
+        return AdapterWeights(shards[-1][0], shards[-1][1], scale)
     a_all = torch.cat([shards[s][0] for s in order])  # [n*r, D_in]
     b_all = torch.zeros(sum(shape.shards), a_all.shape[0])  # [D_out, n*r] block-diagonal
     col = 0
