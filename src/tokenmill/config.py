@@ -396,8 +396,9 @@ class EngineConfig:
             raise ValueError(f"lora_modules names {dup!r} twice: each adapter needs its own name")
         if not self.lora:
             return
-        clash = [name for name, bad in (("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
-                                        ("batch_invariant", self.batch_invariant)) if bad]  # fmt: skip
+        conflicts = (("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                     ("batch_invariant", self.batch_invariant), ("compile", self.compile))  # fmt: skip
+        clash = [name for name, bad in conflicts if bad]
         if clash:
             raise ValueError(f"LoRA adapters are not supported with {' or '.join(clash)}; drop one or the other")
 

@@ -213,9 +213,18 @@ def test_adapters_refuse_embeddings_by_name(server: Server) -> None:
     assert "applies to text generation only" in _error(r, 400)
 
 
-def test_a_bad_lora_modules_path_is_one_line(checkpoint: Path, tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tokenmill", "serve", str(checkpoint), "--lora-modules",
-                           f"x={tmp_path / 'absent'}"], capture_output=True, text=True, timeout=120)  # fmt: skip
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--lora-modules", "x=/nonexistent/adapter"], "x=/nonexistent/adapter: /nonexistent/adapter does not exist"),
+        (["--lora-modules", "no-equals-sign"], "is not NAME=PATH"),
+        (["--enable-lora", "--tensor-parallel-size", "2"], "not supported with tensor_parallel_size > 1"),
+        (["--enable-lora", "--data-parallel-size", "2"], "do not run with --data-parallel-size > 1"),
+    ],
+)
+def test_bad_lora_flags_are_one_line(checkpoint: Path, flags: list[str], needle: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tokenmill", "serve", str(checkpoint), *flags], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "does not exist" in lines[0] and "x=" in lines[0], proc.stderr
+    assert len(lines) == 1 and needle in lines[0], proc.stderr

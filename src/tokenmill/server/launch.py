@@ -74,6 +74,8 @@ def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) ->
     if args.data_parallel_size < 1 or (args.data_parallel_size > 1 and cfg.tensor_parallel_size > 1):
         raise ValueError(f"--data-parallel-size={args.data_parallel_size} is invalid: allowed an integer >= 1, "
                          "and 1 with --tensor-parallel-size > 1")  # fmt: skip
+    if args.data_parallel_size > 1 and cfg.lora:
+        raise ValueError("LoRA adapters (--lora-modules, --enable-lora) do not run with --data-parallel-size > 1")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is invalid: allowed an integer in [0, 65535] (0: any free port)")
     _check_port(args.host, args.port)

@@ -59,8 +59,7 @@ async def unload_lora_adapter(body: UnloadLoraAdapterRequest, engine: Engine) ->
 
 
 def _engine_call(engine: AsyncEngine, name: str) -> Callable[..., Awaitable[None]]:
-    # (data-parallel replicas have no adapters at run time)
     call: Callable[..., Awaitable[None]] | None = getattr(engine, name, None)
-    if call is None:
-        raise APIError(400, "LoRA adapters cannot be loaded at run time with --data-parallel-size > 1")
+    if call is None:  # (data-parallel replicas, which serve no adapters)
+        raise APIError(400, "this server serves no LoRA adapters: start it with --enable-lora or --lora-modules")
     return call
