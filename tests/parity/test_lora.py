@@ -156,8 +156,11 @@ def test_base_rows_are_untouched_by_loaded_adapters(llm: LLM, checkpoint: Path) 
 
 
 def test_a_batch_mixing_four_adapters_and_the_base_equals_each_alone(llm: LLM) -> None:
-    prompts = ["Once upon a time", "To be or not to be", "The rain in Spain", "All happy families", "In the beginning"]
-    loras: list[str | None] = [*ADAPTERS, None]
+    """Four adapters and the base model, an adapter's rows apart from each other (its rows then go by index, not as
+    one slice), against each prompt run alone."""
+    prompts = ["Once upon a time", "To be or not to be", "The rain in Spain", "All happy families", "In the beginning",
+               "It was the best of times", "Call me Ishmael"]  # fmt: skip
+    loras: list[str | None] = [*ADAPTERS, None, "all-r8", "qv-down-r2"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     together = llm.generate(prompts, params, lora_request=loras)
     for prompt, lora, mixed in zip(prompts, loras, together, strict=True):
@@ -166,7 +169,7 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_each_alone(llm: LLM) -
         for a, b in zip(mixed.outputs[0].logprobs or [], alone.logprobs or [], strict=True):
             for token, lp in b.items():
                 assert abs(a[token] - lp) < 1e-4
-    differs = {tuple(o.outputs[0].token_ids) for o in llm.generate([prompts[0]] * 5, params, lora_request=loras)}
+    differs = {tuple(o.outputs[0].token_ids) for o in llm.generate([prompts[0]] * 7, params, lora_request=loras)}
     assert len(differs) > 1, "adapters must change what the same prompt generates"
 
 

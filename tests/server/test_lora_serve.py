@@ -116,6 +116,14 @@ def test_chat_names_the_adapter_as_its_model(server: Server) -> None:
     assert out.model == "chat" and out.choices[0].finish_reason in ("stop", "length")
 
 
+def test_responses_and_messages_take_an_adapter_as_their_model(server: Server) -> None:
+    response = _client(server).responses.create(model="sql", input="hi", max_output_tokens=4, temperature=0)
+    assert response.model == "sql"
+    r = httpx.post(f"{server.url}/v1/messages", json={"model": "chat", "max_tokens": 4,
+                                                      "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert r.status_code == 200 and r.json()["model"] == "chat", r.text
+
+
 def test_an_unknown_model_is_404_naming_what_is_served(server: Server) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         _complete(server, "nope")

@@ -128,7 +128,6 @@ class ModelLoras:
                 inter, hidden = mlp.intermediate_size, mlp.down_proj.out_features
                 mlp.lora = {"gate_up_proj": self._make(i, "gate_up_proj", hidden, (inter, inter)),
                             "down_proj": self._make(i, "down_proj", inter, (hidden,))}  # fmt: skip
-        self.ids: dict[int, Adapter] = {}
 
     def _make(self, layer: int, name: str, in_features: int, shards: tuple[int, ...]) -> LoraProjection:
         proj = self.projections[layer, name] = LoraProjection(self.state, ProjectionShape(in_features, shards))
@@ -139,13 +138,12 @@ class ModelLoras:
         return {k: p.shape for k, p in self.projections.items()}
 
     def install(self, adapter_id: int, adapter: Adapter) -> None:
+        """Each of the adapter's matrices beside its projection, on the model's device and in its dtype."""
         device, dtype = self.device, self.dtype
         for key, w in adapter.weights.items():
             moved = AdapterWeights(w.a.to(device, dtype).contiguous(), w.b.to(device, dtype).contiguous(), w.scale)
             self.projections[key].adapters[adapter_id] = moved
-        self.ids[adapter_id] = adapter
 
     def remove(self, adapter_id: int) -> None:
         for proj in self.projections.values():
             proj.adapters.pop(adapter_id, None)
-        self.ids.pop(adapter_id, None)
