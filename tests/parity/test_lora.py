@@ -173,6 +173,30 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_each_alone(llm: LLM) -
     assert len(differs) > 1, "adapters must change what the same prompt generates"
 
 
+def test_a_decode_step_with_an_adapter_row_leaves_the_fast_paths(llm: LLM) -> None:
+    """The decode stack (and CUDA graphs, decode runs) apply no adapter: a step with one adapter row runs on the
+    modules; a step of base rows keeps the first path it had; an adapter's sequence is granted no decode run."""
+    from tokenmill.forward import flatten
+    from tokenmill.outputs import RequestMetrics
+    from tokenmill.step_plan import plan_step, run_steps_allowed
+    from tokenmill.types import Request, SequenceInput
+
+    runner, adapter_id = llm.engine.runner, llm.engine.lora.get("all-r8").adapter_id  # type: ignore[union-attr]
+    base = [SequenceInput("a", [5], 3, [0], 64, None), SequenceInput("b", [6], 3, [1], 64, None)]
+    mixed = [base[0], SequenceInput("b", [6], 3, [1], 64, None, lora_id=adapter_id)]
+    plain, with_adapter = plan_step(base, ()), plan_step(mixed, ())
+    assert not plain.lora and with_adapter.lora and with_adapter.decode_only
+    fast = runner.path_for(plain, flatten(base)).name
+    assert runner.path_for(with_adapter, flatten(mixed)).name == "modules"
+    assert fast == ("modules" if runner.decode_stack is None else "decode_stack")
+    req = Request("r", "r", 0, [1, 2, 3], SamplingParams(temperature=0), 16, frozenset(), RequestMetrics(0.0),
+                  lora_id=adapter_id)  # fmt: skip
+    req.output_token_ids, req.num_computed_tokens = [4], 3
+    assert run_steps_allowed(req, 4, 64, False) == 0
+    req.lora_id = 0
+    assert run_steps_allowed(req, 4, 64, False) == 4
+
+
 def test_a_lora_request_loads_its_folder_once(checkpoint: Path, adapters: dict[str, Path]) -> None:
     llm = LLM(str(checkpoint), dtype="float32", device=target.DEVICE, enable_lora=True)
     request = LoRARequest("late", 1, str(adapters["attn-r4"]))
