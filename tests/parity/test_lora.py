@@ -108,12 +108,17 @@ def test_adapter_logits_and_greedy_tokens_match_peft(
 PHI3_FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize(("arch", "targets"), [("llama", ALL), ("phi3", PHI3_FUSED)])
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize(("arch", "targets", "extra"), [("llama", ALL, {}), ("phi3", PHI3_FUSED, {}),
+                                                        ("mixtral", ATTN, MIXTRAL)])  # fmt: skip
 def test_other_families_match_peft(
-    make_checkpoint: Callable[..., Path], tmp_path: Path, arch: str, targets: list[str]
+    make_checkpoint: Callable[..., Path], tmp_path: Path, arch: str, targets: list[str], extra: dict[str, Any]
 ) -> None:
-    """Llama's separate projections, and Phi-3's fused ones as its checkpoints (and so peft) name them."""
-    checkpoint = make_checkpoint(arch, initializer_range=0.1)
+    """Llama's separate projections, Phi-3's fused ones as its checkpoints (and so peft) name them, and the attention
+    of a mixture of experts."""
+    checkpoint = make_checkpoint(arch, initializer_range=0.1, **extra)
     adapter = make_adapter(checkpoint, tmp_path / "a", targets, 4, 8, seed=7)
     llm = LLM(str(checkpoint), dtype="float32", device=target.DEVICE, lora_modules={"a": str(adapter)})
     ref = _peft(checkpoint, adapter)
