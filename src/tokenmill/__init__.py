@@ -19,16 +19,17 @@ from tokenmill.pooling_params import PoolingParams  # noqa: E402
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 if TYPE_CHECKING:
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.llm import LLM, LoRARequest
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "PoolingParams", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
     # LLM pulls in torch; import it lazily so torch-free parts (tokenizer, server) stay light.
-    if name == "LLM":
-        from tokenmill.engine.llm import LLM
+    if name in ("LLM", "LoRARequest"):
+        from tokenmill.engine import llm
 
-        return LLM
+        return getattr(llm, name)
     raise AttributeError(name)

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any, NoReturn, get_args, get_type_hints
 
 from tokenmill.config import (
@@ -89,6 +90,10 @@ _HELP = {
     "ngram_prompt_lookup_max": "longest suffix prompt lookup matches",
     "speculative_disable_by_batch_size": "no drafts while more sequences than this run or wait",
     "speculative_model_quantization": "the draft model's weight-only quantization (as --quantization)",
+    "enable_lora": "serve LoRA adapters: requests name one as their model; POST /v1/load_lora_adapter loads more",
+    "lora_modules": "LoRA adapters served from the start, each NAME=PATH (a peft folder: adapter_config.json and "
+    "adapter_model.safetensors); implies --enable-lora",
+    "max_lora_rank": "the largest rank a LoRA adapter may have",
 }
 _NOT_FLAGS = ("model", "seed")  # MODEL is positional; `generate --seed` is the request's seed
 
@@ -103,7 +108,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         helped = _HELP[f.name] if f.default is None else f"{_HELP[f.name]} (default: {f.default})"
-        if hint is bool:
+        if f.name == "lora_modules":
+            p.add_argument(flag, nargs="+", type=_lora_module, default=(), metavar="NAME=PATH", help=helped)
+        elif hint is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helped)
         elif f.name in _CHOICES:
             p.add_argument(flag, choices=_CHOICES[f.name], default=f.default, help=helped)
@@ -113,7 +120,22 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(a, f.name) for f in fields(EngineConfig) if f.name not in _NOT_FLAGS}
+    kwargs = {f.name: getattr(a, f.name) for f in fields(EngineConfig) if f.name not in _NOT_FLAGS}
+    kwargs["lora_modules"] = tuple(kwargs["lora_modules"])
+    return kwargs
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' NAME=PATH, the folder checked here: a bad one stops the command before the model loads."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH (an adapter's name, then its peft folder)")
+    folder = Path(path).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        what = "does not exist" if not folder.exists() else "holds no adapter_config.json"
+        raise argparse.ArgumentTypeError(f"{name}={path}: {path} {what} (a peft adapter folder holds "
+                                         "adapter_config.json and adapter_model.safetensors)")  # fmt: skip
+    return name, path
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -320,6 +320,16 @@ class EngineConfig:
     # the draft model's weight-only quantization: the draft only proposes, so this changes speed and acceptance,
     # never the output
     speculative_model_quantization: Quantization = "none"
+    # LoRA adapters (peft folders) beside the base weights (models/lora.py): loaded at start (name -> folder), and
+    # at run time where `enable_lora` (implied by `lora_modules`); no adapter may have a rank above `max_lora_rank`
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 16
+
+    @property
+    def lora(self) -> bool:
+        """Adapters are served: their projections are attached, and requests may name one."""
+        return self.enable_lora or bool(self.lora_modules)
 
     def __post_init__(self) -> None:
         choices = {
@@ -345,6 +355,7 @@ class EngineConfig:
             "num_kv_blocks",
             "threads",
             "tensor_parallel_size",
+            "max_lora_rank",
         )
         for name in positive:
             value = getattr(self, name)
@@ -356,6 +367,7 @@ class EngineConfig:
         self._check_speculation()
         self._check_parallel()
         self._check_batch_invariant()
+        self._check_lora()
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: allowed values > 0")
         if not self.prefix_cache_ram_gb >= 0:
@@ -377,6 +389,22 @@ class EngineConfig:
         if wrong:
             raise ValueError(f"batch_invariant runs on the CPU kernels over the paged KV cache (bfloat16 or float32 "
                              f"weights, any quantization), not with {', '.join(wrong)}")  # fmt: skip
+
+    def _check_lora(self) -> None:
+        modules = self.lora_modules
+        pairs = modules.items() if isinstance(modules, dict) else modules  # the offline API's {name: folder}, too
+        object.__setattr__(self, "lora_modules", tuple((str(n), str(p)) for n, p in pairs))
+        names = [name for name, _ in self.lora_modules]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"lora_modules names {dup!r} twice: each adapter needs its own name")
+        if not self.lora:
+            return
+        conflicts = (("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                     ("batch_invariant", self.batch_invariant), ("compile", self.compile))  # fmt: skip
+        clash = [name for name, bad in conflicts if bad]
+        if clash:
+            raise ValueError(f"LoRA adapters are not supported with {' or '.join(clash)}; drop one or the other")
 
     def _check_parallel(self) -> None:
         if self.tensor_parallel_size == 1:

@@ -13,3 +13,12 @@ class ConfigError(TokenmillError, ValueError):
 
 class ModelLoadError(TokenmillError):
     """A model reference, weight file or tensor is missing, corrupt or mismatched."""
+
+
+class LoraError(TokenmillError, ValueError):
+    """A LoRA adapter request that cannot be carried out; `status` is the HTTP status a server answers with (400:
+    a bad adapter or a name taken, 404: no adapter of that name, 409: in use by running requests)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status

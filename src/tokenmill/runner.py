@@ -8,6 +8,8 @@ never a `Request`. Before each step it runs the test hooks the environment sets 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tokenmill.attention import KVBackend
@@ -15,6 +17,7 @@ from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.fault_hooks import StepHooks
 from tokenmill.forward import (
     DecodeRunPath,
+    Forward,
     ForwardPath,
     GraphsPath,
     ModulesPath,
@@ -25,6 +28,7 @@ from tokenmill.forward import (
 )
 from tokenmill.models import CausalLM
 from tokenmill.models.decode_stack import DecodeStack
+from tokenmill.models.lora import Adapter, LoraBatch, ModelLoras
 from tokenmill.models.pooling import Pooler
 from tokenmill.outputs import Logprobs
 from tokenmill.sampling import Sampler, SamplingBatch, drafts
@@ -42,6 +46,7 @@ class ModelRunner:
         self.pooler: Pooler | None = None  # a pooling model's (models/pooling.py; the assembly sets it)
         self._pool_sums: dict[str, torch.Tensor] = {}  # mean pooling: a prompt's rows summed so far [D] float32
         self._graphs: DecodeGraphs | None = None
+        self.lora: ModelLoras | None = None  # the model's LoRA adapters, where served with them (the assembly sets it)
         self._stack = DecodeStack.build(model, kv)  # decode-only steps in one kernel call, where it fits
         self._set_paths()
         self.hooks = StepHooks()  # the test hooks of the environment (fault_hooks.py); `compute` skips them
@@ -93,6 +98,15 @@ class ModelRunner:
         self._generators.pop(request_id, None)
         self._pool_sums.pop(request_id, None)
 
+    def install_lora(self, adapter_id: int, adapter: Adapter) -> None:
+        """Put an adapter's matrices beside the model's projections, under `adapter_id` (its rows' `lora_id`)."""
+        assert self.lora is not None, "this runner serves no LoRA adapters"
+        self.lora.install(adapter_id, adapter)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(adapter_id)
+
     def _generator(self, seq: SequenceInput) -> torch.Generator | None:
         seed = seq.sampling.seed if seq.sampling is not None else None
         if seed is None:
@@ -138,7 +152,7 @@ class ModelRunner:
         sampling = [s for s in batch.sequences if s.sampling is not None]
         sample_rows = [flat_rows[s.request_id, j] for s in sampling for j in range(_num_drafts(s) + 1)]
         path = self.path_for(plan, rows)
-        computed = path.forward(plan, rows)
+        computed = self._forward(plan, rows, path)
         hidden, all_logits, all_argmax = computed.hidden, computed.logits, computed.argmax
 
         out = RunnerOutput(forward_path=path.name)
@@ -168,6 +182,18 @@ class ModelRunner:
             if self.sample:
                 self._sample(sampling, logits, out, batch, argmax)
         return out
+
+    def _forward(self, plan: StepPlan, rows: Rows, path: ForwardPath) -> Forward:
+        """The step on its path; where rows take LoRA adapters, grouped by adapter for the model's projections
+        for this forward only (only the modules path, which `plan.lora` leaves, applies them)."""
+        lora = self.lora
+        if not plan.lora or lora is None:
+            return path.forward(plan, rows)
+        lora.state.batch = _lora_batch(rows, self.device)
+        try:
+            return path.forward(plan, rows)
+        finally:
+            lora.state.batch = None
 
     def _pool(self, rows: Rows, hidden: torch.Tensor) -> dict[str, list[float]]:
         """The pooled sequences' part of the step (hidden [T, D]): each chunk's rows reduced (mean pooling keeps a
@@ -266,6 +292,23 @@ class ModelRunner:
             row += len(proposed) + 1
 
 
+def _lora_batch(rows: Rows, device: torch.device) -> LoraBatch:
+    """The rows of each adapter the step's sequences take: one slice where they are consecutive, else their indices
+    (built per sequence, never per token in Python)."""
+    spans: dict[int, list[tuple[int, int]]] = {}  # adapter id -> [(first row, end)] in row order
+    for s, offset in zip(rows.sequences, rows.offsets, strict=True):
+        if s.lora_id:
+            spans.setdefault(s.lora_id, []).append((offset, offset + s.num_new_tokens))
+    groups: list[tuple[int, slice | torch.Tensor]] = []
+    for adapter_id, ranges in spans.items():
+        if all(a == b_prev for (_, b_prev), (a, _) in itertools.pairwise(ranges)):
+            groups.append((adapter_id, slice(ranges[0][0], ranges[-1][1])))
+        else:
+            index = torch.cat([torch.arange(a, b) for a, b in ranges])  # [N] int64
+            groups.append((adapter_id, index.to(device)))
+    return LoraBatch(groups)
+
+
 def _num_drafts(s: SequenceInput) -> int:
     return len(s.sampling.draft_token_ids) if s.sampling is not None else 0
 
@@ -284,7 +327,8 @@ def _split_drafts(
         k = _num_drafts(s)
         if k and s.num_new_tokens == k + 1:
             for j, token in enumerate(s.token_ids):
-                run = SequenceInput(s.request_id, [token], s.start + j, s.block_table, s.max_num_tokens, None)
+                run = SequenceInput(s.request_id, [token], s.start + j, s.block_table, s.max_num_tokens, None,
+                                    lora_id=s.lora_id)  # fmt: skip
                 runs.append(run)
                 rows_of[id(run)] = [(j, 0)]
         else:

@@ -125,8 +125,11 @@ class Scheduler:
                 continue
             # drafts ride along when every known token fits; they take budget and unhashed lookahead slots
             drafts = req.spec_token_ids[: plan.budget - num_new] if num_new == remaining else []
-            if drafts and not self.kv.allocate_slots(req.request_id, req.all_token_ids, req.num_computed_tokens,
-                                                     num_new, num_lookahead_tokens=len(drafts)):  # fmt: skip
+            room = not drafts or self.kv.allocate_slots(
+                req.request_id, req.all_token_ids, req.num_computed_tokens, num_new,
+                num_lookahead_tokens=len(drafts), salt=req.cache_salt,
+            )  # fmt: skip
+            if not room:
                 drafts = []  # no room for their slots: no drafts this step, rather than preempt anyone for them
             if not self._allocate_running(req, num_new, plan, len(drafts)):
                 continue
@@ -153,15 +156,17 @@ class Scheduler:
         if any(new != 1 or drafts for _, _, new, drafts in plan.scheduled):
             return 1
         for req, start, _, _ in plan.scheduled:
-            if not self.kv.allocate_slots(req.request_id, req.all_token_ids, start, 1, num_lookahead_tokens=run - 1):
+            if not self.kv.allocate_slots(req.request_id, req.all_token_ids, start, 1, num_lookahead_tokens=run - 1,
+                                          salt=req.cache_salt):  # fmt: skip
                 return 1
         return run
 
     def _allocate_running(self, req: Request, num_new: int, plan: _Plan, num_drafts: int = 0) -> bool:
         """Reserve blocks for `req`, preempting from the back of the running queue until it fits."""
         while not self.kv.allocate_slots(
-            req.request_id, req.all_token_ids, req.num_computed_tokens, num_new, num_lookahead_tokens=num_drafts
-        ):
+            req.request_id, req.all_token_ids, req.num_computed_tokens, num_new, num_lookahead_tokens=num_drafts,
+            salt=req.cache_salt,
+        ):  # fmt: skip
             victim = self.running[-1]
             self._preempt(victim, plan)
             if victim is req:
@@ -186,7 +191,8 @@ class Scheduler:
                 self.kv.free(req.request_id)  # drop what a fork may have shared (its next try forks again)
                 break  # the whole prompt must fit in one step; wait for a lighter step
             num_new = min(num_new, plan.budget)
-            if not self.kv.allocate_slots(req.request_id, req.all_token_ids, num_cached, num_new, blocks):
+            if not self.kv.allocate_slots(req.request_id, req.all_token_ids, num_cached, num_new, blocks,
+                                          salt=req.cache_salt):  # fmt: skip
                 self.kv.free(req.request_id)  # drop what a fork may have shared
                 break  # no room: it waits; running requests are never preempted for newcomers
             self.waiting.remove(req)
@@ -214,5 +220,5 @@ class Scheduler:
                 return shared, []
         if req.params.prompt_logprobs is not None or req.no_prefix_cache:
             return 0, []  # prompt logprobs (mean pooling) read every prompt position's logits (hidden state)
-        blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids)
+        blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids, req.cache_salt)
         return num_cached, blocks

@@ -39,6 +39,7 @@ class EngineRequest:
     priority: int = 0
     grammar: Any = None  # params.structured_outputs compiled (off the engine thread); None: the core compiles it
     pooling: PoolingParams | None = None  # a pooling request: its prompt is pooled and nothing generated (max_tokens 0)
+    lora: str | None = None  # the LoRA adapter it runs with (its name); None: the base model
 
 
 @dataclass
@@ -72,6 +73,8 @@ class Request:
     # every prompt position is computed, none taken from the prefix cache: its hidden states are all read (mean
     # pooling) (prompt logprobs are the other such case: `params.prompt_logprobs`)
     no_prefix_cache: bool = False
+    lora_id: int = 0  # the LoRA adapter it runs with (the core's id for it; 0: the base model)
+    cache_salt: int | None = None  # its prefix-cache hashes start from this (its adapter's digest): none is shared
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -178,6 +181,7 @@ class SequenceInput:
     sampling: SamplingInput | None  # set when this step reaches the sequence's last known token
     prompt_logprobs: PromptLogprobsInput | None = None
     pooling: PoolingInput | None = None  # a pooling request's: it never samples
+    lora_id: int = 0  # the LoRA adapter its rows take (0: the base model's rows add nothing)
 
     @property
     def num_new_tokens(self) -> int:
@@ -209,6 +213,7 @@ class StepPlan:
     decode_only: bool = False  # every sequence computes one known token (and its drafts), each its own row
     prompt_logprobs: bool = False  # some sequence scores prompt positions: the hidden states of its rows are read
     pooling: bool = False  # some sequence is pooled: the hidden states of its rows are read
+    lora: bool = False  # some sequence runs with a LoRA adapter: only the modules apply them
 
 
 @dataclass(frozen=True)

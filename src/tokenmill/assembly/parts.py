@@ -18,6 +18,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.kv_cache import KVCacheManager, KVManager, UnpagedKVManager
 from tokenmill.models import CausalLM
+from tokenmill.models.lora import ModelLoras
 from tokenmill.models.pooling import Pooler
 from tokenmill.runner import ModelRunner
 
@@ -55,6 +56,8 @@ def build_parts(
     if make_runner is not None:
         return Parts(backend, kv, make_runner(loaded.model, loaded.device, backend, cfg.seed))
     runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed, sample=sample)
+    if cfg.lora:
+        runner.lora = ModelLoras(loaded.model, loaded.device, loaded.dtype)
     if loaded.task.pooling is not None:
         runner.pooler = Pooler(loaded.model, loaded.task.pooling)
     if not loaded.task.generate:  # the fast paths are for decode steps, which a model that only pools never takes

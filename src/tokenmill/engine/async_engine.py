@@ -14,6 +14,7 @@ for good: a dead engine never looks healthy.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -63,11 +64,19 @@ class _AbortAll:
     pass
 
 
+@dataclass
+class _Call:
+    """Run `fn` on the loop thread between steps (a LoRA adapter's load or unload); its result goes to `done`."""
+
+    fn: Callable[[], Any]
+    done: concurrent.futures.Future[Any]
+
+
 class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _AbortAll | _Stop
+_Command = _Add | _Abort | _AbortAll | _Stop | _Call
 
 
 class RequestStream:
@@ -186,9 +195,10 @@ class AsyncEngine:
         """The checkpoint's generation_config.json sampling defaults."""
         return self._defaults
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise ValueError for a request that can never run; return its output budget (max_tokens)."""
-        return self.core.validate(prompt_token_ids, params)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> int:
+        """Raise ValueError for a request that can never run (LoraError for an adapter `lora` not loaded); return
+        its output budget (max_tokens)."""
+        return self.core.validate(prompt_token_ids, params, lora)
 
     def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
         """Raise ValueError for a pooling request this model cannot serve or that can never run."""
@@ -221,6 +231,7 @@ class AsyncEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         tokenization_ms: float = 0.0,
+        lora: str | None = None,
     ) -> RequestStream:
         """Queue a request; iterate the returned stream for its outputs (one per step that produced any).
 
@@ -237,24 +248,24 @@ class AsyncEngine:
         else:
             text, token_ids = None, list(prompt)
         request_id = request_id or uuid.uuid4().hex
-        max_tokens = self.validate(token_ids, params)
+        max_tokens = self.validate(token_ids, params, lora)
         grammar = self.compile_grammar(params)
         request = EngineRequest(request_id, token_ids, params, max_tokens, text, arrival, tokenization_ms, priority,
-                                grammar)  # fmt: skip
+                                grammar, lora=lora)  # fmt: skip
         return self._post([request])[0]
 
     def add_requests(
         self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str], priority: int = 0,
-        grammar: Any = None,
+        grammar: Any = None, lora: str | None = None,
     ) -> list[RequestStream]:  # fmt: skip
         """Several prompts with the same parameters, all or none: every one is validated before any starts.
-        `grammar`: `compile_grammar(params)`, already compiled off the event loop (else the engine compiles it)."""
+        `grammar`: `compile_grammar(params)`, already compiled off the event loop (else the engine compiles it);
+        `lora`: the LoRA adapter they run with (None: the base model)."""
         self._check_alive()
         arrival = time.perf_counter()
-        requests = [
-            EngineRequest(rid, ids, params, self.validate(ids, params), None, arrival, 0.0, priority, grammar)
-            for rid, ids in zip(request_ids, prompts, strict=True)
-        ]
+        requests = [EngineRequest(rid, ids, params, self.validate(ids, params, lora), None, arrival, 0.0, priority,
+                                  grammar, lora=lora)
+                    for rid, ids in zip(request_ids, prompts, strict=True)]  # fmt: skip
         return self._post(requests)
 
     def add_pooling_requests(
@@ -269,6 +280,38 @@ class AsyncEngine:
         requests = [EngineRequest(rid, ids, _NO_SAMPLING, 0, None, arrival, 0.0, priority, pooling=params)
                     for rid, ids in zip(request_ids, prompts, strict=True)]  # fmt: skip
         return self._post(requests)
+
+    # -- LoRA adapters ------------------------------------------------------------------------------------
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, folder) of each LoRA adapter served, in load order (none where the engine serves no adapters)."""
+        registry = self.core.lora
+        return [] if registry is None else [(a.name, a.path) for a in registry.loaded]
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read and check the adapter in `path` off the loop thread, then install it between steps. LoraError: no
+        adapters served, a bad folder, an adapter that does not fit the model, or a name already taken."""
+        registry = self._registry()
+        adapter = await asyncio.to_thread(registry.read, name, path)
+        await self._call(lambda: registry.add(adapter))
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter between steps. LoraError 404: unknown; 409: unfinished requests run with it."""
+        registry = self._registry()
+        registry.check_unload(name)  # at once, even while a step runs
+        await self._call(lambda: registry.remove(name))
+
+    def _registry(self) -> Any:
+        self._check_alive()
+        if self.core.lora is None:
+            from tokenmill.errors import LoraError
+
+            raise LoraError("this engine serves no LoRA adapters: start it with --enable-lora or --lora-modules")
+        return self.core.lora
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(_Call(fn, done))
+        return await asyncio.wrap_future(done)
 
     def _check_alive(self) -> None:
         if self.errored is not None:
@@ -342,6 +385,12 @@ class AsyncEngine:
         """Apply one command; False means stop the loop."""
         if isinstance(cmd, _Stop):
             return False
+        if isinstance(cmd, _Call):
+            try:
+                cmd.done.set_result(cmd.fn())
+            except Exception as e:  # (the caller's error: the engine goes on)
+                cmd.done.set_exception(e)
+            return True
         if isinstance(cmd, _Abort | _AbortAll):
             for request_id in [cmd.request_id] if isinstance(cmd, _Abort) else list(self.core.requests):
                 final = self.core.abort(request_id)
@@ -391,3 +440,14 @@ class AsyncEngine:
                 streams = list(self._streams)
             for request_id in streams:
                 self._send(request_id, EngineDeadError(f"the engine loop has stopped: {e!r}"))
+            self._fail_calls(EngineDeadError(f"the engine loop has stopped: {e!r}"))
+
+    def _fail_calls(self, error: BaseException) -> None:
+        """The loop is gone: the calls still queued get `error` instead of waiting forever."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Call):
+                cmd.done.set_exception(error)

@@ -19,10 +19,12 @@ from dataclasses import replace
 from itertools import count
 
 from tokenmill.engine.lookahead import draft_requests, run_limit
+from tokenmill.engine.lora_registry import LoraRegistry
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.sequence_input import sequence_input
 from tokenmill.engine.thinking import ThinkingBudgets
 from tokenmill.engine.validation import check_pooling, output_budget
+from tokenmill.errors import LoraError
 from tokenmill.kv_cache import KVManager
 from tokenmill.memory import trim
 from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
@@ -61,6 +63,7 @@ class EngineCore:
         num_scheduler_steps: int = 1,  # decode steps in one call, where the runner can (Request.multi_step_limit)
         task: ModelTask = GENERATE,  # generation and/or pooling requests (a pooler: the runner's)
         hidden_size: int = 0,  # the longest embedding a pooling request may ask for
+        max_lora_rank: int = 16,  # the largest rank a LoRA adapter may have (where the runner serves adapters)
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
         self.scheduler_steps = num_scheduler_steps if runner.runs_decode_steps else 1
@@ -72,6 +75,8 @@ class EngineCore:
         self.task, self.hidden_size = task, hidden_size
         self.structured = StructuredOutputManager(tokenizer.rust, vocab_size, eos_token_ids)  # grammars' matchers
         self.thinking = ThinkingBudgets()  # thinking budgets' counts (engine/thinking.py)
+        # the LoRA adapters served, where the runner's model has them attached (engine/lora_registry.py)
+        self.lora = LoraRegistry(runner, runner.lora, max_lora_rank) if runner.lora is not None else None
         self.requests: dict[str, list[Request]] = {}  # parent request id -> its sequences
         self._seqs: dict[str, Request] = {}  # sequence (request) id -> sequence
         self.stats = EngineStats()
@@ -83,14 +88,24 @@ class EngineCore:
     def new_request_id(self) -> str:
         return str(next(self._ids))
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> int:
         """Reject a request that can never run; return its output budget (max_tokens).
 
-        Reads only facts fixed at construction, so any thread may call it."""
+        Reads only facts fixed at construction (and the published adapter names), so any thread may call it."""
+        self.check_lora(lora)
         if not self.task.generate:
             raise ValueError(f"this model is served for {', '.join(self.task.names)}: it does not generate text; "
                              "serve it with --task generate")  # fmt: skip
         return output_budget(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.kv)
+
+    def check_lora(self, lora: str | None) -> None:
+        """A request may name `lora` (LoraError 404 naming the loaded adapters otherwise). Any thread."""
+        if lora is None:
+            return
+        if self.lora is None:
+            raise LoraError(f"no LoRA adapter named {lora!r}: this engine serves none (start it with --lora-modules "
+                            "or --enable-lora)", status=404)  # fmt: skip
+        self.lora.check(lora)
 
     def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
         """Reject a pooling request this model cannot serve or that can never run (any thread may call it)."""
@@ -133,6 +148,12 @@ class EngineCore:
         grammar = request.grammar
         if grammar is None and params.structured_outputs is not None:
             grammar = self.structured.compile(params.structured_outputs)
+        if request.lora is not None:  # (last of what may raise: from here on the request is the core's)
+            self.check_lora(request.lora)
+            assert self.lora is not None
+            adapter = self.lora.take(request.lora, [c.request_id for c in children])
+            for child in children:
+                child.lora_id, child.cache_salt = adapter.adapter_id, adapter.digest
         self.requests[request_id] = children
         if grammar is not None:
             for child in children:
@@ -463,6 +484,8 @@ class EngineCore:
 
     def _release(self, req: Request) -> None:
         req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()
+        if req.lora_id and self.lora is not None:
+            self.lora.release(req.lora_id, req.request_id)
         self.scheduler.remove(req)
         self.runner.release(req.request_id)
         self.structured.remove(req.request_id)

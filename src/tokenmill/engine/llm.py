@@ -3,6 +3,10 @@
 llm = LLM(model="path-or-hub-id", dtype="float32", device="cpu")
 outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 
+LoRA adapters (peft folders), as vLLM's: `LLM(model, lora_modules={"sql": "/adapters/sql"})` (or `enable_lora=True`
+and `llm.load_lora(name, path)` later), then `llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, path))`
+or `lora_request="sql"`; a request without one runs on the base model.
+
 A model served for pooling (`task="embed"` / `"score"`, or detected from the checkpoint) embeds and scores:
 `llm.embed(["Hello"])[0].outputs.embedding`, `llm.score("query", ["doc 1", "doc 2"])[0].outputs.score`.
 """
@@ -11,12 +15,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.assembly import LoadedModel, load
 from tokenmill.config import EngineConfig
 from tokenmill.engine.build import build_engine_core
 from tokenmill.engine.scoring import score_pairs, score_prompt
+from tokenmill.errors import LoraError
 from tokenmill.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -30,6 +36,19 @@ from tokenmill.types import EngineRequest
 
 Prompt = str | dict[str, Any]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
 Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: the adapter a request runs with, loaded from `lora_path` the first time its name is used
+    (`lora_int_id` is kept for vLLM's signature; tokenmill numbers adapters itself)."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str | None = None
+
+
+LoraArg = LoRARequest | str | None
 
 
 class LLM:
@@ -57,14 +76,34 @@ class LLM:
             return self._tokenize(prompt["prompt"])
         raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
 
-    def _add(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> str:
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the peft adapter in folder `path` as `name` (LoraError if it does not fit or the name is taken)."""
+        if self.engine.lora is None:
+            raise LoraError("this LLM serves no LoRA adapters: make it with enable_lora=True or lora_modules")
+        self.engine.lora.add(self.engine.lora.read(name, path))
+
+    def unload_lora(self, name: str) -> None:
+        if self.engine.lora is None:
+            raise LoraError(f"no LoRA adapter named {name!r}: this LLM serves none")
+        self.engine.lora.remove(name)
+
+    def _lora_name(self, lora: LoraArg) -> str | None:
+        """The adapter's name, loading a `LoRARequest`'s folder the first time its name is seen."""
+        if isinstance(lora, LoRARequest):
+            loaded = self.engine.lora is not None and lora.lora_name in self.engine.lora.names
+            if not loaded and lora.lora_path is not None:
+                self.load_lora(lora.lora_name, lora.lora_path)
+            return lora.lora_name
+        return lora
+
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int = 0, lora: str | None = None) -> str:
         arrival = time.perf_counter()
         text, token_ids, tokenization_ms = self._tokenize(prompt)
-        max_tokens = self.engine.validate(token_ids, params)
+        max_tokens = self.engine.validate(token_ids, params, lora)
         request_id = self.engine.new_request_id()
-        self.engine.add_request(
-            EngineRequest(request_id, token_ids, params, max_tokens, text, arrival, tokenization_ms, priority)
-        )
+        request = EngineRequest(request_id, token_ids, params, max_tokens, text, arrival, tokenization_ms, priority,
+                                lora=lora)  # fmt: skip
+        self.engine.add_request(request)
         return request_id
 
     def generate(
@@ -72,20 +111,28 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoraArg | Sequence[LoraArg] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of the prompts.
 
-        `priority` (one per prompt, lower first) matters with `scheduling_policy="priority"`.
+        `priority` (one per prompt, lower first) matters with `scheduling_policy="priority"`. `lora_request`: the
+        LoRA adapter (a `LoRARequest` or a loaded adapter's name) for every prompt, or one per prompt (None: the
+        base model); the prompts run in the same batches whatever their adapters.
         """
         batch = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         params = self._params_for(len(batch), sampling_params)
         priorities = list(priority) if priority is not None else [0] * len(batch)
         if len(priorities) != len(batch):
             raise ValueError(f"got {len(priorities)} priorities for {len(batch)} prompts; they must match")
+        one = lora_request is None or isinstance(lora_request, LoRARequest | str)
+        loras = [lora_request] * len(batch) if one else list(lora_request)  # type: ignore[arg-type]
+        if len(loras) != len(batch):
+            raise ValueError(f"got {len(loras)} lora requests for {len(batch)} prompts; they must match")
+        names = [self._lora_name(lora) for lora in loras]  # type: ignore[arg-type]
         ids: list[str] = []
         try:
-            for p, sp, prio in zip(batch, params, priorities):
-                ids.append(self._add(p, sp, prio))
+            for p, sp, prio, lora in zip(batch, params, priorities, names, strict=True):
+                ids.append(self._add(p, sp, prio, lora))
         except Exception:
             for rid in ids:  # a bad prompt fails the call without leaving the others running
                 self.engine.abort(rid)

@@ -38,4 +38,5 @@ def sequence_input(req: Request, s: ScheduledRequest) -> SequenceInput:
         sampling=sampling,
         prompt_logprobs=prompt_logprobs,
         pooling=pooling,
+        lora_id=req.lora_id,
     )

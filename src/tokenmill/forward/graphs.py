@@ -14,10 +14,11 @@ class GraphsPath:
         self.graphs = graphs
 
     def supports(self, plan: StepPlan, rows: Rows) -> bool:
-        """A decode-only step of a size some bucket holds, that reads no hidden state (prompt logprobs, pooling)."""
+        """A decode-only step of a size some bucket holds, that reads no hidden state (prompt logprobs, pooling) and
+        whose rows take no LoRA adapter (the recorded graphs hold none)."""
         return (
             plan.decode_only
-            and not (plan.prompt_logprobs or plan.pooling)
+            and not (plan.prompt_logprobs or plan.pooling or plan.lora)
             and len(rows.sequences) <= self.graphs.batch_buckets[-1]
         )
 

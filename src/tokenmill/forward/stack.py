@@ -1,5 +1,6 @@
 """Decode-only steps through every decoder layer in one native call (models/decode_stack.py), and decode runs:
-several such steps in one call, each fed the last one's tokens."""
+several such steps in one call, each fed the last one's tokens. The stack applies no LoRA adapter: a step where any
+row takes one goes to the modules (`plan.lora`)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class StackListsPath:
         self.stack = stack
 
     def supports(self, plan: StepPlan, rows: Rows) -> bool:
-        return plan.decode_only and self.stack.plain_embedding
+        return plan.decode_only and not plan.lora and self.stack.plain_embedding
 
     def forward(self, plan: StepPlan, rows: Rows) -> Forward:
         # [B, D], [B, V] (None where the plan reads only the argmax), [B]
@@ -38,7 +39,7 @@ class StackMetadataPath:
         self.stack, self.device = stack, device
 
     def supports(self, plan: StepPlan, rows: Rows) -> bool:
-        return plan.decode_only
+        return plan.decode_only and not plan.lora
 
     def forward(self, plan: StepPlan, rows: Rows) -> Forward:
         meta = self.stack.kv.prepare(rows.sequences, rows.num_decodes)
@@ -57,7 +58,8 @@ class DecodeRunPath:
         self.stack = stack
 
     def supports(self, plan: StepPlan, rows: Rows) -> bool:
-        return plan.num_steps > 1 and plan.decode_only and not plan.drafts and self.stack.greedy_ready
+        return (plan.num_steps > 1 and plan.decode_only and not plan.drafts and not plan.lora
+                and self.stack.greedy_ready)  # fmt: skip
 
     def run(
         self, sequences: list[SequenceInput], steps: int, draws: tuple[list[SamplingParams], list[list[float]]] | None

@@ -27,6 +27,7 @@ class _RequestBlocks:
     # when prefix caching is on (always empty when off); kept so hashing on each step is incremental.
     block_hashes: list[int] = field(default_factory=list)
     num_tokens: int = 0  # highest num_computed_tokens + num_new_tokens allocated so far (lookahead excluded)
+    salt: int | None = None  # the first block's hash chains on it (a LoRA adapter's digest): None for the base model
 
 
 class KVCacheManager:
@@ -78,10 +79,11 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def get_computed_blocks(self, token_ids: Sequence[int], salt: int | None = None) -> tuple[list[int], int]:
         """Prefix-cache lookup for a new request: (block ids, tokens covered) of the longest run of leading full
         blocks whose chained hashes are cached. Never covers every token (the last one must be computed for its
-        logits). Takes no references: pass the result to `allocate_slots` in the same scheduling step."""
+        logits). Takes no references: pass the result to `allocate_slots` in the same scheduling step. `salt`: the
+        first block's hash chains on it (a LoRA adapter's requests see only blocks computed with that adapter)."""
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
@@ -89,7 +91,7 @@ class KVCacheManager:
         max_blocks = max(0, (len(token_ids) - 1) // bs)
         block_ids: list[int] = []
         num_tier_blocks = 0  # after the pool's blocks: blocks a tier holds (`_stage`), loaded before the step
-        parent: int | None = None
+        parent: int | None = salt
         for i in range(max_blocks):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             block_id = self.block_pool.get_cached_block(parent)
@@ -127,6 +129,7 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[int] = (),
         num_lookahead_tokens: int = 0,
+        salt: int | None = None,
     ) -> bool:
         """Grow the request's block table to cover `num_computed_tokens + num_new_tokens` tokens (plus
         `num_lookahead_tokens` unhashed slots, e.g. for speculative tokens). False, with nothing changed, if the
@@ -134,6 +137,7 @@ class KVCacheManager:
 
         `token_ids` are the request's known tokens, at least `num_computed_tokens + num_new_tokens` of them; with
         prefix caching, every block that becomes full within that range is registered under its chained hash.
+        `salt`: the lookup's, for a request with no blocks yet (kept for its later hashes).
         `new_computed_blocks` (from `get_computed_blocks`, only for a request with no blocks yet) start the table
         and are already counted in `num_computed_tokens`; so are the blocks that lookup found in a tier, which follow
         them: they take fresh blocks here, filled by `move_blocks` before the step.
@@ -149,7 +153,8 @@ class KVCacheManager:
         num_table_blocks = len(old_block_ids) + num_hits
 
         # Hash first (no side effects) so a stale or wrong new_computed_blocks fails before anything changes.
-        new_hashes = self._hash_new_full_blocks(old_hashes, token_ids, num_tokens)
+        salt = req.salt if req is not None else salt
+        new_hashes = self._hash_new_full_blocks(old_hashes, token_ids, num_tokens, salt)
         for i, block_id in enumerate(new_computed_blocks):
             if self.block_pool.block_hash(block_id) != new_hashes[i]:
                 raise ValueError(f"computed block {block_id} no longer holds this prompt's block {i} (evicted?)")
@@ -164,7 +169,7 @@ class KVCacheManager:
             return False
 
         if req is None:
-            req = self._requests[request_id] = _RequestBlocks()
+            req = self._requests[request_id] = _RequestBlocks(salt=salt)
         # NOTE: touch the hit blocks before popping fresh ones, or the pop could evict one of them.
         self.block_pool.touch(new_computed_blocks)
         req.block_ids.extend(new_computed_blocks)
@@ -236,6 +241,7 @@ class KVCacheManager:
             block_ids=list(shared),
             block_hashes=src.block_hashes[:num_shared_blocks],
             num_tokens=num_shared_blocks * self.block_size,
+            salt=src.salt,
         )
         return num_shared_blocks * self.block_size
 
@@ -249,7 +255,7 @@ class KVCacheManager:
         if num_computed_tokens > min(len(token_ids), len(req.block_ids) * self.block_size):
             raise ValueError(f"request {request_id!r}: {num_computed_tokens} computed tokens, but it has "
                              f"{len(token_ids)} token ids in {len(req.block_ids)} blocks")  # fmt: skip
-        new_hashes = self._hash_new_full_blocks(req.block_hashes, token_ids, num_computed_tokens)
+        new_hashes = self._hash_new_full_blocks(req.block_hashes, token_ids, num_computed_tokens, req.salt)
         for i, block_hash in enumerate(new_hashes, start=len(req.block_hashes)):
             self.block_pool.cache_block(req.block_ids[i], block_hash)
         req.block_hashes.extend(new_hashes)
@@ -293,12 +299,15 @@ class KVCacheManager:
             pool.write_block(block_id, staged[block_hash][1])
         self.tiers.blocks_loaded += len(loads)
 
-    def _hash_new_full_blocks(self, known: list[int], token_ids: Sequence[int], num_tokens: int) -> list[int]:
-        """Chained hashes of the full blocks in [len(known), num_tokens // block_size); [] without caching."""
+    def _hash_new_full_blocks(
+        self, known: list[int], token_ids: Sequence[int], num_tokens: int, salt: int | None
+    ) -> list[int]:  # fmt: skip
+        """Chained hashes of the full blocks in [len(known), num_tokens // block_size) (the first on `salt`); [] without
+        caching."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        parent = known[-1] if known else None
+        parent = known[-1] if known else salt
         hashes: list[int] = []
         for i in range(len(known), num_tokens // bs):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])

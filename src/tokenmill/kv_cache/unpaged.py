@@ -32,7 +32,7 @@ class UnpagedKVManager:
     def block_table(self, request_id: str) -> list[int]:
         return []
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def get_computed_blocks(self, token_ids: Sequence[int], salt: int | None = None) -> tuple[list[int], int]:
         return [], 0
 
     def allocate_slots(self, request_id: str, *args: object, **kwargs: object) -> bool:

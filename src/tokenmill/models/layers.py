@@ -196,6 +196,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.ops: FusedOps | None = None
         self.sinks: torch.Tensor | None = None  # [H]: each head's sink logit in the softmax (gpt-oss's subclass)
+        self.lora: dict[str, Any] | None = None  # "qkv_proj" / "o_proj" -> its LoRA adapters (models/lora.py)
 
     def forward(
         self,
@@ -206,6 +207,8 @@ class Attention(nn.Module):
         meta: Any,  # what `kv.prepare` built for this batch
     ) -> torch.Tensor:  # [T, D]
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        if self.lora is not None:
+            qkv = self.lora["qkv_proj"].add(x, qkv)
         ops = _fused(self.ops, qkv) if self.q_norm is None else None
         if ops is not None:  # RoPE in place on the q and k heads, side by side at the start of each qkv row
             ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -218,8 +221,9 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv.write(self.layer_idx, k, v, meta)
-        o = kv.attend(self.layer_idx, q, k, v, meta, self.sinks)  # [T, H, Dh]
-        return self.o_proj(o.reshape(-1, self.q_size))
+        o = kv.attend(self.layer_idx, q, k, v, meta, self.sinks).reshape(-1, self.q_size)  # [T, H * Dh]
+        out = self.o_proj(o)  # [T, D]
+        return out if self.lora is None else self.lora["o_proj"].add(o, out)
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -262,6 +266,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.ops: FusedOps | None = None
         self.scratch: Scratch | None = None  # shared by the model's MLPs (bind_kernels)
+        self.lora: dict[str, Any] | None = None  # "gate_up_proj" / "down_proj" -> its LoRA adapters (models/lora.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         rows, scratch, proj = x.shape[0], self.scratch, self.gate_up_proj
@@ -269,11 +274,16 @@ class GatedMLP(nn.Module):
             gate_up = proj(x, out=scratch.get("gate_up", rows, 2 * self.intermediate_size, x.dtype))  # [T, 2I]
         else:
             gate_up = proj(x)
+        if self.lora is not None:
+            gate_up = self.lora["gate_up_proj"].add(x, gate_up)
         if self.act == "silu" and (ops := _fused(self.ops, gate_up)) is not None:
             act = None if scratch is None else scratch.get("act", rows, self.intermediate_size, x.dtype)  # [T, I]
-            return self.down_proj(ops.silu_mul(gate_up, out=act))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(activation(self.act, gate) * up)
+            h = ops.silu_mul(gate_up, out=act)  # [T, I]
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
+            h = activation(self.act, gate) * up
+        out = self.down_proj(h)  # [T, D]
+        return out if self.lora is None else self.lora["down_proj"].add(h, out)
 
 
 class DecoderLayer(nn.Module):

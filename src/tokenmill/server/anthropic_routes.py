@@ -86,7 +86,7 @@ async def messages(body: MessagesRequest, raw: Request, state: State, engine: En
     except ValueError as e:
         raise bad_value(e) from None
     field = "tool_choice" if prompt.constraint is not None else None
-    call = await start_call(state, engine, "message", "msg_", [prompt.token_ids], params, 0, field)
+    call = await start_call(state, engine, "message", "msg_", [prompt.token_ids], params, 0, field, body.model)
     if body.stream:
         return StreamingResponse(message_events(call, prompt.answer), media_type="text/event-stream")
     out = (await run_to_end(call, raw))[0].outputs[0]

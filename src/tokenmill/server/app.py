@@ -2,7 +2,7 @@
 the request guard (guard.py), error handlers, and the routers (`routes.py`: health, metrics, stats, models,
 tokenize, /generate; `openai_routes.py`: completions and chat; `anthropic_routes.py`: Anthropic's messages;
 `responses_routes.py`: OpenAI's Responses API; `embeddings_routes.py` and `score_routes.py`: embeddings, rerank and
-score; `web_ui.py`: the web page at /).
+score; `lora_routes.py`: loading and unloading LoRA adapters; `web_ui.py`: the web page at /).
 
 Must not import torch: it talks to the engine only through the `AsyncEngine` it is handed.
 """
@@ -22,6 +22,7 @@ from tokenmill.metrics import PrometheusMetrics
 from tokenmill.server import (
     anthropic_routes,
     embeddings_routes,
+    lora_routes,
     openai_routes,
     responses_routes,
     routes,
@@ -71,6 +72,7 @@ def build_app(load_engine: Callable[[], AsyncEngine], config: ServerConfig, trac
     app.include_router(responses_routes.router)
     app.include_router(embeddings_routes.router)
     app.include_router(score_routes.router)
+    app.include_router(lora_routes.router)
     if config.web_ui:
         web_ui.install(app)
     return app

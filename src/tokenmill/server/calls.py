@@ -16,6 +16,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.errors import LoraError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, bad_value
 from tokenmill.server.logs import request_id_var
@@ -27,21 +28,25 @@ log = logging.getLogger("tokenmill.server")
 
 async def start_call(
     state: ServerState, engine: AsyncEngine, kind: str, id_prefix: str, prompts: list[list[int]],
-    params: SamplingParams, priority: int, grammar_field: str | None = None,
+    params: SamplingParams, priority: int, grammar_field: str | None = None, model: str | None = None,
 ) -> Call:  # fmt: skip
     """Check the load, compile the grammar (off the event loop, within its time limit), then start every prompt
-    (all validated before any starts). The call's id is `id_prefix` and a random hex."""
+    (all validated before any starts) on the model or LoRA adapter the body's `model` names. The call's id is
+    `id_prefix` and a random hex."""
+    lora = state.adapter_for(model)
     state.admit(engine, len(prompts) * params.n)
     call_id = id_prefix + uuid.uuid4().hex
     request_id_var.set(call_id)  # the log lines written while serving it name it (logs.py)
     grammar = await _compile(state, engine, params, grammar_field)
     try:
         streams = engine.add_requests(prompts, params, [f"{call_id}-{i}" for i in range(len(prompts))], priority,
-                                      grammar)  # fmt: skip
+                                      grammar, lora)  # fmt: skip
+    except LoraError as e:  # (unloaded since the check above)
+        raise APIError(e.status, str(e), param="model") from None
     except ValueError as e:
         raise bad_value(e) from None
     log.debug("started %d prompt(s), n=%d", len(prompts), params.n)
-    return Call(kind, call_id, state.config.served_model_name, prompts, streams, params.n, int(time.time()),
+    return Call(kind, call_id, lora or state.config.served_model_name, prompts, streams, params.n, int(time.time()),
                 state.metrics, state.tracer)  # fmt: skip
 
 

@@ -28,7 +28,7 @@ Engine = Annotated[AsyncEngine, Depends(ready_engine)]
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, raw: Request, state: State, engine: Engine) -> dict[str, Any]:
-    state.check_model(body.model)
+    state.check_model(body.model, adapters=False)
     pooling_of(engine, "embed")
     inputs = body.input
     one = isinstance(inputs, str) or (bool(inputs) and isinstance(inputs[0], int))  # a text, or one prompt's ids

@@ -81,6 +81,8 @@ def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) ->
         raise ValueError(f"--replica-max-restarts={args.replica_max_restarts} is invalid: allowed an integer >= 0")
     if not args.replica_restart_backoff > 0:
         raise ValueError(f"--replica-restart-backoff={args.replica_restart_backoff} is invalid: allowed seconds > 0")
+    if args.data_parallel_size > 1 and cfg.lora:
+        raise ValueError("LoRA adapters (--lora-modules, --enable-lora) do not run with --data-parallel-size > 1")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is invalid: allowed an integer in [0, 65535] (0: any free port)")
     _check_port(args.host, args.port)

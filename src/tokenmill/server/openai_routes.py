@@ -63,7 +63,8 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
         )  # fmt: skip
     except ValueError as e:
         raise bad_value(e) from None
-    call = await start_call(state, engine, "text_completion", "cmpl-", prompts, params, body.priority, field)
+    call = await start_call(state, engine, "text_completion", "cmpl-", prompts, params, body.priority, field,
+                            body.model)  # fmt: skip
     if body.echo:
         call.echo_texts = await run_in_threadpool(lambda: [tok.decode(p, skip_special_tokens=False) for p in prompts])
 
@@ -127,7 +128,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
         params = with_reasoning(params, answer, tok, body.thinking_token_budget)
     except ValueError as e:
         raise bad_value(e) from None
-    call = await start_call(state, engine, "chat.completion", "chatcmpl-", [prompt], params, body.priority, field)
+    call = await start_call(state, engine, "chat.completion", "chatcmpl-", [prompt], params, body.priority, field,
+                            body.model)  # fmt: skip
     streams: dict[int, ChoiceStream] = {}
 
     def choice(

@@ -120,7 +120,8 @@ async def create_response(body: ResponsesRequest, raw: Request, state: State, en
                        "(--responses-store-size 0)", param="background")  # fmt: skip
     prompt = await _prompt(body, state, engine)
     params = _params(body, engine, prompt)
-    call = await start_call(state, engine, "response", "resp_", [prompt.token_ids], params, 0, prompt.field)
+    call = await start_call(state, engine, "response", "resp_", [prompt.token_ids], params, 0, prompt.field,
+                            body.model)  # fmt: skip
     head = ResponseHead.of(call.id, call.model, body, params.temperature, params.top_p)
     if body.background:
         return _background(body, state, prompt, call, head)

@@ -87,16 +87,27 @@ def _card(state: ServerState, engine: AsyncEngine) -> dict[str, Any]:
             "owned_by": "tokenmill", "max_model_len": engine.max_model_len}  # fmt: skip
 
 
+def _adapter_cards(state: ServerState, engine: AsyncEngine) -> list[dict[str, Any]]:
+    """A card per LoRA adapter served, its `parent` the base model (as vLLM lists them)."""
+    adapters: list[tuple[str, str]] = getattr(engine, "lora_adapters", list)()  # (data-parallel replicas: none)
+    return [{**_card(state, engine), "id": name, "root": path, "parent": state.config.served_model_name}
+            for name, path in adapters]  # fmt: skip
+
+
 @router.get("/v1/models")
 async def models(state: State, engine: Engine) -> dict[str, Any]:
-    return {"object": "list", "data": [_card(state, engine)]}
+    return {"object": "list", "data": [_card(state, engine), *_adapter_cards(state, engine)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, state: State, engine: Engine) -> dict[str, Any]:
-    """`client.models.retrieve(id)`: the served model's card, or 404 for any other id."""
-    state.check_model(model_id)
-    return _card(state, engine)
+    """`client.models.retrieve(id)`: the served model's or a LoRA adapter's card, or 404 for any other id."""
+    if state.adapter_for(model_id) is None:
+        return _card(state, engine)
+    card = next((c for c in _adapter_cards(state, engine) if c["id"] == model_id), None)
+    if card is None:  # (unloaded since)
+        state.check_model(model_id)
+    return card or _card(state, engine)
 
 
 @router.post("/tokenize")

@@ -30,7 +30,7 @@ Engine = Annotated[AsyncEngine, Depends(ready_engine)]
 @router.post("/v2/rerank")
 @router.post("/rerank")
 async def rerank(body: RerankRequest, raw: Request, state: State, engine: Engine) -> dict[str, Any]:
-    state.check_model(body.model)
+    state.check_model(body.model, adapters=False)
     docs = [d if isinstance(d, str) else d.text for d in body.documents]
     check_count(state, len(docs), "documents")
     if body.top_n is not None and body.top_n < 1:
@@ -46,7 +46,7 @@ async def rerank(body: RerankRequest, raw: Request, state: State, engine: Engine
 @router.post("/v1/score")
 @router.post("/score")
 async def score(body: ScoreRequest, raw: Request, state: State, engine: Engine) -> dict[str, Any]:
-    state.check_model(body.model)
+    state.check_model(body.model, adapters=False)
     try:
         pairs = score_pairs(body.text_1, body.text_2)
     except ValueError as e:

@@ -62,9 +62,26 @@ class ServerState:
                            headers={"Retry-After": "5"})  # fmt: skip
         return self.engine
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    def check_model(self, model: str | None, adapters: bool = True) -> None:
+        """404 unless `model` names the served model or (where `adapters`) one of its LoRA adapters."""
+        self.adapter_for(model, adapters)
+
+    def adapter_for(self, model: str | None, adapters: bool = True) -> str | None:
+        """The one place a request's `model` is resolved: None for the served model (or no model given), the LoRA
+        adapter's name for an adapter of it (where `adapters`: a generation route); 404 naming what is served
+        otherwise."""
+        served = self.config.served_model_name
+        if model is None or model == served:
+            return None
+        engine = self.engine
+        names = [name for name, _ in getattr(engine, "lora_adapters", list)()]  # (data-parallel replicas: none)
+        if model in names:
+            if adapters:
+                return model
+            raise APIError(400, f"`{model}` is a LoRA adapter, which applies to text generation only; use the base "
+                           f"model `{served}` here", param="model")  # fmt: skip
+        raise APIError(404, f"The model `{model}` does not exist; served: {', '.join([served, *names])}.",
+                       param="model", code="model_not_found")  # fmt: skip
 
     def admit(self, engine: AsyncEngine, num_sequences: int) -> None:
         """Refuse overload cleanly instead of queueing without bound: 400 for a request that could never be

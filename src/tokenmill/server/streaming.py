@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Request
 
 from tokenmill.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from tokenmill.errors import LoraError
 from tokenmill.metrics import PrometheusMetrics
 from tokenmill.outputs import Logprobs, RequestMetrics, RequestOutput
 from tokenmill.server.errors import APIError, error_body
@@ -150,6 +151,8 @@ async def run_to_end(call: Call, raw: Request) -> dict[int, RequestOutput]:
         task.result()
     except (RequestFailedError, EngineDeadError) as e:
         raise APIError(500, f"generation failed: {e}") from None
+    except LoraError as e:  # its adapter was unloaded after the request was checked, before the engine took it
+        raise APIError(e.status, str(e), param="model") from None
     return finals
 
 
