@@ -35,7 +35,7 @@ async def start_call(
                                       grammar)  # fmt: skip
     except ValueError as e:
         raise bad_value(e) from None
-    return Call(kind, call_id, state.config.served_model_name, prompts, streams, params.n, int(time.time()),
+    return Call(kind, call_id, state.name_of(engine), prompts, streams, params.n, int(time.time()),
                 state.metrics)  # fmt: skip
 
 

@@ -29,10 +29,15 @@ Engine = Annotated[AsyncEngine, Depends(ready_engine)]
 
 @router.get("/health")
 async def health(state: State) -> Response:
-    if state.engine is not None and state.engine.is_healthy:
+    """One model served alone: 200 once it is loaded and its engine runs. Several: 200 while the server is up (a
+    model's own state is in /v1/models)."""
+    models = state.models
+    if not models.keep_loaded:
         return Response(status_code=200)
-    reason = "loading" if state.engine is None and state.load_error is None else "engine not running"
-    return JSONResponse({"status": reason}, status_code=503)
+    engine = models.engine(models.names[0])
+    if engine is not None and engine.is_healthy:
+        return Response(status_code=200)
+    return JSONResponse({"status": "loading" if engine is None else "engine not running"}, status_code=503)
 
 
 @router.get("/metrics")
@@ -43,7 +48,21 @@ async def metrics(state: State) -> Response:
 
 
 @router.get("/stats")
-async def stats(engine: Engine) -> dict[str, Any]:
+async def stats(state: State) -> dict[str, Any]:
+    """One model served alone: its engine's numbers (503 while it loads). Several: each model's state, and the
+    numbers of those loaded."""
+    models = state.models
+    if models.keep_loaded:
+        async with state.lease(None) as engine:
+            return _stats(engine)
+    by_model = {}
+    for name in models.names:
+        loaded = models.engine(name)
+        by_model[name] = {"status": models.status(name), **(_stats(loaded) if loaded is not None else {})}
+    return {"models": by_model}
+
+
+def _stats(engine: AsyncEngine) -> dict[str, Any]:
     s = engine.snapshot()
     replicas = getattr(engine, "replicas", None)  # data parallel: each replica's process and state
     return {
@@ -69,21 +88,22 @@ async def stats(engine: Engine) -> dict[str, Any]:
     }
 
 
-def _card(state: ServerState, engine: AsyncEngine) -> dict[str, Any]:
-    return {"id": state.config.served_model_name, "object": "model", "created": state.created,
-            "owned_by": "tokenmill", "max_model_len": engine.max_model_len}  # fmt: skip
+def _card(state: ServerState, name: str) -> dict[str, Any]:
+    """OpenAI's model object, with the model's state beside it (`status`: loaded, loading or unloaded, as
+    llama.cpp's router and Ollama show it), its max_model_len once known, and its last failed load's error."""
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+            **state.models.card(name)}  # fmt: skip
 
 
 @router.get("/v1/models")
-async def models(state: State, engine: Engine) -> dict[str, Any]:
-    return {"object": "list", "data": [_card(state, engine)]}
+async def models(state: State) -> dict[str, Any]:
+    return {"object": "list", "data": [_card(state, name) for name in state.models.names]}
 
 
 @router.get("/v1/models/{model_id:path}")
-async def model(model_id: str, state: State, engine: Engine) -> dict[str, Any]:
-    """`client.models.retrieve(id)`: the served model's card, or 404 for any other id."""
-    state.check_model(model_id)
-    return _card(state, engine)
+async def model(model_id: str, state: State) -> dict[str, Any]:
+    """`client.models.retrieve(id)`: a served model's card (nothing is loaded for it), or 404 for any other id."""
+    return _card(state, state.model_name(model_id))
 
 
 @router.post("/tokenize")
@@ -145,7 +165,7 @@ async def generate(body: GenerateRequest, state: State, engine: Engine) -> Strea
             return
         m, end, rss_end = final.metrics, time.perf_counter(), rss_mb()
         if state.metrics is not None:
-            state.metrics.observe_finished(m, [c.finish_reason for c in final.outputs])
+            state.metrics.observe_finished(m, [c.finish_reason for c in final.outputs], state.name_of(engine))
         done = {
             "prompt_tokens": m.num_prompt_tokens,
             "completion_tokens": m.num_generated_tokens,

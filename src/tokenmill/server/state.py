@@ -1,15 +1,19 @@
 """The server's state, and the FastAPI dependencies every route uses to reach it.
 
 `ServerState` is owned by the app (`build_app` makes one and stores it on `app.state`); routes get it and a
-ready engine through `Depends` (the API key is checked before that, by `guard.py`). It reads the engine only
-through the `AsyncEngine` facade: the published snapshot for numbers, `validate`/`add_requests` for work.
+ready engine through `Depends` (the API key is checked before that, by `guard.py`). The engine is the one of the
+model the request names (`model_name`; the models and their engines are `ModelRegistry`'s). It reads the engine
+only through the `AsyncEngine` facade: the published snapshot for numbers, `validate`/`add_requests` for work.
 
 Must not import torch.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -17,6 +21,7 @@ from fastapi import Request
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.metrics import PrometheusMetrics
 from tokenmill.server.errors import APIError
+from tokenmill.server.models_registry import ModelRegistry
 from tokenmill.server.responses_store import ResponseStore
 
 
@@ -39,8 +44,7 @@ class ServerConfig:
 @dataclass
 class ServerState:
     config: ServerConfig
-    engine: AsyncEngine | None = None  # set once, by the loader thread, when the model is ready
-    load_error: BaseException | None = None
+    models: ModelRegistry  # the served models, their engines and states
     metrics: PrometheusMetrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(init=False)  # the Responses API's stored responses
@@ -48,16 +52,32 @@ class ServerState:
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.responses_store_size)
 
-    def ready_engine(self) -> AsyncEngine:
-        if self.engine is None:
-            raise APIError(503, "the model is still loading; retry shortly", headers={"Retry-After": "5"})
-        if not self.engine.is_healthy:
-            raise APIError(503, "the engine has stopped; the server must be restarted")
-        return self.engine
+    def model_name(self, model: str | None) -> str:
+        """The served model a request's `model` names; without one, the only model when one is served. Any other:
+        404 naming the models served."""
+        names = self.models.names
+        if model is None and len(names) == 1:
+            return names[0]
+        if model in names:
+            return model
+        served = ", ".join(names)
+        if model is None:
+            raise APIError(404, f"this server serves several models; name one in `model`: {served}", param="model",
+                           code="model_not_found")  # fmt: skip
+        raise APIError(404, f"The model `{model}` does not exist. Served models: {served}.", param="model",
+                       code="model_not_found")  # fmt: skip
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        self.model_name(model)
+
+    def lease(self, model: str | None) -> AbstractAsyncContextManager[AsyncEngine]:
+        """The one place a request's `model` becomes an engine: the model it names, loaded first if need be, and
+        held loaded (never unloaded) until the block ends."""
+        return self.models.lease(self.model_name(model))
+
+    def name_of(self, engine: AsyncEngine) -> str:
+        """The served name of `engine`'s model (what responses carry in `model`)."""
+        return self.models.name_of(engine) or self.config.served_model_name
 
     def admit(self, engine: AsyncEngine, num_sequences: int) -> None:
         """Refuse overload cleanly instead of queueing without bound: 400 for a request that could never be
@@ -80,5 +100,22 @@ def get_state(request: Request) -> ServerState:
     return state
 
 
-def ready_engine(request: Request) -> AsyncEngine:
-    return get_state(request).ready_engine()
+async def ready_engine(request: Request) -> AsyncIterator[AsyncEngine]:
+    """The engine of the model the request names (its body's `model`, the path's model id, or `?model=`), loaded
+    first if need be, and held loaded until the response has been sent."""
+    async with get_state(request).lease(await _requested_model(request)) as engine:
+        yield engine
+
+
+async def _requested_model(request: Request) -> str | None:
+    """The `model` a request names. FastAPI has read and parsed a JSON body before any dependency runs (the
+    request caches it), so this costs no second parse; a body that is not a JSON object names none."""
+    named = request.path_params.get("model_id") or request.query_params.get("model")
+    if named is not None or request.method != "POST":
+        return named
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None

@@ -56,7 +56,7 @@ class Call:
             if self.metrics is not None:
                 # (a pooling request has no completions: it stopped at its prompt's end, or was aborted)
                 reasons = [c.finish_reason for c in out.outputs] or ["stop" if out.pooled is not None else "abort"]
-                self.metrics.observe_finished(out.metrics, reasons)
+                self.metrics.observe_finished(out.metrics, reasons, self.model)
 
     def usage(self, num_completion_tokens: int) -> dict[str, Any]:
         """OpenAI's usage, with `prompt_tokens_details.cached_tokens` (the prefix cache's share of the prompts, as
