@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.engine.footprint import memory_line, model_bytes
 from tokenmill.metrics import EngineSnapshot
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import ModelTask, PoolingParams
@@ -106,32 +107,6 @@ class RequestStream:
                 self.engine.abort(self.request_id)
 
 
-def _memory(model: LoadedModel, core: EngineCore) -> tuple[int, int]:
-    """(weight bytes, KV pool bytes) at start: the pool as reserved (a CPU pool's pages fill in as its blocks are
-    first used)."""
-    from torch import nn
-
-    from tokenmill.attention import PagedKVCache
-    from tokenmill.models.linear import weight_bytes
-
-    emb = model.model.embeddings()
-    embedding = emb.weight if isinstance(emb, nn.Embedding) else emb.data  # a table, or a PackedEmbedding's panels
-    head = model.model.lm_head
-    tied = getattr(head, "weight", getattr(head, "data", None)) is embedding  # weight_bytes counted it as the head
-    weights = weight_bytes(model.model) + (0 if tied else embedding.nbytes)
-    pool = getattr(core.runner, "kv", None)
-    return weights, pool.cache.nbytes if isinstance(pool, PagedKVCache) else 0
-
-
-def _memory_line(weights: int, kv: int) -> str:
-    """Where the memory goes at start: the weights, the KV pool and the process's resident set."""
-    import psutil
-
-    mb = 2**20
-    return (f"memory: weights {round(weights / mb)} MiB, KV pool {round(kv / mb)} MiB reserved, "
-            f"process RSS {round(psutil.Process().memory_info().rss / mb)} MiB")  # fmt: skip
-
-
 class AsyncEngine:
     def __init__(self, core: EngineCore, model: LoadedModel) -> None:
         self.core = core  # driven by the loop thread alone once started
@@ -142,11 +117,11 @@ class AsyncEngine:
         self._defaults = model.default_sampling_params()
         kv = core.kv
         capacity = f"{kv.num_blocks * kv.block_size} tokens ({kv.num_blocks} blocks)" if kv.num_blocks else "unpaged"
-        weights, pool = _memory(model, core)
+        weights, pool = model_bytes(model, core)
         self.memory_bytes = weights + pool  # what a server's memory budget counts for this model (weights + KV pool)
         self.description = (
             f"{model.dtype} on {model.device}, KV capacity {capacity}, max_model_len {self.max_model_len}; "
-            f"{_memory_line(weights, pool)}"
+            f"{memory_line(weights, pool)}"
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}

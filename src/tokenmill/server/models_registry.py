@@ -16,7 +16,6 @@ Must not import torch.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.memory import trim
+from tokenmill.engine.footprint import return_memory
 from tokenmill.metrics import EngineSnapshot, PrometheusMetrics
 from tokenmill.server.errors import APIError
 
@@ -223,7 +222,7 @@ class ModelRegistry:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, engine.shutdown)
         del engine  # the last reference: the collection below frees its tensors
-        await loop.run_in_executor(None, _collect)
+        await loop.run_in_executor(None, return_memory)
         if self.metrics is not None:
             self.metrics.observe_unload(slot.spec.name)
 
@@ -246,8 +245,3 @@ class ModelRegistry:
                 async with self._room:
                     if slot.engine is not None and not self._busy(slot):  # (unchanged while the lock was waited)
                         await self._unload(slot, f"idle for {idle_s:g} s")
-
-
-def _collect() -> None:
-    gc.collect()
-    trim()
