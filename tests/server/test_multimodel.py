@@ -113,10 +113,12 @@ def _wait_for(server: Server, model: str, status: str) -> None:
 
 def test_requests_route_by_model_and_models_list_their_states(by_count: Server, small: Path, big: Path) -> None:
     assert _states(by_count) == {"small": "unloaded", "big": "unloaded"}  # (nothing loads before it is asked for)
+    wants = {}
     for name, path in (("small", small), ("big", big)):
-        want = offline(LLM(str(path), dtype="float32"), {"prompt_token_ids": PROMPT}, 4).text
-        assert _complete(by_count, name) == want  # the model the request named answered
+        wants[name] = offline(LLM(str(path), dtype="float32"), {"prompt_token_ids": PROMPT}, 4).text
+        assert _complete(by_count, name) == wants[name]  # the model the request named answered
         assert _states(by_count)[name] == "loaded"
+    assert wants["small"] != wants["big"]  # (so the answers above tell the models apart)
     card = _client(by_count).models.retrieve("big")
     assert card.max_model_len == 256  # type: ignore[attr-defined]
 
@@ -133,8 +135,8 @@ def test_unknown_or_missing_model_is_404_naming_the_models(by_count: Server) -> 
 
 def test_past_max_loaded_models_the_least_recently_used_goes(by_count: Server) -> None:
     _complete(by_count, "small")
-    unloads, loads = _metric(by_count, "tokenmill:model_unloads_total", "small"), _metric(
-        by_count, "tokenmill:model_loads_total", "big")  # fmt: skip
+    unloads = _metric(by_count, "tokenmill:model_unloads_total", "small")
+    loads = _metric(by_count, "tokenmill:model_loads_total", "big")
     _complete(by_count, "big")
     assert _states(by_count) == {"small": "unloaded", "big": "loaded"}
     assert _metric(by_count, "tokenmill:model_unloads_total", "small") == unloads + 1
