@@ -26,6 +26,7 @@ from tests.unit.test_cli import assert_one_line_error, run_cli
 from tokenmill import LLM
 
 HOLD_TOKEN = 8  # a prompt starting with it is held mid-request (tests/server/hold.py)
+FATAL_TOKEN = 9  # a step computing a prompt that starts with it kills its engine's loop (fault_hooks.py)
 PROMPT = [20, 30, 40, 50]
 SMALL = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
 BIG = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=2)
@@ -44,7 +45,9 @@ def big(make_checkpoint: Callable[..., Path]) -> Path:
 
 
 def _start(tmp: pytest.TempPathFactory, hold: Hold, *flags: str) -> Any:
-    return running(None, tmp.mktemp("server"), *ENGINE, *flags, env=hold_env(HOLD_TOKEN, hold.folder))
+    env = {**hold_env(HOLD_TOKEN, hold.folder), "TOKENMILL_TEST_FAULT_TOKEN": str(FATAL_TOKEN),
+           "TOKENMILL_TEST_FAULT_FATAL": "1"}  # fmt: skip
+    return running(None, tmp.mktemp("server"), *ENGINE, *flags, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +242,18 @@ def test_a_model_that_fails_to_load_fails_only_its_requests(from_file: Server) -
     assert broken["status"] == "unloaded" and "max_model_len" in broken["error"]
     assert _complete(from_file, "big")
     assert httpx.get(f"{from_file.url}/health").status_code == 200
+
+
+def test_a_dead_engine_fails_its_requests_and_is_replaced_at_the_next(from_file: Server) -> None:
+    """With several models a dead engine loop does not end the server (one MODEL alone does): its request gets the
+    error, the model shows unloaded, and the next request for it loads it anew."""
+    _complete(from_file, "big")
+    r = httpx.post(f"{from_file.url}/v1/completions", json={"model": "big", "prompt": [FATAL_TOKEN, *PROMPT],
+                   "max_tokens": 2}, timeout=WAIT_S)  # fmt: skip
+    assert_openai_error(r, 500, "engine loop has stopped")
+    assert _states(from_file)["big"] == "unloaded"
+    assert _complete(from_file, "big")
+    assert _states(from_file)["big"] == "loaded" and from_file.proc.poll() is None
 
 
 @pytest.mark.parametrize(

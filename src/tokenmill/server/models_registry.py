@@ -97,8 +97,11 @@ class ModelRegistry:
         return self._slots[name].engine
 
     def status(self, name: str) -> str:
+        """loaded, loading or unloaded (a dead engine, which its next request replaces, counts as unloaded)."""
         slot = self._slots[name]
-        return LOADED if slot.engine is not None else LOADING if slot.loading is not None else UNLOADED
+        if slot.engine is not None and slot.engine.is_healthy:
+            return LOADED
+        return LOADING if slot.loading is not None else UNLOADED
 
     def states(self) -> dict[str, str]:
         return {name: self.status(name) for name in self.names}
