@@ -136,6 +136,16 @@ def test_unknown_or_missing_model_is_404_naming_the_models(by_count: Server) -> 
     assert httpx.get(f"{by_count.url}/health").status_code == 200
 
 
+def test_lora_routes_refuse_several_models(by_count: Server) -> None:
+    """LoRA adapters are served with one MODEL only: loading one here is a 400 that says so, nothing loads."""
+    before = _states(by_count)
+    r = httpx.post(f"{by_count.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"})
+    assert_openai_error(r, 400, "several models", "one MODEL")
+    r = httpx.post(f"{by_count.url}/v1/unload_lora_adapter", json={"lora_name": "x"})
+    assert_openai_error(r, 400, "several models")
+    assert _states(by_count) == before
+
+
 def test_past_max_loaded_models_the_least_recently_used_goes(by_count: Server) -> None:
     _complete(by_count, "small")
     unloads = _metric(by_count, "tokenmill:model_unloads_total", "small")
@@ -272,6 +282,8 @@ def test_a_dead_engine_fails_its_requests_and_is_replaced_at_the_next(from_file:
         (["--models-config", "{tmp}/typed.yaml"], "max_model_len='4' is invalid: allowed int or null"),
         (["--models-config", "{tmp}/shape.yaml"], "allowed one key, `models`"),
         (["--model", "a={tmp}/no-such-folder"], "does not exist"),
+        (["--model", "a={small}", "--enable-lora"], "LoRA adapters (--lora-modules, --enable-lora) serve one MODEL"),
+        (["--models-config", "{tmp}/lora.yaml"], "LoRA adapters (--lora-modules, --enable-lora) serve one MODEL"),
     ],
 )
 def test_bad_models_flags_are_one_line_errors(small: Path, tmp_path: Path, args: list[str], said: str) -> None:
@@ -279,5 +291,6 @@ def test_bad_models_flags_are_one_line_errors(small: Path, tmp_path: Path, args:
     (tmp_path / "unknown.yaml").write_text(json.dumps({"models": [{"name": "a", "path": str(small), "colour": 1}]}))
     (tmp_path / "typed.yaml").write_text(f"models:\n  - {{name: a, path: {small}, max_model_len: '4'}}\n")
     (tmp_path / "shape.yaml").write_text(f"- {{name: a, path: {small}}}\n")
+    (tmp_path / "lora.yaml").write_text(f"models:\n  - {{name: a, path: {small}, enable_lora: true}}\n")
     argv = [a.format(small=small, tmp=tmp_path) for a in args]
     assert_one_line_error(run_cli("serve", *argv, "--port", "0"), said)
