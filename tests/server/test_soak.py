@@ -1,4 +1,4 @@
-"""scripts/soak.py's fault mode, short: two Ray replicas at twice their capacity for 20 s, one replica SIGKILLed
+"""scripts/soak.py's fault mode, short: two Ray replicas at twice their capacity for 16 s, one replica SIGKILLed
 halfway. No request is lost (each completes with exactly its tokens, or gets a clean error), the killed replica
 comes back and is counted in /metrics, the server is idle afterwards and exits 0 on SIGTERM. The 10-minute run
 is in docs/reliability.md."""
@@ -21,9 +21,9 @@ SOAK = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 
 def test_a_short_fault_soak_loses_no_request(checkpoint: Path, tmp_path: Path) -> None:
     log = tmp_path / "server.log"
-    cmd = [sys.executable, str(SOAK), str(checkpoint), "--duration", "20", "--warmup", "0", "--data-parallel-size",
-           "2", "--kill-replica-every", "10", "--max-num-seqs", "2", "--max-waiting-requests", "4", "--max-tokens",
-           "16", "--sample-every", "5", "--port", str(free_port()), "--log", str(log)]  # fmt: skip
+    cmd = [sys.executable, str(SOAK), str(checkpoint), "--duration", "16", "--warmup", "0", "--data-parallel-size",
+           "2", "--kill-replica-every", "8", "--max-num-seqs", "2", "--max-waiting-requests", "4", "--max-tokens",
+           "16", "--sample-every", "4", "--port", str(free_port()), "--log", str(log)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.stdout.startswith("{"), f"{run.stderr[-3000:]}\n{log.read_text(errors='replace')[-3000:]}"
     result = json.loads(run.stdout)
