@@ -25,8 +25,9 @@ def prebuild(level: str) -> str:
         return "built and loaded"
     if built and level not in supported_levels():
         return f"built (not loaded: this CPU cannot run it; the child exited {child.returncode})"
-    tail = (child.stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
-    print(f"tokenmill: the {level} kernels did not build: {tail}", file=sys.stderr, flush=True)
+    lines = child.stderr.strip().splitlines() or [f"exit status {child.returncode}"]
+    why = next((x for x in lines if "error:" in x and "Error building" not in x), lines[-1])  # the compiler's
+    print(f"tokenmill: the {level} kernels did not build: {why.strip()}", file=sys.stderr, flush=True)
     return ""
 
 
