@@ -12,8 +12,9 @@ ARG TORCH_VERSION=2.13.0
 # where pip finds torch's CPU wheel: PyTorch's index (PyPI's torch for x86-64 Linux is the CUDA build, gigabytes with
 # its CUDA wheels); elsewhere e.g. "--find-links http://HOST:PORT/" serving a folder that holds torch-*+cpu-*.whl
 ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
-# the kernel variants compiled now (the rest compile on first use, into the writable cache): a baseline and AVX-512
-ARG KERNEL_VARIANTS="avx2 avx512"
+# the kernel variants compiled now (the rest compile on first use, into the writable cache): the x86-64 levels a
+# server CPU picks (AVX2: Zen 2/3; AVX-VNNI: Alder Lake on; AVX-512: Skylake-SP/Ice Lake; AVX-512 BF16: Zen 4/5, Xeons)
+ARG KERNEL_VARIANTS="avx2 avxvnni avx512 avx512bf16"
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PIP_NO_CACHE_DIR=1
