@@ -211,3 +211,14 @@ def test_agent_workload_grows_conversations_and_reads_the_prefix_cache(server: S
     agent = summary["agent"]
     assert agent["turns"] == 3 and len(agent["ttft_p50_by_turn_ms"]) == 3 and 0.3 < agent["prefix_hit_rate"] < 1
     assert "| turn | prompt tokens | TTFT p50 ms |" in (run / "report.md").read_text()
+
+
+def test_request_models_take_turns_in_the_requests_bodies() -> None:
+    """--request-models spreads the requests over LoRA adapters (or a server's models) in turn; without it every
+    request names --model."""
+    from tokenmill.bench.serve import _body
+
+    args = argparse.Namespace(model="base", request_models="a1,a2,a3", endpoint="completions", temperature=0.0)
+    assert [_body(args, "hi", 4, i)["model"] for i in range(5)] == ["a1", "a2", "a3", "a1", "a2"]
+    args.request_models = None
+    assert {_body(args, "hi", 4, i)["model"] for i in range(3)} == {"base"}

@@ -120,6 +120,7 @@ def test_throughput(model: Path, tmp_path: Path) -> None:
     assert len(rows) == 5 and all(r["output_tokens"] == 4 for r in rows)
     s = json.loads((run / "summary/summary.json").read_text())
     assert_positive(s, "output_tokens_per_sec", "total_tokens_per_sec", "requests_per_sec", "duration_s")
+    assert s["decode_tokens_per_sec"] > 0  # one prefill step of all 5, then decode steps of all 5
     # the model GFLOPS: 5 requests of 8 prompt + 4 generated tokens (flops.model_flops) over the run's duration
     from tokenmill.bench.flops import matmul_params, model_flops
 

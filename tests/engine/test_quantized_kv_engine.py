@@ -101,6 +101,9 @@ def test_the_decode_stack_reads_and_writes_quantized_rows_as_the_modules_do(fold
         llm = _llm(folder, kv, dtype=dtype, num_scheduler_steps=1, enable_prefix_caching=False)
         runner = llm.engine.runner
         if runner.decode_stack is None:
+            from tokenmill import kernels
+
+            assert kernels.active() is None, "the CPU kernels run here, so the stack must take the quantized pool"
             pytest.skip("no compiled CPU kernels here: the decode stack needs them")
         if not use_stack:
             runner.decode_stack = None

@@ -17,13 +17,15 @@ from tests.parity.test_models import SPREAD, _skip_without_stack
 from tokenmill import LLM, SamplingParams
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+# mistral with a window of 150 positions: a row's window spans two splits of its three (the stack's tasks are the
+# whole context's splits, those past the window's empty), and a short row's window is all of it
+@pytest.mark.parametrize("arch, overrides", [("qwen2", {}), ("qwen3", {}), ("mistral", dict(sliding_window=150))])
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 0.05)])
 def test_contexts_of_several_splits_match_the_module_path_alone_and_batched(
-    make_checkpoint: Callable[..., Path], arch: str, dtype: str, tol: float
+    make_checkpoint: Callable[..., Path], arch: str, overrides: dict[str, Any], dtype: str, tol: float
 ) -> None:
     # head_dim 32: AVX-512 BF16's attention path where the CPU has it (the portable one otherwise)
-    folder = make_checkpoint(arch, **SPREAD, hidden_size=128, num_attention_heads=4, head_dim=32)
+    folder = make_checkpoint(arch, **SPREAD, hidden_size=128, num_attention_heads=4, head_dim=32, **overrides)
     llm = LLM(str(folder), dtype=dtype, device="cpu", enable_prefix_caching=False)
     _skip_without_stack(llm)
     split = int(llm.loaded.ops.module.attention_split)  # type: ignore[union-attr]

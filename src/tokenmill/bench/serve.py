@@ -111,8 +111,11 @@ def build_prompts(plan: Plan, counter: TokenCounter, seed: int) -> list[tuple[st
     return prompts
 
 
-def _body(args: argparse.Namespace, text: str, output_len: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": args.model, "max_tokens": output_len, "stream": True,
+def _body(args: argparse.Namespace, text: str, output_len: int, index: int = 0) -> dict[str, Any]:
+    """Request `index`'s body: its `model` is --model, or with --request-models the index-th of those in turn (LoRA
+    adapters or models of one server)."""
+    names = args.request_models.split(",") if getattr(args, "request_models", None) else [args.model]
+    body: dict[str, Any] = {"model": names[index % len(names)], "max_tokens": output_len, "stream": True,
                             "stream_options": {"include_usage": True}, **sampling(args)}  # fmt: skip
     if not getattr(args, "no_ignore_eos", False):
         body["ignore_eos"] = True
@@ -205,7 +208,7 @@ async def drive(args: argparse.Namespace, plan: Plan, prompts: list[tuple[str, s
                                  timeout=httpx.Timeout(args.timeout)) as client:  # fmt: skip
 
         async def one(i: int) -> None:
-            body = _body(args, prompts[i][1], plan.output_len)
+            body = _body(args, prompts[i][1], plan.output_len, i)
             if sem is None:
                 await send(client, args, body, rows[i], t0, args.timeout)
             else:
@@ -384,6 +387,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="streaming load generator against an OpenAI-compatible server")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name the server expects in requests")
+    p.add_argument(
+        "--request-models",
+        default=None,
+        help="comma-separated `model` names the requests take in turn (LoRA adapters, several models)",
+    )
     p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="custom")
     p.add_argument("--request-rate", type=float, default=None, help="req/s, Poisson arrivals; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from tokenmill.bench.latency import peak_rss_mb
 from tokenmill.bench.plots import cdf_plot
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
+from tokenmill.metrics import StepStats
 from tokenmill.progress import progress
 
 
@@ -47,12 +49,21 @@ def measure(llm: Any, num_prompts: int, input_len: int, output_len: int, seed: i
         "duration_s": elapsed,
         "requests_per_sec": num_prompts / elapsed,
         "output_tokens_per_sec": generated / elapsed,
+        "decode_tokens_per_sec": _decode_rate(stats.recent_steps, num_prompts),
         "total_tokens_per_sec": (generated + prompt_total) / elapsed,
         "mean_batch_size": stats.mean_batch_size,
         "max_batch_size": stats.max_batch_size,
         "preemptions": stats.num_preemptions,
         "ttft_ms": summarize([r["ttft_ms"] for r in rows]),
     }
+
+
+def _decode_rate(steps: Iterable[StepStats], batch: int) -> float | None:
+    """Decode tok/s at the full batch: the steps in which all `batch` requests decoded and nothing else ran, their
+    tokens over their time (None: no such step)."""
+    full = [s for s in steps if s.batch_size == batch and s.num_tokens == s.num_decode_tokens]
+    seconds = sum(s.duration_s for s in full)
+    return sum(s.num_decode_tokens for s in full) / seconds if seconds > 0 else None
 
 
 def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path:
@@ -88,6 +99,7 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> P
         f"# throughput: {Path(config['model']).name}, {args.num_prompts} prompts x {args.input_len} in / "
         f"{args.output_len} out\n\n| measure | value |\n|---|---|\n"
         f"| output tok/s | {result['output_tokens_per_sec']:.1f} |\n"
+        f"| decode tok/s (every prompt in) | {result['decode_tokens_per_sec'] or 0:.1f} |\n"
         f"| total tok/s | {result['total_tokens_per_sec']:.1f} |\n"
         f"| requests/s | {result['requests_per_sec']:.3f} |\n"
         f"| mean / max batch | {result['mean_batch_size']:.1f} / {result['max_batch_size']} |\n"

@@ -142,6 +142,14 @@ class NativeStack:
         self.native.add_layer(*norm_specs, self.cache[layer].data_ptr(), *attention, *mlp)
         self._set_scales(layer)
 
+    def set_window(self, layer: int, window: int | None) -> None:
+        """Layer `layer` (added) attends to each row's last `window` positions only (None: its whole context)."""
+        if not 0 <= layer < self.native.num_layers():
+            raise ValueError(f"layer {layer} has not been added")
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window is at least 1 position, not {window}")
+        self.native.set_window(layer, window or 0)
+
     def _set_scales(self, layer: int) -> None:
         if self.scales is not None:  # a quantized pool: the layer quantizes its rows and widens them (kv_quant.h)
             self.native.set_kv_scales(layer, self.scales[layer].data_ptr(), self.cache.dtype == torch.float8_e4m3fn)

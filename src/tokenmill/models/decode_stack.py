@@ -128,9 +128,7 @@ class DecodeStack:
         decoder, pool = model.decoder(), kv.paged  # the block pool, which the stack reads and writes in place
         if pool is None or not isinstance(pool.ops, Kernels) or type(decoder) is not DecoderModel:
             return None  # the stack is the CPU kernels' (a GPU's fused ops run in the layers)
-        if any(w is not None for w in pool.windows):  # sliding-window layers take the modules' attention
-            return None
-        if pool.storage not in (pool.dtype, torch.int8):  # a pool of another float dtype: the modules' attention
+        if pool.storage not in (pool.dtype, torch.int8, torch.float8_e4m3fn):  # another float dtype: the modules'
             return None
         layers = [layer for layer in decoder.layers if type(layer) is DecoderLayer]
         if not layers or len(layers) != len(decoder.layers):
@@ -151,6 +149,7 @@ class DecodeStack:
                 native.add_sparse_layer(*spec)
             else:
                 native.add_layer(*spec)
+            native.set_window(index, pool.windows[index] if pool.windows else None)
         # the LM head joins the stack when logits are the head's output as is (a family may post-process them)
         plain_logits = type(model).compute_logits is CausalLM.compute_logits
         head = _linear_spec(model.lm_head, dims[0]) if plain_logits else None

@@ -49,7 +49,9 @@ class RestartPolicy:
 
 def _ray() -> Any:
     os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", "600")  # a busy machine is not a dead GCS
-    os.environ.setdefault("RAY_install_failure_signal_handler", "0")  # no C++ stack dump on a clean SIGTERM
+    # Ray's C++ crash handler (absl's) takes SIGTERM from uvicorn's handler once Ray starts: the server dumped a
+    # stack and died by SIGABRT instead of draining and exiting 0 (found by scripts/soak.py). Read at import.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     try:
         import ray
     except ImportError:

@@ -390,6 +390,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &tmk::DecodeStack::add_layer)
       .def("add_sparse_layer", &tmk::DecodeStack::add_sparse_layer)
       .def("set_kv_scales", &tmk::DecodeStack::set_kv_scales)
+      .def("set_window", &tmk::DecodeStack::set_window)
       .def("num_layers", &tmk::DecodeStack::num_layers)
       .def("set_head", &tmk::DecodeStack::set_head)
       .def("set_packed_embedding", &tmk::DecodeStack::set_packed_embedding)

@@ -45,6 +45,7 @@ struct LayerSpec {
   int64_t moe = -1;                                     // a sparse layer's index in moe_, else -1
   uintptr_t kv_scales = 0;  // a quantized cache's bf16 scales [2, slots, Hkv] (attention/kv_quant.h), else 0
   bool kv_fp8 = false;      // that cache's rows are float8 e4m3, not int8
+  int64_t window = 0;       // > 0: the layer attends to each row's last `window` positions only (sliding window)
 };
 
 class DecodeStack {
@@ -97,6 +98,9 @@ class DecodeStack {
 
   // Layer l's cache holds int8 (or, with fp8, float8 e4m3) rows with these bf16 scales [2, slots, Hkv]: keys and
   // values are quantized as they are written, and widened where attention reads them (attention/kv_quant.h).
+  // Layer l attends to each row's last `window` positions only (a sliding-window layer).
+  void set_window(int64_t l, int64_t window) { layers_.at(l).window = window; }
+
   void set_kv_scales(int64_t l, uintptr_t scales, bool fp8) {
     layers_.at(l).kv_scales = scales;
     layers_.at(l).kv_fp8 = fp8;
@@ -407,11 +411,15 @@ class DecodeStack {
   }
 
   // task `task` of the attention stage: split s of row b's KV head g -> part_acc_, part_ml_; the last of the
-  // (b, g) splits to finish merges them into attn_ (and readies those columns for the o projection)
+  // (b, g) splits to finish merges them into attn_ (and readies those columns for the o projection). The tasks are
+  // the whole context's splits; a sliding-window layer's rows have fewer (its first at the window's start), and a
+  // split past them is empty: zero sums and weight, so the merge gives the window's splits' own bits.
   void attention(int64_t l, int64_t task) {
     const int64_t split = task / Hkv_, g = task % Hkv_, G = H_ / Hkv_;
     const int64_t b = split_owner(split_first_, split);
     const int64_t s = split - split_first_[b], n = split_first_[b + 1] - split_first_[b];
+    const LayerSpec& spec = layers_[l];
+    const int64_t n_real = spec.window > 0 ? num_splits(lens_[b], spec.window) : n;
     // the queries: q_'s row b, or with one row (see step) this task's own copy, laid out as q_'s row 0 would be
     const char* q = q_;
     int64_t q_row = b;
@@ -419,7 +427,7 @@ class DecodeStack {
       thread_local std::vector<char> own;
       own.resize(H_ * Dh_ * e_);
       rope_queries(l, b, g, own.data() + g * G * Dh_ * e_);
-      if (s + 1 == n) rope_and_write_kv(l, b, g);  // the split that holds the new token reads its key
+      if (s + 1 == n_real) rope_and_write_kv(l, b, g);  // the split that holds the new token reads its key
       q = own.data(), q_row = 0;
     }
     thread_local std::vector<float> scratch;
@@ -427,14 +435,18 @@ class DecodeStack {
     const float scale = (float)std::pow((double)Dh_, -0.5);
     const int64_t at = split * H_ + g * G;
     float *acc = part_acc_.data() + at * Dh_, *ml = part_ml_.data() + at * 2;
-    const LayerSpec& spec = layers_[l];
-    with_row_types(spec, [&](auto* t, auto* c) {
-      using T = std::remove_pointer_t<decltype(t)>;
-      using C = std::remove_pointer_t<decltype(c)>;
-      attention_split<T, C>((const T*)q, (const C*)spec.cache, slots_, tables_ + b * max_blocks_, lens_[b], 0, q_row, g,
-                            s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data(),
-                            (const uint16_t*)spec.kv_scales);
-    });
+    if (s < n_real) {
+      with_row_types(spec, [&](auto* t, auto* c) {
+        using T = std::remove_pointer_t<decltype(t)>;
+        using C = std::remove_pointer_t<decltype(c)>;
+        attention_split<T, C>((const T*)q, (const C*)spec.cache, slots_, tables_ + b * max_blocks_, lens_[b],
+                              spec.window, q_row, g, s, H_, Hkv_, Dh_, block_size_, scale, acc, ml, scratch.data(),
+                              (const uint16_t*)spec.kv_scales);
+      });
+    } else {  // past the window's splits: nothing attended
+      std::fill(acc, acc + G * Dh_, 0.f);
+      for (int64_t j = 0; j < G; ++j) ml[2 * j] = -INFINITY, ml[2 * j + 1] = 0.f;
+    }
     if (n > 1) {  // the splits' writes before this one's are visible to whichever finishes last (acq_rel)
       std::atomic<int64_t>& done = splits_done_[b * Hkv_ + g];
       if (done.fetch_add(1, std::memory_order_acq_rel) + 1 < n) return;
