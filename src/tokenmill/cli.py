@@ -186,6 +186,7 @@ def _serve_args(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the name clients use (default: MODEL as given)")
+    _models_args(srv)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or TOKENMILL_API_KEY)")
     srv.add_argument("--api-key-file", default=None, help="read the API key from this file (keeps it out of ps)")
     srv.add_argument("--public-docs", action="store_true", help="serve /docs and /openapi.json without the key")
@@ -249,6 +250,26 @@ def _serve_args(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                      help="send a trace per request (spans for queue, prefill, decode) to this OTLP/HTTP endpoint, "
                      "e.g. http://localhost:4318/v1/traces (needs tokenmill[otel])")  # fmt: skip
+
+
+def _models_args(srv: argparse.ArgumentParser) -> None:
+    """`tokenmill serve`'s flags for several models behind one server (docs/api.md, "Several models")."""
+    srv.add_argument("--model", action="append", dest="named_models", metavar="NAME=PATH",
+                     help="serve this model as NAME (repeat for several; instead of MODEL); each loads when a request "
+                     "first names it")  # fmt: skip
+    srv.add_argument("--models-config", default=None, metavar="FILE",
+                     help="a YAML (or JSON) file listing the models: models: [{name, path, and any engine flag such "
+                     "as dtype, quantization, max_model_len}]")  # fmt: skip
+    srv.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                     help="models loaded at once; past it the least recently used idle one is unloaded "
+                     "(default: no limit)")  # fmt: skip
+    srv.add_argument("--models-memory-gb", type=float, default=None, metavar="GB",
+                     help="the loaded models' weights and KV pools together, in GB; past it the least recently used "
+                     "idle one is unloaded (default: no limit)")  # fmt: skip
+    srv.add_argument("--idle-unload-seconds", type=float, default=None, metavar="S",
+                     help="unload a model no request has used for this long (default: never)")  # fmt: skip
+    srv.add_argument("--model-load-timeout", type=float, default=600.0, metavar="S",
+                     help="how long a request waits for its model to load before a 503 (default: 600)")  # fmt: skip
 
 
 def _make_model_args(mk: argparse.ArgumentParser) -> None:
@@ -342,10 +363,16 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from tokenmill.assembly.model import default_model_ref
-    from tokenmill.server.launch import serve
+    from tokenmill.server.launch import serve, serve_models
     from tokenmill.weights import resolve_model
 
     cfg = EngineConfig(model=a.model, seed=a.seed, **_engine_kwargs(a))
+    if a.named_models or a.models_config:
+        return serve_models(a, _served_models(a, cfg))
+    several = [f for f in ("max_loaded_models", "models_memory_gb", "idle_unload_seconds") if getattr(a, f) is not None]
+    if several:
+        raise ValueError(f"--{several[0].replace('_', '-')} applies to several models (--model NAME=PATH, "
+                         "--models-config FILE); one MODEL given alone stays loaded")  # fmt: skip
     path = resolve_model(cfg.model or default_model_ref(), cfg.revision)  # fail fast, before the port opens
     _check_architecture(path)
     from tokenmill.tensor_parallel.workers import env_rank, run_env_worker
@@ -355,6 +382,27 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return 0
     demo = a.model in (None, "demo", "tokenmill-demo")
     return serve(a, cfg, path, a.served_model_name or ("tokenmill-demo" if demo else a.model))
+
+
+def _served_models(a: argparse.Namespace, cfg: EngineConfig) -> list[tuple[str, EngineConfig]]:
+    """`--model NAME=PATH` and `--models-config`'s models, each checked before the port opens."""
+    from tokenmill.server.model_configs import model_configs
+    from tokenmill.weights import resolve_model
+
+    if a.model is not None:
+        raise ValueError(f"give the models either as MODEL ({a.model}) or as --model NAME=PATH / --models-config "
+                         "FILE, not both")  # fmt: skip
+    if a.served_model_name is not None:
+        raise ValueError("--served-model-name names one MODEL; with --model NAME=PATH the NAMEs are the names")
+    models = []
+    for name, model_cfg in model_configs(cfg, a.named_models or [], a.models_config):
+        path = resolve_model(model_cfg.model or "", model_cfg.revision)
+        try:
+            _check_architecture(path)
+        except (TokenmillError, ValueError) as e:
+            raise ValueError(f"model {name!r}: {e}") from None
+        models.append((name, replace(model_cfg, model=str(path))))
+    return models
 
 
 def _check_architecture(path: Any) -> None:

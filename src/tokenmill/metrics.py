@@ -121,21 +121,22 @@ class PrometheusMetrics:
 
     def __init__(
         self,
-        model_name: str,
-        snapshot: Callable[[], EngineSnapshot],
-        replicas: Callable[[], dict[str, EngineSnapshot]] | None = None,
+        model_names: list[str],
+        snapshots: Callable[[], dict[tuple[str, str], EngineSnapshot]],
+        by_replica: bool = False,
         fleet: Callable[[], dict[str, ReplicaState]] | None = None,
     ) -> None:
-        """`replicas`: each data-parallel replica's snapshot; the engine numbers then carry a `replica` label.
-        `fleet`: each replica's `ReplicaState` (`tokenmill:replicas_serving`, `tokenmill:replica_restarts`)."""
+        """`snapshots`: each engine's snapshot by (model name, replica); `by_replica`: data parallel, whose engine
+        numbers then carry a `replica` label (else the replica is ""). `fleet`: each data-parallel replica's
+        `ReplicaState` (`tokenmill:replicas_serving`, `tokenmill:replica_restarts`)."""
         from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 
         self.registry = CollectorRegistry()
-        self.model_name = model_name
+        self.model_name = model_names[0] if len(model_names) == 1 else ""  # the process's label
         kw: dict[str, Any] = {"labelnames": ["model_name"], "registry": self.registry}
 
         def hist(name: str, doc: str) -> Any:
-            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, **kw)
 
         self.ttft = hist("tokenmill:time_to_first_token_seconds", "Time to first token.")
         self.itl = hist(
@@ -149,8 +150,12 @@ class PrometheusMetrics:
         )
         self.e2e = hist("tokenmill:e2e_request_latency_seconds", "Arrival to last token.")
         self.queue = hist("tokenmill:request_queue_time_seconds", "Arrival to first scheduled.")
-        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed.", **kw).labels(model_name)
-        self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", **kw).labels(model_name)
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed.", **kw)
+        self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", **kw)
+        per_model = (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens)
+        for family in per_model:  # every model's series from the start, at zero
+            for name in model_names:
+                family.labels(name)
         self.success = Counter(
             "tokenmill:request_success",
             "Finished requests by reason.",
@@ -158,26 +163,46 @@ class PrometheusMetrics:
             registry=self.registry,
         )
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes
-        by_replica = replicas or (lambda: {"": snapshot()})
-        self.registry.register(_EngineCollector(model_name, by_replica, labelled=replicas is not None))
+        self.registry.register(_EngineCollector(self.model_name, snapshots, by_replica))
         if fleet is not None:
-            self.registry.register(_FleetCollector(model_name, fleet))
+            self.registry.register(_FleetCollector(self.model_name, fleet))
 
-    def observe_finished(self, m: RequestMetrics, finish_reasons: list[str | None]) -> None:
-        self.prompt_tokens.inc(m.num_prompt_tokens)
-        self.generation_tokens.inc(m.num_generated_tokens)
+    def track_models(self, states: Callable[[], dict[str, str]]) -> None:
+        """Several models behind one server: each one's state (`states`: name -> loaded | loading | unloaded) as
+        gauges, and its loads, unloads and load times (`observe_load`, `observe_unload`)."""
+        from prometheus_client import Counter, Histogram
+
+        kw: dict[str, Any] = {"labelnames": ["model_name"], "registry": self.registry}
+        self.loads = Counter("tokenmill:model_loads", "Times a model was loaded.", **kw)
+        self.unloads = Counter("tokenmill:model_unloads", "Times a model was unloaded (LRU, idle or a dead engine).",
+                               **kw)  # fmt: skip
+        self.load_seconds = Histogram("tokenmill:model_load_seconds", "Seconds a model took to load.",
+                                      buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320), **kw)  # fmt: skip
+        self.registry.register(_ModelStates(states))
+
+    def observe_load(self, model_name: str, seconds: float) -> None:
+        self.loads.labels(model_name).inc()
+        self.load_seconds.labels(model_name).observe(seconds)
+
+    def observe_unload(self, model_name: str) -> None:
+        self.unloads.labels(model_name).inc()
+
+    def observe_finished(self, m: RequestMetrics, finish_reasons: list[str | None], model_name: str) -> None:
+        self.prompt_tokens.labels(model_name).inc(m.num_prompt_tokens)
+        self.generation_tokens.labels(model_name).inc(m.num_generated_tokens)
         for reason in finish_reasons:
-            self.success.labels(self.model_name, reason or "unknown").inc()
+            self.success.labels(model_name, reason or "unknown").inc()
         if m.first_token_time is not None:
-            self.ttft.observe(m.first_token_time - m.arrival_time)
+            self.ttft.labels(model_name).observe(m.first_token_time - m.arrival_time)
         if m.first_scheduled_time is not None:
-            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            self.queue.labels(model_name).observe(m.first_scheduled_time - m.arrival_time)
         if m.last_token_time is not None:
-            self.e2e.observe(m.last_token_time - m.arrival_time)
+            self.e2e.labels(model_name).observe(m.last_token_time - m.arrival_time)
         for gap_ms in m.itl_ms:
-            self.itl.observe(gap_ms / 1000)
+            self.itl.labels(model_name).observe(gap_ms / 1000)
         if m.first_token_time is not None and m.last_token_time is not None and m.num_generated_tokens > 1:
-            self.tpot.observe((m.last_token_time - m.first_token_time) / (m.num_generated_tokens - 1))
+            tpot = (m.last_token_time - m.first_token_time) / (m.num_generated_tokens - 1)
+            self.tpot.labels(model_name).observe(tpot)
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
@@ -185,9 +210,26 @@ class PrometheusMetrics:
         return bytes(generate_latest(self.registry))
 
 
+class _ModelStates:
+    """`tokenmill:model_loaded` (1 while loaded) and `tokenmill:model_loading` (1 while loading), per model."""
+
+    def __init__(self, states: Callable[[], dict[str, str]]) -> None:
+        self.states = states
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        states = self.states()
+        for status in ("loaded", "loading"):
+            f = GaugeMetricFamily(f"tokenmill:model_{status}", f"1 while the model is {status}.", labels=["model_name"])
+            for name, state in states.items():
+                f.add_metric([name], 1.0 if state == status else 0.0)
+            yield f
+
+
 class _EngineCollector:
     def __init__(
-        self, model_name: str, snapshots: Callable[[], dict[str, EngineSnapshot]], labelled: bool = False
+        self, model_name: str, snapshots: Callable[[], dict[tuple[str, str], EngineSnapshot]], labelled: bool = False
     ) -> None:
         import psutil
 
@@ -201,13 +243,13 @@ class _EngineCollector:
         snaps = self.snapshots()
         names = ["model_name", "replica"] if self.labelled else ["model_name"]
 
-        def labels(replica: str) -> list[str]:
-            return [self.model_name, replica] if self.labelled else [self.model_name]
+        def labels(key: tuple[str, str]) -> list[str]:
+            return list(key) if self.labelled else [key[0]]
 
         def family(kind: Any, name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> Any:
             f = kind(name, doc, labels=names)
-            for replica, s in snaps.items():
-                f.add_metric(labels(replica), value(s))
+            for key, s in snaps.items():
+                f.add_metric(labels(key), value(s))
             return f
 
         def gauge(name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> Any:
@@ -247,13 +289,13 @@ class _EngineCollector:
         process[1].add_metric([self.model_name], self.process.memory_info().rss)
         yield from process
 
-    def _by_tier(self, snaps: dict[str, EngineSnapshot], kind: Any, name: str, doc: str,
+    def _by_tier(self, snaps: dict[tuple[str, str], EngineSnapshot], kind: Any, name: str, doc: str,
                  values: Callable[[EngineSnapshot], dict[str, int]]) -> Any:  # fmt: skip
         """A family with a `tier` label (and `replica` where labelled), one sample per tier a snapshot has."""
         f = kind(name, doc, labels=["model_name", *(["replica"] if self.labelled else []), "tier"])
-        for replica, s in snaps.items():
+        for (model, replica), s in snaps.items():
             for tier, value in values(s).items():
-                f.add_metric([self.model_name, *([replica] if self.labelled else []), tier], value)
+                f.add_metric([model, *([replica] if self.labelled else []), tier], value)
         return f
 
 

@@ -63,7 +63,7 @@ class Server:
 
 
 def launch(
-    model_dir: Path | str,
+    model_dir: Path | str | None,
     tmp_dir: Path,
     *flags: str,
     served_name: str | None = None,
@@ -71,9 +71,10 @@ def launch(
     launcher: list[str] | None = None,
 ) -> Server:
     """Start `python -m tokenmill serve MODEL_DIR ...` on a free port (`launcher` replaces `python -m`, e.g. with
-    torchrun's); return once `/health` answers 200."""
+    torchrun's; no MODEL_DIR: the flags name the models); return once `/health` answers 200."""
     port = free_port()
-    cmd = [*(launcher or [sys.executable, "-m"]), "tokenmill", "serve", str(model_dir), "--host", HOST, "--port",
+    model = [] if model_dir is None else [str(model_dir)]
+    cmd = [*(launcher or [sys.executable, "-m"]), "tokenmill", "serve", *model, "--host", HOST, "--port",
            str(port), "--dtype", "float32", *flags]  # fmt: skip
     if served_name is not None:
         cmd += ["--served-model-name", served_name]
@@ -82,7 +83,7 @@ def launch(
     log_path = tmp_dir / f"server-{port}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(proc, f"http://{HOST}:{port}", served_name or str(model_dir), log_path)
+    server = Server(proc, f"http://{HOST}:{port}", served_name or str(model_dir or ""), log_path)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
         if proc.poll() is not None:
@@ -98,7 +99,7 @@ def launch(
 
 @contextlib.contextmanager
 def running(
-    model_dir: Path | str,
+    model_dir: Path | str | None,
     tmp_dir: Path,
     *flags: str,
     served_name: str | None = None,

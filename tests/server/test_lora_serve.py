@@ -95,6 +95,7 @@ def test_models_lists_the_adapters_with_the_base_as_parent(server: Server, adapt
     assert set(cards) >= {"base", "sql", "chat"}
     assert cards["sql"].model_extra is not None and cards["sql"].model_extra["parent"] == "base"
     assert cards["chat"].model_extra is not None and cards["chat"].model_extra["root"] == str(adapters["chat"])
+    assert cards["base"].model_extra is not None and cards["base"].model_extra["status"] == "loaded"
     assert _client(server).models.retrieve("sql").id == "sql"
 
 

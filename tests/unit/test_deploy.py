@@ -25,7 +25,7 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "tokenmill.json"
 def _exported_names() -> set[str]:
     """The sample names a data-parallel server's /metrics holds (histograms as their _bucket, _sum, _count)."""
     snap = EngineSnapshot()
-    metrics = PrometheusMetrics("m", lambda: snap, lambda: {"0": snap}, lambda: {"0": ReplicaState(True, 0)})
+    metrics = PrometheusMetrics(["m"], lambda: {("m", "0"): snap}, True, lambda: {"0": ReplicaState(True, 0)})
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     # the TYPE lines: a labelled family has no sample before its first observation
     families = re.findall(r"^# TYPE (\S+) (\S+)$", metrics.render().decode(), re.M)

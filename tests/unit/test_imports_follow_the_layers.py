@@ -15,8 +15,9 @@ import pytest
 @pytest.mark.parametrize(
     "module",
     ["tokenmill.server.app", "tokenmill.server.openai_routes", "tokenmill.server.routes", "tokenmill.server.state",
-     "tokenmill.server.streaming", "tokenmill.engine.async_engine", "tokenmill.tokenizer", "tokenmill.kv_cache",
-     "tokenmill.scheduler", "tokenmill.sampling_params", "tokenmill.types"],
+     "tokenmill.server.streaming", "tokenmill.server.models_registry", "tokenmill.engine.async_engine",
+     "tokenmill.tokenizer", "tokenmill.kv_cache", "tokenmill.scheduler", "tokenmill.sampling_params",
+     "tokenmill.types"],
 )  # fmt: skip
 def test_module_does_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; sys.exit(1 if 'torch' in sys.modules else 0)"

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.engine.footprint import memory_line, model_bytes
 from tokenmill.metrics import EngineSnapshot
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import ModelTask, PoolingParams
@@ -115,27 +116,6 @@ class RequestStream:
                 self.engine.abort(self.request_id)
 
 
-def _memory(model: LoadedModel, core: EngineCore) -> str:
-    """Where the memory goes at start: the weights, the KV pool (reserved; a CPU pool's pages fill in as its blocks
-    are first used) and the process's resident set."""
-    import psutil
-    from torch import nn
-
-    from tokenmill.attention import PagedKVCache
-    from tokenmill.models.linear import weight_bytes
-
-    mb = 2**20
-    emb = model.model.embeddings()
-    embedding = emb.weight if isinstance(emb, nn.Embedding) else emb.data  # a table, or a PackedEmbedding's panels
-    head = model.model.lm_head
-    tied = getattr(head, "weight", getattr(head, "data", None)) is embedding  # weight_bytes counted it as the head
-    weights = weight_bytes(model.model) + (0 if tied else embedding.nbytes)
-    pool = getattr(core.runner, "kv", None)
-    kv = pool.nbytes if isinstance(pool, PagedKVCache) else 0
-    return (f"memory: weights {round(weights / mb)} MiB, KV pool {round(kv / mb)} MiB reserved, "
-            f"process RSS {round(psutil.Process().memory_info().rss / mb)} MiB")  # fmt: skip
-
-
 class AsyncEngine:
     def __init__(self, core: EngineCore, model: LoadedModel) -> None:
         self.core = core  # driven by the loop thread alone once started
@@ -146,9 +126,11 @@ class AsyncEngine:
         self._defaults = model.default_sampling_params()
         kv = core.kv
         capacity = f"{kv.num_blocks * kv.block_size} tokens ({kv.num_blocks} blocks)" if kv.num_blocks else "unpaged"
+        weights, pool = model_bytes(model, core)
+        self.memory_bytes = weights + pool  # what a server's memory budget counts for this model (weights + KV pool)
         self.description = (
             f"{model.dtype} on {model.device}, KV capacity {capacity}, max_model_len {self.max_model_len}; "
-            f"{_memory(model, core)}"
+            f"{memory_line(weights, pool)}"
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
@@ -216,6 +198,12 @@ class AsyncEngine:
             if not self._pending_seqs:
                 return self._snapshot
             return replace(self._snapshot, waiting=self._snapshot.waiting + self._pending_seqs)
+
+    @property
+    def num_open_streams(self) -> int:
+        """Requests whose streams are still open (running, waiting, or not yet picked up by the loop)."""
+        with self._lock:
+            return len(self._streams)
 
     @property
     def num_pending(self) -> int:

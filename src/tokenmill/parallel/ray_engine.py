@@ -25,6 +25,7 @@ from tokenmill.assembly import kv_manager, load_front
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import RequestFailedError
 from tokenmill.engine.validation import output_budget
+from tokenmill.errors import LoraError
 from tokenmill.kv_cache import KVManager
 from tokenmill.metrics import EngineSnapshot, ReplicaState
 from tokenmill.outputs import RequestOutput
@@ -208,8 +209,11 @@ class RayEngine:
 
     def add_requests(
         self, prompts: list[list[int]], params: SamplingParams, request_ids: list[str], priority: int = 0,
-        grammar: Any = None,
+        grammar: Any = None, lora: str | None = None,
     ) -> list[RayStream]:  # fmt: skip
+        """As `AsyncEngine.add_requests`; replicas serve no LoRA adapters (`lora` must be None)."""
+        if lora is not None:
+            raise LoraError(f"no LoRA adapter {lora!r}: data-parallel replicas serve none", status=404)
         budgets = [self.validate(p, params) for p in prompts]
         arrival = time.perf_counter()
         streams = []

@@ -1,4 +1,5 @@
-"""The FastAPI app: lifecycle (the model loads in a background thread; /health says 503 until it is ready),
+"""The FastAPI app: lifecycle (the models and their loading are `ModelRegistry`'s: one model given alone loads at
+start, and /health says 503 until it is ready; several load on demand),
 the request guard (guard.py), error handlers, and the routers (`routes.py`: health, metrics, stats, models,
 tokenize, /generate; `openai_routes.py`: completions and chat; `anthropic_routes.py`: Anthropic's messages;
 `responses_routes.py`: OpenAI's Responses API; `embeddings_routes.py` and `score_routes.py`: embeddings, rerank and
@@ -10,15 +11,14 @@ Must not import torch: it talks to the engine only through the `AsyncEngine` it 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
 
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.metrics import PrometheusMetrics
+from tokenmill.metrics import EngineSnapshot, PrometheusMetrics
 from tokenmill.server import (
     anthropic_routes,
     embeddings_routes,
@@ -31,34 +31,28 @@ from tokenmill.server import (
 )
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.guard import RequestGuard
+from tokenmill.server.models_registry import ModelRegistry
 from tokenmill.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("tokenmill.server")
 
 
-def build_app(load_engine: Callable[[], AsyncEngine], config: ServerConfig, tracer: Any = None) -> FastAPI:
-    """`load_engine` runs in a background thread at startup; until it returns, /health answers 503. `tracer`: a
-    `tracing.RequestTracer` that records every finished request, or None."""
-    state = ServerState(config, tracer=tracer)
-
-    def load() -> None:
-        try:
-            engine = load_engine()
-            replicas = getattr(engine, "replica_snapshots", None)  # data parallel: per-replica engine numbers
-            fleet = getattr(engine, "replica_states", None)  # and whether each serves, and its restarts
-            state.metrics = PrometheusMetrics(config.served_model_name, engine.snapshot, replicas, fleet)
-            state.engine = engine
-        except BaseException as e:
-            log.exception("loading the model failed")
-            state.load_error = e
+def build_app(models: ModelRegistry, config: ServerConfig, tracer: Any = None) -> FastAPI:
+    """`models`: what the server serves; the registry starts (and a `keep_loaded` model loads) with the app.
+    `tracer`: a `tracing.RequestTracer` that records every finished request, or None."""
+    state = ServerState(config, models, tracer=tracer)
+    if models.keep_loaded:
+        models.on_loaded = lambda name, engine: _engine_metrics(state, name, engine)
+    else:
+        state.metrics = PrometheusMetrics(models.names, lambda: _by_model(models.snapshots()))
+        state.metrics.track_models(models.states)
+        models.metrics = state.metrics
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        loader = threading.Thread(target=load, name="tokenmill-load", daemon=True)
-        loader.start()
+        models.start()
         yield
-        if state.engine is not None:
-            state.engine.shutdown()
+        models.shutdown()
         if tracer is not None:
             tracer.shutdown()
 
@@ -76,3 +70,16 @@ def build_app(load_engine: Callable[[], AsyncEngine], config: ServerConfig, trac
     if config.web_ui:
         web_ui.install(app)
     return app
+
+
+def _engine_metrics(state: ServerState, name: str, engine: AsyncEngine) -> None:
+    """One model served alone: its metrics, once it has loaded (a data-parallel one's numbers by replica)."""
+    replicas = getattr(engine, "replica_snapshots", None)  # data parallel: per-replica engine numbers
+    by_replica = replicas or (lambda: {"": engine.snapshot()})
+    fleet = getattr(engine, "replica_states", None)  # and whether each serves, and its restarts
+    state.metrics = PrometheusMetrics([name], lambda: {(name, r): s for r, s in by_replica().items()},
+                                      replicas is not None, fleet)  # fmt: skip
+
+
+def _by_model(snapshots: dict[str, EngineSnapshot]) -> dict[tuple[str, str], EngineSnapshot]:
+    return {(name, ""): s for name, s in snapshots.items()}

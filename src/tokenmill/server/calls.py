@@ -46,8 +46,9 @@ async def start_call(
     except ValueError as e:
         raise bad_value(e) from None
     log.debug("started %d prompt(s), n=%d", len(prompts), params.n)
-    return Call(kind, call_id, lora or state.config.served_model_name, prompts, streams, params.n, int(time.time()),
-                state.metrics, state.tracer)  # fmt: skip
+    base = state.name_of(engine)
+    return Call(kind, call_id, lora or base, prompts, streams, params.n, int(time.time()), state.metrics,
+                state.tracer, base_model=base)  # fmt: skip
 
 
 async def _compile(state: ServerState, engine: AsyncEngine, params: SamplingParams, field: str | None) -> Any:

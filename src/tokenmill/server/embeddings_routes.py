@@ -41,7 +41,7 @@ async def embeddings(body: EmbeddingRequest, raw: Request, state: State, engine:
     call = await run_pooling(state, engine, raw, "embd-", prompts, params, body.priority)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
             for i, v in enumerate(call.vectors)]  # fmt: skip
-    return {"object": "list", "data": data, "model": state.config.served_model_name, "usage": call.usage()}
+    return {"object": "list", "data": data, "model": state.name_of(engine), "usage": call.usage()}
 
 
 def _prompts(

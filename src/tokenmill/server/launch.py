@@ -1,8 +1,12 @@
 """`tokenmill serve`: from parsed flags to a running uvicorn, and the process's life around it.
 
+- One MODEL loads at start and stays (`serve`); several (`--model NAME=PATH`, `--models-config`: `serve_models`)
+  load on demand, within `--max-loaded-models` and `--models-memory-gb` (server/models_registry.py).
+
 - The API key comes from `--api-key`, `--api-key-file` or `TOKENMILL_API_KEY` (the last two keep it out of `ps`).
 - The port is tried before the model loads: a taken one is one line and exit 2, not a model loaded for nothing.
-- A model that fails to load prints one line and exits 2; the port never serves a server that cannot work.
+- One MODEL that fails to load prints one line and exits 2; the port never serves a server that cannot work. Of
+  several, one that fails to load fails its requests (503 saying why); the others serve on.
 - On SIGTERM, uvicorn stops accepting and gives open requests `--grace-period` seconds. Shortly before that
   ends, every request still running is aborted, so its stream ends cleanly (finish_reason "abort", then
   `[DONE]`) instead of being cut mid-chunk.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import logging
 import os
 import signal
@@ -68,12 +73,9 @@ def server_config(args: argparse.Namespace, name: str) -> Any:
 
 
 def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) -> int:
-    import uvicorn
-    from uvicorn.config import LOGGING_CONFIG
+    """One model, loaded at start and kept."""
+    from tokenmill.server.models_registry import Limits, ModelRegistry, ModelSpec
 
-    from tokenmill.server.app import build_app
-
-    config = server_config(args, name)
     if args.data_parallel_size < 1 or (args.data_parallel_size > 1 and cfg.tensor_parallel_size > 1):
         raise ValueError(f"--data-parallel-size={args.data_parallel_size} is invalid: allowed an integer >= 1, "
                          "and 1 with --tensor-parallel-size > 1")  # fmt: skip
@@ -83,13 +85,56 @@ def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) ->
         raise ValueError(f"--replica-restart-backoff={args.replica_restart_backoff} is invalid: allowed seconds > 0")
     if args.data_parallel_size > 1 and cfg.lora:
         raise ValueError("LoRA adapters (--lora-modules, --enable-lora) do not run with --data-parallel-size > 1")
+    config = server_config(args, name)
+    died = threading.Event()
+    spec = ModelSpec(name, lambda: _load(cfg, path, name, args, died))
+    _run(args, config, ModelRegistry([spec], Limits(), keep_loaded=True))
+    return EXIT_ENGINE_DIED if died.is_set() else 0
+
+
+def serve_models(args: argparse.Namespace, models: list[tuple[str, EngineConfig]]) -> int:
+    """Several models, each loaded when a request first names it, within the limits the flags set."""
+    from tokenmill.assembly.estimate import estimate_bytes
+    from tokenmill.server.models_registry import ModelRegistry, ModelSpec
+
+    if args.data_parallel_size != 1 or any(cfg.tensor_parallel_size != 1 for _, cfg in models):
+        raise ValueError("--data-parallel-size and --tensor-parallel-size serve one MODEL; with several models "
+                         "(--model, --models-config) each runs in this process: allowed 1")  # fmt: skip
+    if any(cfg.lora for _, cfg in models):
+        raise ValueError("LoRA adapters (--lora-modules, --enable-lora) serve one MODEL; with several models "
+                         "(--model, --models-config) they are not supported")  # fmt: skip
+    limits = model_limits(args)
+    specs = [ModelSpec(name, functools.partial(_load_model, cfg, name), estimate_bytes(cfg)) for name, cfg in models]
+    _run(args, server_config(args, models[0][0]), ModelRegistry(specs, limits))
+    return 0
+
+
+def model_limits(args: argparse.Namespace) -> Any:
+    from tokenmill.server.models_registry import Limits
+
+    checks = {"max_loaded_models": (args.max_loaded_models, "an integer >= 1"),
+              "models_memory_gb": (args.models_memory_gb, "values > 0"),
+              "idle_unload_seconds": (args.idle_unload_seconds, "values > 0"),
+              "model_load_timeout": (args.model_load_timeout, "values > 0")}  # fmt: skip
+    for flag, (value, allowed) in checks.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"--{flag.replace('_', '-')}={value} is invalid: allowed {allowed}")
+    memory = None if args.models_memory_gb is None else int(args.models_memory_gb * 2**30)
+    return Limits(args.max_loaded_models, memory, args.idle_unload_seconds, args.model_load_timeout)
+
+
+def _run(args: argparse.Namespace, config: Any, models: Any) -> None:
+    import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
+
+    from tokenmill.server.app import build_app
+
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is invalid: allowed an integer in [0, 65535] (0: any free port)")
     _check_port(args.host, args.port)
     start_reaper()  # before any other process starts: whatever ends this one, they end too (reaper.py)
     json_logs = configure_logging(args.log_level, args.log_format)
-    died = threading.Event()
-    app = build_app(lambda: _load(cfg, path, name, args, died), config, _tracer(args, name))
+    app = build_app(models, config, _tracer(args, config.served_model_name))
     # JSON: uvicorn's loggers propagate to the handler logs.py set, instead of its own config's
     log_config = None if json_logs else LOGGING_CONFIG
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -98,8 +143,10 @@ def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) ->
     # uvicorn re-raises SIGTERM to the handler that was there before once it has shut down; a no-op there
     # makes a graceful stop exit 0 instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    if not models.keep_loaded:
+        log.info("serving %s at http://%s:%d/v1 (each loads when first asked for)", ", ".join(models.names),
+                 args.host, args.port)  # fmt: skip
     server.run()
-    return EXIT_ENGINE_DIED if died.is_set() else 0
 
 
 def _tracer(args: argparse.Namespace, name: str) -> Any:
@@ -165,6 +212,17 @@ def _load(cfg: EngineConfig, path: Path, name: str, args: argparse.Namespace, di
     return engine
 
 
+def _load_model(cfg: EngineConfig, name: str) -> Any:
+    """Runs on a worker thread, for one of several models: a failure is raised to the requests that wait for it."""
+    import torch
+
+    from tokenmill.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_config(cfg)
+    log.info("model %s from %s: %s, %d threads", name, cfg.model, engine.description, torch.get_num_threads())
+    return engine
+
+
 def _die(message: str, status: int) -> Any:
     print(message.splitlines()[0] if message else "tokenmill serve: error", file=sys.stderr, flush=True)
     os._exit(status)
@@ -195,6 +253,6 @@ class _Server:
         self._handle_exit(sig, frame)
 
     def _abort_all(self) -> None:
-        engine = self.state.engine
-        if engine is not None and engine.is_healthy:
-            engine.abort_all()
+        for engine in self.state.models.engines():
+            if engine.is_healthy:
+                engine.abort_all()

@@ -2,6 +2,7 @@
 "lora_path"} and `POST /v1/unload_lora_adapter` {"lora_name"}. The engine reads and checks the folder off its loop and
 installs or removes the adapter between steps (engine/lora_registry.py); an adapter that unfinished requests use is
 refused (409), never pulled from under them. Requests then name an adapter as their `model` (state.adapter_for).
+Adapters are served with one MODEL only: a server of several models refuses LoRA's flags, and these routes (400).
 
 Must not import torch.
 """
@@ -9,6 +10,7 @@ Must not import torch.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Annotated
 
 from fastapi import APIRouter, Depends
@@ -18,11 +20,10 @@ from pydantic import BaseModel, ConfigDict
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import LoraError
 from tokenmill.server.errors import APIError
-from tokenmill.server.state import ServerState, get_state, ready_engine
+from tokenmill.server.state import ServerState, get_state
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
-Engine = Annotated[AsyncEngine, Depends(ready_engine)]
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -38,24 +39,34 @@ class UnloadLoraAdapterRequest(BaseModel):
 
 
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
-async def load_lora_adapter(body: LoadLoraAdapterRequest, state: State, engine: Engine) -> str:
+async def load_lora_adapter(body: LoadLoraAdapterRequest, state: State) -> str:
     if body.lora_name == state.config.served_model_name:
         raise APIError(400, f"lora_name {body.lora_name!r} is the served model's own name; pick another",
                        param="lora_name")  # fmt: skip
     try:
-        await _engine_call(engine, "load_lora")(body.lora_name, body.lora_path)
+        async with _lease(state) as engine:
+            await _engine_call(engine, "load_lora")(body.lora_name, body.lora_path)
     except LoraError as e:
         raise APIError(e.status, str(e), param="lora_path" if e.status == 400 else "lora_name") from None
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
 @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
-async def unload_lora_adapter(body: UnloadLoraAdapterRequest, engine: Engine) -> str:
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, state: State) -> str:
     try:
-        await _engine_call(engine, "unload_lora")(body.lora_name)
+        async with _lease(state) as engine:
+            await _engine_call(engine, "unload_lora")(body.lora_name)
     except LoraError as e:
         raise APIError(e.status, str(e), param="lora_name") from None
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+
+
+def _lease(state: ServerState) -> AbstractAsyncContextManager[AsyncEngine]:
+    """The one model's engine: adapters are served with one MODEL only (several models refuse LoRA's flags)."""
+    if not state.models.keep_loaded:
+        raise APIError(400, "this server serves several models, which serve no LoRA adapters; LoRA adapters are "
+                       "served with one MODEL")  # fmt: skip
+    return state.lease(None)
 
 
 def _engine_call(engine: AsyncEngine, name: str) -> Callable[..., Awaitable[None]]:

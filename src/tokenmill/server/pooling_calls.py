@@ -68,7 +68,7 @@ async def run_pooling(
                                               priority)  # fmt: skip
     except ValueError as e:
         raise bad_value(e) from None
-    call = Call(id_prefix.rstrip("-"), call_id, state.config.served_model_name, prompts, streams, 1, int(time.time()),
+    call = Call(id_prefix.rstrip("-"), call_id, state.name_of(engine), prompts, streams, 1, int(time.time()),
                 state.metrics)  # fmt: skip
     finals = await run_to_end(call, raw)
     vectors = []

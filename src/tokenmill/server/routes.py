@@ -29,21 +29,25 @@ Engine = Annotated[AsyncEngine, Depends(ready_engine)]
 
 @router.get("/health")
 async def health(state: State) -> Response:
-    """200 while the engine serves; with data-parallel replicas, 200 with `{"status": "degraded"}` while fewer
-    serve than were asked for, and 503 while none does (all restarting)."""
-    if state.engine is not None and state.engine.is_healthy:
-        fleet = getattr(state.engine, "replica_states", None)
-        if fleet is None:
-            return Response(status_code=200)
-        states = fleet().values()
-        serving = sum(s.serving for s in states)
-        if serving == len(states):
-            return Response(status_code=200)
-        body = {"status": "degraded" if serving else "no replica serving", "replicas_serving": serving,
-                "replicas": len(states)}  # fmt: skip
-        return JSONResponse(body, status_code=200 if serving else 503)
-    reason = "loading" if state.engine is None and state.load_error is None else "engine not running"
-    return JSONResponse({"status": reason}, status_code=503)
+    """One model served alone: 200 once it is loaded and its engine runs; with data-parallel replicas, 200 with
+    `{"status": "degraded"}` while fewer serve than were asked for, and 503 while none does (all restarting).
+    Several models: 200 while the server is up (a model's own state is in /v1/models)."""
+    models = state.models
+    if not models.keep_loaded:
+        return Response(status_code=200)
+    engine = models.engine(models.names[0])
+    if engine is None or not engine.is_healthy:
+        return JSONResponse({"status": "loading" if engine is None else "engine not running"}, status_code=503)
+    fleet = getattr(engine, "replica_states", None)
+    if fleet is None:
+        return Response(status_code=200)
+    states = fleet().values()
+    serving = sum(s.serving for s in states)
+    if serving == len(states):
+        return Response(status_code=200)
+    body = {"status": "degraded" if serving else "no replica serving", "replicas_serving": serving,
+            "replicas": len(states)}  # fmt: skip
+    return JSONResponse(body, status_code=200 if serving else 503)
 
 
 @router.get("/metrics")
@@ -54,7 +58,21 @@ async def metrics(state: State) -> Response:
 
 
 @router.get("/stats")
-async def stats(engine: Engine) -> dict[str, Any]:
+async def stats(state: State) -> dict[str, Any]:
+    """One model served alone: its engine's numbers (503 while it loads). Several: each model's state, and the
+    numbers of those loaded."""
+    models = state.models
+    if models.keep_loaded:
+        async with state.lease(None) as engine:
+            return _stats(engine)
+    by_model = {}
+    for name in models.names:
+        loaded = models.engine(name)
+        by_model[name] = {"status": models.status(name), **(_stats(loaded) if loaded is not None else {})}
+    return {"models": by_model}
+
+
+def _stats(engine: AsyncEngine) -> dict[str, Any]:
     s = engine.snapshot()
     replicas = getattr(engine, "replicas", None)  # data parallel: each replica's process and state
     return {
@@ -82,32 +100,34 @@ async def stats(engine: Engine) -> dict[str, Any]:
     }
 
 
-def _card(state: ServerState, engine: AsyncEngine) -> dict[str, Any]:
-    return {"id": state.config.served_model_name, "object": "model", "created": state.created,
-            "owned_by": "tokenmill", "max_model_len": engine.max_model_len}  # fmt: skip
+def _card(state: ServerState, name: str) -> dict[str, Any]:
+    """OpenAI's model object, with the model's state beside it (`status`: loaded, loading or unloaded, as
+    llama.cpp's router and Ollama show it), its max_model_len once known, and its last failed load's error."""
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+            **state.models.card(name)}  # fmt: skip
 
 
-def _adapter_cards(state: ServerState, engine: AsyncEngine) -> list[dict[str, Any]]:
-    """A card per LoRA adapter served, its `parent` the base model (as vLLM lists them)."""
-    adapters: list[tuple[str, str]] = getattr(engine, "lora_adapters", list)()  # (data-parallel replicas: none)
-    return [{**_card(state, engine), "id": name, "root": path, "parent": state.config.served_model_name}
-            for name, path in adapters]  # fmt: skip
+def _adapter_cards(state: ServerState) -> list[dict[str, Any]]:
+    """A card per LoRA adapter served, its `parent` its base model (as vLLM lists them)."""
+    cards = []
+    for base in state.models.names:
+        engine = state.models.engine(base)
+        for name, path in getattr(engine, "lora_adapters", list)():  # (none unloaded, nor data-parallel replicas)
+            cards.append({**_card(state, base), "id": name, "root": path, "parent": base})
+    return cards
 
 
 @router.get("/v1/models")
-async def models(state: State, engine: Engine) -> dict[str, Any]:
-    return {"object": "list", "data": [_card(state, engine), *_adapter_cards(state, engine)]}
+async def models(state: State) -> dict[str, Any]:
+    """Every served model with its `status` (nothing is loaded for this), then each LoRA adapter with its `parent`."""
+    return {"object": "list", "data": [*(_card(state, name) for name in state.models.names), *_adapter_cards(state)]}
 
 
 @router.get("/v1/models/{model_id:path}")
-async def model(model_id: str, state: State, engine: Engine) -> dict[str, Any]:
-    """`client.models.retrieve(id)`: the served model's or a LoRA adapter's card, or 404 for any other id."""
-    if state.adapter_for(model_id) is None:
-        return _card(state, engine)
-    card = next((c for c in _adapter_cards(state, engine) if c["id"] == model_id), None)
-    if card is None:  # (unloaded since)
-        state.check_model(model_id)
-    return card or _card(state, engine)
+async def model(model_id: str, state: State) -> dict[str, Any]:
+    """`client.models.retrieve(id)`: a served model's or a LoRA adapter's card, or 404 for any other id."""
+    card = next((c for c in _adapter_cards(state) if c["id"] == model_id), None)
+    return card or _card(state, state.model_name(model_id))
 
 
 @router.post("/tokenize")
@@ -169,9 +189,9 @@ async def generate(body: GenerateRequest, state: State, engine: Engine) -> Strea
             return
         m, end, rss_end = final.metrics, time.perf_counter(), rss_mb()
         if state.metrics is not None:
-            state.metrics.observe_finished(m, [c.finish_reason for c in final.outputs])
+            state.metrics.observe_finished(m, [c.finish_reason for c in final.outputs], state.name_of(engine))
         if state.tracer is not None:
-            state.tracer.finished(final)
+            state.tracer.finished(final, state.name_of(engine))
         done = {
             "prompt_tokens": m.num_prompt_tokens,
             "completion_tokens": m.num_generated_tokens,

@@ -40,7 +40,7 @@ async def rerank(body: RerankRequest, raw: Request, state: State, engine: Engine
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[: body.top_n]
     results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}} if body.return_documents
                                                                else {})} for i in order]  # fmt: skip
-    return {"id": call.id, "model": state.config.served_model_name, "usage": call.usage(), "results": results}
+    return {"id": call.id, "model": state.name_of(engine), "usage": call.usage(), "results": results}
 
 
 @router.post("/v1/score")
@@ -55,7 +55,7 @@ async def score(body: ScoreRequest, raw: Request, state: State, engine: Engine) 
     scores, call = await _scores(state, engine, raw, "score-", pairs, body.instruction, body.priority)
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
     usage = {**call.usage(), "completion_tokens": 0}
-    return {"id": call.id, "object": "list", "created": call.created, "model": state.config.served_model_name,
+    return {"id": call.id, "object": "list", "created": call.created, "model": state.name_of(engine),
             "data": data, "usage": usage}  # fmt: skip
 
 

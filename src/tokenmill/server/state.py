@@ -1,15 +1,19 @@
 """The server's state, and the FastAPI dependencies every route uses to reach it.
 
 `ServerState` is owned by the app (`build_app` makes one and stores it on `app.state`); routes get it and a
-ready engine through `Depends` (the API key is checked before that, by `guard.py`). It reads the engine only
-through the `AsyncEngine` facade: the published snapshot for numbers, `validate`/`add_requests` for work.
+ready engine through `Depends` (the API key is checked before that, by `guard.py`). The engine is the one of the
+model the request names (`model_name`; the models and their engines are `ModelRegistry`'s). It reads the engine
+only through the `AsyncEngine` facade: the published snapshot for numbers, `validate`/`add_requests` for work.
 
 Must not import torch.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +22,7 @@ from fastapi import Request
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.metrics import PrometheusMetrics
 from tokenmill.server.errors import APIError
+from tokenmill.server.models_registry import ModelRegistry
 from tokenmill.server.responses_store import ResponseStore
 
 
@@ -41,8 +46,7 @@ class ServerConfig:
 @dataclass
 class ServerState:
     config: ServerConfig
-    engine: AsyncEngine | None = None  # set once, by the loader thread, when the model is ready
-    load_error: BaseException | None = None
+    models: ModelRegistry  # the served models, their engines and states
     metrics: PrometheusMetrics | None = None
     tracer: Any = None  # tracing.RequestTracer where --otlp-traces-endpoint is given
     created: int = field(default_factory=lambda: int(time.time()))
@@ -51,37 +55,59 @@ class ServerState:
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.responses_store_size)
 
-    def ready_engine(self) -> AsyncEngine:
-        if self.engine is None:
-            raise APIError(503, "the model is still loading; retry shortly", headers={"Retry-After": "5"})
-        if not self.engine.is_healthy:
-            raise APIError(503, "the engine has stopped; the server must be restarted")
-        fleet = getattr(self.engine, "replica_states", None)  # data parallel: replicas may be restarting
-        if fleet is not None and not any(s.serving for s in fleet().values()):
-            raise APIError(503, "no engine replica is serving (they are restarting); retry shortly",
-                           headers={"Retry-After": "5"})  # fmt: skip
-        return self.engine
+    def model_name(self, model: str | None) -> str:
+        """The served model a request's `model` names (for a LoRA adapter, its base model); without one, the only
+        model when one is served. Any other: 404 naming the models and adapters served."""
+        names = self.models.names
+        if model is None and len(names) == 1:
+            return names[0]
+        if model in names:
+            return model
+        if model is None:
+            raise APIError(404, f"this server serves several models; name one in `model`: {', '.join(names)}",
+                           param="model", code="model_not_found")  # fmt: skip
+        adapters = self.adapters()
+        if model in adapters:
+            return adapters[model]
+        raise APIError(404, f"The model `{model}` does not exist; served: {', '.join([*names, *adapters])}.",
+                       param="model", code="model_not_found")  # fmt: skip
 
     def check_model(self, model: str | None, adapters: bool = True) -> None:
-        """404 unless `model` names the served model or (where `adapters`) one of its LoRA adapters."""
+        """404 unless `model` names a served model or (where `adapters`) a LoRA adapter of one."""
         self.adapter_for(model, adapters)
 
     def adapter_for(self, model: str | None, adapters: bool = True) -> str | None:
-        """The one place a request's `model` is resolved: None for the served model (or no model given), the LoRA
-        adapter's name for an adapter of it (where `adapters`: a generation route); 404 naming what is served
-        otherwise."""
-        served = self.config.served_model_name
-        if model is None or model == served:
+        """None for a served model (or no model given), the LoRA adapter's name for an adapter (where `adapters`: a
+        generation route; else 400); 404 naming what is served otherwise."""
+        base = self.model_name(model)
+        if model is None or model in self.models.names:
             return None
-        engine = self.engine
-        names = [name for name, _ in getattr(engine, "lora_adapters", list)()]  # (data-parallel replicas: none)
-        if model in names:
-            if adapters:
-                return model
-            raise APIError(400, f"`{model}` is a LoRA adapter, which applies to text generation only; use the base "
-                           f"model `{served}` here", param="model")  # fmt: skip
-        raise APIError(404, f"The model `{model}` does not exist; served: {', '.join([served, *names])}.",
-                       param="model", code="model_not_found")  # fmt: skip
+        if adapters:
+            return model
+        raise APIError(400, f"`{model}` is a LoRA adapter, which applies to text generation only; use the base "
+                       f"model `{base}` here", param="model")  # fmt: skip
+
+    def adapters(self) -> dict[str, str]:
+        """Each LoRA adapter served, by name, to its base model's name (only loaded models serve adapters)."""
+        found: dict[str, str] = {}
+        for name in self.models.names:
+            engine = self.models.engine(name)
+            for adapter, _ in getattr(engine, "lora_adapters", list)():  # (data-parallel replicas: none)
+                found.setdefault(adapter, name)
+        return found
+
+    def lease(self, model: str | None) -> AbstractAsyncContextManager[AsyncEngine]:
+        """The one place a request's `model` becomes an engine: the model it names (a LoRA adapter's base), loaded
+        first if need be, and held loaded (never unloaded) until the block ends."""
+        names = self.models.names
+        sole = self.models.engine(names[0]) if self.models.keep_loaded else None
+        if self.models.keep_loaded and (sole is None or not sole.is_healthy):
+            return self.models.lease(names[0])  # not serving (503 saying why), whatever the request names
+        return self.models.lease(self.model_name(model))
+
+    def name_of(self, engine: AsyncEngine) -> str:
+        """The served name of `engine`'s model (what responses carry in `model`)."""
+        return self.models.name_of(engine) or self.config.served_model_name
 
     def admit(self, engine: AsyncEngine, num_sequences: int) -> None:
         """Refuse overload cleanly instead of queueing without bound: 400 for a request that could never be
@@ -104,5 +130,22 @@ def get_state(request: Request) -> ServerState:
     return state
 
 
-def ready_engine(request: Request) -> AsyncEngine:
-    return get_state(request).ready_engine()
+async def ready_engine(request: Request) -> AsyncIterator[AsyncEngine]:
+    """The engine of the model the request names (its body's `model`, the path's model id, or `?model=`), loaded
+    first if need be, and held loaded until the response has been sent."""
+    async with get_state(request).lease(await _requested_model(request)) as engine:
+        yield engine
+
+
+async def _requested_model(request: Request) -> str | None:
+    """The `model` a request names. FastAPI has read and parsed a JSON body before any dependency runs (the
+    request caches it), so this costs no second parse; a body that is not a JSON object names none."""
+    named = request.path_params.get("model_id") or request.query_params.get("model")
+    if named is not None or request.method != "POST":
+        return named
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None

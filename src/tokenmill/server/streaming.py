@@ -38,7 +38,7 @@ class Call:
 
     kind: str  # "text_completion" | "chat.completion"
     id: str
-    model: str
+    model: str  # what the responses carry: the served model's name, or the LoRA adapter's the request named
     prompts: list[list[int]]
     streams: list[RequestStream]
     n: int
@@ -48,6 +48,7 @@ class Call:
     echo_texts: list[str] = field(default_factory=list)
     cached_tokens: int = 0  # the finished requests' prompt tokens served from the prefix cache
     finished: list[RequestMetrics] = field(default_factory=list)  # the finished requests' metrics, for `timings`
+    base_model: str | None = None  # a LoRA adapter's base model (its metrics and traces count there)
 
     @property
     def chunk_object(self) -> str:
@@ -60,9 +61,9 @@ class Call:
             if self.metrics is not None:
                 # (a pooling request has no completions: it stopped at its prompt's end, or was aborted)
                 reasons = [c.finish_reason for c in out.outputs] or ["stop" if out.pooled is not None else "abort"]
-                self.metrics.observe_finished(out.metrics, reasons)
+                self.metrics.observe_finished(out.metrics, reasons, self.base_model or self.model)
             if self.tracer is not None:
-                self.tracer.finished(out)
+                self.tracer.finished(out, self.base_model or self.model)
 
     def usage(self, num_completion_tokens: int) -> dict[str, Any]:
         """OpenAI's usage, with `prompt_tokens_details.cached_tokens` (the prefix cache's share of the prompts, as

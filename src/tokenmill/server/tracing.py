@@ -39,8 +39,8 @@ class RequestTracer:
         self.tracer = self.provider.get_tracer("tokenmill")
         self.model_name = model_name
 
-    def finished(self, out: RequestOutput) -> None:
-        """Record one finished request (called once, with its final output)."""
+    def finished(self, out: RequestOutput, model: str | None = None) -> None:
+        """Record one finished request (called once, with its final output) of `model` (default: the one served)."""
         m = out.metrics
         if m is None:
             return
@@ -49,7 +49,7 @@ class RequestTracer:
         def ns(t: float) -> int:  # a perf_counter time (any process on this machine: one monotonic clock) to epoch ns
             return now_ns - int((now_perf - t) * 1e9)
 
-        attrs: dict[str, Any] = {"gen_ai.request.id": out.request_id, "gen_ai.response.model": self.model_name,
+        attrs: dict[str, Any] = {"gen_ai.request.id": out.request_id, "gen_ai.response.model": model or self.model_name,
                  "gen_ai.usage.prompt_tokens": m.num_prompt_tokens,
                  "gen_ai.usage.completion_tokens": m.num_generated_tokens,
                  "gen_ai.usage.cached_tokens": m.num_cached_tokens,
