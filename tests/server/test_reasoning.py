@@ -69,17 +69,20 @@ def test_a_thinking_budget_forces_the_end_of_thinking_after_n_tokens(
     free = _chat(client, reasoner, logprobs=True)
     tokens = [t.token for t in free.choices[0].logprobs.content]
     assert tokens[0] == "<think>" and tokens.index("</think>") > budget + 1  # unbudgeted, it thinks longer
+    thought = tokens.index("</think>") - 1  # the markers not counted, as the Responses API counts them
+    assert free.usage.completion_tokens_details.reasoning_tokens == thought
     r = _chat(client, reasoner, logprobs=True, extra_body={"thinking_token_budget": budget})
     tokens = [t.token for t in r.choices[0].logprobs.content]
     assert tokens[0] == "<think>" and tokens[budget + 1] == "</think>"
+    assert r.usage.completion_tokens_details.reasoning_tokens == budget
     answer = "".join(t for t in tokens[budget + 2 :] if t != "<|im_end|>")  # the EOS token is not text
     assert r.choices[0].message.content == answer  # a later <think> is answer too
     assert r.choices[0].message.reasoning_content == "".join(tokens[1 : budget + 1])  # type: ignore[attr-defined]
-    streamed = "".join(
-        getattr(c.choices[0].delta, "reasoning_content", None) or ""
-        for c in _chat(client, reasoner, stream=True, extra_body={"thinking_token_budget": budget})
-    )
-    assert streamed == "".join(tokens[1 : budget + 1])  # fmt: skip
+    chunks = list(_chat(client, reasoner, stream=True, extra_body={"thinking_token_budget": budget},
+                        stream_options={"include_usage": True}))  # fmt: skip
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert streamed == "".join(tokens[1 : budget + 1])
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == budget  # the final usage chunk
 
 
 def test_messages_return_thinking_blocks_and_stream_thinking_deltas(reasoner: Server) -> None:

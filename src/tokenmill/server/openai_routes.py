@@ -22,7 +22,7 @@ from tokenmill.server.errors import APIError, bad_value
 from tokenmill.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions, _SamplingFields
 from tokenmill.server.state import ServerState, get_state, ready_engine
-from tokenmill.server.streaming import Call, ChoiceBuilder, completion_tokens, run_to_end, stream_events, timings
+from tokenmill.server.streaming import Call, ChoiceBuilder, run_to_end, stream_events, timings
 from tokenmill.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -96,7 +96,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
                 choice_body["prompt_logprobs"] = prompt_logprobs(tok, out.prompt_logprobs or [], body.prompt_logprobs)
             choices.append(choice_body)
     return {"id": call.id, "object": "text_completion", "created": call.created, "model": call.model,
-            "choices": choices, "usage": call.usage(completion_tokens(finals)),
+            "choices": choices, "usage": call.final_usage(finals),
             "timings": timings(call.finished)}  # fmt: skip
 
 
@@ -130,6 +130,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
         raise bad_value(e) from None
     call = await start_call(state, engine, "chat.completion", "chatcmpl-", [prompt], params, body.priority, field,
                             body.model)  # fmt: skip
+    if answer.reasoning is not None:
+        call.reasoning_count = answer.reasoning_tokens
     streams: dict[int, ChoiceStream] = {}
 
     def choice(
@@ -187,7 +189,7 @@ def _chat_body(
         choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish,
                         "stop_reason": c.stop_reason})  # fmt: skip
     out = {"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
-           "choices": choices, "usage": call.usage(completion_tokens({0: final})),
+           "choices": choices, "usage": call.final_usage({0: final}),
            "timings": timings(call.finished)}  # fmt: skip
     if body.prompt_logprobs is not None:
         out["prompt_logprobs"] = prompt_logprobs(tok, final.prompt_logprobs or [], body.prompt_logprobs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,8 @@ class Call:
     echo_texts: list[str] = field(default_factory=list)
     cached_tokens: int = 0  # the finished requests' prompt tokens served from the prefix cache
     finished: list[RequestMetrics] = field(default_factory=list)  # the finished requests' metrics, for `timings`
+    # a chat answer read by a reasoning parser: how many of an output's tokens are reasoning (AnswerPlan's count)
+    reasoning_count: Callable[[Sequence[int]], int] | None = None
     base_model: str | None = None  # a LoRA adapter's base model (its metrics and traces count there)
 
     @property
@@ -72,6 +74,16 @@ class Call:
         return {"prompt_tokens": prompt, "completion_tokens": num_completion_tokens,
                 "total_tokens": prompt + num_completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}  # fmt: skip
+
+    def final_usage(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        """The usage of the finished requests: with a reasoning parser, also `completion_tokens_details.
+        reasoning_tokens` (OpenAI's field; the tokens inside the thinking, its markers not counted)."""
+        usage = self.usage(completion_tokens(finals))
+        if self.reasoning_count is not None:
+            count = self.reasoning_count
+            thought = sum(count(c.token_ids) for o in finals.values() for c in o.outputs)
+            usage["completion_tokens_details"] = {"reasoning_tokens": thought}
+        return usage
 
 
 def timings(finished: list[RequestMetrics]) -> dict[str, Any]:
@@ -209,7 +221,7 @@ async def stream_events(
                 call.observe(out)
         if include_usage:
             yield sse({"id": call.id, "object": call.chunk_object, "created": call.created, "model": call.model,
-                       "choices": [], "usage": call.usage(completion_tokens(finals)),
+                       "choices": [], "usage": call.final_usage(finals),
                        "timings": timings(call.finished)})  # fmt: skip
         yield sse("[DONE]")
     except Exception as e:  # the request failed in the engine, or the engine died: say so in-band, then end
