@@ -9,6 +9,7 @@ never a `Request`. Before each step it runs the test hooks the environment sets 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -189,7 +190,7 @@ class ModelRunner:
         lora = self.lora
         if not plan.lora or lora is None:
             return path.forward(plan, rows)
-        lora.state.batch = _lora_batch(rows, self.device)
+        lora.state.batch = _lora_batch(rows, self.device, lora.slot_of if lora.ops is not None else None)
         try:
             return path.forward(plan, rows)
         finally:
@@ -292,11 +293,14 @@ class ModelRunner:
             row += len(proposed) + 1
 
 
-def _lora_batch(rows: Rows, device: torch.device) -> LoraBatch:
+def _lora_batch(rows: Rows, device: torch.device, slot_of: Callable[[int], int] | None = None) -> LoraBatch:
     """The rows of each adapter the step's sequences take: one slice where they are consecutive, else their indices
-    (built per sequence, never per token in Python)."""
+    (built per sequence, never per token in Python); with `slot_of` (the CPU kernel's), also each row's slot."""
     spans: dict[int, list[tuple[int, int]]] = {}  # adapter id -> [(first row, end)] in row order
+    counts, slots = [], []  # per sequence: its rows, and its adapter's slot (-1: none)
     for s, offset in zip(rows.sequences, rows.offsets, strict=True):
+        counts.append(s.num_new_tokens)
+        slots.append(slot_of(s.lora_id) if s.lora_id and slot_of is not None else -1)
         if s.lora_id:
             spans.setdefault(s.lora_id, []).append((offset, offset + s.num_new_tokens))
     groups: list[tuple[int, slice | torch.Tensor]] = []
@@ -306,7 +310,10 @@ def _lora_batch(rows: Rows, device: torch.device) -> LoraBatch:
         else:
             index = torch.cat([torch.arange(a, b) for a, b in ranges])  # [N] int64
             groups.append((adapter_id, index.to(device)))
-    return LoraBatch(groups)
+    if slot_of is None:
+        return LoraBatch(groups)
+    row_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), torch.tensor(counts))  # [T]
+    return LoraBatch(groups, row_slots)
 
 
 def _num_drafts(s: SequenceInput) -> int:

@@ -16,6 +16,7 @@ from tokenmill.assembly.model import LoadedModel
 from tokenmill.attention import KVBackend, make_kv_backend
 from tokenmill.config import EngineConfig
 from tokenmill.cuda_graphs import DecodeGraphs
+from tokenmill.kernels import Kernels
 from tokenmill.kv_cache import KVCacheManager, KVManager, UnpagedKVManager
 from tokenmill.models import CausalLM
 from tokenmill.models.lora import ModelLoras
@@ -57,7 +58,8 @@ def build_parts(
         return Parts(backend, kv, make_runner(loaded.model, loaded.device, backend, cfg.seed))
     runner = ModelRunner(loaded.model, loaded.device, backend, cfg.seed, sample=sample)
     if cfg.lora:
-        runner.lora = ModelLoras(loaded.model, loaded.device, loaded.dtype)
+        kernels = loaded.ops if isinstance(loaded.ops, Kernels) else None  # (ops/lora.h; a GPU's: torch's matmuls)
+        runner.lora = ModelLoras(loaded.model, loaded.device, loaded.dtype, kernels)
     if loaded.task.pooling is not None:
         runner.pooler = Pooler(loaded.model, loaded.task.pooling)
     if not loaded.task.generate:  # the fast paths are for decode steps, which a model that only pools never takes

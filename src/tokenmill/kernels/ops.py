@@ -243,6 +243,22 @@ class Kernels:
                              cache.data_ptr(), cache.shape[1], slots.data_ptr(), k.shape[0], width,
                              *_kv_scales(cache, scales), k.shape[2])  # fmt: skip
 
+    def lora_add(
+        self, x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, a_ptrs: torch.Tensor, bt_ptrs: torch.Tensor,
+        ranks: torch.Tensor, scales: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """out [T, N] += each row's adapter update scale * B (A x[t]) (ops/lora.h), in place: x [T, K] (rows may be
+        strided), slots [T] int64 each row's slot in the tables (-1: none); a_ptrs, bt_ptrs, ranks [S] int64 and
+        scales [S] float32: each slot's float32 A [r, K] and B^T [r, N] (contiguous), rank and scale."""
+        t, k = x.shape
+        if out.shape[0] != t or slots.shape != (t,) or x.dtype != out.dtype or not out.is_contiguous():
+            raise ValueError("lora_add needs out [T, N] contiguous in x's dtype and one slot per row")
+        if t and int(slots.max()) >= len(ranks):
+            raise ValueError(f"a row's slot is past the {len(ranks)} slots of the tables")
+        self.module.lora_add(x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, out.data_ptr(), t, out.shape[1],
+                             k, slots.data_ptr(), a_ptrs.data_ptr(), bt_ptrs.data_ptr(), ranks.data_ptr(),
+                             scales.data_ptr())  # fmt: skip
+
     def decode_attention(
         self,
         q: torch.Tensor,

@@ -6,14 +6,17 @@ Each adapted projection holds, per loaded adapter (by its id), A [n*r, D_in] and
 (q|k|v, gate|up) stacks the A of each adapted shard, and its B is block-diagonal over those shards, so one pair of
 matmuls gives every shard's update (the zero blocks add exact zeros). Shards an adapter leaves alone get none.
 
-A step's rows are grouped by adapter once (`LoraBatch`, the runner's), and every adapted projection of the step runs
-one pair of matmuls per adapter present over that adapter's rows; rows of the base model add nothing. The runner is
-the only writer of the shared `LoraState`: it sets the step's groups before the forward and clears them after.
+A step's rows are grouped by adapter once (`LoraBatch`, the runner's). On the CPU kernels each adapted projection
+adds every row's update in one call (kernels/csrc/ops/lora.h, over float32 copies of the matrices, each installed
+adapter in a slot of the projection's pointer tables); elsewhere it runs one pair of matmuls per adapter present over
+that adapter's rows. Rows of the base model add nothing. The runner is the only writer of the shared `LoraState`: it
+sets the step's groups before the forward and clears them after.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,6 +72,7 @@ class LoraBatch:
     """A step's rows grouped by adapter: (adapter id, its rows: a slice, or [N] int64 row indices)."""
 
     groups: list[tuple[int, slice | torch.Tensor]]
+    slots: torch.Tensor | None = None  # [T] int64: each row's adapter slot for the CPU kernel (-1: the base model)
 
 
 @dataclass
@@ -82,13 +86,37 @@ class LoraState:
 class LoraProjection:
     """The adapters of one projection (not an nn.Module: its tensors are no checkpoint's parameters)."""
 
-    def __init__(self, state: LoraState, shape: ProjectionShape) -> None:
-        self.state, self.shape = state, shape
+    def __init__(self, state: LoraState, shape: ProjectionShape, ops: Any = None) -> None:
+        self.state, self.shape, self.ops = state, shape, ops  # ops: the CPU kernels, or None
         self.adapters: dict[int, AdapterWeights] = {}  # adapter id -> its matrices here
+        # the kernel's tables by slot: float32 A [r, D_in] and B^T [r, D_out] (kept alive here), their pointers,
+        # ranks (0: the slot's adapter leaves this projection alone) and scales
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.a_ptrs, self.bt_ptrs, self.ranks = (torch.zeros(0, dtype=torch.int64) for _ in range(3))
+        self.scales = torch.zeros(0)
+
+    def set_slot(self, slot: int, w: AdapterWeights | None) -> None:
+        """Slot `slot` of the kernel's tables: adapter weights `w`, or nothing (rank 0)."""
+        if slot >= len(self.ranks):
+            grow = slot + 1 - len(self.ranks)
+            self.a_ptrs, self.bt_ptrs, self.ranks = (torch.cat([t, torch.zeros(grow, dtype=torch.int64)])
+                                                     for t in (self.a_ptrs, self.bt_ptrs, self.ranks))  # fmt: skip
+            self.scales = torch.cat([self.scales, torch.zeros(grow)])
+        if w is None:
+            self._kept.pop(slot, None)
+            self.ranks[slot] = 0
+            return
+        a, bt = w.a.float().contiguous(), w.b.float().T.contiguous()  # [r, D_in], [r, D_out]
+        self._kept[slot] = (a, bt)
+        self.a_ptrs[slot], self.bt_ptrs[slot], self.ranks[slot] = a.data_ptr(), bt.data_ptr(), a.shape[0]
+        self.scales[slot] = w.scale
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # x [T, D_in], out [T, D_out] (in place)
         batch = self.state.batch
         if batch is None or not self.adapters:
+            return out
+        if self.ops is not None and batch.slots is not None and _kernel_takes(x, out):
+            self.ops.lora_add(x, out, batch.slots, self.a_ptrs, self.bt_ptrs, self.ranks, self.scales)
             return out
         for adapter_id, rows in batch.groups:
             w = self.adapters.get(adapter_id)
@@ -99,6 +127,11 @@ class LoraProjection:
             else:
                 out.index_add_(0, rows, ((x[rows] @ w.a.T) @ w.b.T) * w.scale)
         return out
+
+
+def _kernel_takes(x: torch.Tensor, out: torch.Tensor) -> bool:
+    return (x.dtype == out.dtype and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+            and x.dim() == 2 and x.stride(1) == 1 and out.is_contiguous())  # fmt: skip
 
 
 def decoder_layers(model: nn.Module) -> list[DecoderLayer]:
@@ -114,8 +147,10 @@ def decoder_layers(model: nn.Module) -> list[DecoderLayer]:
 class ModelLoras:
     """Every adapted projection of one model, and the adapters installed in them (by id)."""
 
-    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, ops: Any = None) -> None:
         self.device, self.dtype = device, dtype  # where and in what the adapters' matrices are kept
+        self.ops = ops if device.type == "cpu" else None  # the CPU kernels (ops/lora.h), or None: torch's matmuls
+        self.slots: dict[int, int] = {}  # adapter id -> its slot in the kernel's tables
         self.state = LoraState()
         self.projections: dict[tuple[int, str], LoraProjection] = {}
         for i, layer in enumerate(decoder_layers(model)):
@@ -130,7 +165,8 @@ class ModelLoras:
                             "down_proj": self._make(i, "down_proj", inter, (hidden,))}  # fmt: skip
 
     def _make(self, layer: int, name: str, in_features: int, shards: tuple[int, ...]) -> LoraProjection:
-        proj = self.projections[layer, name] = LoraProjection(self.state, ProjectionShape(in_features, shards))
+        proj = LoraProjection(self.state, ProjectionShape(in_features, shards), self.ops)
+        self.projections[layer, name] = proj
         return proj
 
     def shapes(self) -> dict[tuple[int, str], ProjectionShape]:
@@ -140,10 +176,20 @@ class ModelLoras:
     def install(self, adapter_id: int, adapter: Adapter) -> None:
         """Each of the adapter's matrices beside its projection, on the model's device and in its dtype."""
         device, dtype = self.device, self.dtype
+        slot = self.slots[adapter_id] = min(set(range(len(self.slots) + 1)) - set(self.slots.values()))
         for key, w in adapter.weights.items():
             moved = AdapterWeights(w.a.to(device, dtype).contiguous(), w.b.to(device, dtype).contiguous(), w.scale)
             self.projections[key].adapters[adapter_id] = moved
+        if self.ops is not None:  # every projection's slot: the adapter's float32 matrices there, or rank 0
+            for key, proj in self.projections.items():
+                proj.set_slot(slot, adapter.weights.get(key))
 
     def remove(self, adapter_id: int) -> None:
+        slot = self.slots.pop(adapter_id, None)
         for proj in self.projections.values():
             proj.adapters.pop(adapter_id, None)
+            if slot is not None and self.ops is not None:
+                proj.set_slot(slot, None)
+
+    def slot_of(self, adapter_id: int) -> int:
+        return self.slots[adapter_id]

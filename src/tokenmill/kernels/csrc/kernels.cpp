@@ -27,6 +27,7 @@
 #include "linear/type_traits.h"
 #include "ops/fused.h"
 #include "ops/logprobs.h"
+#include "ops/lora.h"
 #include "ops/peak.h"
 #include "ops/sample.h"
 #include "stack/pool.h"
@@ -227,6 +228,16 @@ void kv_write(uintptr_t k, int64_t k_stride, uintptr_t v, int64_t v_stride, bool
   });
 }
 
+// every row's LoRA update added into out [T, N] (ops/lora.h): ids [T] int64 each row's slot (-1: none); a, bt,
+// ranks [slots] int64 and scales [slots] float32 the projection's tables
+void lora_add(uintptr_t x, int64_t ldx, bool bf16, uintptr_t out, int64_t T, int64_t N, int64_t K, uintptr_t ids,
+              uintptr_t a, uintptr_t bt, uintptr_t ranks, uintptr_t scales) {
+  const LoraSlots s{(const int64_t*)a, (const int64_t*)bt, (const int64_t*)ranks, (const float*)scales};
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    lora_rows(Act{(void*)x, bf16}, ldx, Act{(void*)out, bf16}, N, K, (const int64_t*)ids, s, begin, end);
+  });
+}
+
 // Stream `bytes` of memory once and return their float sum: the machine's read bandwidth, as the GEMVs see it.
 double read_sum(uintptr_t ptr, int64_t bytes) {
   const float* p = (const float*)ptr;
@@ -356,6 +367,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &tmk::decode_attention, "one new token per sequence over a paged KV cache");
   m.def("prefill_attention", &tmk::prefill_attention, "prompts' new tokens over a paged KV cache (flash style)");
   m.def("kv_write", &tmk::kv_write, "new keys and values into their cache slots");
+  m.def("lora_add", &tmk::lora_add, "every row's LoRA update beside a projection's output");
   m.def("set_bf16_dot", [](int64_t mode) { return std::exchange(tmk::bf16_dot, (int)mode); },
         "bf16 x bf16 pair tiles: -1 where the CPU has vdpbf16ps, 0 never, 1 always (tests); returns the old mode");
   m.def("bf16_dot_native", &tmk::bf16_dot_native, "this build multiplies bf16 pairs with vdpbf16ps");
