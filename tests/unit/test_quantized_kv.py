@@ -77,7 +77,7 @@ def test_decode_attention_over_quantized_blocks_equals_sdpa_over_them_widened(
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
     out = ops.decode_attention(q, cache, tables, lens, block_size, window, scales=scales)
     full = widened(cache, scales)
-    full[0] = full[0].to(dtype).float()  # a bf16 model's keys are rounded to bf16, as prefill's tiles take them
+    full = full.to(dtype).float()  # a bf16 model reads the rows rounded to bf16, as every path does
     for b, n in enumerate(lens.tolist()):
         ref = reference(q[b : b + 1], full, tables[b], n, block_size, window)[0]
         torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
@@ -95,7 +95,7 @@ def test_prefill_attention_over_quantized_blocks_equals_sdpa_over_them_widened(
     head_dim: int, window: int | None,
 ) -> None:  # fmt: skip
     """As the bf16 test: fresh prompts and chunks after a cached context in one call. A bf16 model's tiles multiply
-    bf16 keys, so its quantized keys are widened and rounded to bf16 (so are the reference's); values stay exact."""
+    bf16 keys, so a bf16 model reads the rows widened and rounded to bf16 (so does the reference)."""
     gen = torch.Generator().manual_seed(heads * head_dim)
     block_size, num_blocks = 4, 120
     cache, scales = quantized_cache(gen, num_blocks * block_size, kv_heads, head_dim, storage)
@@ -110,7 +110,7 @@ def test_prefill_attention_over_quantized_blocks_equals_sdpa_over_them_widened(
     ops.prefill_attention(q, cache, tables, torch.tensor(seqs, dtype=torch.int64), block_size, window, out,
                           scales=scales)  # fmt: skip
     full = widened(cache, scales)
-    full[0] = full[0].to(dtype).float()
+    full = full.to(dtype).float()  # (as the decode test)
     for (start, n, ctx), table in zip(seqs, tables, strict=True):
         ref = reference(q[start : start + n], full, table, ctx, block_size, window)
         torch.testing.assert_close(out[start : start + n].float(), ref, atol=tol, rtol=tol)

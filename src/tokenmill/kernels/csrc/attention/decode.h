@@ -67,6 +67,28 @@ inline void attention_split(const T* q, const C* cache, int64_t slots, const int
                              kv_stride, block_size, scale, acc, ml, scratch))
       return;
   }
+#if TM_BF16_PAIRS
+  // a bf16 model over a quantized cache: the split's rows as bf16 (as every path reads them), then the bf16 path
+  if constexpr (sizeof(T) == 2 && kv_quantized<C>) {
+    if (Dh % 32 == 0) {
+      thread_local std::vector<uint16_t> rows;  // [2, n, Dh]: keys, then values
+      thread_local std::vector<float> wide;
+      rows.resize(2 * n * Dh), wide.resize(std::min(block_size, n) * Dh);
+      int64_t* row = (int64_t*)(scratch + ((G * kSplit + 1) & ~int64_t{1}));  // [n]: each key's offset in rows
+      for (int64_t half = 0; half < 2; ++half)
+        for_each_run(table, block_size, t0, t1, [&](int64_t slot, int64_t t, int64_t m) {
+          widen_quant_rows(cache + (half * slots + slot) * kv_stride + g * Dh, kv_stride,
+                           kv_scales + (half * slots + slot) * Hkv + g, Hkv, m, Dh, wide.data());
+          uint16_t* dst = rows.data() + (half * n + t - t0) * Dh;
+          for (int64_t j = 0; j < m * Dh; j += W) store_bf16(dst + j, load(wide.data() + j));
+        });
+      for (int64_t i = 0; i < n; ++i) row[i] = i * Dh;
+      attention_bf16((const uint16_t*)q + (b * H + g * G) * Dh, rows.data(), row, n * Dh, n, G, Dh, scale, acc, ml,
+                     scratch);
+      return;
+    }
+  }
+#endif
   float* qv = scratch;            // [G, Dh]
   float* scores = qv + G * Dh;    // [G, n]
   float* run = scores + G * n;    // [<= block_size, Dh]: a run's keys or values as float32
@@ -83,8 +105,8 @@ inline void attention_split(const T* q, const C* cache, int64_t slots, const int
     if constexpr (kv_quantized<C>) {
       stride = Dh;
       widen_quant_rows(src, kv_stride, kv_scales + (half * slots + slot) * Hkv + g, Hkv, m, Dh, run);
-      if (sizeof(T) == 2 && half == 0)  // a bf16 model's keys rounded to bf16, as prefill's tiles take them: the
-        round_rows_bf16(run, m * Dh);   // same keys whichever kernel reads them (a preempted request's recompute)
+      if (sizeof(T) == 2)  // a bf16 model reads the rows rounded to bf16, as every path does: the same keys and
+        round_rows_bf16(run, m * Dh);  // values whichever kernel reads them (a preempted request's recompute)
       return run;
     } else {
       return float_rows(src, m, stride, Dh, run);
