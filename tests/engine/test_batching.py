@@ -45,6 +45,18 @@ def assert_pool_full(engine: EngineCore) -> None:
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def assert_prefix_hit_keeps_tokens(llm: LLM) -> None:
+    """A prompt sent twice: the second run reads the first's cached blocks and gives the same greedy tokens, and no
+    block leaks."""
+    shared = PROMPTS[0] + PROMPTS[1]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": shared}], params)[0]
+    second = llm.generate([{"prompt_token_ids": shared}], params)[0]
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert second.metrics is not None and second.metrics.num_cached_tokens > 0
+    assert_pool_full(llm.engine)
+
+
 @pytest.fixture(scope="module")
 def alone(folder: Path) -> list[list[int]]:
     """Each request run by itself: the reference every batched configuration must reproduce."""

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests import target
-from tests.engine.test_batching import PARAMS, PROMPTS, assert_pool_full
+from tests.engine.test_batching import PARAMS, PROMPTS, assert_pool_full, assert_prefix_hit_keeps_tokens
 from tokenmill import LLM, SamplingParams
 from tokenmill.models.moe import SparseMoE
 
@@ -73,14 +73,7 @@ def test_a_batch_chunked_and_preempted_equals_each_request_alone(folder: Path, a
 
 
 def test_a_prefix_cache_hit_gives_the_same_tokens(folder: Path) -> None:
-    llm = _llm(folder)
-    shared = PROMPTS[0] + PROMPTS[1]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    first = _run(llm, [shared], [params])
-    second = llm.generate([{"prompt_token_ids": shared}], params)[0]
-    assert second.outputs[0].token_ids == first[0]
-    assert second.metrics is not None and second.metrics.num_cached_tokens > 0
-    assert_pool_full(llm.engine)
+    assert_prefix_hit_keeps_tokens(_llm(folder))
 
 
 def test_ngram_speculation_keeps_greedy_output(folder: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests import target
-from tests.engine.test_batching import PARAMS, PROMPTS, assert_pool_full
+from tests.engine.test_batching import PARAMS, PROMPTS, assert_pool_full, assert_prefix_hit_keeps_tokens
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import PagedKVCache
 
@@ -58,14 +58,7 @@ def test_a_batch_chunked_and_preempted_equals_each_request_alone(folder: Path, k
 
 
 def test_a_prefix_cache_hit_gives_the_same_tokens(folder: Path, kv: str) -> None:
-    llm = _llm(folder, kv)
-    shared = PROMPTS[0] + PROMPTS[1]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    first = _run(llm, [shared], [params])
-    second = llm.generate([{"prompt_token_ids": shared}], params)[0]
-    assert second.outputs[0].token_ids == first[0]
-    assert second.metrics is not None and second.metrics.num_cached_tokens > 0
-    assert_pool_full(llm.engine)
+    assert_prefix_hit_keeps_tokens(_llm(folder, kv))
 
 
 def test_the_same_memory_holds_2dh_over_dh_plus_2_times_the_blocks(folder: Path) -> None:

@@ -38,6 +38,7 @@ def test_a_short_fault_soak_loses_no_request(checkpoint: Path, tmp_path: Path) -
     assert result["log_lines"]["died"] == 1 and result["log_lines"]["back"] == 1, result["log_lines"]
     assert result["idle_after"] == {"running": 0, "waiting": 0, "kv_blocks_used": 0, "failed_requests": 0}
     samples = result["rss_mb"]["samples"]
-    assert len(samples) >= 4 and all(s["server"] > 0 for s in samples), samples
+    # RSS sampled over the run (every 4 s, each sample a /stats call: fewer on a slow, busy machine, never none)
+    assert len(samples) >= 2 and all(s["server"] > 0 for s in samples), samples
     assert any(len(s["replicas"]) == 2 for s in samples), samples
     assert result["server_exit"] == 0  # SIGTERM drains and exits 0 with Ray running (not Ray's SIGABRT)

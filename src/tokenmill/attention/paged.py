@@ -119,6 +119,16 @@ class PagedKVCache:
     def _layer_scales(self, layer: int) -> torch.Tensor | None:
         return None if self.scales is None else self.scales[layer]
 
+    def _blocks(self, layer: int, half: int, blocks: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s keys (half 0) or values (1) of blocks `blocks` [N] -> [N, bs, Hkv, Dh] in the activations'
+        dtype: only these blocks are widened."""
+        bs, shape = self.block_size, self.cache.shape[-2:]
+        rows = self.cache[layer, half].view(-1, bs, *shape).index_select(0, blocks)
+        if self.scales is None:
+            return rows.to(self.dtype)
+        scales = self.scales[layer, half].view(-1, bs, shape[0]).index_select(0, blocks)
+        return dequantize_rows(rows, scales, self.dtype)
+
     def _rows(self, layer: int, half: int, index: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s keys (half 0) or values (1) at slots `index` [N] -> [N, Hkv, Dh] in the activations'
         dtype: only these rows are widened."""
@@ -309,10 +319,9 @@ class PagedKVCache:
         bias = meta.decode_bias if window is None else meta.window_bias[window]
         assert bias is not None
         b, m = meta.decode_block_tables.shape
-        bs = self.block_size
-        slots = (meta.decode_block_tables[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)  # [B*S]
-        keys = self._rows(layer, 0, slots).view(b, m * bs, *self.cache.shape[-2:])  # [B, S, Hkv, Dh]
-        values = self._rows(layer, 1, slots).view(b, m * bs, *self.cache.shape[-2:])
+        flat = meta.decode_block_tables.reshape(-1)
+        keys = self._blocks(layer, 0, flat).view(b, m * self.block_size, *self.cache.shape[-2:])  # [B, S, Hkv, Dh]
+        values = self._blocks(layer, 1, flat).view(b, m * self.block_size, *self.cache.shape[-2:])
         h, dh = q.shape[1], q.shape[2]
         hkv = keys.shape[2]
         queries = q.view(b, hkv, h // hkv, dh)  # [B, Hkv, G, Dh]: a KV head's query heads side by side

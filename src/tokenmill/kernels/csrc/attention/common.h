@@ -22,14 +22,8 @@ inline vf load_row(const T* p) {
 
 template <typename T>
 inline float load_one(const T* p) {
-  if constexpr (sizeof(T) == 2) {
-    uint32_t bits = (uint32_t)*(const uint16_t*)p << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  } else {
-    return *(const float*)p;
-  }
+  if constexpr (sizeof(T) == 2) return bf16_to_float(*(const uint16_t*)p);
+  else return *(const float*)p;
 }
 
 // dot(a[0..Dh), row[0..Dh)) with a in float32 and the row in T

@@ -37,13 +37,6 @@ inline uint16_t bf16_at_or_above(float f) {
   return (uint16_t)((x >> 16) + ((x & 0xffff) != 0));
 }
 
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t x = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &x, 4);
-  return f;
-}
-
 // a float of magnitude <= 448 -> float8 e4m3, rounded to nearest even (as torch's .to(torch.float8_e4m3fn))
 inline uint8_t float_to_e4m3(float f) {
   uint32_t x;

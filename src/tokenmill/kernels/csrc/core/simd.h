@@ -109,6 +109,14 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
+// bfloat16 -> float: a bf16 is the top half of a float's bits
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t x = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+
 // float -> bfloat16 with round-to-nearest-even (NaN stays NaN), as torch rounds.
 inline uint16_t float_to_bf16(float f) {
   uint32_t bits;

@@ -19,11 +19,7 @@ struct Act {  // a row-major activation buffer of either dtype
   void* ptr;
   bool bf16;
   inline float get(int64_t i) const {
-    if (!bf16) return ((const float*)ptr)[i];
-    uint32_t bits = (uint32_t)((const uint16_t*)ptr)[i] << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
+    return bf16 ? bf16_to_float(((const uint16_t*)ptr)[i]) : ((const float*)ptr)[i];
   }
   inline void set(int64_t i, float f) const {
     if (bf16) ((uint16_t*)ptr)[i] = float_to_bf16(f);
