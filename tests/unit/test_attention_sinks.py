@@ -91,7 +91,10 @@ def test_torch_path_with_sinks_equals_eager(window: int | None) -> None:
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sink_module, "SCORES_PER_CHUNK", 6 * 40 * 5)  # 5 rows of queries at a time
-        assert torch.equal(attend_sequence(q, keys.transpose(0, 1), values.transpose(0, 1), window, sinks), got)
+        chunked = attend_sequence(q, keys.transpose(0, 1), values.transpose(0, 1), window, sinks)
+    # torch's matmuls on 5 rows and on 12 may round differently (AVX2 builds do: 1.5e-7 on a Zen 3), so the chunks
+    # must give every row its own result, not the same bits; a row taken from the wrong chunk is off by ~1
+    torch.testing.assert_close(chunked, got, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("with_kernels", [True, False])
