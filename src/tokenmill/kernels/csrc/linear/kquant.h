@@ -29,29 +29,51 @@
 
 namespace tmk {
 
-// A panel times mc rows, in tiles of up to MT rows of `tile`, span by span of superblocks
-template <Format F, int MT, typename Tile>
-inline void kpanel_in(const uint8_t* panel, const QRow* x, int64_t nsb, float (*sums)[P], int64_t mc, Tile tile) {
+// A panel times mc rows, in tiles of up to MT rows of `tile`, span by span of superblocks. `decode(s0, s1)` gives
+// a span's groups decoded once for all its tiles (or null: each tile decodes them itself), where there are several.
+template <Format F, int MT, typename Tile, typename Decode>
+inline void kpanel_in(const uint8_t* panel, const QRow* x, int64_t nsb, float (*sums)[P], int64_t mc, Tile tile,
+                      Decode decode) {
   const int64_t tiles = (mc + MT - 1) / MT, per = (mc + tiles - 1) / tiles;  // even tiles: 12 rows as 6 + 6
   const int64_t span = kspans && tiles > 1 ? std::min(nsb, std::max<int64_t>(1, SPAN_BYTES / ksb_bytes(kspec(F)))) : nsb;
   for (int64_t s0 = 0; s0 < nsb; s0 += span) {
     const int64_t s1 = std::min(nsb, s0 + span);
+    const uint8_t* dec = tiles > 1 ? decode(s0, s1) : nullptr;
     for (int64_t m = 0; m < mc; m += per)
       with_rows<MT>(std::min<int64_t>(per, mc - m), [&](auto r) {
-        tile(r, panel, x + m, s0, s1, sums + m, span == nsb || m == 0);
+        tile(r, panel, x + m, s0, s1, sums + m, !dec && (span == nsb || m == 0), dec);
       });
   }
 }
 
 template <Format F>
 inline void kpanel(const uint8_t* panel, const QRow* x, int64_t nsb, float (*sums)[P], int64_t mc) {
+  using Sums = float (*)[P];
 #if TM_Q512
   if (!(mc < 4 && amd_avx512))
-    return kpanel_in<F, MT_K512>(panel, x, nsb, sums, mc, [](auto r, auto... a) {
-      ktile512<F, decltype(r)::value>(a...);
-    });
+    return kpanel_in<F, MT_K512>(
+        panel, x, nsb, sums, mc,
+        [](auto r, const uint8_t* p, const QRow* rx, int64_t s0, int64_t s1, Sums sm, bool pf, const uint8_t*) {
+          ktile512<F, decltype(r)::value>(p, rx, s0, s1, sm, pf);
+        },
+        [](int64_t, int64_t) -> const uint8_t* { return nullptr; });
 #endif
-  kpanel_in<F, MT_K>(panel, x, nsb, sums, mc, [](auto r, auto... a) { ktile<F, decltype(r)::value>(a...); });
+#if TM_INT8_YMM
+  // with bit planes (5- and 6-bit q) a group's decoding costs several times a row's products; a 4-bit group's a
+  // few instructions, about what storing and reloading it takes (Zen 3, 16 rows: Q5_0 1.6x, Q6_K 1.27x, Q4_K 0.94x)
+  const auto decode = [panel](int64_t s0, int64_t s1) -> const uint8_t* {
+    if constexpr (kspec(F).planes == 0) return nullptr;
+    return kdecoded<F>(panel, s0, s1);
+  };
+#else
+  const auto decode = [](int64_t, int64_t) -> const uint8_t* { return nullptr; };
+#endif
+  kpanel_in<F, MT_K>(
+      panel, x, nsb, sums, mc,
+      [](auto r, const uint8_t* p, const QRow* rx, int64_t s0, int64_t s1, Sums sm, bool pf, const uint8_t* dec) {
+        ktile<F, decltype(r)::value>(p, rx, s0, s1, sm, pf, dec);
+      },
+      decode);
 }
 
 // linear_range's K-family product: the rows in blocks of QMC, each panel over them in kpanel (linear/quant.h:

@@ -65,9 +65,46 @@ inline void kgroup(const uint8_t* blk, int g, __m256i* w) {
   }
 }
 
-// MT rows' exact sums of v(q) * qx over sub-block s of block b (groups [s G, (s + 1) G)) -> isum[m][half]
+// A span's groups as kgroup gives them, decoded once for the tiles that follow: superblocks [s0, s1) of a panel
+// into `dec`, block after block, 64 bytes a group (channels 0-7, then 8-15): QK * P bytes a block of 32 k. Where a
+// panel takes several tiles, each decoded every group again: a Q6_K group is ~23 instructions against a row's ~5
+// in the 2-row tiles of the AVX2 build, so 16 rows spent most of their time decoding.
+template <Format F>
+inline void kdecode_span(const uint8_t* panel, int64_t s0, int64_t s1, uint8_t* dec) {
+  constexpr int64_t BPS = kspec(F).sb / QK;  // blocks of 32 per superblock
+  for (int64_t sb = s0; sb < s1; ++sb) {
+    const KHeader<F> h = ksuperblock<F>(panel, sb, prefetch_quant_rows);
+    for (int64_t j = 0; j < BPS; ++j)
+      for (int g = 0; g < QK / 4; ++g) {
+        __m256i w[2];
+        kgroup<F>(h.block(j), g, w);
+        uint8_t* at = dec + (((sb - s0) * BPS + j) * (QK / 4) + g) * 64;
+        _mm256_store_si256((__m256i*)at, w[0]);
+        _mm256_store_si256((__m256i*)(at + 32), w[1]);
+      }
+  }
+}
+
+// The decoded span for a panel's tiles (thread-local, 32-byte aligned), or null where it would not fit
+template <Format F>
+inline const uint8_t* kdecoded(const uint8_t* panel, int64_t s0, int64_t s1) {
+  constexpr int64_t CAP = 16 << 10;  // a span of SPAN_BYTES decodes to at most ~15 KB in every format
+  alignas(64) static thread_local uint8_t buf[CAP];
+  if ((s1 - s0) * kspec(F).sb * P > CAP) return nullptr;
+  kdecode_span<F>(panel, s0, s1, buf);
+  return buf;
+}
+
+// block j of the span's superblock i in a decoded span, or null
+template <Format F>
+inline const uint8_t* kblock_decoded(const uint8_t* dec, int64_t i, int64_t j) {
+  return dec ? dec + (i * (kspec(F).sb / QK) + j) * QK * P : nullptr;
+}
+
+// MT rows' exact sums of v(q) * qx over sub-block s of block b (groups [s G, (s + 1) G)) -> isum[m][half]; `dec`:
+// the block's groups decoded (kdecode_span), or null to decode them here
 template <Format F, int MT>
-inline void ksub_sums(const uint8_t* blk, const QRow* x, int64_t b, int s, __m256i (*isum)[2]) {
+inline void ksub_sums(const uint8_t* blk, const uint8_t* dec, const QRow* x, int64_t b, int s, __m256i (*isum)[2]) {
   constexpr KSpec S = kspec(F);
   constexpr int G = S.sub / 4;  // groups per sub-block
   for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
@@ -80,7 +117,12 @@ inline void ksub_sums(const uint8_t* blk, const QRow* x, int64_t b, int s, __m25
   for (int gg = 0; gg < G; ++gg) {
     const int g = s * G + gg;
     __m256i w[2];
-    kgroup<F>(blk, g, w);
+    if (dec) {
+      w[0] = _mm256_load_si256((const __m256i*)(dec + g * 64));
+      w[1] = _mm256_load_si256((const __m256i*)(dec + g * 64 + 32));
+    } else {
+      kgroup<F>(blk, g, w);
+    }
 #if !TM_VNNI
     __m256i mag[2] = {w[0], w[1]};  // the unsigned side of vpmaddubsw: q, or IQ4's |t| (no entry is 0)
     if constexpr (S.table) mag[0] = _mm256_abs_epi8(w[0]), mag[1] = _mm256_abs_epi8(w[1]);
@@ -126,7 +168,8 @@ inline void kacc_end(const __m256 (*acc)[2], float (*sums)[P]) {
 // The K-quants' tile (linear/kformat.h): each superblock's sub-block sums add up in integers, T += sc isum, and F +=
 // f sx in float (exact); once per superblock T -= zero F and acc += dx (d T - dmin F), as on every path
 template <Format F, int MT>
-inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch) {
+inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch,
+                        const uint8_t* dec) {
   constexpr KSpec S = kspec(F);
   constexpr int NS = QK / S.sub;
   __m256 acc[MT][2];
@@ -142,7 +185,7 @@ inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t
       for (int s = 0; s < NS; ++s) {
         __m256i isum[MT][2], sc[2];
         __m256 f[2];
-        ksub_sums<F, MT>(h.block(j), x, b, s, isum);
+        ksub_sums<F, MT>(h.block(j), kblock_decoded<F>(dec, sb - s0, j), x, b, s, isum);
         for (int hh = 0; hh < 2; ++hh) {
           sc[hh] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(h.sc(j * NS + s) + 8 * hh)));
           f[hh] = S.has_min ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
@@ -175,10 +218,11 @@ inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t
 }
 
 // MT rows x the panel's 16 channels over superblocks [s0, s1): from zero at s0 = 0, else on from `sums`;
-// `prefetch`: ask for the weights ahead (kpanel's first tile)
+// `prefetch`: ask for the weights ahead (kpanel's first tile); `dec`: the span decoded (kdecoded), or null
 template <Format F, int MT>
-inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch) {
-  if constexpr (ksuper(F)) return ktile_super<F, MT>(panel, x, s0, s1, sums, prefetch);
+inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch,
+                  const uint8_t* dec) {
+  if constexpr (ksuper(F)) return ktile_super<F, MT>(panel, x, s0, s1, sums, prefetch, dec);
   constexpr KSpec S = kspec(F);
   constexpr int NS = QK / S.sub, Z = ksum_zero<F>();
   __m256 acc[MT][2];
@@ -194,7 +238,7 @@ inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, f
       const int64_t b = sb * (S.sb / QK) + j;
       for (int s = 0; s < NS; ++s) {
         __m256i isum[MT][2];
-        ksub_sums<F, MT>(h.block(j), x, b, s, isum);
+        ksub_sums<F, MT>(h.block(j), kblock_decoded<F>(dec, sb - s0, j), x, b, s, isum);
         __m256 scale[2], mins[2];
         for (int hh = 0; hh < 2; ++hh) {
           scale[hh] = d[hh], mins[hh] = dmin[hh];

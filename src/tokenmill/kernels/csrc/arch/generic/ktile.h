@@ -49,7 +49,8 @@ inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t
 
 // MT rows x the panel's 16 channels over superblocks [s0, s1): sums from zero at s0 = 0, else on from `sums`
 template <Format F, int MT>
-inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool) {
+inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool,
+                  const uint8_t*) {  // the x86 tiles' decoded span: never given here
   constexpr KSpec S = kspec(F);
   constexpr int NS = QK / S.sub;  // sub-blocks per block of 32
   if (s0 == 0)
