@@ -59,12 +59,7 @@ inline void kpanel(const uint8_t* panel, const QRow* x, int64_t nsb, float (*sum
         [](int64_t, int64_t) -> const uint8_t* { return nullptr; });
 #endif
 #if TM_INT8_YMM
-  // with bit planes (5- and 6-bit q) a group's decoding costs several times a row's products; a 4-bit group's a
-  // few instructions, about what storing and reloading it takes (Zen 3, 16 rows: Q5_0 1.6x, Q6_K 1.27x, Q4_K 0.94x)
-  const auto decode = [panel](int64_t s0, int64_t s1) -> const uint8_t* {
-    if constexpr (kspec(F).planes == 0) return nullptr;
-    return kdecoded<F>(panel, s0, s1);
-  };
+  const auto decode = [panel](int64_t s0, int64_t s1) { return kdecoded<F>(panel, s0, s1); };
 #else
   const auto decode = [](int64_t, int64_t) -> const uint8_t* { return nullptr; };
 #endif
