@@ -27,13 +27,18 @@ namespace tmk {
 // rows per tile: the accumulators, the integer sums (and without VNNI the 16-bit ones) of each row fit 16 registers
 constexpr int MT_K = TM_REGS32 ? 4 : (TM_VNNI ? 3 : 2);
 
-// 32 bits -> 32 bytes, 0xFF where the bit is set (byte j from bit j)
-inline __m256i spread_bits(uint32_t bits) {
-  const __m256i from = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
-                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+// a group's bit-plane mask (64 bits, byte j of a half from bit j of its 32) -> two halves of 32 bytes, 0xFF where the
+// bit is set: one broadcast load, then per half a byte shuffle, an and and a compare
+inline void spread_bits(const uint8_t* at, __m256i* mask) {
+  int64_t word;
+  std::memcpy(&word, at, 8);
+  const __m256i all = _mm256_set1_epi64x(word);
   const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-  const __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), from), bit);
-  return _mm256_cmpeq_epi8(bytes, bit);
+  const __m256i from0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i from1 = _mm256_add_epi8(from0, _mm256_set1_epi8(4));
+  mask[0] = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(all, from0), bit), bit);
+  mask[1] = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(all, from1), bit), bit);
 }
 
 // the zero the integer sums carry (linear/kformat.h): the format's, but none for the signed IQ4 table (no VNNI)
@@ -57,24 +62,33 @@ inline void kgroup(const uint8_t* blk, int g, __m256i* w) {
     w[1] = _mm256_shuffle_epi8(lut, w[1]);
   }
   for (int p = 0; p < kspec(F).planes; ++p) {
-    uint64_t bits;
-    std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
+    __m256i mask[2];
+    spread_bits(blk + QK / 2 * P + p * 64 + g * 8, mask);
     const __m256i add = _mm256_set1_epi8((char)(16 << p));
-    w[0] = _mm256_or_si256(w[0], _mm256_and_si256(spread_bits((uint32_t)bits), add));
-    w[1] = _mm256_or_si256(w[1], _mm256_and_si256(spread_bits((uint32_t)(bits >> 32)), add));
+    w[0] = _mm256_or_si256(w[0], _mm256_and_si256(mask[0], add));
+    w[1] = _mm256_or_si256(w[1], _mm256_and_si256(mask[1], add));
   }
+}
+
+// Ask for block j of a superblock's weights ahead (with the header, for the first), as the tiles reach it. Asking for
+// a whole K-quant superblock at once (37-53 lines) held the one-row tiles to 17-23 GB/s on a Zen 3, whose two cores
+// read 28; a block at a time they read 23-29 (docs/benchmarks.md)
+template <Format F>
+inline void kprefetch_block(const KHeader<F>& h, int64_t j) {
+  for (const uint8_t* at = j ? h.block(j) : h.at; at < h.block(j + 1); at += 64) prefetch_weights(at);
 }
 
 // A span's groups as kgroup gives them, decoded once for the tiles that follow: superblocks [s0, s1) of a panel
 // into `dec`, block after block, 64 bytes a group (channels 0-7, then 8-15): QK * P bytes a block of 32 k. Where a
-// panel takes several tiles, each decoded every group again: a Q6_K group is ~23 instructions against a row's ~5
+// panel takes several tiles, each decoded every group again: a Q6_K group is ~17 instructions against a row's ~5
 // in the 2-row tiles of the AVX2 build, so 16 rows spent most of their time decoding.
 template <Format F>
 inline void kdecode_span(const uint8_t* panel, int64_t s0, int64_t s1, uint8_t* dec) {
   constexpr int64_t BPS = kspec(F).sb / QK;  // blocks of 32 per superblock
   for (int64_t sb = s0; sb < s1; ++sb) {
-    const KHeader<F> h = ksuperblock<F>(panel, sb, prefetch_quant_rows);
-    for (int64_t j = 0; j < BPS; ++j)
+    const KHeader<F> h = ksuperblock<F>(panel, sb, false);
+    for (int64_t j = 0; j < BPS; ++j) {
+      if (prefetch_quant_rows) kprefetch_block(h, j);
       for (int g = 0; g < QK / 4; ++g) {
         __m256i w[2];
         kgroup<F>(h.block(j), g, w);
@@ -82,6 +96,7 @@ inline void kdecode_span(const uint8_t* panel, int64_t s0, int64_t s1, uint8_t* 
         _mm256_store_si256((__m256i*)at, w[0]);
         _mm256_store_si256((__m256i*)(at + 32), w[1]);
       }
+    }
   }
 }
 
@@ -178,13 +193,14 @@ inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t
   __m256 acc[MT][2];
   kacc_begin<MT>(acc, sums, s0);
   for (int64_t sb = s0; sb < s1; ++sb) {
-    const KHeader<F> h = ksuperblock<F>(panel, sb, prefetch_quant_rows && prefetch);
+    const KHeader<F> h = ksuperblock<F>(panel, sb, false);
     __m256i T[MT][2];
     __m256 Fl[MT][2];  // the sum of f sx: f the channels' mn (with mins) or sc (with a zero), exact
     for (int m = 0; m < MT; ++m)
       for (int hh = 0; hh < 2; ++hh) T[m][hh] = _mm256_setzero_si256(), Fl[m][hh] = _mm256_setzero_ps();
     for (int j = 0; j < S.sb / QK; ++j) {
       const int64_t b = sb * (S.sb / QK) + j;
+      if (prefetch_quant_rows && prefetch) kprefetch_block(h, j);
       for (int s = 0; s < NS; ++s) {
         __m256i isum[MT][2], sc[2];
         __m256 f[2];
