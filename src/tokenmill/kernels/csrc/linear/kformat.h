@@ -33,6 +33,8 @@
 // and sx the row's sum of qx over the sub-block (QRow::s). The K-quants (Q4_K, Q5_K, Q6_K: ksuper) take rows with
 // one scale per superblock, as ggml's Q8_K, and sum a superblock in integers before any float:
 //   T = sum of sc * isum, F = sum of f * sx (f = mn with mins, sc with a zero: exact in float, under 2^24)
+// (|T| < 2^28: Q6_K's 16 sub-blocks of 16 k, |q| <= 63, |qx| <= 127, |sc| <= 128; Q4_K's and Q5_K's less; so
+// any order of the additions gives the same T)
 //   out += dx * (d * (T - zero * F) - dmin * F)
 // (ggml's own arithmetic), so the scales cost once per superblock and the AMX tiles can take a superblock at once
 // (arch/amx/amx_ksuper.h). The others take rows with a scale per block of 32, and per sub-block

@@ -63,7 +63,7 @@ inline void kpanel(const uint8_t* panel, const QRow* x, int64_t nsb, float (*sum
 #else
   const auto decode = [](int64_t, int64_t) -> const uint8_t* { return nullptr; };
 #endif
-  kpanel_in<F, MT_K>(
+  kpanel_in<F, kmt<F>()>(
       panel, x, nsb, sums, mc,
       [](auto r, const uint8_t* p, const QRow* rx, int64_t s0, int64_t s1, Sums sm, bool pf, const uint8_t* dec) {
         ktile<F, decltype(r)::value>(p, rx, s0, s1, sm, pf, dec);

@@ -24,8 +24,14 @@
 
 namespace tmk {
 
-// rows per tile: the accumulators, the integer sums (and without VNNI the 16-bit ones) of each row fit 16 registers
-constexpr int MT_K = TM_REGS32 ? 4 : (TM_VNNI ? 3 : 2);
+// Rows per tile: each row's accumulators and sums fit the 16 (or 32) vector registers. Without VNNI the 16-bit sums
+// widen straight into the K-quants' T (vpmaddwd by the sub-block's scales), and 4 rows fit: the 2 of before ran
+// Q4_K 1.3x and Q5_K 1.4x slower at 16 rows on a Zen 3. Q6_K's 16-bit sums widen every 2 groups, and 4 rows spill
+// there (0.6x): 2
+template <Format F>
+constexpr int kmt() {
+  return TM_REGS32 ? 4 : (TM_VNNI ? 3 : (kspec(F).planes == 2 ? 2 : 4));
+}
 
 // a group's bit-plane mask (64 bits, byte j of a half from bit j of its 32) -> two halves of 32 bytes, 0xFF where the
 // bit is set: one broadcast load, then per half a byte shuffle, an and and a compare
@@ -119,16 +125,17 @@ inline const uint8_t* kblock_decoded(const uint8_t* dec, int64_t i, int64_t j) {
   return dec ? dec + (i * (kspec(F).sb / QK) + j) * QK * P : nullptr;
 }
 
-// MT rows' exact sums of v(q) * qx over sub-block s of block b (groups [s G, (s + 1) G)) -> isum[m][half]; `dec`:
-// the block's groups decoded (kdecode_span), or null to decode them here
+// MT rows' exact sums of v(q) * qx over sub-block s of block b (groups [s G, (s + 1) G)), added to acc[m][half]: with
+// VNNI the 32-bit sums themselves; without, vpmaddwd of the 16-bit sums by `mul` (ones, or the K-quants' sub-block
+// scales as 16-bit pairs: then acc gains sc * the sums, as T does) each time they widen. `dec`: the block's groups
+// decoded (kdecode_span), or null to decode them here
 template <Format F, int MT>
-inline void ksub_sums(const uint8_t* blk, const uint8_t* dec, const QRow* x, int64_t b, int s, __m256i (*isum)[2]) {
+inline void ksub_sums(const uint8_t* blk, const uint8_t* dec, const QRow* x, int64_t b, int s,
+                      [[maybe_unused]] const __m256i* mul, __m256i (*acc)[2]) {
   constexpr KSpec S = kspec(F);
   constexpr int G = S.sub / 4;  // groups per sub-block
-  for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
 #if !TM_VNNI
   constexpr int WIDEN = S.table ? 1 : (S.planes == 0 ? 8 : (S.planes == 1 ? 4 : 2));
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256i p16[MT][2];
   for (int m = 0; m < MT; ++m) p16[m][0] = p16[m][1] = _mm256_setzero_si256();
 #endif
@@ -150,8 +157,8 @@ inline void ksub_sums(const uint8_t* blk, const uint8_t* dec, const QRow* x, int
       std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
       const __m256i xb = _mm256_set1_epi32(four);
 #if TM_VNNI
-      isum[m][0] = tm_dpbusd256(isum[m][0], w[0], xb);
-      isum[m][1] = tm_dpbusd256(isum[m][1], w[1], xb);
+      acc[m][0] = tm_dpbusd256(acc[m][0], w[0], xb);
+      acc[m][1] = tm_dpbusd256(acc[m][1], w[1], xb);
 #else
       for (int hh = 0; hh < 2; ++hh) {
         __m256i xs = xb;  // the signed side: qx, or IQ4's qx with t's sign
@@ -164,7 +171,7 @@ inline void ksub_sums(const uint8_t* blk, const uint8_t* dec, const QRow* x, int
     if ((gg + 1) % WIDEN == 0 || gg == G - 1)
       for (int m = 0; m < MT; ++m)
         for (int hh = 0; hh < 2; ++hh) {
-          isum[m][hh] = _mm256_add_epi32(isum[m][hh], _mm256_madd_epi16(p16[m][hh], ones));
+          acc[m][hh] = _mm256_add_epi32(acc[m][hh], _mm256_madd_epi16(p16[m][hh], mul[hh]));
           p16[m][hh] = _mm256_setzero_si256();
         }
 #endif
@@ -202,21 +209,31 @@ inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t
       const int64_t b = sb * (S.sb / QK) + j;
       if (prefetch_quant_rows && prefetch) kprefetch_block(h, j);
       for (int s = 0; s < NS; ++s) {
-        __m256i isum[MT][2], sc[2];
+        __m256i sc[2];
         __m256 f[2];
-        ksub_sums<F, MT>(h.block(j), kblock_decoded<F>(dec, sb - s0, j), x, b, s, isum);
         for (int hh = 0; hh < 2; ++hh) {
-          sc[hh] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(h.sc(j * NS + s) + 8 * hh)));
+          const __m128i sc8 = _mm_loadl_epi64((const __m128i*)(h.sc(j * NS + s) + 8 * hh));
+          sc[hh] = _mm256_cvtepi8_epi32(sc8);
           f[hh] = S.has_min ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                   _mm_loadl_epi64((const __m128i*)(h.mn(j * NS + s) + 8 * hh))))
                             : _mm256_cvtepi32_ps(sc[hh]);
+#if !TM_VNNI
+          sc[hh] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8, sc8));  // each channel's sc in both 16-bit halves
+#endif
         }
+#if TM_VNNI  // the sub-block's 32-bit sums, then T += sc isum
+        __m256i isum[MT][2];
+        for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+        ksub_sums<F, MT>(h.block(j), kblock_decoded<F>(dec, sb - s0, j), x, b, s, nullptr, isum);
+        for (int m = 0; m < MT; ++m)
+          for (int hh = 0; hh < 2; ++hh) T[m][hh] = _mm256_add_epi32(T[m][hh], _mm256_mullo_epi32(isum[m][hh], sc[hh]));
+#else  // the 16-bit sums widen straight into T, times sc (|T| < 2^28: linear/kformat.h)
+        ksub_sums<F, MT>(h.block(j), kblock_decoded<F>(dec, sb - s0, j), x, b, s, sc, T);
+#endif
         for (int m = 0; m < MT; ++m) {
           const __m256 fsx = _mm256_set1_ps(x[m].fs[3 * b + (NS == 1 ? 2 : s)]);
-          for (int hh = 0; hh < 2; ++hh) {
-            T[m][hh] = _mm256_add_epi32(T[m][hh], _mm256_mullo_epi32(isum[m][hh], sc[hh]));
+          for (int hh = 0; hh < 2; ++hh)
             if constexpr (S.has_min || S.zero) Fl[m][hh] = _mm256_fmadd_ps(f[hh], fsx, Fl[m][hh]);
-          }
         }
       }
     }
@@ -257,7 +274,9 @@ inline void ktile(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, f
       const int64_t b = sb * (S.sb / QK) + j;
       for (int s = 0; s < NS; ++s) {
         __m256i isum[MT][2];
-        ksub_sums<F, MT>(h.block(j), kblock_decoded<F>(dec, sb - s0, j), x, b, s, isum);
+        for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+        const __m256i ones[2] = {_mm256_set1_epi16(1), _mm256_set1_epi16(1)};
+        ksub_sums<F, MT>(h.block(j), kblock_decoded<F>(dec, sb - s0, j), x, b, s, ones, isum);
         __m256 scale[2], mins[2];
         for (int hh = 0; hh < 2; ++hh) {
           scale[hh] = d[hh], mins[hh] = dmin[hh];

@@ -11,7 +11,11 @@
 
 namespace tmk {
 
-constexpr int MT_K = 3;  // rows per tile
+// rows per tile
+template <Format>
+constexpr int kmt() {
+  return 3;
+}
 
 // The K-quants' tile (linear/kformat.h): per superblock T = sum of sc (isum - zero sx) in integers, Mn = sum of
 // mn sx, then sums += dx (d T - dmin Mn)
