@@ -85,8 +85,9 @@ def test_the_second_load_maps_what_the_first_packed(gguf_file: Path, root: Path)
 def test_a_float_ggufs_dense_weights_and_tied_head_come_from_the_cache_too(
     make_checkpoint: Callable[..., Path], tmp_path: Path, root: Path
 ) -> None:
-    """A BF16 GGUF: its linears are packed at the first load (the embedding stays dense, the tied LM head a kernel
-    linear over it); the second maps every one of them from the entry, writes nothing, and computes the same."""
+    """A BF16 GGUF: its linears are packed at the first load (the tied LM head too, and the embedding looks its rows
+    up in the head's panels); the second maps every one of them from the entry, writes nothing, and computes the
+    same."""
     ckpt = make_checkpoint("llama", hidden_size=256, intermediate_size=512, tie_word_embeddings=True)
     path = export_gguf(ckpt, tmp_path / "bf16.gguf", "bf16")
     first = LLM(str(path), dtype="bfloat16")
@@ -97,6 +98,7 @@ def test_a_float_ggufs_dense_weights_and_tied_head_come_from_the_cache_too(
     weights = _weights(second)
     assert "lm_head" in weights and {m.format for m in second.loaded.model.modules() if isinstance(m, KernelLinear)} \
         == {"bf16"}  # fmt: skip
+    assert second.loaded.model.embeddings().data is second.loaded.model.lm_head.data  # one copy of the table
     for name, data in weights.items():
         assert _mapped_from(data.data_ptr()) == str(entry), name
         assert torch.equal(data, _weights(first)[name]), name

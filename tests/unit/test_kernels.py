@@ -265,6 +265,19 @@ def test_unpack_equals_the_reference(ops: kernels.Kernels, fmt: str) -> None:
         assert not dense[:, 70:].any()  # the padded columns are zero
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_k"])
+def test_rows_looked_up_in_the_panels_are_the_unpacked_rows(ops: kernels.Kernels, fmt: str) -> None:
+    """unpack_rows (a packed embedding's lookup; bf16: a tied LM head's panels) gives each asked-for row as unpack
+    does, in any order, repeats included, with an odd width in bf16 (a padded k pair)."""
+    w = torch.randn(37, 71 if fmt == "bf16" else 256)
+    packed = pack(w, fmt)
+    ids = torch.tensor([36, 0, 17, 16, 17, 1])
+    rows = ops.unpack_rows(packed.data, packed.format_id, 37, packed.padded_in, ids)
+    assert torch.equal(rows[:, : w.shape[1]], unpack(packed)[ids])
+    if fmt == "bf16":
+        assert torch.equal(rows[:, :71], w.bfloat16().float()[ids])
+
+
 def test_dense_formats_pack_exactly() -> None:
     w = torch.randn(37, 70)
     assert torch.equal(unpack(pack(w, "bf16")), w.bfloat16().float())

@@ -76,8 +76,8 @@ class Kernels:
         return out
 
     def unpack_rows(self, packed: torch.Tensor, format_id: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (int64 [T], each in [0, n)) of a packed quantized weight as float32 [T, k]: an embedding
-        looked up in its blocks."""
+        """Rows `ids` (int64 [T], each in [0, n)) of a packed weight (bf16 or quantized) as float32 [T, k]: an
+        embedding looked up in its panels."""
         check_packed(packed, format_id, n, k)
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):

@@ -196,10 +196,10 @@ class NativeStack:
         self._set_scales(layer)
 
     def set_packed_embedding(self, packed: torch.Tensor, format_id: int, rows: int, k: int) -> None:
-        """The embedding is a quantized weight's panels [rows, k >= d] (its rows unpacked as they are looked up);
-        the step calls then take `packed` itself as their `embed`."""
-        if format_id not in QUANTIZED_IDS or k < self.shape.d:
-            raise ValueError(f"a packed embedding is quantized and at least {self.shape.d} wide")
+        """The embedding is a quantized (or a tied LM head's bf16) weight's panels [rows, k >= d], its rows
+        unpacked as they are looked up; the step calls then take `packed` itself as their `embed`."""
+        if format_id not in {*QUANTIZED_IDS, FORMATS["bf16"]} or k < self.shape.d:
+            raise ValueError(f"a packed embedding is bf16 or quantized, and at least {self.shape.d} wide")
         check_packed(packed, format_id, rows, k)
         self.native.set_packed_embedding(format_id, k)
         self.packed_embedding = (packed, rows)

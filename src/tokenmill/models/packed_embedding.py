@@ -1,7 +1,8 @@
-"""A token embedding kept in its quantized blocks: a GGUF's token_embd (Q8_0, Q4_0, the K family) packed once as
-the kernels pack a linear's weight, each looked-up row unpacked on the fly (kernels: unpack_rows). A bf16 table
-of Qwen2.5-1.5B's 151936 x 1536 would take 467 MB beside the file's 150-250; a tied LM head multiplies by the
-very same panels. The decode stack reads its rows itself (stack/stack.h: set_packed_embedding)."""
+"""A token embedding kept in a linear's panels: a GGUF's token_embd (Q8_0, Q4_0, the K family) packed once as
+the kernels pack a linear's weight, or a tied LM head's bf16 panels (models/linear.py: share_tied_table), each
+looked-up row unpacked on the fly (kernels: unpack_rows). A bf16 table of Qwen2.5-1.5B's 151936 x 1536 would take
+467 MB beside the file's 150-250, or beside the head's own copy; a tied LM head multiplies by the very same panels.
+The decode stack reads its rows itself (stack/stack.h: set_packed_embedding)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,12 @@ namespace tmk {
 // One channel c of a quantized panel as float32 out[0..K) (a packed embedding's row: stack/stack.h, kernels.cpp)
 template <Format F>
 void unpack_channel_t(const uint8_t* panel, int64_t K, int c, float* out) {
-  if constexpr (is_kfamily(F)) {
+  if constexpr (F == BF16) {  // k in pairs: [K/2][P][2] (a tied LM head's panels, its embedding's rows)
+    for (int64_t k = 0; k < K; ++k) {
+      const uint32_t bits = (uint32_t)((const uint16_t*)panel)[(k / 2) * 2 * P + 2 * c + k % 2] << 16;
+      std::memcpy(out + k, &bits, 4);
+    }
+  } else if constexpr (is_kfamily(F)) {
     constexpr KSpec S = kspec(F);
     for (int64_t s0 = 0; s0 < K; s0 += S.sb) {
       const KHeader<F> h{panel + s0 / S.sb * ksb_bytes(S)};
@@ -58,6 +63,7 @@ void unpack_panel(const uint8_t* panel, int64_t K, int64_t n_valid, float* out) 
 
 inline void unpack_channel(Format F, const uint8_t* panel, int64_t K, int c, float* out) {
   switch (F) {
+    case BF16: return unpack_channel_t<BF16>(panel, K, c, out);
     case Q8_0: return unpack_channel_t<Q8_0>(panel, K, c, out);
     case Q4_0: return unpack_channel_t<Q4_0>(panel, K, c, out);
     case Q4_K: return unpack_channel_t<Q4_K>(panel, K, c, out);
@@ -69,11 +75,12 @@ inline void unpack_channel(Format F, const uint8_t* panel, int64_t K, int c, flo
     case IQ4_NL: return unpack_channel_t<IQ4_NL>(panel, K, c, out);
     case IQ4_XS: return unpack_channel_t<IQ4_XS>(panel, K, c, out);
     case MXFP4: return unpack_channel_t<MXFP4>(panel, K, c, out);
-    default: throw std::invalid_argument("unpack_channel takes the quantized formats");
+    default: throw std::invalid_argument("unpack_channel takes bf16 and the quantized formats");
   }
 }
 
-// rows ids[0..T) of a packed quantized weight [N, K] as float32 out[T, K] (an embedding looked up in its blocks)
+// rows ids[0..T) of a packed weight [N, K] (bf16 or quantized) as float32 out[T, K] (an embedding looked up in its
+// panels)
 inline void unpack_rows(Format F, const uint8_t* w, int64_t K, const int64_t* ids, int64_t T, float* out) {
   const int64_t stride = panel_bytes(F, K);
   for (int64_t t = 0; t < T; ++t) unpack_channel(F, w + ids[t] / P * stride, K, (int)(ids[t] % P), out + t * K);
