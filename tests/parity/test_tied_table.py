@@ -1,6 +1,6 @@
 """A tied LM head packed in bf16 holds the token table's very values: the embedding looks its rows up in the
-head's panels (models/linear.py: share_tied_table) instead of keeping a dense copy beside them, and nothing the
-model computes changes."""
+head's panels (models/packed_embedding.py: share_tied_table) instead of keeping a dense copy beside them, and
+nothing the model computes changes."""
 
 from __future__ import annotations
 

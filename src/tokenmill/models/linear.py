@@ -35,7 +35,7 @@ from tokenmill.kernels import CudaKernels, Kernels, formats
 from tokenmill.kernels.isa import cpu_flags
 from tokenmill.kernels.placement import ALIGN, place_buffers
 from tokenmill.models import quant_mix
-from tokenmill.models.packed_embedding import PackedEmbedding
+from tokenmill.models.packed_embedding import PackedEmbedding, share_tied_table
 
 # Rows above which a bf16 product goes to oneDNN where it has a native bf16 GEMM. Elsewhere the kernel's blocked
 # GEMM beats unpacking to float32 for torch's sgemm at every size (Zen 3 AVX2: 1.1-1.6x, docs/archive/).
@@ -341,25 +341,6 @@ def prepare_linears(
     if use_kernels:
         share_tied_table(model, kernels.active())
     return counts
-
-
-def share_tied_table(model: nn.Module, ops: Kernels | None) -> bool:
-    """A tied LM head packed in bf16 holds the token table's very values, so the embedding looks its rows up in the
-    head's panels (a PackedEmbedding, as a GGUF's quantized token_embd does) and its own dense table goes: a bf16
-    model kept both (Qwen2.5-0.5B: 260 MB twice). True where it swapped."""
-    config, head = getattr(model, "config", None), getattr(model, "lm_head", None)
-    if ops is None or not getattr(config, "tie_word_embeddings", False) or not isinstance(head, KernelLinear):
-        return False
-    embeddings = getattr(model, "embeddings", None)
-    emb = embeddings() if callable(embeddings) else None
-    if type(emb) is not nn.Embedding or head.format != "bf16" or emb.weight.dtype != torch.bfloat16:
-        return False
-    if tuple(emb.weight.shape) != (head.out_features, head.in_features) or emb.weight.device.type != "cpu":
-        return False
-    name = next(n for n, m in model.named_modules() if m is emb)
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, PackedEmbedding(head.packed(), torch.bfloat16, ops))
-    return True
 
 
 def make_row_invariant(model: nn.Module, ops: Kernels) -> int:
