@@ -11,14 +11,20 @@
 
 namespace tmk {
 
-// One channel c of a quantized panel as float32 out[0..K) (a packed embedding's row: stack/stack.h, kernels.cpp)
+// channel c's weight at k of a bf16 panel (k in pairs: [K/2][P][2]), as float32
+inline float bf16_at(const uint8_t* panel, int64_t k, int c) {
+  const uint32_t bits = (uint32_t)((const uint16_t*)panel)[(k / 2) * 2 * P + 2 * c + k % 2] << 16;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+// One channel c of a bf16 or quantized panel as float32 out[0..K) (a packed embedding's row: stack/stack.h,
+// kernels.cpp; bf16: a tied LM head's panels)
 template <Format F>
 void unpack_channel_t(const uint8_t* panel, int64_t K, int c, float* out) {
-  if constexpr (F == BF16) {  // k in pairs: [K/2][P][2] (a tied LM head's panels, its embedding's rows)
-    for (int64_t k = 0; k < K; ++k) {
-      const uint32_t bits = (uint32_t)((const uint16_t*)panel)[(k / 2) * 2 * P + 2 * c + k % 2] << 16;
-      std::memcpy(out + k, &bits, 4);
-    }
+  if constexpr (F == BF16) {
+    for (int64_t k = 0; k < K; ++k) out[k] = bf16_at(panel, k, c);
   } else if constexpr (is_kfamily(F)) {
     constexpr KSpec S = kspec(F);
     for (int64_t s0 = 0; s0 < K; s0 += S.sb) {
@@ -51,10 +57,7 @@ void unpack_panel(const uint8_t* panel, int64_t K, int64_t n_valid, float* out) 
       if constexpr (F == F32) {
         std::memcpy(vals, (const float*)panel + k * P, sizeof(vals));
       } else {
-        for (int i = 0; i < P; ++i) {  // k pairs: [K/2][P][2]
-          uint32_t bits = (uint32_t)((const uint16_t*)panel)[(k / 2) * 2 * P + 2 * i + k % 2] << 16;
-          std::memcpy(&vals[i], &bits, 4);
-        }
+        for (int i = 0; i < P; ++i) vals[i] = bf16_at(panel, k, i);
       }
       for (int64_t i = 0; i < n_valid; ++i) out[i * K + k] = vals[i];
     }
