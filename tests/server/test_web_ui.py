@@ -302,7 +302,8 @@ def test_reasoning_is_folded_apart_and_a_server_gone_mid_reply_reads_as_such(
             assert folded.get_attribute("open") is None  # folded until opened
             assert folded.locator(".body").text_content().strip() == REASONER_THOUGHT.strip()
             assert reply.locator(":scope > .body").inner_text().strip() == REASONER_ANSWER.strip()
-            _ask(page, REASONER_ASK[0]["content"])
+            with page.expect_response(lambda r: r.url.endswith("/chat/completions")):  # its headers reached the page
+                _ask(page, REASONER_ASK[0]["content"])
             hold.wait_held()
             doomed.proc.kill()
             doomed.proc.wait(30)
