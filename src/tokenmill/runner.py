@@ -47,7 +47,7 @@ class ModelRunner:
         self.pooler: Pooler | None = None  # a pooling model's (models/pooling.py; the assembly sets it)
         self._pool_sums: dict[str, torch.Tensor] = {}  # mean pooling: a prompt's rows summed so far [D] float32
         self._graphs: DecodeGraphs | None = None
-        self.lora: ModelLoras | None = None  # the model's LoRA adapters, where served with them (the assembly sets it)
+        self._lora: ModelLoras | None = None
         self._stack = DecodeStack.build(model, kv)  # decode-only steps in one kernel call, where it fits
         self._set_paths()
         self.hooks = StepHooks()  # the test hooks of the environment (fault_hooks.py); `compute` skips them
@@ -64,6 +64,16 @@ class ModelRunner:
         self._set_paths()
 
     @property
+    def lora(self) -> ModelLoras | None:
+        """The model's LoRA adapters, where served with them (the assembly sets them)."""
+        return self._lora
+
+    @lora.setter
+    def lora(self, lora: ModelLoras | None) -> None:
+        self._lora = lora
+        self._set_paths()
+
+    @property
     def decode_stack(self) -> DecodeStack | None:
         """The fused decode stack over this model and cache, where it fits (None: the modules compute every step)."""
         return self._stack
@@ -77,6 +87,7 @@ class ModelRunner:
         stack = self._stack
         paths: list[ForwardPath] = [] if self._graphs is None else [GraphsPath(self._graphs)]
         if stack is not None:
+            stack.use_loras(self._lora)
             paths += [StackListsPath(stack), StackMetadataPath(stack, self.device)]
         self.paths: list[ForwardPath] = [*paths, ModulesPath(self.model, self.kv, self.device)]
         # decode runs sample inside the stack with the CPU kernels' draw, which a CUDA graph or a worker cannot
@@ -186,7 +197,7 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan, rows: Rows, path: ForwardPath) -> Forward:
         """The step on its path; where rows take LoRA adapters, grouped by adapter for the model's projections
-        for this forward only (only the modules path, which `plan.lora` leaves, applies them)."""
+        for this forward only (the modules and the decode stack's single steps apply them)."""
         lora = self.lora
         if not plan.lora or lora is None:
             return path.forward(plan, rows)

@@ -178,9 +178,9 @@ def test_a_batch_mixing_four_adapters_and_the_base_equals_each_alone(llm: LLM) -
     assert len(differs) > 1, "adapters must change what the same prompt generates"
 
 
-def test_a_decode_step_with_an_adapter_row_leaves_the_fast_paths(llm: LLM) -> None:
-    """The decode stack (and CUDA graphs, decode runs) apply no adapter: a step with one adapter row runs on the
-    modules; a step of base rows keeps the first path it had; an adapter's sequence is granted no decode run."""
+def test_a_decode_step_with_an_adapter_row_takes_the_stack_but_no_decode_run(llm: LLM) -> None:
+    """The decode stack applies adapters in a single step: a step with an adapter row takes the path a step of base
+    rows takes; an adapter's sequence is granted no decode run (several steps in one call, which apply none)."""
     from tokenmill.forward import flatten
     from tokenmill.outputs import RequestMetrics
     from tokenmill.step_plan import plan_step, run_steps_allowed
@@ -192,7 +192,7 @@ def test_a_decode_step_with_an_adapter_row_leaves_the_fast_paths(llm: LLM) -> No
     plain, with_adapter = plan_step(base, ()), plan_step(mixed, ())
     assert not plain.lora and with_adapter.lora and with_adapter.decode_only
     fast = runner.path_for(plain, flatten(base)).name
-    assert runner.path_for(with_adapter, flatten(mixed)).name == "modules"
+    assert runner.path_for(with_adapter, flatten(mixed)).name == fast
     assert fast == ("modules" if runner.decode_stack is None else "decode_stack")
     req = Request("r", "r", 0, [1, 2, 3], SamplingParams(temperature=0), 16, frozenset(), RequestMetrics(0.0),
                   lora_id=adapter_id)  # fmt: skip
@@ -200,6 +200,43 @@ def test_a_decode_step_with_an_adapter_row_leaves_the_fast_paths(llm: LLM) -> No
     assert run_steps_allowed(req, 4, 64, False) == 0
     req.lora_id = 0
     assert run_steps_allowed(req, 4, 64, False) == 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_stack_applies_adapters_as_the_modules_do(
+    checkpoint: Path, adapters: dict[str, Path], dtype: str
+) -> None:
+    """Adapter rows decoded in the stack (several rows mixing adapters and the base; one row alone: its SiLU in
+    parts, the qkv update before RoPE) get the module path's tokens and logprobs, bit for bit; a slot past the
+    stack's tables is refused before anything runs."""
+    target.cpu_only()
+    llm = LLM(str(checkpoint), dtype=dtype, device="cpu", max_lora_rank=16,
+              lora_modules={name: str(path) for name, path in adapters.items()})  # fmt: skip
+    runner = llm.engine.runner
+    if runner.decode_stack is None:
+        pytest.skip("no decode stack here (no CPU kernels for this model or machine)")
+    prompts = ["Once upon a time", "To be or not to be", "The rain in Spain", "Call me Ishmael"]
+    loras: list[str | None] = ["all-r8", None, "up-k-r16-rslora", "qv-down-r2"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+    def run(path: str) -> list[Any]:
+        together = llm.generate(prompts, params, lora_request=loras)
+        alone = llm.generate(prompts[:1], params, lora_request=loras[:1])
+        for o in [*together, *alone]:  # every decode step on that path (the first token: the prompt's step)
+            assert o.metrics is not None and o.metrics.forward_steps.get(path, 0) >= params.max_tokens - 1, path
+        return [o.outputs[0] for o in [*together, *alone]]
+
+    stack = runner.decode_stack
+    stacked = run("decode_stack")
+    assert stack.loras is not None and stack._lora_version == llm.engine.runner.lora.version  # type: ignore[union-attr]
+    runner.decode_stack = None
+    modules = run("modules")
+    for a, b in zip(stacked, modules, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+    with pytest.raises(IndexError, match="LoRA slot 9 of row 0"):
+        stack.native.set_lora_rows(torch.tensor([9]), 1)
+    stack.native.set_lora_rows(None, 0)
 
 
 def test_a_lora_request_loads_its_folder_once(checkpoint: Path, adapters: dict[str, Path]) -> None:

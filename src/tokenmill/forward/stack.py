@@ -1,6 +1,6 @@
 """Decode-only steps through every decoder layer in one native call (models/decode_stack.py), and decode runs:
-several such steps in one call, each fed the last one's tokens. The stack applies no LoRA adapter: a step where any
-row takes one goes to the modules (`plan.lora`)."""
+several such steps in one call, each fed the last one's tokens. A single step applies the rows' LoRA adapters where
+the stack has the model's (`DecodeStack.takes_lora`); a decode run applies none (`plan.lora` leaves it)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class StackListsPath:
         self.stack = stack
 
     def supports(self, plan: StepPlan, rows: Rows) -> bool:
-        return plan.decode_only and not plan.lora and self.stack.plain_embedding
+        return plan.decode_only and (not plan.lora or self.stack.takes_lora) and self.stack.plain_embedding
 
     def forward(self, plan: StepPlan, rows: Rows) -> Forward:
         # [B, D], [B, V] (None where the plan reads only the argmax), [B]
@@ -39,7 +39,7 @@ class StackMetadataPath:
         self.stack, self.device = stack, device
 
     def supports(self, plan: StepPlan, rows: Rows) -> bool:
-        return plan.decode_only and not plan.lora
+        return plan.decode_only and (not plan.lora or self.stack.takes_lora)
 
     def forward(self, plan: StepPlan, rows: Rows) -> Forward:
         meta = self.stack.kv.prepare(rows.sequences, rows.num_decodes)

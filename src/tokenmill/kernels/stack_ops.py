@@ -115,6 +115,8 @@ class NativeStack:
         self.num_layers, self.vocab = num_layers, 0  # vocab: the head's rows (0: no head)
         self.packed_embedding: tuple[torch.Tensor, int] | None = None  # (panels, rows): set_packed_embedding
         self._alive: list[torch.Tensor | None] = [final_norm]  # what the native stack points at
+        self._lora_tables: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # set_lora's, by (layer, projection)
+        self._lora_rows: torch.Tensor | None = None
 
     def _linear(self, lin: StackLinear, n: int | None, k: int) -> tuple[int, ...]:
         if len(lin.segments) > 2:
@@ -209,6 +211,25 @@ class NativeStack:
         """The embedding's rows (a packed one's as set, a table's its first dimension)."""
         packed = self.packed_embedding
         return packed[1] if packed is not None and embed is packed[0] else embed.shape[0]
+
+    def set_lora(self, layer: int, projection: int, tables: Sequence[torch.Tensor]) -> None:
+        """Layer `layer`'s projection (0 qkv, 1 o, 2 gate_up, 3 down) takes the adapters of these slot tables: A
+        and B^T pointers and ranks, int64 [slots], and scales, float32 [slots] (models/lora.py: LoraProjection)."""
+        if not 0 <= layer < self.native.num_layers() or not 0 <= projection < 4:
+            raise ValueError(f"no projection {projection} of layer {layer} in the stack")
+        slots = tables[0].shape[0]
+        for t, dtype in zip(tables, (torch.int64, torch.int64, torch.int64, torch.float32), strict=True):
+            _check(t, "a LoRA slot table", (slots,), dtype)
+        self._lora_tables[layer, projection] = tuple(tables)  # alive while the stack points at them
+        self.native.set_lora(layer, projection, *(t.data_ptr() for t in tables), slots)
+
+    def set_lora_rows(self, slots: torch.Tensor | None, rows: int) -> None:
+        """The next steps' LoRA slot per row (int64 [rows], -1: the base model), or none; a slot past the
+        tables raises before anything runs."""
+        if slots is not None:
+            _check(slots, "the rows' LoRA slots", (rows,), torch.int64)
+        self._lora_rows = slots
+        self.native.set_lora_rows(_ptr(slots), rows)
 
     def set_head(self, head: StackLinear) -> None:
         self.native.set_head(self._linear(head, None, self.shape.d))

@@ -13,6 +13,7 @@ sparse layers' experts run on the one-call expert kernels: Qwen3-MoE, Mixtral) w
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from tokenmill.kernels import Kernels, formats
 from tokenmill.kernels.stack_ops import NativeStack, StackExperts, StackLinear, StackShape
 from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
+from tokenmill.models.lora import ModelLoras
 from tokenmill.models.moe import SparseMoE, experts_call
 from tokenmill.models.packed_embedding import PackedEmbedding
 from tokenmill.sampling_params import SamplingParams
@@ -104,6 +106,10 @@ def _intermediate(layers: list[DecoderLayer]) -> int:
     return mlp.moe.intermediate_size if isinstance(mlp, SparseMoE) else 0
 
 
+# the adapted projections in the native stack's order (stack/lora.h)
+_LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 class DecodeStack:
     def __init__(self, native: NativeStack, decoder: DecoderModel, kv: PagedKVCache, vocab_size: int | None) -> None:
         self.native, self.decoder, self.kv, self.vocab_size = native, decoder, kv, vocab_size  # None: no head
@@ -117,6 +123,8 @@ class DecodeStack:
         if type(embed) is PackedEmbedding and embed.dtype == kv.dtype and embed.padded_dim >= embed.embedding_dim:
             native.set_packed_embedding(embed.data, embed.format_id, embed.num_embeddings, embed.padded_dim)
             self.plain_embedding, self.embed_table = True, embed.data
+        self.loras: ModelLoras | None = None  # the model's LoRA adapters, which single steps apply (use_loras)
+        self._lora_version = -1  # the adapters' version whose tables the native stack holds
         # step's outputs: buffers for the most rows so far, and their views by row count
         self._full: tuple[torch.Tensor | None, ...] = ()
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = {}
@@ -156,6 +164,40 @@ class DecodeStack:
         if head is not None:
             native.set_head(head)
         return DecodeStack(native, decoder, pool, None if head is None else head.n)
+
+    def use_loras(self, loras: ModelLoras | None) -> None:
+        """Apply these adapters (the CPU kernels' tables: models/lora.py) to the rows that take one in `step` and
+        `step_from_metadata`; decode runs and greedy drafts take none."""
+        self.loras = loras if loras is not None and loras.ops is not None else None
+        self._lora_version = -1
+
+    @property
+    def takes_lora(self) -> bool:
+        return self.loras is not None
+
+    def _adapter_rows(self, rows: int) -> torch.Tensor | None:
+        """The step's LoRA slot per row [rows] (the runner's batch), its tables registered first where adapters
+        came or went; None where no row takes an adapter."""
+        loras = self.loras
+        batch = None if loras is None else loras.state.batch
+        if loras is None or batch is None or batch.slots is None:
+            return None
+        if self._lora_version != loras.version:
+            for (layer, name), tables in loras.tables().items():
+                self.native.set_lora(layer, _LORA_PROJECTIONS.index(name), tables)
+            self._lora_version = loras.version
+        return batch.slots
+
+    def _run(self, rows: int, call: Callable[[], None]) -> None:
+        """`call` (one native step) with the step's adapter rows set, and none after it."""
+        slots = self._adapter_rows(rows)
+        if slots is None:
+            return call()
+        self.native.set_lora_rows(slots, rows)
+        try:
+            call()
+        finally:
+            self.native.set_lora_rows(None, 0)
 
     def _table(self) -> torch.Tensor:
         assert self.embed_table is not None  # (only where plain_embedding)
@@ -244,8 +286,9 @@ class DecodeStack:
             wide = None
         cos_table, sin_table = self.decoder.rotary.tables(max(lens))  # [positions, Dh] float32
         embed = self._table()  # [vocab, D]
-        self.native.step_lists(embed, input_ids, positions, cos_table, sin_table, slots, tables, width, lens,
-                               self.kv.block_size, out, model_logits, wide, top)  # fmt: skip
+        self._run(rows, lambda: self.native.step_lists(embed, input_ids, positions, cos_table, sin_table, slots, tables,
+                                                       width, lens, self.kv.block_size, out, model_logits, wide,
+                                                       top))  # fmt: skip
         return out, model_logits if reads == LogitsRead.DRAW else wide, top
 
     def decode_run(
@@ -317,11 +360,13 @@ class DecodeStack:
         top = None if logits is None else torch.empty(rows, dtype=torch.int64)  # [B]
         if self.plain_embedding:  # the stack gathers the rows of the embedding and rotary tables itself
             cos_table, sin_table = self.decoder.rotary.tables(max(meta.seq_lens))  # [positions, Dh] float32
-            self.native.step_tensors(self._table(), input_ids, positions, cos_table, sin_table,
-                                     slots, tables, lens, self.kv.block_size, out, logits, wide, top)  # fmt: skip
+            embed = self._table()
+            self._run(rows, lambda: self.native.step_tensors(embed, input_ids, positions, cos_table, sin_table, slots,
+                                                             tables, lens, self.kv.block_size, out, logits, wide,
+                                                             top))  # fmt: skip
             return out, wide, top
         x = self.decoder.embed_tokens(input_ids)  # [B, D]
         cos, sin = self.decoder.rotary(positions, dtype)  # [B, Dh] each
-        self.native.step_tensors(None, x, positions, cos, sin, slots, tables, lens, self.kv.block_size, out, logits,
-                                 wide, top)  # fmt: skip
+        self._run(rows, lambda: self.native.step_tensors(None, x, positions, cos, sin, slots, tables, lens,
+                                                         self.kv.block_size, out, logits, wide, top))  # fmt: skip
         return out, wide, top

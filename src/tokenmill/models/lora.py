@@ -151,6 +151,7 @@ class ModelLoras:
         self.device, self.dtype = device, dtype  # where and in what the adapters' matrices are kept
         self.ops = ops if device.type == "cpu" else None  # the CPU kernels (ops/lora.h), or None: torch's matmuls
         self.slots: dict[int, int] = {}  # adapter id -> its slot in the kernel's tables
+        self.version = 0  # moves with every install and removal (the decode stack registers the tables again)
         self.state = LoraState()
         self.projections: dict[tuple[int, str], LoraProjection] = {}
         for i, layer in enumerate(decoder_layers(model)):
@@ -183,6 +184,7 @@ class ModelLoras:
         if self.ops is not None:  # every projection's slot: the adapter's float32 matrices there, or rank 0
             for key, proj in self.projections.items():
                 proj.set_slot(slot, adapter.weights.get(key))
+        self.version += 1
 
     def remove(self, adapter_id: int) -> None:
         slot = self.slots.pop(adapter_id, None)
@@ -190,6 +192,11 @@ class ModelLoras:
             proj.adapters.pop(adapter_id, None)
             if slot is not None and self.ops is not None:
                 proj.set_slot(slot, None)
+        self.version += 1
+
+    def tables(self) -> dict[tuple[int, str], tuple[torch.Tensor, ...]]:
+        """Each adapted projection's kernel tables by (layer, projection name): A and B^T pointers, ranks, scales."""
+        return {k: (p.a_ptrs, p.bt_ptrs, p.ranks, p.scales) for k, p in self.projections.items()}
 
     def slot_of(self, adapter_id: int) -> int:
         return self.slots[adapter_id]

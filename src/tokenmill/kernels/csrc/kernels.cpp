@@ -411,6 +411,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_window", &tmk::DecodeStack::set_window)
       .def("num_layers", &tmk::DecodeStack::num_layers)
       .def("set_head", &tmk::DecodeStack::set_head)
+      .def("set_lora", &tmk::DecodeStack::set_lora, "a projection's LoRA slot tables (stack/lora.h)")
+      .def("set_lora_rows", &tmk::DecodeStack::set_lora_rows, "the next runs' LoRA slot per row (0: none)")
       .def("set_packed_embedding", &tmk::DecodeStack::set_packed_embedding)
       .def("run", &tmk::DecodeStack::run, "a decode step through every layer and the final norm", py::arg("x"),
            py::arg("cos"), py::arg("sin"), py::arg("slot"), py::arg("tables"), py::arg("max_blocks"), py::arg("lens"),

@@ -34,6 +34,7 @@
 #include "linear/unpack.h"
 #include "ops/fused.h"
 #include "stack/head.h"
+#include "stack/lora.h"
 #include "stack/moe.h"
 #include "stack/pool.h"
 
@@ -109,6 +110,13 @@ class DecodeStack {
   // The embedding is a quantized weight's panels (its rows unpacked as they are looked up: a GGUF's token_embd,
   // which also serves as a tied LM head), not a table in the model dtype.
   void set_packed_embedding(int64_t format, int64_t K) { emb_format_ = format, emb_k_ = K; }
+
+  // LoRA (stack/lora.h): layer l's projection p (qkv, o, gate_up, down) takes the adapters of these slot tables; and
+  // the next runs' slot per row (int64 [B], -1: the base model; 0: no row takes an adapter)
+  void set_lora(int64_t l, int p, uintptr_t a, uintptr_t bt, uintptr_t ranks, uintptr_t scales, int64_t slots) {
+    lora_.set(l, p, a, bt, ranks, scales, slots);
+  }
+  void set_lora_rows(uintptr_t ids, int64_t B) { lora_.set_rows(ids, B); }
 
   // The LM head, run after the final norm when run() is given a logits buffer.
   void set_head(LinearSpec head) {
@@ -255,7 +263,7 @@ class DecodeStack {
     // one row: each attention task ropes its own copy of its KV head's queries, and the split that holds the new
     // token also its key, which it writes to the cache with the value, where the rope stage would (that stage then
     // gets no chunks). Not with several rows: rows of a verified draft read each other's keys.
-    rope_in_attention_ = B == 1;
+    rope_in_attention_ = B == 1 && !lora_.on();  // (the RoPE stage adds qkv's LoRA update first)
     const int64_t L = num_layers();
     moe_.begin(B);
     for (int64_t l = 0; l < L; ++l) {
@@ -340,7 +348,7 @@ class DecodeStack {
 
   void input_norm(int64_t l, int64_t b) {
     const LayerSpec& s = layers_[l];
-    if (l > 0) mlp_out(l - 1, b);
+    if (l > 0) mlp_out(l - 1, b), lora_.add(l - 1, StackLoras::DOWN, b, act(act_, b, I_), act(hidden_, b, D_), I_, D_, 0, D_);
     if (l == 0) rmsnorm_rows(act(residual_, b, D_), Act{nullptr, bf16_}, false, param(s.in_norm), eps_,
                              act(normed_, b, D_), 1, D_);
     else rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(s.in_norm), eps_, act(normed_, b, D_),
@@ -350,6 +358,8 @@ class DecodeStack {
 
   // row b's query heads (q/k norms where the model has them, RoPE) -> q_, its keys (RoPE) and values -> the cache
   void rope_and_write(int64_t l, int64_t b) {
+    const int64_t width = (H_ + 2 * Hkv_) * Dh_;
+    lora_.add(l, StackLoras::QKV, b, act(normed_, b, D_), act(qkv_, b, width), D_, width, 0, width);
     for (int64_t g = 0; g < Hkv_; ++g) {
       rope_queries(l, b, g, q_ + (b * H_ + g * H_ / Hkv_) * Dh_ * e_);
       rope_and_write_kv(l, b, g);
@@ -464,6 +474,7 @@ class DecodeStack {
   void post_norm(int64_t l, int64_t b) {
     const LayerSpec& s = layers_[l];
     char* normed = normed_ + b * D_ * e_;
+    lora_.add(l, StackLoras::O, b, act(attn_, b, H_ * Dh_), act(hidden_, b, D_), H_ * Dh_, D_, 0, D_);
     rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(s.post_norm), eps_, Act{normed, bf16_}, 1,
                  D_);
     if (s.moe < 0) return prep(normed, D_, s.gate_up, b);
@@ -482,6 +493,9 @@ class DecodeStack {
     const bool last = part + 1 == silu_parts_;
     const int64_t k0 = part * blocks / silu_parts_ * group;
     const int64_t k1 = last ? I_ : (part + 1) * blocks / silu_parts_ * group;
+    for (int64_t half : {(int64_t)0, I_})  // the part's columns of gate, then of up
+      lora_.add(l, StackLoras::GATE_UP, b, act(normed_, b, D_), act(gate_up_, b, 2 * I_), D_, 2 * I_, half + k0,
+                half + k1);
     silu_mul_rows(Act{gate_up_ + (b * 2 * I_ + k0) * e_, bf16_}, Act{act_ + (b * I_ + k0) * e_, bf16_}, 1, I_,
                   k1 - k0);
     if (!pairs_apply((Format)w[1], bf16_, I_, w[3]))
@@ -489,7 +503,8 @@ class DecodeStack {
   }
 
   void final_norm(int64_t b) {
-    mlp_out(num_layers() - 1, b);
+    const int64_t last = num_layers() - 1;
+    mlp_out(last, b), lora_.add(last, StackLoras::DOWN, b, act(act_, b, I_), act(hidden_, b, D_), I_, D_, 0, D_);
     rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(final_norm_), eps_, act(out_, b, D_), 1, D_);
     if (logits_) prep(out_ + b * D_ * e_, D_, head_, b);
   }
@@ -519,6 +534,7 @@ class DecodeStack {
   int64_t silu_group_ = QK;  // the largest group of a down projection's rows (add_layer)
   std::vector<LayerSpec> layers_;
   MoEStages moe_;  // the sparse layers' MLPs
+  StackLoras lora_;  // the adapters' tables and the step's slot per row
   int64_t max_k_ = 0;
   Program pool_;
   // scratch, [rows_, width] each, in the model dtype; xq_ the rows for the next linear (prep_row)
