@@ -195,8 +195,11 @@ class ModelLoras:
         self.version += 1
 
     def tables(self) -> dict[tuple[int, str], tuple[torch.Tensor, ...]]:
-        """Each adapted projection's kernel tables by (layer, projection name): A and B^T pointers, ranks, scales."""
-        return {k: (p.a_ptrs, p.bt_ptrs, p.ranks, p.scales) for k, p in self.projections.items()}
+        """Each projection's kernel tables by (layer, projection name): A and B^T pointers, ranks, scales; empty
+        where no adapter targets it (its rows add nothing, as `LoraProjection.add` leaves them)."""
+        empty = (*(torch.zeros(0, dtype=torch.int64) for _ in range(3)), torch.zeros(0))
+        return {k: (p.a_ptrs, p.bt_ptrs, p.ranks, p.scales) if p.adapters else empty
+                for k, p in self.projections.items()}  # fmt: skip
 
     def slot_of(self, adapter_id: int) -> int:
         return self.slots[adapter_id]

@@ -21,44 +21,75 @@ struct LoraSlots {
   const float* scales;    // [slots]
 };
 
-// row x (K values, the model dtype) taking slot `slot` -> its update added into out's columns [n0, n1) (of N).
-// Each column's sum is the same whatever range it is asked in (one FMA per rank, in rank order): the decode stack
-// adds a row's update in parts (stack/lora.h), the per-module path in one call, and both give the same bits.
-inline void lora_row(Act x, Act out, int64_t N, int64_t K, int64_t slot, const LoraSlots& s, int64_t n0, int64_t n1) {
-  thread_local std::vector<float> xf, xa, y;
-  xf.resize(K), y.resize(N);
+// rows of x that take one adapter at most at a time (a run of a sequence's rows, or a decode step's rows of one adapter)
+constexpr int64_t kLoraRows = 16;
+
+// xa [n, r] = scale * A x_i for n rows of x that take slot `slot` (row i at x.ptr + at(i) * ldx elements, at(i) =
+// idx ? idx[i] : i; K values of the model dtype); returns r. Each A row is read once for the n rows; each (row, j)'s
+// sum is that row's alone.
+inline int64_t lora_xa(Act x, int64_t ldx, const int64_t* idx, int64_t n, int64_t K, int64_t slot, const LoraSlots& s,
+                       float* xa) {
+  thread_local std::vector<float> xf;
+  xf.resize(n * K);
   const int64_t r = s.ranks[slot];
   const float* a = (const float*)s.a[slot];
-  const float* bt = (const float*)s.bt[slot];
-  xa.resize(r);
-  for (int64_t k = 0; k < K; ++k) xf[k] = x.get(k);
-  for (int64_t j = 0; j < r; ++j) {  // xa = A x
-    vf acc = {};
-    int64_t k = 0;
-    for (; k + W <= K; k += W) acc += load(a + j * K + k) * load(xf.data() + k);
-    float sum = hsum(acc);
-    for (; k < K; ++k) sum += a[j * K + k] * xf[k];
-    xa[j] = sum * s.scales[slot];
+  for (int64_t i = 0; i < n; ++i) {
+    const Act row{(char*)x.ptr + (idx ? idx[i] : i) * ldx * (x.bf16 ? 2 : 4), x.bf16};
+    for (int64_t k = 0; k < K; ++k) xf[i * K + k] = row.get(k);
   }
-  std::fill(y.begin() + n0, y.begin() + n1, 0.f);
-  for (int64_t j = 0; j < r; ++j) {  // y = B xa, a row of B^T at a time
-    const vf w = splat(xa[j]);
-    const float* b = bt + j * N;
-    int64_t n = n0;
-    for (; n + W <= n1; n += W) store(y.data() + n, load(y.data() + n) + w * load(b + n));
-    for (; n < n1; ++n) y[n] = y[n] + xa[j] * b[n];  // contracted as the lanes are (-ffp-contract=fast)
-  }
-  for (int64_t n = n0; n < n1; ++n) out.set(n, out.get(n) + y[n]);
+  for (int64_t j = 0; j < r; ++j)
+    for (int64_t i = 0; i < n; ++i) {
+      const float* xi = xf.data() + i * K;
+      vf acc = {};
+      int64_t k = 0;
+      for (; k + W <= K; k += W) acc += load(a + j * K + k) * load(xi + k);
+      float sum = hsum(acc);
+      for (; k < K; ++k) sum += a[j * K + k] * xi[k];
+      xa[i * r + j] = sum * s.scales[slot];
+    }
+  return r;
 }
 
-// rows [t0, t1) of x [T, K] (model dtype, ldx elements apart) -> their updates added into out [T, N] (contiguous)
+// For n rows: out_i[n0, n1) += sum_j xa_i[j] * B^T[j][n0, n1), in rank order into a float32 sum that starts at 0,
+// added to out once (bt: B^T [r, N] float32; out_i at out.ptr + at(i) * N elements, as lora_xa's rows). Each B^T row's slice is read once
+// for the n rows. A column's sum is the same whatever range it is asked in (the tail is contracted to an FMA as the
+// lanes are: -ffp-contract=fast), so the decode stack, which adds a linear chunk's columns (stack/lora.h), and
+// lora_rows give the same bits.
+inline void lora_out(const float* xa, int64_t r, const int64_t* idx, int64_t n, const float* bt, int64_t N, Act out,
+                     int64_t n0, int64_t n1) {
+  thread_local std::vector<float> y;
+  const int64_t w = n1 - n0;
+  y.assign(n * w, 0.f);
+  for (int64_t j = 0; j < r; ++j) {
+    const float* b = bt + j * N + n0;
+    for (int64_t i = 0; i < n; ++i) {
+      const vf c = splat(xa[i * r + j]);
+      float* yi = y.data() + i * w;
+      int64_t m = 0;
+      for (; m + W <= w; m += W) store(yi + m, load(yi + m) + c * load(b + m));
+      for (; m < w; ++m) yi[m] = yi[m] + xa[i * r + j] * b[m];
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const Act o{(char*)out.ptr + (idx ? idx[i] : i) * N * (out.bf16 ? 2 : 4), out.bf16};
+    for (int64_t m = 0; m < w; ++m) o.set(n0 + m, o.get(n0 + m) + y[i * w + m]);
+  }
+}
+
+// rows [t0, t1) of x [T, K] (model dtype, ldx elements apart) -> their updates added into out [T, N] (contiguous),
+// runs of up to kLoraRows rows of one slot at a time
 inline void lora_rows(Act x, int64_t ldx, Act out, int64_t N, int64_t K, const int64_t* ids, const LoraSlots& s,
                       int64_t t0, int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    if (ids[t] < 0) continue;
-    const Act row{(char*)x.ptr + t * ldx * (x.bf16 ? 2 : 4), x.bf16};
+  thread_local std::vector<float> xa;
+  for (int64_t t = t0, end; t < t1; t = end) {
+    const int64_t slot = ids[t];
+    for (end = t + 1; end < t1 && end - t < kLoraRows && ids[end] == slot;) ++end;
+    if (slot < 0) continue;
+    xa.resize((end - t) * s.ranks[slot]);
+    const Act rows{(char*)x.ptr + t * ldx * (x.bf16 ? 2 : 4), x.bf16};
+    const int64_t r = lora_xa(rows, ldx, nullptr, end - t, K, slot, s, xa.data());
     const Act o{(char*)out.ptr + t * N * (out.bf16 ? 2 : 4), out.bf16};
-    lora_row(row, o, N, K, ids[t], s, 0, N);
+    lora_out(xa.data(), r, nullptr, end - t, (const float*)s.bt[slot], N, o, 0, N);
   }
 }
 

@@ -14,6 +14,8 @@
 // it writes with the value (the RoPE stage gets no chunks).
 // Each stage also leaves its output in float32 rows (`xq`), ready for the next linear; attention chunks do so for
 // their own heads' columns where those are whole quantization blocks (the o_input stage then gets no chunks).
+// LoRA adapters (stack/lora.h): the row stage before an adapted linear leaves each adapter row's scale * A x, and
+// each chunk of the linear adds B times that to its columns.
 #pragma once
 
 #include <algorithm>
@@ -72,9 +74,13 @@ class DecodeStack {
     silu_group_ = std::max(silu_group_, row_prep(down).group);
     const int64_t base = l * kStagesPerLayer;
     pool_.set_stage(base + 6, [this, l](int64_t b) { this->post_norm(l, b); });
-    pool_.set_stage(base + 7, [this, l](int64_t c) { panels(layers_[l].gate_up, c, gate_up_, normed_, D_); });
+    pool_.set_stage(base + 7, [this, l](int64_t c) {
+      panels(layers_[l].gate_up, c, gate_up_, normed_, D_, l, StackLoras::GATE_UP);
+    });
     pool_.set_stage(base + 8, [this, l](int64_t c) { silu(l, c); });
-    pool_.set_stage(base + 9, [this, l](int64_t c) { panels(layers_[l].down, c, hidden_, act_, I_); });
+    pool_.set_stage(base + 9, [this, l](int64_t c) {
+      panels(layers_[l].down, c, hidden_, act_, I_, l, StackLoras::DOWN);
+    });
   }
 
   // A sparse layer (stack/moe.h): its attention as add_layer's; its MLP the router [E, D] (the model dtype; k of E
@@ -229,11 +235,18 @@ class DecodeStack {
     o_parts_ = o_parts_ && (H_ / Hkv_ * Dh_) % row_prep(o).group == 0;
     const int64_t base = l * kStagesPerLayer;
     pool_.set_stage(base + 0, [this, l](int64_t b) { input_norm(l, b); });
-    pool_.set_stage(base + 1, [this, l](int64_t c) { panels(layers_[l].qkv, c, qkv_, normed_, D_); });
+    pool_.set_stage(base + 1, [this, l](int64_t c) {
+      panels(layers_[l].qkv, c, qkv_, normed_, D_, l, StackLoras::QKV);
+    });
     pool_.set_stage(base + 2, [this, l](int64_t b) { rope_and_write(l, b); });
     pool_.set_stage(base + 3, [this, l](int64_t t) { attention(l, t); });
-    pool_.set_stage(base + 4, [this, l](int64_t b) { prep(attn_ + b * H_ * Dh_ * e_, H_ * Dh_, layers_[l].o, b); });
-    pool_.set_stage(base + 5, [this, l](int64_t c) { panels(layers_[l].o, c, hidden_, attn_, H_ * Dh_); });
+    pool_.set_stage(base + 4, [this, l](int64_t b) {
+      prep(attn_ + b * H_ * Dh_ * e_, H_ * Dh_, layers_[l].o, b);
+      lora_.row_ready(l, StackLoras::O, b, Act{attn_, bf16_}, H_ * Dh_);
+    });
+    pool_.set_stage(base + 5, [this, l](int64_t c) {
+      panels(layers_[l].o, c, hidden_, attn_, H_ * Dh_, l, StackLoras::O);
+    });
     // after the last layer added so far: the final norm, then the LM head (the next layer overwrites both)
     pool_.set_stage(base + kStagesPerLayer, [this](int64_t b) { final_norm(b); });
     pool_.set_stage(base + kStagesPerLayer + 1, [this](int64_t c) {
@@ -253,7 +266,10 @@ class DecodeStack {
     const int64_t head_chunks = logits ? chunks(head_) : 0;
     head_out_.begin(B, head_[2], bf16_, logits_, (float*)logits32, logits ? (int64_t*)argmax : nullptr, head_chunks);
     // fewer rows than threads: each row's SiLU in parts of whole quantization blocks, one thread each
-    silu_parts_ = B < threads_ ? std::max<int64_t>(1, std::min<int64_t>(threads_, I_ / silu_group_)) : 1;
+    // (with adapter rows, one part a row: its xa for the down projection reads the whole row)
+    const bool parts = B < threads_ && !lora_.on();
+    silu_parts_ = parts ? std::max<int64_t>(1, std::min<int64_t>(threads_, I_ / silu_group_)) : 1;
+    o_split_ = o_parts_ && !lora_.on();  // (adapter rows: the o_input stage leaves each row's xa for o)
     // attention: each row's splits (attention/common.h), one task each
     split_offsets(lens_, B, 0, split_first_);
     // each (row, KV head)'s count of finished splits starts at 0 (it is back at 0 after every layer, unless a step
@@ -263,14 +279,14 @@ class DecodeStack {
     // one row: each attention task ropes its own copy of its KV head's queries, and the split that holds the new
     // token also its key, which it writes to the cache with the value, where the rope stage would (that stage then
     // gets no chunks). Not with several rows: rows of a verified draft read each other's keys.
-    rope_in_attention_ = B == 1 && !lora_.on();  // (the RoPE stage adds qkv's LoRA update first)
+    rope_in_attention_ = B == 1;
     const int64_t L = num_layers();
     moe_.begin(B);
     for (int64_t l = 0; l < L; ++l) {
       const LayerSpec& s = layers_[l];
       const int64_t base = l * kStagesPerLayer, m = s.moe;
       const int64_t counts[kStagesPerLayer] = {B, chunks(s.qkv), rope_in_attention_ ? 0 : B, split_first_[B] * Hkv_,
-                                              o_parts_ ? 0 : B, chunks(s.o), B,
+                                              o_split_ ? 0 : B, chunks(s.o), B,
                                               m < 0 ? chunks(s.gate_up) : moe_.gate_up_chunks(m),
                                               m < 0 ? B * silu_parts_ : moe_.silu_chunks(m),
                                               m < 0 ? chunks(s.down) : moe_.down_chunks(m)};
@@ -333,11 +349,13 @@ class DecodeStack {
   }
 
   // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ floats apart), or for a bf16 model from its
-  // input rows `src` (`width` wide, the model dtype) where the bf16 pair tiles apply
-  void panels(const LinearSpec& w, int64_t c, char* out, const char* src, int64_t width) {
+  // input rows `src` (`width` wide, the model dtype) where the bf16 pair tiles apply; then, for layer l's projection
+  // p (l >= 0: stack/lora.h), the adapter rows' updates of those columns
+  void panels(const LinearSpec& w, int64_t c, char* out, const char* src, int64_t width, int64_t l = -1, int p = 0) {
     const auto [begin, end] = chunk_panels(w, c);
     linear_spec_range(w, xq_.data(), B_, max_k_, bf16_ ? nullptr : (float*)out, bf16_ ? (uint16_t*)out : nullptr,
                       begin, end, bf16_ ? (const uint16_t*)src : nullptr, width);
+    if (l >= 0 && lora_.on()) lora_.add_columns(l, p, Act{out, bf16_}, w[2], begin * P, std::min(w[2], end * P));
   }
 
   // a sparse layer's MLP output for row b (each row's weighted sum of its experts) -> hidden_ row b, where the
@@ -348,18 +366,17 @@ class DecodeStack {
 
   void input_norm(int64_t l, int64_t b) {
     const LayerSpec& s = layers_[l];
-    if (l > 0) mlp_out(l - 1, b), lora_.add(l - 1, StackLoras::DOWN, b, act(act_, b, I_), act(hidden_, b, D_), I_, D_, 0, D_);
+    if (l > 0) mlp_out(l - 1, b);
     if (l == 0) rmsnorm_rows(act(residual_, b, D_), Act{nullptr, bf16_}, false, param(s.in_norm), eps_,
                              act(normed_, b, D_), 1, D_);
     else rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(s.in_norm), eps_, act(normed_, b, D_),
                       1, D_);
     prep(normed_ + b * D_ * e_, D_, s.qkv, b);
+    lora_.row_ready(l, StackLoras::QKV, b, Act{normed_, bf16_}, D_);
   }
 
   // row b's query heads (q/k norms where the model has them, RoPE) -> q_, its keys (RoPE) and values -> the cache
   void rope_and_write(int64_t l, int64_t b) {
-    const int64_t width = (H_ + 2 * Hkv_) * Dh_;
-    lora_.add(l, StackLoras::QKV, b, act(normed_, b, D_), act(qkv_, b, width), D_, width, 0, width);
     for (int64_t g = 0; g < Hkv_; ++g) {
       rope_queries(l, b, g, q_ + (b * H_ + g * H_ / Hkv_) * Dh_ * e_);
       rope_and_write_kv(l, b, g);
@@ -467,16 +484,16 @@ class DecodeStack {
                                       Dh_, (uint16_t*)attn_ + b * H_ * Dh_);
     else merge_splits<float>(part_acc_.data() + first * Dh_, part_ml_.data() + first * 2, n, H_, h0, h0 + G, Dh_,
                              (float*)attn_ + b * H_ * Dh_);
-    if (o_parts_)  // these query heads' columns of the o projection's input, whole blocks: ready them here
+    if (o_split_)  // these query heads' columns of the o projection's input, whole blocks: ready them here
       prep(attn_ + b * H_ * Dh_ * e_, H_ * Dh_, layers_[l].o, b, h0 * Dh_, g + 1 == Hkv_ ? -1 : (h0 + G) * Dh_);
   }
 
   void post_norm(int64_t l, int64_t b) {
     const LayerSpec& s = layers_[l];
     char* normed = normed_ + b * D_ * e_;
-    lora_.add(l, StackLoras::O, b, act(attn_, b, H_ * Dh_), act(hidden_, b, D_), H_ * Dh_, D_, 0, D_);
     rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(s.post_norm), eps_, Act{normed, bf16_}, 1,
                  D_);
+    lora_.row_ready(l, StackLoras::GATE_UP, b, Act{normed_, bf16_}, D_);
     if (s.moe < 0) return prep(normed, D_, s.gate_up, b);
     moe_.route(s.moe, b, normed);
     const MoELayer& m = moe_.layer(s.moe);
@@ -493,18 +510,15 @@ class DecodeStack {
     const bool last = part + 1 == silu_parts_;
     const int64_t k0 = part * blocks / silu_parts_ * group;
     const int64_t k1 = last ? I_ : (part + 1) * blocks / silu_parts_ * group;
-    for (int64_t half : {(int64_t)0, I_})  // the part's columns of gate, then of up
-      lora_.add(l, StackLoras::GATE_UP, b, act(normed_, b, D_), act(gate_up_, b, 2 * I_), D_, 2 * I_, half + k0,
-                half + k1);
     silu_mul_rows(Act{gate_up_ + (b * 2 * I_ + k0) * e_, bf16_}, Act{act_ + (b * I_ + k0) * e_, bf16_}, 1, I_,
                   k1 - k0);
     if (!pairs_apply((Format)w[1], bf16_, I_, w[3]))
       prep_row(act_ + b * I_ * e_, bf16_, I_, w[3], row_prep(w), xq_.data() + b * max_k_, k0, last ? w[3] : k1);
+    lora_.row_ready(l, StackLoras::DOWN, b, Act{act_, bf16_}, I_);  // (a step with adapter rows: a row in one part)
   }
 
   void final_norm(int64_t b) {
-    const int64_t last = num_layers() - 1;
-    mlp_out(last, b), lora_.add(last, StackLoras::DOWN, b, act(act_, b, I_), act(hidden_, b, D_), I_, D_, 0, D_);
+    mlp_out(num_layers() - 1, b);
     rmsnorm_rows(act(hidden_, b, D_), act(residual_, b, D_), true, param(final_norm_), eps_, act(out_, b, D_), 1, D_);
     if (logits_) prep(out_ + b * D_ * e_, D_, head_, b);
   }
@@ -531,6 +545,7 @@ class DecodeStack {
   // each (row, KV head)'s merge preps its own query heads' columns of the o projection's input (the o_input stage
   // gets no chunks) where they are whole groups of its rows (add_layer). One stage hand-over a layer less.
   bool o_parts_ = (H_ / Hkv_ * Dh_) % QK == 0;
+  bool o_split_ = false;  // o_parts_ in this step (not with adapter rows)
   int64_t silu_group_ = QK;  // the largest group of a down projection's rows (add_layer)
   std::vector<LayerSpec> layers_;
   MoEStages moe_;  // the sparse layers' MLPs
