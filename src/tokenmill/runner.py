@@ -8,8 +8,9 @@ never a `Request`. Before each step it runs the test hooks the environment sets 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -92,6 +93,7 @@ class ModelRunner:
         self.paths: list[ForwardPath] = [*paths, ModulesPath(self.model, self.kv, self.device)]
         # decode runs sample inside the stack with the CPU kernels' draw, which a CUDA graph or a worker cannot
         runs = stack is not None and stack.greedy_ready and self._graphs is None and self.sample
+        runs = runs and (self._lora is None or (stack is not None and stack.takes_lora))
         self.run_path = DecodeRunPath(stack) if runs and stack is not None else None
 
     def path_for(self, plan: StepPlan, rows: Rows) -> ForwardPath:
@@ -196,14 +198,21 @@ class ModelRunner:
         return out
 
     def _forward(self, plan: StepPlan, rows: Rows, path: ForwardPath) -> Forward:
-        """The step on its path; where rows take LoRA adapters, grouped by adapter for the model's projections
-        for this forward only (the modules and the decode stack's single steps apply them)."""
+        """The step on its path, with the rows' LoRA adapters where any takes one."""
+        with self._adapters(plan, rows):
+            return path.forward(plan, rows)
+
+    @contextlib.contextmanager
+    def _adapters(self, plan: StepPlan, rows: Rows) -> Iterator[None]:
+        """Where rows take LoRA adapters: those rows grouped by adapter for the model's projections (and the decode
+        stack) while the block runs."""
         lora = self.lora
         if not plan.lora or lora is None:
-            return path.forward(plan, rows)
+            yield
+            return
         lora.state.batch = _lora_batch(rows, self.device, lora.slot_of if lora.ops is not None else None)
         try:
-            return path.forward(plan, rows)
+            yield
         finally:
             lora.state.batch = None
 
@@ -249,7 +258,8 @@ class ModelRunner:
             states = [(g, g.get_state()) for g in used]
             draws = (params, [self.sampler.uniforms(generators) for _ in range(plan.num_steps)])
         try:
-            runs = path.run(seqs, plan.num_steps, draws)
+            with self._adapters(plan, flatten(seqs)):
+                runs = path.run(seqs, plan.num_steps, draws)
         except Exception:
             for g, state in states:
                 g.set_state(state)

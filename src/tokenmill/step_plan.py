@@ -40,8 +40,7 @@ def run_steps_allowed(req: Request, steps: int, max_model_len: int, constrained:
     only_draws = row_reads(p, [], constrained) <= LogitsRead.DRAW
     # past the first token: a prompt's last chunk of one token samples its first at once
     decoding = num_out > 0 and not req.spec_token_ids and req.num_computed_tokens == req.num_tokens - 1
-    # (a LoRA adapter's rows run on the modules, never in the decode stack's runs)
-    runs = only_draws and decoding and not req.finished and num_out >= p.min_tokens and left > 0 and not req.lora_id
+    runs = only_draws and decoding and not req.finished and num_out >= p.min_tokens and left > 0
     return min(steps, left) if runs else 0
 
 

@@ -1,6 +1,6 @@
 """Decode-only steps through every decoder layer in one native call (models/decode_stack.py), and decode runs:
-several such steps in one call, each fed the last one's tokens. A single step applies the rows' LoRA adapters where
-the stack has the model's (`DecodeStack.takes_lora`); a decode run applies none (`plan.lora` leaves it)."""
+several such steps in one call, each fed the last one's tokens. Both apply the rows' LoRA adapters where the stack
+has the model's (`DecodeStack.takes_lora`)."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ class DecodeRunPath:
         self.stack = stack
 
     def supports(self, plan: StepPlan, rows: Rows) -> bool:
-        return (plan.num_steps > 1 and plan.decode_only and not plan.drafts and not plan.lora
-                and self.stack.greedy_ready)  # fmt: skip
+        return (plan.num_steps > 1 and plan.decode_only and not plan.drafts
+                and (not plan.lora or self.stack.takes_lora) and self.stack.greedy_ready)  # fmt: skip
 
     def run(
         self, sequences: list[SequenceInput], steps: int, draws: tuple[list[SamplingParams], list[list[float]]] | None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -106,6 +106,8 @@ def _intermediate(layers: list[DecoderLayer]) -> int:
     return mlp.moe.intermediate_size if isinstance(mlp, SparseMoE) else 0
 
 
+T = TypeVar("T")
+
 # the adapted projections in the native stack's order (stack/lora.h)
 _LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -167,7 +169,7 @@ class DecodeStack:
 
     def use_loras(self, loras: ModelLoras | None) -> None:
         """Apply these adapters (the CPU kernels' tables: models/lora.py) to the rows that take one in `step` and
-        `step_from_metadata`; decode runs and greedy drafts take none."""
+        `step_from_metadata` and `decode_run`; greedy drafts (a draft model's) take none."""
         self.loras = loras if loras is not None and loras.ops is not None else None
         self._lora_version = -1
 
@@ -188,14 +190,14 @@ class DecodeStack:
             self._lora_version = loras.version
         return batch.slots
 
-    def _run(self, rows: int, call: Callable[[], None]) -> None:
-        """`call` (one native step) with the step's adapter rows set, and none after it."""
+    def _run(self, rows: int, call: Callable[[], T]) -> T:
+        """`call` (native steps of these rows) with the step's adapter rows set, and none after it."""
         slots = self._adapter_rows(rows)
         if slots is None:
             return call()
         self.native.set_lora_rows(slots, rows)
         try:
-            call()
+            return call()
         finally:
             self.native.set_lora_rows(None, 0)
 
@@ -308,8 +310,10 @@ class DecodeStack:
         cos_table, sin_table = self.decoder.rotary.tables(max(s.start for s in sequences) + steps)  # [P, Dh] float32
         embed = self._table()  # [vocab, D]
         starts = [s.start for s in sequences]
-        return self.native.decode_run(embed, [s.token_ids[0] for s in sequences], starts, cos_table, sin_table, slots,
-                                      tables, width, steps, self.kv.block_size, out, logits, draws)  # fmt: skip
+        ids = [s.token_ids[0] for s in sequences]
+        return self._run(len(ids), lambda: self.native.decode_run(embed, ids, starts, cos_table, sin_table, slots,
+                                                                  tables, width, steps, self.kv.block_size, out,
+                                                                  logits, draws))  # fmt: skip
 
     def _decode_lists(self, sequences: list[SequenceInput]) -> tuple[list[int], list[int], list[int], int]:
         """A decode-only step's inputs as plain lists: each sequence's new slot [B], its context length [B], the
