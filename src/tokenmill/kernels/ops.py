@@ -249,7 +249,8 @@ class Kernels:
     ) -> None:  # fmt: skip
         """out [T, N] += each row's adapter update scale * B (A x[t]) (ops/lora.h), in place: x [T, K] (rows may be
         strided), slots [T] int64 each row's slot in the tables (-1: none); a_ptrs, bt_ptrs, ranks [S] int64 and
-        scales [S] float32: each slot's float32 A [r, K] and B^T [r, N] (contiguous), rank and scale."""
+        scales [S] float32: each slot's float32 A [r, K] and B^T in panels [ceil(N / 16), r, 16] (LoraProjection's
+        tables), rank and scale."""
         t, k = x.shape
         if out.shape[0] != t or slots.shape != (t,) or x.dtype != out.dtype or not out.is_contiguous():
             raise ValueError("lora_add needs out [T, N] contiguous in x's dtype and one slot per row")

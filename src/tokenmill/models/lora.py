@@ -89,7 +89,8 @@ class LoraProjection:
     def __init__(self, state: LoraState, shape: ProjectionShape, ops: Any = None) -> None:
         self.state, self.shape, self.ops = state, shape, ops  # ops: the CPU kernels, or None
         self.adapters: dict[int, AdapterWeights] = {}  # adapter id -> its matrices here
-        # the kernel's tables by slot: float32 A [r, D_in] and B^T [r, D_out] (kept alive here), their pointers,
+        # the kernel's tables by slot: float32 A [r, D_in] and B^T in panels [ceil(D_out / 16), r, 16] (ops/lora.h;
+        # kept alive here), their pointers,
         # ranks (0: the slot's adapter leaves this projection alone) and scales
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.a_ptrs, self.bt_ptrs, self.ranks = (torch.zeros(0, dtype=torch.int64) for _ in range(3))
@@ -106,7 +107,11 @@ class LoraProjection:
             self._kept.pop(slot, None)
             self.ranks[slot] = 0
             return
-        a, bt = w.a.float().contiguous(), w.b.float().T.contiguous()  # [r, D_in], [r, D_out]
+        a, b = w.a.float().contiguous(), w.b.float()  # [r, D_in], [D_out, r]
+        n, r = b.shape
+        panels = torch.zeros(-(-n // 16) * 16, r)  # [D_out rounded up, r]
+        panels[:n] = b
+        bt = panels.view(-1, 16, r).transpose(1, 2).contiguous()  # [ceil(D_out / 16), r, 16]
         self._kept[slot] = (a, bt)
         self.a_ptrs[slot], self.bt_ptrs[slot], self.ranks[slot] = a.data_ptr(), bt.data_ptr(), a.shape[0]
         self.scales[slot] = w.scale

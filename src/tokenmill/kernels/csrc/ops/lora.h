@@ -16,7 +16,7 @@ namespace tmk {
 
 struct LoraSlots {
   const int64_t* a;       // [slots] pointers to each adapter's A, float32 [r, K]
-  const int64_t* bt;      // [slots] pointers to each adapter's B transposed, float32 [r, N]
+  const int64_t* bt;      // [slots] pointers to each adapter's B^T in panels, float32 [ceil(N / 16), r, 16]
   const int64_t* ranks;   // [slots]
   const float* scales;    // [slots]
 };
@@ -35,7 +35,9 @@ inline int64_t lora_xa(Act x, int64_t ldx, const int64_t* idx, int64_t n, int64_
   const float* a = (const float*)s.a[slot];
   for (int64_t i = 0; i < n; ++i) {
     const Act row{(char*)x.ptr + (idx ? idx[i] : i) * ldx * (x.bf16 ? 2 : 4), x.bf16};
-    for (int64_t k = 0; k < K; ++k) xf[i * K + k] = row.get(k);
+    int64_t k = 0;
+    for (; k + W <= K; k += W) store(xf.data() + i * K + k, row.getv(k));
+    for (; k < K; ++k) xf[i * K + k] = row.get(k);
   }
   for (int64_t j = 0; j < r; ++j)
     for (int64_t i = 0; i < n; ++i) {
@@ -50,29 +52,55 @@ inline int64_t lora_xa(Act x, int64_t ldx, const int64_t* idx, int64_t n, int64_
   return r;
 }
 
-// For n rows: out_i[n0, n1) += sum_j xa_i[j] * B^T[j][n0, n1), in rank order into a float32 sum that starts at 0,
-// added to out once (bt: B^T [r, N] float32; out_i at out.ptr + at(i) * N elements, as lora_xa's rows). Each B^T row's slice is read once
-// for the n rows. A column's sum is the same whatever range it is asked in (the tail is contracted to an FMA as the
-// lanes are: -ffp-contract=fast), so the decode stack, which adds a linear chunk's columns (stack/lora.h), and
-// lora_rows give the same bits.
+// B^T's panels: each 16 columns' r rows side by side ([ceil(N / 16), r, 16], zero past N), so the r values a column
+// sums over lie in 16 consecutive rows of 64 bytes rather than r rows N floats apart
+constexpr int64_t kLoraPanel = 16;
+inline const float* lora_b(const float* bt, int64_t r, int64_t j, int64_t n) {
+  return bt + ((n / kLoraPanel) * r + j) * kLoraPanel + n % kLoraPanel;
+}
+
+// R rows' sums over W columns from m: acc[i] = sum_j xa_i[j] * B^T[j][m..], in rank order from 0 (one FMA each)
+template <int R>
+inline void lora_columns(const float* xa, int64_t r, const float* bt, int64_t m, vf* out) {
+  vf acc[R];  // (in registers: a store through `out` could alias the loads)
+  for (int i = 0; i < R; ++i) acc[i] = splat(0.f);
+  for (int64_t j = 0; j < r; ++j) {
+    const vf b = load(lora_b(bt, r, j, m));
+    for (int i = 0; i < R; ++i) acc[i] += splat(xa[i * r + j]) * b;
+  }
+  for (int i = 0; i < R; ++i) out[i] = acc[i];
+}
+
+// For n rows: out_i[n0, n1) += sum_j xa_i[j] * B^T[j][n0, n1), each column's sum in rank order from 0, added to out
+// once (bt: B^T's panels, lora_b; out_i at out.ptr + at(i) * N elements, as lora_xa's rows). Rows go 4 at a time, their
+// sums in registers, so a B^T slice is read once for them. A column's sum is the same whatever range it is asked in
+// (the tail is contracted to an FMA as the lanes are: -ffp-contract=fast), so the decode stack, which adds a linear
+// chunk's columns (stack/lora.h), and lora_rows give the same bits.
 inline void lora_out(const float* xa, int64_t r, const int64_t* idx, int64_t n, const float* bt, int64_t N, Act out,
                      int64_t n0, int64_t n1) {
-  thread_local std::vector<float> y;
-  const int64_t w = n1 - n0;
-  y.assign(n * w, 0.f);
-  for (int64_t j = 0; j < r; ++j) {
-    const float* b = bt + j * N + n0;
-    for (int64_t i = 0; i < n; ++i) {
-      const vf c = splat(xa[i * r + j]);
-      float* yi = y.data() + i * w;
-      int64_t m = 0;
-      for (; m + W <= w; m += W) store(yi + m, load(yi + m) + c * load(b + m));
-      for (; m < w; ++m) yi[m] = yi[m] + xa[i * r + j] * b[m];
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, n - i0);
+    Act o[4];
+    for (int64_t i = 0; i < rows; ++i)
+      o[i] = Act{(char*)out.ptr + (idx ? idx[i0 + i] : i0 + i) * N * (out.bf16 ? 2 : 4), out.bf16};
+    const float* x = xa + i0 * r;
+    int64_t m = n0;
+    for (; m + W <= n1; m += W) {  // (the lanes round as `set` does)
+      vf acc[4];
+      switch (rows) {
+        case 4: lora_columns<4>(x, r, bt, m, acc); break;
+        case 3: lora_columns<3>(x, r, bt, m, acc); break;
+        case 2: lora_columns<2>(x, r, bt, m, acc); break;
+        default: lora_columns<1>(x, r, bt, m, acc);
+      }
+      for (int64_t i = 0; i < rows; ++i) o[i].setv(m, o[i].getv(m) + acc[i]);
     }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const Act o{(char*)out.ptr + (idx ? idx[i] : i) * N * (out.bf16 ? 2 : 4), out.bf16};
-    for (int64_t m = 0; m < w; ++m) o.set(n0 + m, o.get(n0 + m) + y[i * w + m]);
+    for (; m < n1; ++m)
+      for (int64_t i = 0; i < rows; ++i) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < r; ++j) acc = acc + x[i * r + j] * *lora_b(bt, r, j, m);
+        o[i].set(m, o[i].get(m) + acc);
+      }
   }
 }
 
