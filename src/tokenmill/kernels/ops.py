@@ -245,19 +245,19 @@ class Kernels:
 
     def lora_add(
         self, x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, a_ptrs: torch.Tensor, bt_ptrs: torch.Tensor,
-        ranks: torch.Tensor, scales: torch.Tensor,
+        ranks: torch.Tensor, scales: torch.Tensor, tables_bf16: bool = False,
     ) -> None:  # fmt: skip
         """out [T, N] += each row's adapter update scale * B (A x[t]) (ops/lora.h), in place: x [T, K] (rows may be
         strided), slots [T] int64 each row's slot in the tables (-1: none); a_ptrs, bt_ptrs, ranks [S] int64 and
-        scales [S] float32: each slot's float32 A [r, K] and B^T in panels [ceil(N / 16), r, 16] (LoraProjection's
-        tables), rank and scale."""
+        scales [S] float32: each slot's A [r, K] and B^T in panels [ceil(N / 16), r, 16] (LoraProjection's tables;
+        float32, or bfloat16 with `tables_bf16`), rank and scale."""
         t, k = x.shape
         if out.shape[0] != t or slots.shape != (t,) or x.dtype != out.dtype or not out.is_contiguous():
             raise ValueError("lora_add needs out [T, N] contiguous in x's dtype and one slot per row")
         # (a slot past the tables: ValueError from the kernel, before it writes a row)
         self.module.lora_add(x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, out.data_ptr(), t, out.shape[1],
                              k, slots.data_ptr(), a_ptrs.data_ptr(), bt_ptrs.data_ptr(), ranks.data_ptr(),
-                             scales.data_ptr(), len(ranks))  # fmt: skip
+                             scales.data_ptr(), len(ranks), tables_bf16)  # fmt: skip
 
     def decode_attention(
         self,

@@ -212,16 +212,17 @@ class NativeStack:
         packed = self.packed_embedding
         return packed[1] if packed is not None and embed is packed[0] else embed.shape[0]
 
-    def set_lora(self, layer: int, projection: int, tables: Sequence[torch.Tensor]) -> None:
+    def set_lora(self, layer: int, projection: int, tables: Sequence[torch.Tensor], bf16: bool) -> None:
         """Layer `layer`'s projection (0 qkv, 1 o, 2 gate_up, 3 down) takes the adapters of these slot tables: A
-        and B^T pointers and ranks, int64 [slots], and scales, float32 [slots] (models/lora.py: LoraProjection)."""
+        and B^T pointers (to bfloat16 matrices where `bf16`, else float32) and ranks, int64 [slots], and scales,
+        float32 [slots] (models/lora.py: LoraProjection)."""
         if not 0 <= layer < self.native.num_layers() or not 0 <= projection < 4:
             raise ValueError(f"no projection {projection} of layer {layer} in the stack")
         slots = tables[0].shape[0]
         for t, dtype in zip(tables, (torch.int64, torch.int64, torch.int64, torch.float32), strict=True):
             _check(t, "a LoRA slot table", (slots,), dtype)
         self._lora_tables[layer, projection] = tuple(tables)  # alive while the stack points at them
-        self.native.set_lora(layer, projection, *(t.data_ptr() for t in tables), slots)
+        self.native.set_lora(layer, projection, *(t.data_ptr() for t in tables), slots, bf16)
 
     def set_lora_rows(self, slots: torch.Tensor | None, rows: int) -> None:
         """The next steps' LoRA slot per row (int64 [rows], -1: the base model), or none; a slot past the

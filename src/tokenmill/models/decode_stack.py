@@ -186,7 +186,7 @@ class DecodeStack:
             return None
         if self._lora_version != loras.version:
             for (layer, name), tables in loras.tables().items():
-                self.native.set_lora(layer, _LORA_PROJECTIONS.index(name), tables)
+                self.native.set_lora(layer, _LORA_PROJECTIONS.index(name), tables, loras.tables_bf16)
             self._lora_version = loras.version
         return batch.slots
 

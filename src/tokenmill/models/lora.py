@@ -86,11 +86,15 @@ class LoraState:
 class LoraProjection:
     """The adapters of one projection (not an nn.Module: its tensors are no checkpoint's parameters)."""
 
-    def __init__(self, state: LoraState, shape: ProjectionShape, ops: Any = None) -> None:
+    def __init__(self, state: LoraState, shape: ProjectionShape, ops: Any = None,
+                 dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
         self.state, self.shape, self.ops = state, shape, ops  # ops: the CPU kernels, or None
+        # the kernel's matrices: bfloat16 for a bfloat16 model (half the bytes a step reads; torch's matmuls would
+        # take the adapter in the model's dtype too), else float32
+        self.table_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         self.adapters: dict[int, AdapterWeights] = {}  # adapter id -> its matrices here
-        # the kernel's tables by slot: float32 A [r, D_in] and B^T in panels [ceil(D_out / 16), r, 16] (ops/lora.h;
-        # kept alive here), their pointers,
+        # the kernel's tables by slot: A [r, D_in] and B^T in panels [ceil(D_out / 16), r, 16] (ops/lora.h; kept
+        # alive here), their pointers,
         # ranks (0: the slot's adapter leaves this projection alone) and scales
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.a_ptrs, self.bt_ptrs, self.ranks = (torch.zeros(0, dtype=torch.int64) for _ in range(3))
@@ -107,9 +111,9 @@ class LoraProjection:
             self._kept.pop(slot, None)
             self.ranks[slot] = 0
             return
-        a, b = w.a.float().contiguous(), w.b.float()  # [r, D_in], [D_out, r]
+        a, b = w.a.to(self.table_dtype).contiguous(), w.b.to(self.table_dtype)  # [r, D_in], [D_out, r]
         n, r = b.shape
-        panels = torch.zeros(-(-n // 16) * 16, r)  # [D_out rounded up, r]
+        panels = torch.zeros(-(-n // 16) * 16, r, dtype=self.table_dtype)  # [D_out rounded up, r]
         panels[:n] = b
         bt = panels.view(-1, 16, r).transpose(1, 2).contiguous()  # [ceil(D_out / 16), r, 16]
         self._kept[slot] = (a, bt)
@@ -121,7 +125,8 @@ class LoraProjection:
         if batch is None or not self.adapters:
             return out
         if self.ops is not None and batch.slots is not None and _kernel_takes(x, out):
-            self.ops.lora_add(x, out, batch.slots, self.a_ptrs, self.bt_ptrs, self.ranks, self.scales)
+            self.ops.lora_add(x, out, batch.slots, self.a_ptrs, self.bt_ptrs, self.ranks, self.scales,
+                              self.table_dtype == torch.bfloat16)  # fmt: skip
             return out
         for adapter_id, rows in batch.groups:
             w = self.adapters.get(adapter_id)
@@ -171,7 +176,7 @@ class ModelLoras:
                             "down_proj": self._make(i, "down_proj", inter, (hidden,))}  # fmt: skip
 
     def _make(self, layer: int, name: str, in_features: int, shards: tuple[int, ...]) -> LoraProjection:
-        proj = LoraProjection(self.state, ProjectionShape(in_features, shards), self.ops)
+        proj = LoraProjection(self.state, ProjectionShape(in_features, shards), self.ops, self.dtype)
         self.projections[layer, name] = proj
         return proj
 
@@ -198,6 +203,11 @@ class ModelLoras:
             if slot is not None and self.ops is not None:
                 proj.set_slot(slot, None)
         self.version += 1
+
+    @property
+    def tables_bf16(self) -> bool:
+        """The kernel's matrices are bfloat16 (LoraProjection.table_dtype), else float32."""
+        return self.dtype == torch.bfloat16
 
     def tables(self) -> dict[tuple[int, str], tuple[torch.Tensor, ...]]:
         """Each projection's kernel tables by (layer, projection name): A and B^T pointers, ranks, scales; empty

@@ -231,14 +231,14 @@ void kv_write(uintptr_t k, int64_t k_stride, uintptr_t v, int64_t v_stride, bool
 }
 
 // every row's LoRA update added into out [T, N] (ops/lora.h): ids [T] int64 each row's slot (-1: none); a, bt,
-// ranks [slots] int64 and scales [slots] float32 the projection's tables
+// ranks [slots] int64 and scales [slots] float32 the projection's tables (the matrices in bfloat16 where tables_bf16)
 void lora_add(uintptr_t x, int64_t ldx, bool bf16, uintptr_t out, int64_t T, int64_t N, int64_t K, uintptr_t ids,
-              uintptr_t a, uintptr_t bt, uintptr_t ranks, uintptr_t scales, int64_t slots) {
+              uintptr_t a, uintptr_t bt, uintptr_t ranks, uintptr_t scales, int64_t slots, bool tables_bf16) {
   for (int64_t t = 0; t < T; ++t)  // checked before any row is written (the threads below could not raise)
     if (((const int64_t*)ids)[t] >= slots)
       throw std::invalid_argument("a row's LoRA slot " + std::to_string(((const int64_t*)ids)[t]) + " is past the " +
                               std::to_string(slots) + " slots of the tables");
-  const LoraSlots s{(const int64_t*)a, (const int64_t*)bt, (const int64_t*)ranks, (const float*)scales};
+  const LoraSlots s{(const int64_t*)a, (const int64_t*)bt, (const int64_t*)ranks, (const float*)scales, tables_bf16};
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     lora_rows(Act{(void*)x, bf16}, ldx, Act{(void*)out, bf16}, N, K, (const int64_t*)ids, s, begin, end);
   });

@@ -15,13 +15,14 @@
 namespace tmk {
 
 struct LoraSlots {
-  const int64_t* a;       // [slots] pointers to each adapter's A, float32 [r, K]
-  const int64_t* bt;      // [slots] pointers to each adapter's B^T in panels, float32 [ceil(N / 16), r, 16]
+  const int64_t* a;       // [slots] pointers to each adapter's A [r, K]
+  const int64_t* bt;      // [slots] pointers to each adapter's B^T in panels [ceil(N / 16), r, 16]
   const int64_t* ranks;   // [slots]
   const float* scales;    // [slots]
+  bool bf16 = false;      // A and B^T are bfloat16 (a bfloat16 model's: half the bytes a step reads), else float32
 };
 
-// rows of x that take one adapter at most at a time (a run of a sequence's rows, or a decode step's rows of one adapter)
+// rows of x taking one adapter at most at a time (a run of a sequence's rows, or a decode step's rows of one adapter)
 constexpr int64_t kLoraRows = 16;
 
 // xa [n, r] = scale * A x_i for n rows of x that take slot `slot` (row i at x.ptr + at(i) * ldx elements, at(i) =
@@ -32,7 +33,7 @@ inline int64_t lora_xa(Act x, int64_t ldx, const int64_t* idx, int64_t n, int64_
   thread_local std::vector<float> xf;
   xf.resize(n * K);
   const int64_t r = s.ranks[slot];
-  const float* a = (const float*)s.a[slot];
+  const Act a{(void*)s.a[slot], s.bf16};
   for (int64_t i = 0; i < n; ++i) {
     const Act row{(char*)x.ptr + (idx ? idx[i] : i) * ldx * (x.bf16 ? 2 : 4), x.bf16};
     int64_t k = 0;
@@ -44,9 +45,9 @@ inline int64_t lora_xa(Act x, int64_t ldx, const int64_t* idx, int64_t n, int64_
       const float* xi = xf.data() + i * K;
       vf acc = {};
       int64_t k = 0;
-      for (; k + W <= K; k += W) acc += load(a + j * K + k) * load(xi + k);
+      for (; k + W <= K; k += W) acc += a.getv(j * K + k) * load(xi + k);
       float sum = hsum(acc);
-      for (; k < K; ++k) sum += a[j * K + k] * xi[k];
+      for (; k < K; ++k) sum += a.get(j * K + k) * xi[k];
       xa[i * r + j] = sum * s.scales[slot];
     }
   return r;
@@ -55,17 +56,17 @@ inline int64_t lora_xa(Act x, int64_t ldx, const int64_t* idx, int64_t n, int64_
 // B^T's panels: each 16 columns' r rows side by side ([ceil(N / 16), r, 16], zero past N), so the r values a column
 // sums over lie in 16 consecutive rows of 64 bytes rather than r rows N floats apart
 constexpr int64_t kLoraPanel = 16;
-inline const float* lora_b(const float* bt, int64_t r, int64_t j, int64_t n) {
-  return bt + ((n / kLoraPanel) * r + j) * kLoraPanel + n % kLoraPanel;
+inline int64_t lora_b(int64_t r, int64_t j, int64_t n) {  // B^T[j][n]'s index
+  return ((n / kLoraPanel) * r + j) * kLoraPanel + n % kLoraPanel;
 }
 
 // R rows' sums over W columns from m: acc[i] = sum_j xa_i[j] * B^T[j][m..], in rank order from 0 (one FMA each)
 template <int R>
-inline void lora_columns(const float* xa, int64_t r, const float* bt, int64_t m, vf* out) {
+inline void lora_columns(const float* xa, int64_t r, Act bt, int64_t m, vf* out) {
   vf acc[R];  // (in registers: a store through `out` could alias the loads)
   for (int i = 0; i < R; ++i) acc[i] = splat(0.f);
   for (int64_t j = 0; j < r; ++j) {
-    const vf b = load(lora_b(bt, r, j, m));
+    const vf b = bt.getv(lora_b(r, j, m));
     for (int i = 0; i < R; ++i) acc[i] += splat(xa[i * r + j]) * b;
   }
   for (int i = 0; i < R; ++i) out[i] = acc[i];
@@ -76,8 +77,8 @@ inline void lora_columns(const float* xa, int64_t r, const float* bt, int64_t m,
 // sums in registers, so a B^T slice is read once for them. A column's sum is the same whatever range it is asked in
 // (the tail is contracted to an FMA as the lanes are: -ffp-contract=fast), so the decode stack, which adds a linear
 // chunk's columns (stack/lora.h), and lora_rows give the same bits.
-inline void lora_out(const float* xa, int64_t r, const int64_t* idx, int64_t n, const float* bt, int64_t N, Act out,
-                     int64_t n0, int64_t n1) {
+inline void lora_out(const float* xa, int64_t r, const int64_t* idx, int64_t n, Act bt, int64_t N, Act out, int64_t n0,
+                     int64_t n1) {
   for (int64_t i0 = 0; i0 < n; i0 += 4) {
     const int64_t rows = std::min<int64_t>(4, n - i0);
     Act o[4];
@@ -98,7 +99,7 @@ inline void lora_out(const float* xa, int64_t r, const int64_t* idx, int64_t n, 
     for (; m < n1; ++m)
       for (int64_t i = 0; i < rows; ++i) {
         float acc = 0.f;
-        for (int64_t j = 0; j < r; ++j) acc = acc + x[i * r + j] * *lora_b(bt, r, j, m);
+        for (int64_t j = 0; j < r; ++j) acc = acc + x[i * r + j] * bt.get(lora_b(r, j, m));
         o[i].set(m, o[i].get(m) + acc);
       }
   }
@@ -117,7 +118,7 @@ inline void lora_rows(Act x, int64_t ldx, Act out, int64_t N, int64_t K, const i
     const Act rows{(char*)x.ptr + t * ldx * (x.bf16 ? 2 : 4), x.bf16};
     const int64_t r = lora_xa(rows, ldx, nullptr, end - t, K, slot, s, xa.data());
     const Act o{(char*)out.ptr + t * N * (out.bf16 ? 2 : 4), out.bf16};
-    lora_out(xa.data(), r, nullptr, end - t, (const float*)s.bt[slot], N, o, 0, N);
+    lora_out(xa.data(), r, nullptr, end - t, Act{(void*)s.bt[slot], s.bf16}, N, o, 0, N);
   }
 }
 

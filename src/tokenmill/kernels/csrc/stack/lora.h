@@ -24,11 +24,13 @@ class StackLoras {
   enum Projection { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
 
   // layer l's projection p takes the adapters of these tables, `slots` long (0: no adapter targets it; ranks 0: a
-  // slot's adapter leaves it alone); a, bt, ranks int64 [slots] and scales float32 [slots] (models/lora.py)
-  void set(int64_t l, int p, uintptr_t a, uintptr_t bt, uintptr_t ranks, uintptr_t scales, int64_t slots) {
+  // slot's adapter leaves it alone); a, bt, ranks int64 [slots] and scales float32 [slots] (models/lora.py), the
+  // matrices in bfloat16 where `bf16`
+  void set(int64_t l, int p, uintptr_t a, uintptr_t bt, uintptr_t ranks, uintptr_t scales, int64_t slots, bool bf16) {
     if (l < 0 || p < 0 || p > DOWN) throw std::invalid_argument("set_lora: no such layer or projection");
     if ((int64_t)tables_.size() <= l) tables_.resize(l + 1), slots_.resize(l + 1);
-    tables_[l][p] = LoraSlots{(const int64_t*)a, (const int64_t*)bt, (const int64_t*)ranks, (const float*)scales};
+    tables_[l][p] =
+        LoraSlots{(const int64_t*)a, (const int64_t*)bt, (const int64_t*)ranks, (const float*)scales, bf16};
     slots_[l][p] = slots;
   }
 
@@ -82,8 +84,8 @@ class StackLoras {
     if (!on_ || !adapted(l, p)) return;
     const LoraSlots& s = tables_[l][p];
     for (const Group& g : groups_)
-      lora_out(xa(p, g), s.ranks[g.slot], g.rows.data(), (int64_t)g.rows.size(), (const float*)s.bt[g.slot], N, out,
-               n0, n1);
+      lora_out(xa(p, g), s.ranks[g.slot], g.rows.data(), (int64_t)g.rows.size(), Act{(void*)s.bt[g.slot], s.bf16}, N,
+               out, n0, n1);
   }
 
  private:

@@ -119,8 +119,9 @@ class DecodeStack {
 
   // LoRA (stack/lora.h): layer l's projection p (qkv, o, gate_up, down) takes the adapters of these slot tables; and
   // the next runs' slot per row (int64 [B], -1: the base model; 0: no row takes an adapter)
-  void set_lora(int64_t l, int p, uintptr_t a, uintptr_t bt, uintptr_t ranks, uintptr_t scales, int64_t slots) {
-    lora_.set(l, p, a, bt, ranks, scales, slots);
+  void set_lora(int64_t l, int p, uintptr_t a, uintptr_t bt, uintptr_t ranks, uintptr_t scales, int64_t slots,
+                bool bf16) {
+    lora_.set(l, p, a, bt, ranks, scales, slots, bf16);
   }
   void set_lora_rows(uintptr_t ids, int64_t B) { lora_.set_rows(ids, B); }
 
