@@ -41,20 +41,27 @@ void panel_rows(const T* panel, const float* x, int64_t ldx, int64_t K, int64_t 
 constexpr int64_t KSPAN = SPAN_BYTES / (4 * P);
 constexpr int64_t KSPAN_ROWS = 48;  // rows at most (the sums wait on the stack)
 
-// `rows` rows of x (2..KSPAN_ROWS) times a bf16 panel, in tiles of `per` rows (each of 2 or more), with K cut into
-// spans: every tile runs over one span before the next span starts, so a span's weights come from memory once, for
+// the first row of tile t of `rows` rows in `tiles` tiles: sizes that differ by one at most. With tiles of 4 rows or
+// more (8 and 16 lanes) no tile of a block of 2 rows or more then holds a lone row, which sums in another order
+// (panel_rows: a row alone takes 4 sets of sums); nor with 4 lanes' tiles of 2 for an even count, as
+// `--batch-invariant` pads them
+constexpr int64_t tile_start(int64_t rows, int64_t tiles, int64_t t) { return t * rows / tiles; }
+
+// `rows` rows of x (2..KSPAN_ROWS) times a bf16 panel, in `tiles` tiles (tile_start: 2 rows or more each), with K cut
+// into spans: every tile runs over one span before the next span starts, so a span's weights come from memory once, for
 // the first tile, and the later tiles find them in L1. One pass per tile instead read the panel from memory for the
 // first and from L2 for the others, and the first tile waited on memory. The sums wait in `sums` between spans and
 // take each span's pairs in order (span_dense, one set), so they are the same bits as one pass per tile.
 template <int MT>
-void panel_spans(const uint16_t* panel, const float* x, int64_t ldx, int64_t K, int64_t rows, int64_t per,
+void panel_spans(const uint16_t* panel, const float* x, int64_t ldx, int64_t K, int64_t rows, int64_t tiles,
                  vf (*sums)[V]) {
   for (int64_t m = 0; m < rows; ++m)
     for (int v = 0; v < V; ++v) sums[m][v] = splat(0.f);
   for (int64_t j0 = 0; j0 < K / 2; j0 += KSPAN) {
     const int64_t j1 = std::min(K / 2, j0 + KSPAN);
-    for (int64_t m0 = 0; m0 < rows; m0 += per)
-      with_rows<MT, 2>(std::min(per, rows - m0), [&](auto r) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m0 = tile_start(rows, tiles, t);
+      with_rows<MT, 2>(tile_start(rows, tiles, t + 1) - m0, [&](auto r) {
         constexpr int R = decltype(r)::value;
         vf a[1][R][V];
         for (int m = 0; m < R; ++m)
@@ -64,6 +71,7 @@ void panel_spans(const uint16_t* panel, const float* x, int64_t ldx, int64_t K, 
         for (int m = 0; m < R; ++m)
           for (int v = 0; v < V; ++v) sums[m0 + m][v] = a[0][m][v];
       });
+    }
   }
 }
 
@@ -92,14 +100,15 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed
   for (int64_t p = p_begin; p < p_end; ++p) {
     const T* panel = (const T*)(packed + p * stride);
     const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
-    // the block's rows in the fewest tiles, of even sizes: 8 rows as 4 + 4, not 5 + 3
+    // the block's rows in the fewest tiles, of even sizes: 8 rows as 4 + 4, not 5 + 3; 26 as 5 + 5 + 4 + 4 + 4 + 4
     const int64_t r1 = std::min(M, r0 + block), cap = xh || r1 - r0 <= mt ? mt : MT_DENSE_SHARED;
-    const int64_t tiles = (r1 - r0 + cap - 1) / cap, per = (r1 - r0 + tiles - 1) / tiles;
+    const int64_t n = r1 - r0, tiles = (n + cap - 1) / cap;
     if constexpr (std::is_same_v<T, uint16_t>) {
-      const bool spans = kspans && tiles > 1 && K / 2 > KSPAN && r1 - r0 <= KSPAN_ROWS;
-      if (!xh && spans && r1 - r0 - (tiles - 1) * per >= 2) {
+      // (every tile of 2 rows or more: a 4-lane build's tiles of at most 2 rows leave 3 rows as 1 + 2)
+      const bool spans = kspans && tiles > 1 && n / tiles >= 2 && K / 2 > KSPAN && n <= KSPAN_ROWS;
+      if (!xh && spans) {
         vf sums[KSPAN_ROWS][V];
-        panel_spans<MT_DENSE>(panel, x + r0 * ldx, ldx, K, r1 - r0, per, sums);
+        panel_spans<MT_DENSE>(panel, x + r0 * ldx, ldx, K, n, tiles, sums);
         for (int64_t m = 0; m < r1 - r0; ++m) {
           float lane[P];
           for (int v = 0; v < V; ++v) {
@@ -112,8 +121,8 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed
         continue;
       }
     }
-    for (int64_t m0 = r0; m0 < r1; m0 += per) {
-      const int64_t rows = std::min<int64_t>(per, r1 - m0);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t m0 = r0 + tile_start(n, tiles, t), rows = r0 + tile_start(n, tiles, t + 1) - m0;
       vf acc[std::max(MT_DENSE, MT_PAIRS)][V] = {};
       if constexpr (std::is_same_v<T, uint16_t>) {
         if (xh) pair_rows<MT_PAIRS>(panel, xh + m0 * ldxh, ldxh, K, rows, acc);
