@@ -35,10 +35,15 @@ def _watch_until(proc: subprocess.Popen[bytes], found: dict[psutil.Process, str]
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while proc.poll() is None:
         try:
-            # (read again while empty: a process just forked has no command line of its own yet)
-            found.update({p: " ".join(_cmdline(p)) for p in started_by(proc.pid) if not found.get(p)})
+            procs = started_by(proc.pid)
         except psutil.NoSuchProcess:
             break
+        # read every poll, keeping the last non-empty line: a process caught between its fork and its exec shows
+        # its parent's command line (Ray's gcs_server read as "python -m tokenmill serve"), or none yet
+        for p in procs:
+            cmd = " ".join(_cmdline(p))
+            if cmd or p not in found:
+                found[p] = cmd
         if done is not None and any(done in cmd for cmd in found.values()):
             return
         assert time.monotonic() < deadline, "never got there"
