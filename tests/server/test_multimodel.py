@@ -7,6 +7,7 @@ weights) and `big` (~72 MB)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -24,6 +25,8 @@ from tests.server.helpers import Server, assert_openai_error, offline, running
 from tests.server.hold import Hold, hold_env
 from tests.unit.test_cli import assert_one_line_error, run_cli
 from tokenmill import LLM
+from tokenmill.bench.serve import add_serve_parser
+from tokenmill.bench.serve_run import run_serve
 
 HOLD_TOKEN = 8  # a prompt starting with it is held mid-request (tests/server/hold.py)
 FATAL_TOKEN = 9  # a step computing a prompt that starts with it kills its engine's loop (fault_hooks.py)
@@ -270,6 +273,40 @@ def test_a_dead_engine_fails_its_requests_and_is_replaced_at_the_next(from_file:
     assert _states(from_file)["big"] == "unloaded"
     assert _complete(from_file, "big")
     assert _states(from_file)["big"] == "loaded" and from_file.proc.poll() is None
+
+
+def _switch(server: Server, out: Path, *argv: str) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """`tokenmill bench serve --workload switch` against `server`: its summary, rows and report."""
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--url", server.url, "--model", "small", "--workload", "switch",
+                              "--output-dir", str(out), "--input-len", "4", "--output-len", "2", *argv])  # fmt: skip
+    run = run_serve(args)
+    summary = json.loads((run / "summary" / "summary.json").read_text())
+    return summary, json.loads((run / "raw" / "trials.json").read_text()), (run / "report.md").read_text()
+
+
+def test_the_switch_benchmark_times_cold_loads_and_reads_memory_after_the_idle_unload(
+    by_count: Server, from_file: Server, tmp_path: Path
+) -> None:
+    # one model loaded at a time: after the first, each request to the other model is a cold one, and loads it
+    summary, rows, report = _switch(
+        by_count, tmp_path / "count", "--request-models", "small,big,small", "--num-prompts", "3"
+    )
+    assert [r["model"] for r in rows] == ["small", "big", "small"] and all(r["ok"] for r in rows)
+    assert [r["cold"] for r in rows[1:]] == [True, True]
+    assert all(r["loaded_after"] == [r["model"]] for r in rows)
+    assert all((r["load_s"] is not None) == r["cold"] for r in rows)
+    assert summary["cold_requests"] == summary["load_s"]["n"] >= 2 and summary["cold_ttft_ms"]["p50"] > 0
+    assert summary["rss_peak_mb"] >= summary["rss_start_mb"] > 0 and summary["rss_after_idle_unload_mb"] is None
+    assert "| 2 | small | yes |" in report
+    # idle models unloaded after 2 s: the baseline and the end have none loaded
+    summary, rows, report = _switch(from_file, tmp_path / "idle", "--request-models", "big", "--num-prompts", "2",
+                                    "--idle-wait", str(WAIT_S))  # fmt: skip
+    assert [r["cold"] for r in rows] == [True, False] and all(r["ok"] for r in rows)
+    assert set(summary["states_at_start"].values()) == {"unloaded"}
+    assert summary["idle_unload_waited_s"] is not None and summary["rss_after_idle_unload_mb"] > 0
+    assert summary["warm_ttft_ms"]["n"] == 1 and "after every model was unloaded" in report
 
 
 @pytest.mark.parametrize(

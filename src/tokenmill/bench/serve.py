@@ -41,6 +41,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "custom": {"num_prompts": 32, "request_rate": INF},
     "agent": {},  # turns of growing conversations (bench/agent.py), its own flags
     "embed": {},  # /v1/embeddings requests (bench/embed.py)
+    "switch": {},  # one request at a time over the models of one server: cold loads, memory (bench/switch.py)
 }
 LONG_FACTOR = 4  # chunked_prefill: a long prompt is LONG_FACTOR x input-len tokens
 CONTEXT_MARGIN = 8  # tokens kept free of the context when scaling prompts (chat templates, BOS)
@@ -403,6 +404,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--turns", type=int, default=None, help="agent: turns per conversation (10)")
     p.add_argument("--max-context", type=int, default=None, help="agent: tokens the history grows to (32768)")
     p.add_argument("--embed-batch", type=int, default=1, help="embed: texts per /v1/embeddings request")
+    p.add_argument(
+        "--idle-wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="switch: wait up to S seconds for every model to be unloaded, before the first request and after the last",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", default=None, metavar="ttft:MS,tpot:MS", help="SLOs (any of ttft, tpot, e2e)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")

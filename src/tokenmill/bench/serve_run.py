@@ -1,6 +1,6 @@
 """`tokenmill bench serve`'s entry: the chosen workload (or each in turn for `all`) against `--url`, then against each
-`--server-peers` server. The streaming workloads run in serve.py; `agent` (agent.py) and `embed` (embed.py) have their
-own drivers."""
+`--server-peers` server. The streaming workloads run in serve.py; `agent` (agent.py), `embed` (embed.py) and `switch`
+(switch.py) have their own drivers."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from tokenmill.bench.embed import run_embed
 from tokenmill.bench.flops import flops_basis
 from tokenmill.bench.serve import WORKLOADS, parse_goodput, run_workload
 from tokenmill.bench.serve_peers import parse_peers, peer_args, side_by_side
+from tokenmill.bench.switch import run_switch
 
-OWN_DRIVERS = ("agent", "embed")
+OWN_DRIVERS = ("agent", "embed", "switch")
 
 
 def run_serve(args: argparse.Namespace) -> Path:
@@ -34,4 +35,6 @@ def _run(args: argparse.Namespace, workload: str) -> Path:
         return Path(run_agent(args))
     if workload == "embed":
         return Path(run_embed(args))
+    if workload == "switch":
+        return run_switch(args)
     return run_workload(args, workload)
