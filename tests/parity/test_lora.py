@@ -246,6 +246,29 @@ def test_the_decode_stack_applies_adapters_as_the_modules_do(
     stack.native.set_lora_rows(None, 0)
 
 
+@pytest.mark.parametrize("speculator", ["ngram", "draft-model"])
+def test_speculation_leaves_adapter_rows_greedy_tokens_unchanged(
+    llm: LLM, checkpoint: Path, adapters: dict[str, Path], speculator: str
+) -> None:
+    """Drafts (prompt lookup, or a draft model: here the base checkpoint, which proposes without the adapters)
+    verified with each row's adapter: a batch mixing adapters and the base gets the greedy tokens it gets without
+    speculation, and the verifying steps with adapter rows take the decode stack where the model has one."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 4 + [5]}, {"prompt_token_ids": [11, 12, 13] * 5 + [11]},
+               {"prompt_token_ids": [21, 22, 23, 24] * 4 + [21]}]  # fmt: skip
+    loras: list[str | None] = ["all-r8", None, "qv-down-r2"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+    spec = LLM(str(checkpoint), dtype="float32", device=target.DEVICE, max_lora_rank=16,
+               lora_modules={name: str(path) for name, path in adapters.items()},
+               speculative_model="ngram" if speculator == "ngram" else str(checkpoint))  # fmt: skip
+    got = spec.generate(prompts, params, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in got] == want
+    metrics = [o.metrics for o in got if o.metrics is not None]
+    assert len(metrics) == len(prompts) and all(m.num_draft_tokens > 0 for m in metrics), "every row had drafts"
+    if spec.engine.runner.decode_stack is not None:
+        assert all("decode_stack" in m.forward_steps for m in metrics), [m.forward_steps for m in metrics]
+
+
 def test_a_lora_request_loads_its_folder_once(checkpoint: Path, adapters: dict[str, Path]) -> None:
     llm = LLM(str(checkpoint), dtype="float32", device=target.DEVICE, enable_lora=True)
     request = LoRARequest("late", 1, str(adapters["attn-r4"]))
