@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from tests.server.helpers import Server, running
-from tokenmill.bench.serve import add_serve_parser, make_plan, parse_goodput, sampling
+from tokenmill.bench.serve import make_plan, parse_goodput, sampling
+from tokenmill.bench.serve_args import add_serve_parser
 from tokenmill.bench.serve_run import run_serve
 
 INPUT_LEN, OUTPUT_LEN = 16, 8

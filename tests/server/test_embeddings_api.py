@@ -167,7 +167,7 @@ def test_the_embed_benchmark_workload_runs_against_the_server(server: Server, tm
     import argparse
     import json
 
-    from tokenmill.bench.serve import add_serve_parser
+    from tokenmill.bench.serve_args import add_serve_parser
     from tokenmill.bench.serve_run import run_serve
 
     parser = argparse.ArgumentParser()

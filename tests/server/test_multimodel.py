@@ -25,7 +25,7 @@ from tests.server.helpers import Server, assert_openai_error, offline, running
 from tests.server.hold import Hold, hold_env
 from tests.unit.test_cli import assert_one_line_error, run_cli
 from tokenmill import LLM
-from tokenmill.bench.serve import add_serve_parser
+from tokenmill.bench.serve_args import add_serve_parser
 from tokenmill.bench.serve_run import run_serve
 
 HOLD_TOKEN = 8  # a prompt starting with it is held mid-request (tests/server/hold.py)

@@ -63,3 +63,30 @@ def test_embeddings_share_steps_with_streams_and_change_nothing(
         assert max(abs(a - b) for a, b in zip(got, want.outputs.embedding, strict=True)) < TOL
     stats = httpx.get(f"{server.url}/stats", timeout=30).json()
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_the_mixed_benchmark_compares_each_streams_tpot_with_embeddings_beside(server: Server, tmp_path: Path) -> None:
+    """`tokenmill bench serve --embed-rate R` (bench/mixed.py): the workload alone, then with embedding requests
+    arriving beside it; each stream's TPOT in both runs and their ratio, and the embeddings' figures."""
+    import argparse
+    import json
+
+    from tokenmill.bench.serve_args import add_serve_parser
+    from tokenmill.bench.serve_run import run_serve
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    sizes = ["--num-prompts", "4", "--max-concurrency", "4", "--input-len", "8", "--output-len", "8"]
+    beside = ["--embed-rate", "20", "--embed-batch", "2", "--embed-len", "6"]
+    args = parser.parse_args(["serve", "--url", server.url, "--model", server.model, *sizes, *beside,
+                              "--output-dir", str(tmp_path)])  # fmt: skip
+    run = run_serve(args)
+    summary = json.loads((run / "summary" / "summary.json").read_text())
+    streams = json.loads((run / "raw" / "trials.json").read_text())
+    assert run.name.startswith("mixed_") and summary["streams_compared"] == 4
+    assert (tmp_path / summary["alone_run"] / "report.md").is_file() and summary["alone_run"] != summary["mixed_run"]
+    assert all(s["ratio"] == s["tpot_mixed_ms"] / s["tpot_alone_ms"] > 0 for s in streams)
+    assert summary["tpot_ratio_max"] == max(s["ratio"] for s in streams)
+    embeddings = summary["embeddings"]
+    assert embeddings["requests_sent"] >= 1 and embeddings["requests_errors"] == 0, embeddings["errors"]
+    assert embeddings["prompt_token_throughput"] > 0 and "| stream | TPOT alone ms |" in (run / "report.md").read_text()

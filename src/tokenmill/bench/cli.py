@@ -28,7 +28,7 @@ def add_bench_parser(sub: Any, engine_args: Callable[[argparse.ArgumentParser], 
 
     add_sweep_parser(bsub, engine_args)
     add_report_parser(bsub)
-    from tokenmill.bench.serve import add_serve_parser
+    from tokenmill.bench.serve_args import add_serve_parser
 
     add_serve_parser(bsub)
     from tokenmill.bench.probe import add_probe_parser

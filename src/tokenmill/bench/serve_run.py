@@ -10,6 +10,7 @@ from pathlib import Path
 from tokenmill.bench.agent import run_agent
 from tokenmill.bench.embed import run_embed
 from tokenmill.bench.flops import flops_basis
+from tokenmill.bench.mixed import run_mixed
 from tokenmill.bench.serve import WORKLOADS, parse_goodput, run_workload
 from tokenmill.bench.serve_peers import parse_peers, peer_args, side_by_side
 from tokenmill.bench.switch import run_switch
@@ -37,4 +38,6 @@ def _run(args: argparse.Namespace, workload: str) -> Path:
         return Path(run_embed(args))
     if workload == "switch":
         return run_switch(args)
+    if args.embed_rate:  # the workload alone, then with embedding requests beside it
+        return run_mixed(args, workload, run_workload)
     return run_workload(args, workload)
