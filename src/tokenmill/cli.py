@@ -75,8 +75,9 @@ _HELP = {
     "(Q4_0), q4_k, q5_k, q6_k (rows not a multiple of 256 take Q5_0, Q5_1, Q8_0, as llama-quantize's), q5_0, q5_1, "
     "q4_1",
     "cpu_kernels": "tokenmill's own CPU kernels (compiled for this CPU on first use); off: pure torch",
-    "weight_cache": "keep a GGUF's weights as the CPU kernels read them in $TOKENMILL_CACHE_DIR/packed (about the "
-    "file's size on disk), so later starts map them instead of repacking",
+    "weight_cache": "keep a GGUF's or a safetensors folder's weights as the CPU kernels read them in "
+    "$TOKENMILL_CACHE_DIR/packed (about the packed weights' size on disk), so later starts map them instead of "
+    "repacking",
     "gpu_kernels": "on a GPU, tokenmill's Triton kernels (paged attention, fused norms, int8); off: torch's ops",
     "batch_invariant": "every request's logits bit for bit the same alone or in any batch (CPU kernels; slower)",
     "pack_weights": "oneDNN-prepacked weights (needs native bf16 for bfloat16)",

@@ -298,7 +298,8 @@ class EngineConfig:
     # kernels
     quantization: Quantization = "none"
     cpu_kernels: bool = True  # tokenmill's own CPU kernels for bf16 / int8 / int4 linears (kernels/)
-    weight_cache: bool = True  # a GGUF's weights packed for the kernels once, then mapped (weights/packed_cache.py)
+    # a GGUF's (or a safetensors folder's) weights packed for the kernels once, then mapped (weights/packed_cache.py)
+    weight_cache: bool = True
     gpu_kernels: bool = True  # on a GPU: the Triton kernels (kernels/cuda/) for attention, norms and int8 linears
     # every request's logits bit for bit the same alone or in any batch (CPU kernels; docs/architecture.md)
     batch_invariant: bool = False

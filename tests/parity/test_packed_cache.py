@@ -1,6 +1,6 @@
-"""A GGUF's packed weights kept between starts (weights/packed_cache.py): the first load moves them into a cache
-file and serves from its pages, a later load maps that file instead of repacking, and a damaged, stale or
-unwritable cache never changes what the model computes."""
+"""A GGUF's or a safetensors folder's packed weights kept between starts (weights/packed_cache.py): the first load
+moves them into a cache file and serves from its pages, a later load maps that file instead of repacking, and a
+damaged, stale or unwritable cache never changes what the model computes."""
 
 from __future__ import annotations
 
@@ -164,3 +164,47 @@ def test_an_unwritable_cache_folder_changes_nothing(gguf_file: Path, tmp_path: P
     assert all(_mapped_from(d.data_ptr()) in ("", "[heap]") for d in _weights(llm).values())  # placed as before
     want = LLM(str(gguf_file), dtype="float32", weight_cache=False)
     assert _greedy(llm, PROMPTS[:1]) == _greedy(want, PROMPTS[:1])
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", "none"), ("float32", "int8")])
+def test_a_safetensors_folders_packed_weights_come_from_the_cache(
+    make_checkpoint: Callable[..., Path], root: Path, dtype: str, quantization: str
+) -> None:
+    """A folder's linears, packed (or quantized) as they load at the first start, are mapped from the entry at the
+    second, which writes nothing, reads none of their values from the folder (the fused q|k|v and gate|up are never
+    gathered), and computes the same; once loaded, nothing holds the folder's file."""
+    folder = make_checkpoint("llama", hidden_size=256, intermediate_size=512, tie_word_embeddings=True)
+    weights_file = str(folder / "model.safetensors")
+    first = LLM(str(folder), dtype=dtype, quantization=quantization)
+    entry = _only_entry(root)
+    written = entry.stat().st_mtime_ns
+    second = LLM(str(folder), dtype=dtype, quantization=quantization)
+    assert entry.stat().st_mtime_ns == written and _only_entry(root) == entry  # read, not written again
+    weights = _weights(second)
+    assert "lm_head" in weights and "model.layers.0.self_attn.qkv_proj" in weights
+    for name, data in weights.items():
+        assert _mapped_from(data.data_ptr()) == str(entry), name
+        assert torch.equal(data, _weights(first)[name]), name
+    assert weights_file not in Path("/proc/self/maps").read_text()  # no norm or bias still viewing its map
+    plain = LLM(str(folder), dtype=dtype, quantization=quantization, weight_cache=False)
+    ids = plain.loaded.tokenizer.encode(PROMPTS[0])
+    assert torch.equal(_logits(second, ids), _logits(plain, ids))
+    assert _greedy(second, PROMPTS) == _greedy(plain, PROMPTS)
+
+
+def test_a_rewritten_folder_is_never_served_stale(make_checkpoint: Callable[..., Path], root: Path,
+                                                 tmp_path: Path) -> None:  # fmt: skip
+    """The same folder, its weights file rewritten with other weights of the same size: a new entry."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(make_checkpoint("llama", hidden_size=256, intermediate_size=512), folder)
+    LLM(str(folder), dtype="bfloat16")
+    old = _only_entry(root)
+    other = make_checkpoint("llama", seed=1, hidden_size=256, intermediate_size=512)
+    shutil.copyfile(other / "model.safetensors", folder / "model.safetensors")
+    llm = LLM(str(folder), dtype="bfloat16")
+    assert _only_entry(root) != old
+    want = LLM(str(folder), dtype="bfloat16", weight_cache=False)
+    ids = want.loaded.tokenizer.encode(PROMPTS[0])
+    assert torch.equal(_logits(llm, ids), _logits(want, ids))

@@ -41,6 +41,7 @@ from tokenmill.weights import load_weights, resolve_model
 from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from tokenmill.weights.packed_cache import PackedCache, cache_path
 from tokenmill.weights.safetensors_io import count_tensors, iter_tensors
+from tokenmill.weights.safetensors_io import sample as safetensors_sample
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
 DEMO_DRAFT = DEMO_MODEL.parent / "demo-draft"  # its draft model: `--speculative-model demo-draft`
@@ -178,12 +179,12 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         model = family.model_class(model_config)
         if task.pooling is not None:
             as_pooling_model(model, task.pooling, task.generate)
-    cache = _packed_cache(cfg, gguf, device) if gguf else None
     # each dense linear packed as it completes (unless a tensor-parallel shard splits its head first): the file's
-    # pages plus one packed copy, never every weight dense and packed at once; a GGUF's taken from its packed cache
-    # where an earlier start put it there (weights/loader.py)
+    # pages plus one packed copy, never every weight dense and packed at once; taken from the packed cache where an
+    # earlier start put it there (weights/loader.py): a GGUF's, or a folder's where the loader packs every linear
     fmt = None if shard else linear_format(cfg.quantization, device, dtype, cfg.pack_weights, cfg.cpu_kernels)
     packer = None if fmt is None else functools.partial(pack_weight, fmt=fmt)
+    cache = _packed_cache(cfg, gguf, path, device) if gguf or fmt is not None else None
     if gguf:
         with progress(f"loading {path.name}", total=len(gguf.tensors)) as advance:
             load_weights(model, _ticking(gguf.iter_tensors(hf_config), advance), str(path), dtype, device, False,
@@ -193,7 +194,8 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         if shard is not None:
             tensors = shard.stream(tensors, full_config)
         with progress(f"loading {path.name}", total=count_tensors(path)) as advance:
-            load_weights(model, _ticking(tensors, advance), str(path), dtype, device, packer=packer)
+            load_weights(model, _ticking(tensors, advance), str(path), dtype, device, cache=cache, packer=packer,
+                         pack_format=fmt)  # fmt: skip
     if shard is not None:
         split_head(model, shard)  # before packing: its rows become a kernel linear like any other
     gpu_ops = _gpu_kernels(cfg, device)
@@ -231,15 +233,19 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
     )
 
 
-def _packed_cache(cfg: EngineConfig, gguf: GGUFCheckpoint, device: torch.device) -> PackedCache | None:
-    """The packed-weight cache of `gguf`, where its blocks run in the compiled CPU kernels and
-    `--weight-cache` is on (weights/packed_cache.py)."""
+def _packed_cache(
+    cfg: EngineConfig, gguf: GGUFCheckpoint | None, folder: Path, device: torch.device
+) -> PackedCache | None:
+    """The packed-weight cache of `gguf`, or else of the safetensors `folder`, where its weights run in the compiled
+    CPU kernels and `--weight-cache` is on (weights/packed_cache.py)."""
     if device.type != "cpu" or not (cfg.cpu_kernels and cfg.weight_cache):
         return None
     ops = active_kernels()
-    if ops is None:
+    source = gguf.path if gguf else folder
+    sample = gguf.reader.sample() if gguf else safetensors_sample(folder)  # the contents' fingerprint
+    if ops is None or not sample:
         return None
-    return PackedCache(cache_path(gguf.path, ops.module.__name__, gguf.reader.sample()), gguf.path)
+    return PackedCache(cache_path(source, ops.module.__name__, sample), source)
 
 
 def _gpu_kernels(cfg: EngineConfig, device: torch.device) -> CudaKernels | None:

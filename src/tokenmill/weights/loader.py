@@ -38,6 +38,8 @@ from tokenmill.models.linear import KernelLinear, SegmentedLinear
 from tokenmill.models.packed_embedding import PackedEmbedding
 from tokenmill.weights.packed_cache import PackedCache
 
+SMALL = 1 << 20  # elements: a tensor this small is copied out of the file as it loads (_Fill.dense)
+
 Value = torch.Tensor | RawBlocks
 Tensors = Iterable[tuple[str, Value, str]]  # (HF tensor name, value, where it came from)
 Packer = Callable[[torch.Tensor], PackedWeight]  # a dense [N, K] weight -> its packed form
@@ -96,7 +98,11 @@ class _Fill:
             for idx, w in held.items():
                 self._copy(name, self._offset(name, idx), w.dequantize())
         if whole:
-            _set_param(self.model, name, value)
+            # a small tensor (a norm, a bias) copied out of the file's map: nothing then holds the map once the
+            # weights are packed, so its pages (mapped 2 MB at a time where the page cache has huge pages) leave
+            _set_param(self.model, name, value.clone() if value.numel() <= SMALL else value)
+            return
+        if self._cached_whole(name):  # a fused weight the cache holds packed: its shards' values are never read
             return
         if name not in self.filled:  # the first shard seen allocates the fused tensor
             self._allocate(name)
@@ -134,7 +140,7 @@ class _Fill:
             return
         module = self.model.get_submodule(name.rpartition(".")[0])
         fused = _whole(name)
-        if not isinstance(module, nn.Linear) or module.weight.device.type == "meta":
+        if not isinstance(module, nn.Linear) or (module.weight.device.type == "meta" and not self._cached_whole(name)):
             return
         if fused and self.filled.get(name, set()) != {idx for _, idx in STACKED_PARAMS[fused]}:
             return
@@ -143,6 +149,16 @@ class _Fill:
             self.pack_format) else None  # fmt: skip
         self.packed[name] = cached or self.packer(module.weight.detach())  # [N, K] -> panels
         _set_param(self.model, name, torch.empty(module.weight.shape, dtype=self.dtype, device="meta"))
+
+    def _cached_whole(self, name: str) -> bool:
+        """The cache holds linear weight `name` packed in the packer's format (looked at, not taken)."""
+        if self.cache is None or self.pack_format is None or not name.endswith(".weight"):
+            return False
+        module = self.model.get_submodule(name.rpartition(".")[0])
+        if not isinstance(module, nn.Linear):
+            return False
+        rows, k = module.weight.shape
+        return self.cache.holds(name.removesuffix(".weight"), format_for(self.pack_format, k), rows, k)
 
     def cached(self, module: str, fmt: str, rows: int, k: int) -> PackedWeight | None:
         return self.cache.take(module, fmt, rows, k) if self.cache is not None else None

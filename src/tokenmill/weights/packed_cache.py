@@ -1,14 +1,18 @@
-"""A GGUF's weights as the kernels read them, kept between starts.
+"""A GGUF's or a safetensors folder's weights as the kernels read them, kept between starts.
 
-The kernels read a weight in their own panels (kernels/panels.py), not in the file's ggml blocks, so a first load
-repacks every block tensor (seconds for a 1.5B model on 2 cores) and copies it into anonymous memory. Here the
-packed panels are written once to `$TOKENMILL_CACHE_DIR` (default ~/.cache/tokenmill)/packed/, and a later start
-maps that file in place instead: no repack, no copy, and the pages are the page cache's, shared by every process
-that serves the same file (as llama.cpp maps its GGUF).
+The kernels read a weight in their own panels (kernels/panels.py), not in the file's ggml blocks or dense rows, so
+a first load repacks every linear (seconds for a 1.5B model on 2 cores; quantizing a folder with --quantization,
+more) and copies it into anonymous memory. Here the packed panels are written once to `$TOKENMILL_CACHE_DIR`
+(default ~/.cache/tokenmill)/packed/, and a later start maps that file in place instead: no repack, no copy, and
+the pages are the page cache's, shared by every process that serves the same file (as llama.cpp maps its GGUF). A
+folder's linears then never read the folder's pages at all (weights/loader.py: not even to gather q|k|v), so a
+0.5B bf16 folder serves in the packed copy alone.
 
-- One file per GGUF, keyed by the file's identity (resolved path, size, mtime, inode) and the compiled kernels'
-  identity (their source hash and ISA variant, which fix the panel layout). A changed file or a rebuilt kernel
-  gets a new key, and writing it removes the older entries of the same GGUF path.
+- One file per GGUF or folder, keyed by its identity (resolved path, size, mtime, inode, and a sample of its bytes:
+  GGUFReader.sample, safetensors_io.sample, which adds each weight file's own) and the compiled kernels' identity
+  (their source hash and ISA variant, which fix the panel layout). A changed file or a rebuilt kernel gets a new
+  key, and writing it removes the older entries of the same path. A folder's entry holds the formats it was packed
+  in (a dtype or --quantization); loaded in another, it is packed anew and replaced.
 - Layout: `MAGIC`, the header's length (u64 little-endian), a JSON header {"source": the GGUF's path, "weights":
   {module name: [offset, nbytes, format, out_features, in_features, padded_in]}}, then the panels, each on a
   64-byte line, from a 4 KB page on. Writing an entry removes those whose GGUF no longer exists.
@@ -51,8 +55,8 @@ def cache_root() -> Path:
 
 
 def cache_path(source: Path, kernels_id: str, sample: bytes) -> Path:
-    """The cache file for GGUF `source` under kernels `kernels_id`: `<path hash>-<identity hash>.bin`. `sample`:
-    bytes of the file's contents (its header and each tensor's ends: GGUFFile.sample), so a file rewritten in place
+    """The cache file for `source` (a GGUF or a safetensors folder) under kernels `kernels_id`: `<path hash>-<identity
+    hash>.bin`. `sample`: bytes of the contents (headers and each tensor's ends), so a file rewritten in place
     within one tick of the clock, at the same size, still gets a new key."""
     resolved = source.resolve()
     st = resolved.stat()
@@ -63,8 +67,8 @@ def cache_path(source: Path, kernels_id: str, sample: bytes) -> Path:
 
 
 class PackedCache:
-    """The packed weights of one GGUF under one kernel build: those the cache file holds (mapped), and a tally of
-    the loader's lookups, so that `load` knows whether every weight came from the map."""
+    """The packed weights of one GGUF or folder under one kernel build: those the cache file holds (mapped), and a
+    tally of the loader's lookups, so that `load` knows whether every weight came from the map."""
 
     def __init__(self, path: Path, source: Path) -> None:
         self.path, self.source = path, source
@@ -77,14 +81,18 @@ class PackedCache:
         except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable or inconsistent: packed anew, rewritten
             log.info("ignoring the packed-weight cache %s (%s)", path, e)
 
+    def holds(self, name: str, fmt: str, out_features: int, in_features: int) -> bool:
+        """Module `name`'s weight is here in this format and shape (nothing counted)."""
+        w = self.weights.get(name)
+        return w is not None and (w.format, w.out_features, w.in_features) == (fmt, out_features, in_features)
+
     def take(self, name: str, fmt: str, out_features: int, in_features: int) -> PackedWeight | None:
         """The cached weight of module `name`, if it has this format and shape; else None (counted as a miss)."""
-        w = self.weights.get(name)
-        if w is None or (w.format, w.out_features, w.in_features) != (fmt, out_features, in_features):
+        if not self.holds(name, fmt, out_features, in_features):
             self.misses += 1
             return None
         self.hits += 1
-        return w
+        return self.weights[name]
 
     @property
     def complete(self) -> bool:
@@ -94,7 +102,7 @@ class PackedCache:
     def place(self, model: nn.Module) -> bool:
         """Move every packed weight of `model` into a new cache file, mapped shared, in module order (the order a
         step reads them, as kernels/placement.py places them), then name the file: the weights are the file's
-        pages from now on, as on a later start. Older entries of the same GGUF go. False, with the model as it
+        pages from now on, as on a later start. Older entries of the same source go. False, with the model as it
         was, where the file cannot be written (a read-only or full cache folder)."""
         entries = _entries(model)
         if not entries:
@@ -116,7 +124,7 @@ class PackedCache:
         return True
 
     def _drop_stale(self) -> None:
-        """Remove the other entries of this GGUF path (an older file, or kernels), and those whose GGUF is gone."""
+        """Remove the other entries of this source's path (older files or kernels), and those whose source is gone."""
         stem = self.path.name.partition("-")[0]
         for old in self.path.parent.glob("*.bin"):
             if old == self.path:

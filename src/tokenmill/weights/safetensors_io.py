@@ -61,3 +61,30 @@ def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
             raise
         except Exception as e:  # safetensors raises several types for truncated / garbage files
             raise ModelLoadError(f"weight file {path} is corrupt or not a safetensors file: {e}") from None
+
+
+def sample(folder: Path, edge: int = 4096) -> bytes:
+    """A fingerprint of the checkpoint's weights that reads a few pages, not the files (weights/packed_cache.py keys
+    a folder's packed weights by it): each file's name, size, mtime and inode, its header, and the first and last
+    `edge` bytes of every tensor. Empty where a file cannot be read (then nothing is cached; loading says why)."""
+    parts: list[bytes] = []
+    try:
+        for path in weight_files(folder):
+            st = path.stat()
+            parts.append(f"{path.name}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|".encode())
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = f.read(length) if 0 < length <= st.st_size - 8 else b""
+                parts.append(header)
+                entries = json.loads(header) if header else {}
+                for name, entry in entries.items():
+                    if name == "__metadata__":
+                        continue
+                    begin, end = (8 + length + o for o in entry["data_offsets"])
+                    f.seek(begin)
+                    parts.append(f.read(min(edge, end - begin)))
+                    f.seek(max(begin, end - edge))
+                    parts.append(f.read(min(edge, end - begin)))
+    except (OSError, ValueError, KeyError, TypeError, ModelLoadError):
+        return b""
+    return b"".join(parts)
