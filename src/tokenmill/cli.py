@@ -60,6 +60,8 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps, beside running decodes",
     "enable_prefix_caching": "reuse the KV blocks of a prompt prefix seen before",
     "scheduling_policy": "fcfs (arrival order) or priority (the request's priority, then arrival)",
+    "pooling_share": "while streams decode, embedding and score prompts take at most this share of a decode step's "
+    "time a step (each stream's TPOT within ~1 + share of its own); 0: no limit",
     "num_scheduler_steps": "decode steps in one call while few sequences run and none waits (1: off)",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV blocks in the pool (default: from --kv-cache-memory-gb; else on the CPU from --max-model-len "

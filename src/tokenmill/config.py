@@ -282,6 +282,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # while generation streams decode, pooling prompts (embeddings, scores) take at most this share of a decode
+    # step's time a step (pooling_share.py: each stream's TPOT within ~1 + share of its own); 0: no limit
+    pooling_share: float = 0.5
     # decode steps taken in one call of the CPU decode stack while few sequences run, none waits and nothing but a
     # draw or the argmax reads each one's logits (scheduler.py); 1: one step a call
     num_scheduler_steps: int = 4
@@ -371,6 +374,8 @@ class EngineConfig:
         self._check_lora()
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: allowed values > 0")
+        if not self.pooling_share >= 0:
+            raise ValueError(f"pooling_share={self.pooling_share!r} is invalid: allowed values >= 0 (0: no limit)")
         if not self.prefix_cache_ram_gb >= 0:
             raise ValueError(f"prefix_cache_ram_gb={self.prefix_cache_ram_gb!r} is invalid: allowed values >= 0")
         if not self.prefix_cache_disk_gb > 0:

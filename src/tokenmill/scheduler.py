@@ -15,6 +15,11 @@ prefill chunk, a decode and a prefix-cache hit are all "compute the next k token
 
 `batching="static"` admits nothing while anything runs: the whole batch drains first (the baseline).
 
+While generation sequences decode, pooling prompts (embeddings, scores) take at most `PoolingShare.budget()` tokens
+a step between them, running chunks and admissions alike (pooling_share.py: `pooling_share` of a decode step's
+time, from the step times the core reports to `observe_step`), and a pooling request past it waits without
+holding back the requests behind it.
+
 3. Decode runs (`num_scheduler_steps`, as vLLM's multi-step scheduling): when every scheduled sequence decodes
    with nothing but a draw or the argmax reading its logits and may take several steps (`Request.multi_step_limit`,
    which the core sets), at most `MAX_SEQS_FOR_RUNS` run, none waits and each gets the slots of its run without
@@ -27,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokenmill.kv_cache import KVManager
+from tokenmill.pooling_share import PoolingShare
 from tokenmill.types import Request, ScheduledRequest, SchedulerOutput
 
 # decode runs only while this few sequences run: the Python a run saves, ~0.25 ms a token (Zen 4, int4), matters
@@ -41,6 +47,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
     batching: str = "continuous"  # "continuous" | "static"
+    pooling_share: float | None = None  # pooling prompts' most of a decode step's time while any decodes (None: all)
 
 
 @dataclass
@@ -51,6 +58,15 @@ class _Plan:
     scheduled: list[tuple[Request, int, int, list[int]]] = field(default_factory=list)  # (req, start, new, drafts)
     preempted: list[str] = field(default_factory=list)
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    pooling_left: int | None = None  # pooling prompt tokens this step may still take (None: no limit)
+
+    def take(self, req: Request, num_new: int) -> int:
+        """The tokens of `num_new` that `req` may compute this step (a pooling request within `pooling_left`)."""
+        if req.pooling is None or self.pooling_left is None:
+            return num_new
+        num_new = min(num_new, self.pooling_left)
+        self.pooling_left -= num_new
+        return num_new
 
 
 class Scheduler:
@@ -60,6 +76,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        share = config.pooling_share if config.enable_chunked_prefill else None  # (a whole prompt can wait only)
+        self.pooling = PoolingShare(share) if share is not None else None
 
     # -- queue management -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -110,9 +128,16 @@ class Scheduler:
             return sorted(reqs, key=lambda r: r.sort_key)
         return list(reqs)  # fcfs: queues are already in arrival order
 
+    def observe_step(self, duration_s: float, num_steps: int, decode_rows: int, prompt_tokens: int) -> None:
+        """How long the last step took, and what it computed (for the pooling prompts' share)."""
+        if self.pooling is not None:
+            self.pooling.observe(duration_s, num_steps, decode_rows, prompt_tokens)
+
     # -- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = _Plan(self.config.max_num_batched_tokens)
+        if self.pooling is not None and any(r.pooling is None and r.output_token_ids for r in self.running):
+            plan.pooling_left = self.pooling.budget()  # streams decode: pooling prompts yield to them
         self.running = self._ordered(self.running)
         for req in list(self.running):
             if plan.budget == 0:
@@ -120,7 +145,7 @@ class Scheduler:
             if req not in self.running:  # preempted earlier in this loop
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
-            num_new = min(remaining, plan.budget)
+            num_new = plan.take(req, min(remaining, plan.budget))
             if num_new <= 0:
                 continue
             # drafts ride along when every known token fits; they take budget and unhashed lookahead slots
@@ -190,7 +215,10 @@ class Scheduler:
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 self.kv.free(req.request_id)  # drop what a fork may have shared (its next try forks again)
                 break  # the whole prompt must fit in one step; wait for a lighter step
-            num_new = min(num_new, plan.budget)
+            num_new = plan.take(req, min(num_new, plan.budget))
+            if num_new <= 0 and req.pooling is not None:
+                self.kv.free(req.request_id)  # (what a fork may have shared)
+                continue  # a pooling prompt past this step's share: the requests behind it may still come in
             if not self.kv.allocate_slots(req.request_id, req.all_token_ids, num_cached, num_new, blocks,
                                           salt=req.cache_salt):  # fmt: skip
                 self.kv.free(req.request_id)  # drop what a fork may have shared

@@ -28,7 +28,10 @@ def build_engine_core(loaded: LoadedModel, cfg: EngineConfig) -> EngineCore:
     chunked = cfg.enable_chunked_prefill and parts.backend.retains_kv  # recompute keeps no partial prefill
     budget = cfg.max_num_batched_tokens if chunked else max(cfg.max_num_batched_tokens, max_len)
     scheduler = Scheduler(
-        SchedulerConfig(cfg.max_num_seqs, budget, chunked, cfg.scheduling_policy, cfg.batching), parts.kv
+        SchedulerConfig(
+            cfg.max_num_seqs, budget, chunked, cfg.scheduling_policy, cfg.batching, cfg.pooling_share or None
+        ),
+        parts.kv,
     )
     core = EngineCore(parts.runner, scheduler, loaded.tokenizer, loaded.config.vocab_size, max_len,
                       loaded.eos_token_ids, make_proposer(loaded, cfg, max_len), cfg.speculative_disable_by_batch_size,

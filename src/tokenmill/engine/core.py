@@ -245,16 +245,11 @@ class EngineCore:
         outputs = self.update_from_output(so, result, start) + self._fail(failed)
         self._propose()
         self._plan_decode_runs()
-        self.stats.record(
-            StepStats(
-                batch_size=len(so.scheduled),
-                num_tokens=so.num_batched_tokens,
-                num_decode_tokens=so.num_steps
-                * sum(1 for s in so.scheduled if batch[s.request_id].output_token_ids and s.num_new_tokens == 1),
-                kv_usage=self.kv.usage,
-                duration_s=time.perf_counter() - start,
-            )
-        )
+        decodes = sum(1 for s in so.scheduled if batch[s.request_id].output_token_ids and s.num_new_tokens == 1)
+        step = StepStats(len(so.scheduled), so.num_batched_tokens, so.num_steps * decodes, self.kv.usage,
+                         time.perf_counter() - start)  # fmt: skip
+        self.stats.record(step)
+        self.scheduler.observe_step(step.duration_s, so.num_steps, decodes, step.num_tokens - step.num_decode_tokens)
         return outputs
 
     def _execute(self, so: SchedulerOutput) -> tuple[RunnerOutput, dict[str, str]]:
