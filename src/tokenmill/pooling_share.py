@@ -10,7 +10,12 @@ scheduler's owner measures them (`observe`):
 - `token_s`: a prompt token's time, from steps that computed prompt tokens: what the step took beyond `decode_s`
   (all of it where nothing decoded), over those tokens.
 Both are moving averages. Before both are measured the budget is `first_tokens`; it never goes under
-`min_tokens`, so an embedding always moves on.
+`min_tokens` (one token), so an embedding always moves on. A floor of 16 tokens had let a 4-stream step on the Zen 3
+grow 2.7x (16 prompt tokens there cost ~75 ms against a ~45 ms step).
+
+The price is the embeddings' latency while streams decode: they take what is left, and catch up once the streams
+end (Zen 3, 0.5B bf16, 4 streams and two 128-token embeddings a second: TPOT at most 1.53x of its own against up to
+2.14x, embedding latency p50 ~4.5 s against ~0.4 s; docs/benchmarks.md). `--pooling-share 0` turns it off.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ ALPHA = 0.25  # weight of the newest step in each moving average
 @dataclass
 class PoolingShare:
     share: float  # the most of a decode step's time that pooling prompts may add to it
-    min_tokens: int = 16  # pooling prompt tokens a step always may take
-    first_tokens: int = 64  # until the step times are known
+    min_tokens: int = 1  # pooling prompt tokens a step always may take
+    first_tokens: int = 16  # until the step times are known
     decode_s: float | None = None
     token_s: float | None = None
 
