@@ -283,8 +283,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
     # while generation streams decode, pooling prompts (embeddings, scores) take at most this share of a decode
-    # step's time a step (pooling_share.py: each stream's TPOT within ~1 + share of its own); 0: no limit
-    pooling_share: float = 0.5
+    # step's time a step (pooling_share.py: each stream's TPOT within ~1 + share of its own, and 0.4 keeps it
+    # under 1.5x with room for the estimate's lag); 0: no limit
+    pooling_share: float = 0.4
     # decode steps taken in one call of the CPU decode stack while few sequences run, none waits and nothing but a
     # draw or the argmax reads each one's logits (scheduler.py); 1: one step a call
     num_scheduler_steps: int = 4

@@ -1,6 +1,7 @@
 """Embeddings yield to decoding streams: while generation sequences decode, pooling prompts (embedding, score and
 rerank requests) compute at most as many tokens a step as take `share` of a decode step's time, so each stream's
-TPOT stays within about 1 + share of what it is without them (issue 58's mixed load: 1.5x).
+TPOT stays within about 1 + share of what it is without them (issue 58's mixed load: 1.5x; the default 0.4 leaves
+room for the estimates' lag, which let 0.5 reach 1.53x).
 
 A pooling prompt has no reader waiting on its tokens one by one, while every decoding stream waits on each step;
 left alone, a 128-token embedding joins a 16-row decode step and makes it several times longer (Zen 3, 0.5B: a
@@ -14,8 +15,9 @@ Both are moving averages. Before both are measured the budget is `first_tokens`;
 grow 2.7x (16 prompt tokens there cost ~75 ms against a ~45 ms step).
 
 The price is the embeddings' latency while streams decode: they take what is left, and catch up once the streams
-end (Zen 3, 0.5B bf16, 4 streams and two 128-token embeddings a second: TPOT at most 1.53x of its own against up to
-2.14x, embedding latency p50 ~4.5 s against ~0.4 s; docs/benchmarks.md). `--pooling-share 0` turns it off.
+end (Zen 3, 0.5B bf16, 4 streams and two 128-token embeddings a second, share 0.4: TPOT at most 1.37-1.38x of its own
+against up to 2.14x without, embedding latency p50 ~2.5 s against ~0.4 s; docs/benchmarks.md). `--pooling-share 0`
+turns it off.
 """
 
 from __future__ import annotations
