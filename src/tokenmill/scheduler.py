@@ -47,7 +47,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
     batching: str = "continuous"  # "continuous" | "static"
-    pooling_share: float | None = None  # pooling prompts' most of a decode step's time while any decodes (None: all)
+    pooling_share: float = 0.0  # pooling prompts' most of a decode step's time while any decodes (0: no limit)
 
 
 @dataclass
@@ -76,8 +76,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
-        share = config.pooling_share if config.enable_chunked_prefill else None  # (a whole prompt can wait only)
-        self.pooling = PoolingShare(share) if share is not None else None
+        share = config.pooling_share if config.enable_chunked_prefill else 0.0  # (a whole prompt can wait only)
+        self.pooling = PoolingShare(share) if share > 0 else None
 
     # -- queue management -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:

@@ -50,7 +50,7 @@ def _run(sched: Scheduler, out: SchedulerOutput) -> None:
                 req.output_token_ids.append(1)
 
 
-def _scheduler(share: float | None) -> Scheduler:
+def _scheduler(share: float) -> Scheduler:
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, pooling_share=share), KVCacheManager(64, 4))
     if sched.pooling is not None:
         sched.observe_step(0.1, 1, 1, 0)  # a decode step: 0.1 s
@@ -74,14 +74,14 @@ def test_pooling_prompts_take_their_budget_while_a_stream_decodes_and_hold_back_
     assert all(r.request_id != "e" for r in sched.running)  # its prompt done: pooled and gone
 
 
-@pytest.mark.parametrize("share", [0.5, None])
-def test_without_decoding_streams_or_a_share_pooling_prompts_take_the_whole_budget(share: float | None) -> None:
+@pytest.mark.parametrize("share", [0.5, 0.0])
+def test_without_decoding_streams_or_a_share_pooling_prompts_take_the_whole_budget(share: float) -> None:
     sched = _scheduler(share)
     sched.add(_pooling("e", 40, 0))
     sched.add(make_request("g", 20, 1))  # a prompt, not a decode: nothing to yield to yet
     assert plan(sched.schedule()) == [("e", 40), ("g", 20)]
-    if share is None:  # and with streams decoding, no share means no limit
-        sched = _scheduler(None)
+    if share == 0:  # and with streams decoding, no share means no limit
+        sched = _scheduler(0.0)
         sched.add(make_request("g", 4, 0))
         _run(sched, sched.schedule())
         sched.add(_pooling("e", 40, 1))

@@ -20,7 +20,7 @@ from tokenmill.bench.prompts import TokenCounter, fit_text
 from tokenmill.bench.stats import summarize
 
 
-async def _one(client: httpx.AsyncClient, body: dict[str, Any], row: dict[str, Any], t0: float) -> None:
+async def post_embeddings(client: httpx.AsyncClient, body: dict[str, Any], row: dict[str, Any], t0: float) -> None:
     start = time.monotonic()
     row.update(sent=True, start_s=start - t0)
     try:
@@ -49,7 +49,8 @@ async def drive_embeddings(args: argparse.Namespace, texts: list[list[str]]) -> 
 
         async def one(i: int) -> None:
             async with sem:
-                await _one(client, {"model": args.model, "input": texts[i], "encoding_format": "float"}, rows[i], t0)
+                body = {"model": args.model, "input": texts[i], "encoding_format": "float"}
+                await post_embeddings(client, body, rows[i], t0)
 
         await asyncio.gather(*(one(i) for i in range(len(texts))))
     return rows, time.monotonic() - t0

@@ -17,14 +17,14 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tokenmill.bench.embed import _one
+from tokenmill.bench.embed import post_embeddings
 from tokenmill.bench.prompts import TokenCounter, fit_text
+from tokenmill.bench.serve import run_workload
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
 
@@ -60,8 +60,8 @@ class EmbedBeside:
                 self.rows.append(row)
                 body = {"model": args.model, "input": self.texts[len(self.rows) % len(self.texts)],
                         "encoding_format": "float"}  # fmt: skip
-                tasks.append(asyncio.create_task(_one(client, body, row, t0)))
-                await _sleep_unless(self._stop, rng.expovariate(args.embed_rate))
+                tasks.append(asyncio.create_task(post_embeddings(client, body, row, t0)))
+                await asyncio.to_thread(self._stop.wait, rng.expovariate(args.embed_rate))  # (returns at stop())
             await asyncio.gather(*tasks)
         self.wall = time.monotonic() - t0
 
@@ -77,12 +77,6 @@ class EmbedBeside:
                 "errors": sorted({r["error"] for r in self.rows if r["error"]})[:5]}  # fmt: skip
 
 
-async def _sleep_unless(stop: threading.Event, seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while not stop.is_set() and time.monotonic() < end:
-        await asyncio.sleep(min(0.05, max(0.0, end - time.monotonic())))
-
-
 def stream_ratios(alone_dir: Path, mixed_dir: Path) -> list[dict[str, Any]]:
     """Each stream's TPOT in both runs (the same request index), and mixed / alone."""
     alone = {r["index"]: r for r in json.loads((alone_dir / "raw" / "trials.json").read_text())}
@@ -95,7 +89,7 @@ def stream_ratios(alone_dir: Path, mixed_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run_mixed(args: argparse.Namespace, workload: str, run_workload: Callable[[argparse.Namespace, str], Path]) -> Path:
+def run_mixed(args: argparse.Namespace, workload: str) -> Path:
     """The workload alone, then with embeddings beside it; the "mixed" run folder."""
     seed = args.seed if args.seed is not None else 0
     args = argparse.Namespace(**{**vars(args), "seed": seed, "embed_len": args.embed_len or args.input_len or 128})

@@ -39,5 +39,5 @@ def _run(args: argparse.Namespace, workload: str) -> Path:
     if workload == "switch":
         return run_switch(args)
     if args.embed_rate:  # the workload alone, then with embedding requests beside it
-        return run_mixed(args, workload, run_workload)
+        return run_mixed(args, workload)
     return run_workload(args, workload)

@@ -28,9 +28,7 @@ def build_engine_core(loaded: LoadedModel, cfg: EngineConfig) -> EngineCore:
     chunked = cfg.enable_chunked_prefill and parts.backend.retains_kv  # recompute keeps no partial prefill
     budget = cfg.max_num_batched_tokens if chunked else max(cfg.max_num_batched_tokens, max_len)
     scheduler = Scheduler(
-        SchedulerConfig(
-            cfg.max_num_seqs, budget, chunked, cfg.scheduling_policy, cfg.batching, cfg.pooling_share or None
-        ),
+        SchedulerConfig(cfg.max_num_seqs, budget, chunked, cfg.scheduling_policy, cfg.batching, cfg.pooling_share),
         parts.kv,
     )
     core = EngineCore(parts.runner, scheduler, loaded.tokenizer, loaded.config.vocab_size, max_len,
