@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psutil
 
-LEFT_AFTER_S = 30.0  # the reaper ends what is left within seconds (server/reaper.py); this only bounds the wait
+LEFT_AFTER_S = 30.0  # the reaper ends what is left within seconds (tokenmill/reaper.py); this only bounds the wait
 
 
 def started_by(pid: int) -> list[psutil.Process]:

@@ -148,7 +148,7 @@ def test_a_killed_server_leaves_no_process_behind(server: Server) -> None:
     """Last: SIGKILL runs no cleanup in the server; its reaper ends Ray's daemons, agents and replicas."""
     started = started_by(server.proc.pid)
     names = " ".join(" ".join(p.cmdline()) for p in started)
-    assert "raylet" in names and "ray::Replica" in names and "tokenmill.server.reaper" in names, names
+    assert "raylet" in names and "ray::Replica" in names and "tokenmill.reaper" in names, names
     server.proc.kill()
     server.proc.wait(timeout=10)
     assert_none_left(started, "SIGKILL")

@@ -1,5 +1,6 @@
 """Nothing `tokenmill serve` started outlives it, however it ends: SIGTERM and SIGINT with tensor-parallel workers,
-SIGKILL in the middle of a kernel build (its compiler jobs), and a start that fails after Ray's daemons are up.
+SIGKILL in the middle of a kernel build (its compiler jobs), and a start that fails after Ray's daemons are up; a
+plain serve, which starts no process, starts no reaper either.
 (SIGKILL with Ray's replicas: tests/server/test_data_parallel.py; a dead worker rank: test_tensor_parallel_serve.py.)
 """
 
@@ -18,6 +19,7 @@ import pytest
 from tests.pooling_checkpoints import bare_decoder
 from tests.server.helpers import HOST, free_port, running
 from tests.server.processes import assert_none_left, started_by
+from tokenmill import kernels
 
 STARTUP_TIMEOUT_S = 120.0
 
@@ -56,6 +58,13 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return p.cmdline()
     except psutil.Error:
         return []
+
+
+def test_a_plain_serve_starts_no_process(checkpoint: Path, tmp_path: Path) -> None:
+    kernels.active()  # built into the cache first where they build here: a serve that compiles them starts a reaper
+    with running(checkpoint, tmp_path, "--threads", "1") as server:
+        started = started_by(server.proc.pid)
+        assert started == [], [p.cmdline() for p in started]  # nothing to reap, so no reaper either
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

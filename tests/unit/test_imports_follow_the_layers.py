@@ -27,7 +27,7 @@ def test_module_does_not_import_torch(module: str) -> None:
 # tokenmill's parts from the bottom up: a part imports only parts of lower layers (a lazy import inside a function
 # counts too). Two parts of one layer never import each other.
 LAYERS = [
-    ["errors", "progress", "sampling_params", "pooling_params", "outputs", "memory"],
+    ["errors", "progress", "sampling_params", "pooling_params", "outputs", "memory", "reaper"],
     ["types", "kv_cache"],
     ["config", "tokenizer", "kernels", "metrics", "structured_output", "step_plan", "fault_hooks", "pooling_share"],
     ["attention", "sampling", "scheduler"],

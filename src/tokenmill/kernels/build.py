@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from tokenmill import reaper
 from tokenmill.kernels.isa import COMPILE_FLAGS, LANES
 
 # A test-only variant: the 16-lane code (AVX-512's) built with AVX2 flags, so an AVX2 machine checks its logic.
@@ -131,6 +132,7 @@ def _whole_elf(path: Path) -> bool:
 
 
 def _compile(cpp_extension: Any, name: str, level: str, directory: Path) -> ModuleType:
+    reaper.before_spawn()  # the compiler's jobs
     with _build_lock(directory):
         return cpp_extension.load(
             name=name,

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenmill import reaper
+
 
 def compile_model(model: nn.Module) -> int:
     """Compile every RMSNorm and gated MLP in place; returns how many modules were compiled."""
     from tokenmill.models.layers import GatedMLP, RMSNorm
 
+    reaper.before_spawn()  # inductor's compiler jobs
     count = 0
     for module in model.modules():
         if isinstance(module, RMSNorm | GatedMLP):

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from tokenmill import reaper
 from tokenmill.assembly import kv_manager, load_front
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import RequestFailedError
@@ -65,6 +66,7 @@ def _start_ray(ray: Any, address: str | None, size: int) -> threading.Event:
     daemons' lives to the thread that started them (PR_SET_PDEATHSIG): started on the server's loader thread, the
     GCS and raylet died as soon as the model had loaded, so no replica could ever be restarted and Ray's agents
     were left running. Bound to this thread, they also die with the server when it is killed."""
+    reaper.before_spawn()  # Ray's daemons
     started, stop = threading.Event(), threading.Event()
     failed: list[BaseException] = []
 

@@ -30,10 +30,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from tokenmill import reaper
 from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.server.logs import configure_logging
-from tokenmill.server.reaper import start_reaper
 
 EXIT_USAGE = 2
 EXIT_ENGINE_DIED = 1
@@ -132,7 +132,7 @@ def _run(args: argparse.Namespace, config: Any, models: Any) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is invalid: allowed an integer in [0, 65535] (0: any free port)")
     _check_port(args.host, args.port)
-    start_reaper()  # before any other process starts: whatever ends this one, they end too (reaper.py)
+    reaper.arm()  # whatever this process starts from now on ends when it does (tokenmill/reaper.py)
     json_logs = configure_logging(args.log_level, args.log_format)
     app = build_app(models, config, _tracer(args, config.served_model_name))
     # JSON: uvicorn's loggers propagate to the handler logs.py set, instead of its own config's

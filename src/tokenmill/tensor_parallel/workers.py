@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tokenmill import reaper
 from tokenmill.config import EngineConfig
 from tokenmill.models.sharding import use_reducer
 from tokenmill.runner import ModelRunner
@@ -110,6 +111,8 @@ class TensorParallelRunner(ModelRunner):
             init_method, ctx = f"tcp://127.0.0.1:{_free_port()}", mp.get_context("spawn")
             self.workers = [ctx.Process(target=_worker, args=(rank, size, init_method, cfg), daemon=True,
                                         name=f"tokenmill-tp{rank}") for rank in range(1, size)]  # fmt: skip
+        if self.workers:
+            reaper.before_spawn()
         for w in self.workers:
             w.start()
         try:

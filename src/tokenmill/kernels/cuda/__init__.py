@@ -15,6 +15,8 @@ import importlib.util
 
 import torch
 
+from tokenmill import reaper
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -38,6 +40,7 @@ class CudaKernels:
         tests run whole models through these kernels that way."""
         from tokenmill.kernels.cuda import attention, int8, pointwise
 
+        reaper.before_spawn()  # Triton's compiler jobs (ptxas)
         self.device_type = device_type
         self._attention, self._int8, self._pointwise = attention, int8, pointwise
 

@@ -1,14 +1,17 @@
 """The server's reaper: a small watchdog process that ends every process `tokenmill serve` started once the server
 is gone, however it went (a clean stop, SIGINT, a failed start's `os._exit`, or SIGKILL, which runs no cleanup).
 
-`start_reaper()` marks the server's environment with a fresh id (TOKENMILL_SERVER_ID, inherited by every process
-it starts: Ray's daemons and replicas, tensor-parallel workers, the compiler jobs of a kernel build) and starts
-`python -m tokenmill.server.reaper PID`, whose stdin is a pipe only the server holds. The reaper notes the server's
-descendants every `SCAN_S` seconds; when the pipe reaches its end (the server's last file descriptor closed, by
-exit or by kill), it terminates what it noted that still runs as the same process, and every process carrying the
-id (one started after the last scan, or reparented away from the server's tree), waits `GRACE_S`, then kills
-what is left. It ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole foreground group, and the reaper must
-outlive the server to clean up after it. It imports nothing heavy (psutil only).
+It starts when it has something to watch: `tokenmill serve` calls `arm()`, and each place that starts a process
+(a kernel build's compiler jobs, Ray's daemons and replicas, tensor-parallel workers, torch.compile's and Triton's
+compiler jobs) calls `before_spawn()` first. The first such call in an armed process marks its environment with a
+fresh id (TOKENMILL_SERVER_ID, inherited by every process it starts from then on) and starts
+`python -m tokenmill.reaper PID`, whose stdin is a pipe only the server holds. A server that starts no process
+starts no reaper (a plain CPU serve of a cached model: the reaper's ~15 MB are not held beside it). The reaper
+notes the server's descendants every `SCAN_S` seconds; when the pipe reaches its end (the server's last file
+descriptor closed, by exit or by kill), it terminates what it noted that still runs as the same process, and every
+process carrying the id (one started after the last scan, or reparented away from the server's tree), waits
+`GRACE_S`, then kills what is left. It ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole foreground group, and
+the reaper must outlive the server to clean up after it. It imports nothing heavy (psutil only).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 
 import psutil
@@ -27,11 +31,25 @@ SCAN_S = 0.5
 GRACE_S = 3.0
 
 
-def start_reaper() -> subprocess.Popen[bytes]:
-    """Mark this process's environment and start its reaper (call before starting any other process)."""
-    os.environ[ENV] = uuid.uuid4().hex
-    return subprocess.Popen([sys.executable, "-m", "tokenmill.server.reaper", str(os.getpid())],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)  # fmt: skip
+_lock = threading.Lock()
+_armed = False
+_started: subprocess.Popen[bytes] | None = None  # owned here: the one reaper of this process
+
+
+def arm() -> None:
+    """This process is a server: the processes it starts from now on are reaped when it ends."""
+    global _armed
+    _armed = True
+
+
+def before_spawn() -> None:
+    """Call before starting a process: in an armed process, the first call starts the reaper (any thread)."""
+    global _started
+    with _lock:
+        if _armed and _started is None:
+            os.environ[ENV] = uuid.uuid4().hex
+            _started = subprocess.Popen([sys.executable, "-m", "tokenmill.reaper", str(os.getpid())],
+                                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)  # fmt: skip
 
 
 def _marked(server_id: str, me: int) -> list[psutil.Process]:
