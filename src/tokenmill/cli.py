@@ -221,7 +221,7 @@ def _serve_args(srv: argparse.ArgumentParser) -> None:
                      "60 s (default: 1)")  # fmt: skip
     srv.add_argument(
         "--tool-call-parser",
-        choices=["auto", "hermes", "llama3_json"],
+        choices=["auto", "hermes", "llama3_json", "openai"],
         default="auto",
         help="how tool_choice=auto calls are read from the output (default: auto, by the chat template)",
     )

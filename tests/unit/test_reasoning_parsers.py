@@ -10,11 +10,13 @@ import pytest
 
 from tokenmill.engine.thinking import ThinkingBudgets
 from tokenmill.sampling_params import ThinkingBudget
-from tokenmill.server.choice_stream import AnswerPlan
+from tokenmill.server import tools
+from tokenmill.server.choice_stream import AnswerPlan, ChoiceStream, read_answer
 from tokenmill.server.reasoning import ReasoningParser, pick
 from tokenmill.server.tool_stream import ToolStream, parse
 from tokenmill.server.tools import ToolPlan
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 QWEN3_TEMPLATE = "<|im_start|>assistant\n{% if enable_thinking is false %}<think>\n\n</think>{% endif %}"
 
 
@@ -144,3 +146,47 @@ def _parser(name: str) -> ReasoningParser:
     parser = pick(name, "")
     assert parser is not None
     return parser
+
+
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": [1, 2]}<|call|>'
+)
+HARMONY_TWO = (
+    '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 1}<|call|>'
+    "<|start|>assistant<|channel|>final<|message|>Done.<|return|>"
+)  # the recipient in the role part
+
+
+@pytest.mark.parametrize("step", [1, 4, 11, 500])
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content", "calls"),
+    [(HARMONY_CALL, "Need the weather.", "", [("get_weather", '{"city": "Paris", "days": [1, 2]}')]),
+     (HARMONY_TWO, "", "Done.", [("add", '{"a": 1}')]),
+     (HARMONY_CALL[:-20], "Need the weather.", "", [("get_weather", '{"city": "Paris", "da')])],  # max_tokens
+)  # fmt: skip
+def test_harmony_messages_to_a_function_are_tool_calls_streamed_as_written(
+    step: int, text: str, reasoning: str, content: str, calls: list[tuple[str, str]]
+) -> None:
+    parser = pick("auto", "<|channel|>analysis<|message|>")
+    assert parser is not None
+    plan = AnswerPlan(tools.plan([WEATHER], "auto", "auto", "<|channel|>analysis"), parser)
+    assert plan.tools.parser == "openai"
+    stream = ChoiceStream(plan)
+    outs = _streamed(stream.feed, text, step)
+    assert "".join(o.get("reasoning_content", "") for o in outs) == reasoning
+    assert _joined(outs) == (content, calls) and stream.calls == len(calls)
+    assert not any(o.get("tool_calls") == [] for o in outs)
+    whole = read_answer(plan, text)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole[2]] == calls
+    assert (whole[0] or "", whole[1] or "") == (reasoning, content)
+    if step == 1:  # the arguments came in many pieces, as they were written
+        assert sum(1 for o in outs if o.get("tool_calls")) > 5
+
+
+def test_without_tools_a_harmony_message_to_a_function_stays_answer_text() -> None:
+    parser = pick("gpt_oss", "")
+    assert parser is not None
+    plan = AnswerPlan(tools.plan([], None, "auto", "<|channel|>"), parser)
+    reasoning, content, calls = read_answer(plan, HARMONY_CALL)
+    assert calls == [] and reasoning == "Need the weather." and content == '{"city": "Paris", "days": [1, 2]}'

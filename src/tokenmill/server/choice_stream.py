@@ -85,26 +85,38 @@ class ChoiceStream:
 
     def __init__(self, plan: AnswerPlan) -> None:
         self.tools = ToolStream(plan.tools)
-        self.reasoning: ReasoningStream | None = plan.reasoning.stream(plan.opened) if plan.reasoning else None
+        self.reasoning: ReasoningStream | None = None
+        if plan.reasoning is not None:
+            self.reasoning = plan.reasoning.stream(plan.opened, reads_harmony_calls(plan.tools))
 
     @property
     def calls(self) -> int:
-        return self.tools.calls
+        return self.tools.calls + (len(self.reasoning.calls) if self.reasoning is not None else 0)
 
     def feed(self, delta: str, finished: bool) -> dict[str, Any]:
-        thought = ""
+        thought, calls = "", []
         if self.reasoning is not None:
             thought, delta = self.reasoning.feed(delta, finished)
+            calls = self.reasoning.take_calls()  # harmony's: the tool stream then reads none
         out = self.tools.feed(delta, finished) if delta or finished else {}
+        if calls:
+            out["tool_calls"] = calls
         return {"reasoning_content": thought, **out} if thought else out
+
+
+def reads_harmony_calls(tools: ToolPlan) -> bool:
+    """Whether harmony messages to a function are read as tool calls: tools given, `tool_choice` auto, and the
+    `openai` parser (gpt-oss's; a forced call's output is the grammar's JSON, read by the tool stream)."""
+    return tools.mode == "auto" and tools.parser == "openai"
 
 
 def read_answer(plan: AnswerPlan, text: str) -> tuple[str | None, str | None, list[dict[str, Any]]]:
     """(reasoning or None, content, tool calls) of a finished output."""
-    reasoning = None
+    reasoning, harmony_calls = None, list[dict[str, Any]]()
     if plan.reasoning is not None:
-        reasoning, text = plan.reasoning.split(text, plan.opened)
+        reasoning, text, harmony_calls = plan.reasoning.read(text, plan.opened, reads_harmony_calls(plan.tools))
     content, calls = parse(plan.tools, text)
+    calls = harmony_calls + calls
     if reasoning is not None and not content:
         content = None
     return reasoning, content, calls

@@ -180,8 +180,8 @@ class ToolStream:
                         "function": {"name": p.function, "arguments": delta}}  # fmt: skip
                 return {"tool_calls": [call]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]} if delta else {}
-        if p.mode == "none":
-            return {"content": delta} if delta else {}
+        if p.mode == "none" or (p.mode == "auto" and p.parser == "openai"):  # (openai: harmony's calls come
+            return {"content": delta} if delta else {}  # from the reasoning stream: reasoning.py)
         if p.mode == "required":
             assert self.reader is not None
             pieces = self.reader.feed(delta)
@@ -246,7 +246,7 @@ class ToolStream:
 def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of a finished output: what its stream sends, joined. A model's own calls that the
     stream could not follow are read whole (tools.parse_whole)."""
-    if p.mode == "none":
+    if p.mode == "none" or (p.mode == "auto" and p.parser == "openai"):
         return text, []
     stream = ToolStream(p)
     out = stream.feed(text, True)

@@ -6,8 +6,11 @@
   `parallel_tool_calls` is false), each object matching its tool's schema.
 - `"auto"` (the default with tools): the model writes freely; tool calls are parsed from its own format, the
   chat template's: Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, or Llama 3.x
-  JSON (`{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`, several separated by `;`).
-  `--tool-call-parser auto` picks by the template (one that writes `<tool_call>` is Hermes).
+  JSON (`{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`, several separated by `;`), or
+  gpt-oss's harmony messages to a function (`openai`, vLLM's name: `<|channel|>commentary to=functions.NAME
+  <|constrain|>json<|message|>{...}<|call|>`, read by the reasoning stream, reasoning.py, with the gpt_oss
+  reasoning parser on). `--tool-call-parser auto` picks by the template (one that writes `<tool_call>` is Hermes,
+  one with harmony's `<|channel|>` openai).
 
 Calls are read from the output as it is generated (tool_stream.py): every mode streams a call's arguments as
 `delta.tool_calls` pieces, as the `openai` SDK expects; the whole-text parsers here read a model's calls that
@@ -27,7 +30,7 @@ from typing import Any
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
 
-PARSERS = ("auto", "hermes", "llama3_json")
+PARSERS = ("auto", "hermes", "llama3_json", "openai")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -49,7 +52,8 @@ def plan(
     that needs tools when none are given, or names a function that is not among them."""
     choice = choice or ("auto" if tools else "none")
     if parser == "auto":
-        parser = "hermes" if HERMES_OPEN in chat_template else "llama3_json"
+        harmony = "<|channel|>" in chat_template
+        parser = "hermes" if HERMES_OPEN in chat_template else "openai" if harmony else "llama3_json"
     if not tools:
         if choice not in ("none", "auto"):
             raise ValueError("tool_choice needs tools: the request gives none")
@@ -101,6 +105,8 @@ def new_call(name: str, arguments: Any) -> dict[str, Any]:
 def parse_whole(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of a finished `"auto"` output read whole, in the plan's parser's format: a model's
     calls that tool_stream.py's reader could not follow as they came."""
+    if p.parser == "openai":  # harmony's calls are read from the channels (reasoning.py): the rest is content
+        return text, []
     return _parse_hermes(text) if p.parser == "hermes" else _parse_llama3(text)
 
 
