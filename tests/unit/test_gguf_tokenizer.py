@@ -1,11 +1,12 @@
 """A GGUF's byte-level BPE tokenizer built from its metadata (tokenizer/gguf_bpe.py) behaves as the model's own
-tokenizer folder under transformers: Qwen2's, Llama 3's and GPT-2's split and normalizer, BOS, special and added
-tokens, decode and chat template (`probes.differences`). Made from the tiny trained tokenizer in every family, and
-from the real Qwen2, Llama 3 and GPT-2 tokenizers where ../shared holds them. The first start builds it without
-importing transformers; later starts read the kept folder."""
+tokenizer folder under transformers: Qwen2's, Llama 3's, GPT-2's and gpt-oss's (o200k) split and normalizer, BOS,
+special and added tokens, decode and chat template (`probes.differences`). Made from the tiny trained tokenizer in
+every family, and from the real Qwen2, Llama 3 and GPT-2 tokenizers where ../shared holds them. The first start
+builds it without importing transformers; later starts read the kept folder."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from collections.abc import Callable
@@ -24,19 +25,20 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atte
 
 def _styled(tokenizer_dir: Path, out: Path, arch: str) -> Path:
     """The tiny tokenizer as Llama 3 shapes its own (Llama 3's split, whole words found in the vocabulary taken
-    without merging, BOS before every sequence) or Qwen2 (Qwen2's split, NFC); GPT-2's as it is."""
+    without merging, BOS before every sequence), Qwen2 (Qwen2's split, NFC) or gpt-oss (o200k's split); GPT-2's as
+    it is."""
     if arch == "gpt2":
         return tokenizer_dir
     shutil.copytree(tokenizer_dir, out)
     spec = json.loads((out / "tokenizer.json").read_text())
-    split = gguf_bpe.LLAMA3_SPLIT if arch == "llama" else gguf_bpe.QWEN2_SPLIT
+    split = {"llama": gguf_bpe.LLAMA3_SPLIT, "gpt-oss": gguf_bpe.GPT4O_SPLIT}.get(arch, gguf_bpe.QWEN2_SPLIT)
     spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
     ]}  # fmt: skip
-    if arch != "llama":
+    if arch not in ("llama", "gpt-oss"):
         spec["normalizer"] = {"type": "NFC"}
-    else:
+    elif arch == "llama":
         spec["model"]["ignore_merges"] = True
         bos = next(t for t in spec["added_tokens"] if t["content"] == "<|endoftext|>")
         spec["post_processor"] = _bos_template(bos["content"], bos["id"])
@@ -61,6 +63,36 @@ def _exported(tokenizer: Path, arch: str, out: Path) -> tuple[Path, Path]:
     size = len(AutoTokenizer.from_pretrained(str(tokenizer)))
     folder = write_checkpoint(hf_config(arch, vocab_size=size, **SMALL), tokenizer, out / "hf")
     return folder, export_gguf(folder, out / "model.gguf", "f32", name="tiny-random")
+
+
+# text that o200k splits unlike Llama 3: case changes inside a word, contractions, a slash after punctuation
+O200K_TEXTS = ["HelloWorld CamelCaseWORDS iPhone", "it's DON'T we'LL", "a+/b, (x)/\n/y\r\n", "12345 3.14 x  y\t\n z",
+               "ÉCOLE élève Straße 日本語 🙂", "<|im_start|>user\nHello<|im_end|>"]  # fmt: skip
+
+
+def test_gpt_oss_files_split_as_o200k(make_checkpoint: Callable[..., Path], tokenizer_dir: Path,
+                                      tmp_path: Path) -> None:  # fmt: skip
+    """A `gpt-oss` file with llama.cpp's `gpt-4o` pre-tokenizer (the released files'): o200k's split, no
+    normalizer, merges as ranked; the same tokens as the folder under transformers, and as llama.cpp's own reading
+    of the file where llama-cpp-python is installed."""
+    from tests.parity.test_gpt_oss import GPT_OSS, write_gguf
+    from tokenmill.make_model import hf_config, write_checkpoint
+
+    tok = _styled(tokenizer_dir, tmp_path / "tok", "gpt-oss")
+    config = hf_config("gpt_oss", **{**SMALL, "vocab_size": 384, "max_position_embeddings": 512, **GPT_OSS})
+    folder = write_checkpoint(config, tok, tmp_path / "hf")
+    path, _ = write_gguf(folder, tmp_path / "gpt-oss.gguf", mxfp4_experts=False)
+    assert GGUFCheckpoint(path).metadata("tokenizer.ggml.pre") == "gpt-4o"
+    _assert_same_as_the_folder(folder, path, tmp_path / "built")
+    built = LeanTokenizer(tmp_path / "built")
+    pieces = [p for p, _ in built.rust.pre_tokenizer.pre_tokenize_str("HelloWorld it's a/\n")]
+    assert pieces == ["Hello", "World", "Ġit's", "Ġa", "/Ċ"], pieces  # o200k's split, not Llama 3's
+    if importlib.util.find_spec("llama_cpp") is not None:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        for text in O200K_TEXTS:
+            assert llm.tokenize(text.encode(), add_bos=False, special=True) == built.encode(text, False), text
 
 
 def _built(gguf_path: Path, out: Path) -> LeanTokenizer:

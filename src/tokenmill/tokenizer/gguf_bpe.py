@@ -1,4 +1,4 @@
-"""A GGUF's byte-level BPE tokenizer (`tokenizer.ggml.model` "gpt2": Qwen2/Qwen3, Llama 3, GPT-2 files), built
+"""A GGUF's byte-level BPE tokenizer (`tokenizer.ggml.model` "gpt2": Qwen2/Qwen3, Llama 3, GPT-2, gpt-oss files), built
 straight from the file's metadata with the Rust `tokenizers` library: no transformers import, no per-token Python
 conversion beyond reading the strings. It is the tokenizer the model's own tokenizer.json describes (and
 transformers' GGUF conversion builds): the file's tokens and merges, the split regex its `tokenizer.ggml.pre`
@@ -27,6 +27,15 @@ LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # single digits
+# o200k's (tiktoken's GPT-4o split; llama.cpp's "gpt-4o"): words cut at a lower-to-upper case change, contractions
+# kept with their word, a slash kept with the newlines after punctuation
+_O200K_UPPER, _O200K_LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+GPT4O_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_O200K_UPPER}*{_O200K_LOWER}+{_CONTRACTION}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_O200K_UPPER}+{_O200K_LOWER}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType
 
 
@@ -40,11 +49,13 @@ class Family:
 QWEN2 = Family(QWEN2_SPLIT, nfc=True, ignore_merges=False)
 LLAMA3 = Family(LLAMA3_SPLIT, nfc=False, ignore_merges=True)
 GPT2 = Family(None, nfc=False, ignore_merges=False)
+GPT4O = Family(GPT4O_SPLIT, nfc=False, ignore_merges=False)  # gpt-oss's o200k_harmony
 # (architecture, tokenizer.ggml.pre) -> family; the pre names are llama.cpp's
 FAMILIES = {
     **{(arch, pre): QWEN2 for arch in ("qwen2", "qwen3") for pre in ("qwen2", "deepseek-r1-qwen")},
     **{("llama", pre): LLAMA3 for pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe")},
     **{(arch, pre): GPT2 for arch in ("gpt2", "gpt-oss") for pre in ("gpt-2", "default")},
+    ("gpt-oss", "gpt-4o"): GPT4O,  # the released gpt-oss files'
 }
 
 
