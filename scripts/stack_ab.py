@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--level", default="", help="kernel variant (default: the best this CPU runs)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default="none")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the KV pool's element type (auto, bfloat16, int8, fp8)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--steps", type=int, default=400, help="measured steps per tree")
@@ -70,7 +71,7 @@ def main() -> None:
     p.add_argument("--tensor-inputs", action="store_true", help="also each tree with its inputs as tensors")
     p.add_argument("--probe", action="store_true", help="also split each tree's steps by the bandwidth of their turn")
     args = p.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine, runner = llm.engine, llm.engine.runner
     level = args.level or isa.choose().level
     stacks = {}
@@ -90,7 +91,10 @@ def main() -> None:
     times: dict[str, list[tuple[float, float]]] = {t: [] for t in stacks}  # (step seconds, its turn's probe)
     prober = cpu_prober(128) if args.probe else None  # 128 MB, kept from turn to turn
     runner.decode_stack = stacks[next(iter(stacks))]
-    for _ in range(args.block):  # the prefill, and warm steps
+    decoding: set[str] = set()
+    while len(decoding) < args.batch:  # the prefill: until every request has its first token
+        decoding.update(out.request_id for out in engine.step() if out.outputs and out.outputs[0].token_ids)
+    for _ in range(args.block):  # warm steps
         engine.step()
     while min(len(v) for v in times.values()) < args.steps:
         for tree, stack in stacks.items():

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.assembly import LoadedModel
-from tokenmill.attention import PagedKVCache
+from tokenmill.attention import PagedKVCache, kv_quant
 from tokenmill.config import EngineConfig
 from tokenmill.kv_cache import DiskTier, KVCacheManager, KVManager, PrefixTiers
 
@@ -67,6 +67,7 @@ def model_identity(loaded: LoadedModel, cfg: EngineConfig, pool: PagedKVCache) -
         "files": [[f.name, st.st_size, st.st_mtime_ns, st.st_ino] for f in files if (st := f.stat())],
         "dtype": str(pool.dtype),
         "storage": str(pool.storage),
+        "quantized_rows": kv_quant.ROW_FORMAT if pool.storage in kv_quant.QUANTIZED else None,
         "layout": {"layers": num_layers, "kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": pool.block_size},
         "device": pool.device.type,
         "kernels": [type(ops).__name__, getattr(getattr(ops, "module", None), "__name__", None)],

@@ -99,15 +99,18 @@ inline void attention_split(const T* q, const C* cache, int64_t slots, const int
                  return cache + (half * slots + slot) * kv_stride + g * Dh;
                },
                2 * n, Dh * (int64_t)sizeof(C)};
-  // m rows of keys (half 0) or values (1) from `slot` as float32 rows, `stride` apart
+  // m rows of keys (half 0) or values (1) from `slot` as float32 rows, `stride` apart. A quantized cache's rows
+  // are its codes, and `row_scale` their scales: each key's scale multiplies its scores, each value's its weights.
+  // The scales are powers of two (kv_quant.h), so this is exact: the same bits as the codes times their scales
+  // would give, which every other path reads (as bf16 too, exactly).
+  float row_scale[kSplit], weight[kSplit];
   auto rows = [&](int64_t half, int64_t slot, int64_t m, int64_t& stride) -> const float* {
     const C* src = cache + (half * slots + slot) * kv_stride + g * Dh;
     if constexpr (kv_quantized<C>) {
       stride = Dh;
-      widen_quant_rows(src, kv_stride, kv_scales + (half * slots + slot) * Hkv + g, Hkv, m, Dh, run);
-      if (sizeof(T) == 2)  // a bf16 model reads the rows rounded to bf16, as every path does: the same keys and
-        round_rows_bf16(run, m * Dh);  // values whichever kernel reads them (a preempted request's recompute)
-      return run;
+      const uint16_t* sc = kv_scales + (half * slots + slot) * Hkv + g;
+      for (int64_t i = 0; i < m; ++i) row_scale[i] = bf16_to_float(sc[i * Hkv]);
+      return widen_quant_rows(src, kv_stride, (const uint16_t*)nullptr, 0, m, Dh, run);
     } else {
       return float_rows(src, m, stride, Dh, run);
     }
@@ -117,7 +120,12 @@ inline void attention_split(const T* q, const C* cache, int64_t slots, const int
     ask.until(t - t0 + m);  // this run's keys and kAskAhead more
     int64_t stride = kv_stride;
     const float* kb = rows(0, slot, m, stride);
-    for (int64_t j = 0; j < G; ++j) dot_rows(qv + j * Dh, kb, stride, m, Dh, scores + j * n + t - t0);
+    for (int64_t j = 0; j < G; ++j) {
+      float* s = scores + j * n + t - t0;
+      dot_rows(qv + j * Dh, kb, stride, m, Dh, s);
+      if constexpr (kv_quantized<C>)
+        for (int64_t i = 0; i < m; ++i) s[i] *= row_scale[i];
+    }
   });
   ask.until(n);
   softmax_rows(scores, G, n, ml);
@@ -126,7 +134,14 @@ inline void attention_split(const T* q, const C* cache, int64_t slots, const int
     ask.until(n + t - t0 + m);
     int64_t stride = kv_stride;
     const float* vb = rows(1, slot, m, stride);
-    for (int64_t j = 0; j < G; ++j) axpy_run(acc + j * Dh, scores + j * n + t - t0, vb, stride, m, Dh);
+    for (int64_t j = 0; j < G; ++j) {
+      const float* p = scores + j * n + t - t0;
+      if constexpr (kv_quantized<C>) {
+        for (int64_t i = 0; i < m; ++i) weight[i] = p[i] * row_scale[i];
+        p = weight;
+      }
+      axpy_run(acc + j * Dh, p, vb, stride, m, Dh);
+    }
   });
 }
 

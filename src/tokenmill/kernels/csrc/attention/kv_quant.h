@@ -1,15 +1,17 @@
 // The quantized KV cache (`--kv-cache-dtype int8|fp8`): each (slot, KV head) row of Dh values is held as Dh bytes
 // and one bfloat16 scale, as llama.cpp's q8_0 KV holds blocks of 32 (here the block is one head's row: 64 or 128
-// values, so a row costs Dh + 2 bytes where bf16 costs 2 Dh). int8 rows are x / scale rounded to integers, scale =
-// absmax / 127; fp8 rows are x / scale as float8 e4m3 (4 exponent bits, 3 mantissa bits, largest 448), scale =
-// absmax / 448. A layer's scales lie in their own plane [2, slots, Hkv] beside its rows [2, slots, Hkv, Dh]. Rows are
-// quantized as they are written and widened to float32 a run at a time where attention reads them: the cache is
-// never dequantized whole.
+// values, so a row costs Dh + 2 bytes where bf16 costs 2 Dh). int8 rows are x / scale rounded to integers, scale
+// about absmax / 127; fp8 rows are x / scale as float8 e4m3 (4 exponent bits, 3 mantissa bits, largest 448), scale
+// about absmax / 448. A layer's scales lie in their own plane [2, slots, Hkv] beside its rows [2, slots, Hkv, Dh].
+// Rows are quantized as they are written and widened to float32 a run at a time where attention reads them: the
+// cache is never dequantized whole.
 //
-// The pure-torch reference (attention/kv_quant.py) writes the same bytes: the scale is float32 absmax / 127 (448)
-// rounded up to a bfloat16 (bf16's 8-bit exponent: no row is too small for its scale, as with a half's; rounded up:
-// no value passes the largest code), each value x * (1 / scale) rounded to nearest even; a row of zeros has scale 0
-// and zeros.
+// The scale is float32 absmax / 127 (448) rounded up to a power of two, held as a bfloat16 (exact; bf16's 8-bit
+// exponent: no row is too small for its scale; rounded up: no value passes the largest code); each value is
+// x * (1 / scale) rounded to nearest even; a row of zeros has scale 0 and zeros. A power of two makes every widened
+// value (an integer of at most 7 bits, or an e4m3, times 2^e) exact in bfloat16: a bf16 model's paths read the
+// same values without rounding them, and a scale multiplies a dot product or a weight as exactly as each value.
+// The pure-torch reference (attention/kv_quant.py) writes the same bytes.
 #pragma once
 
 #include <algorithm>
@@ -30,11 +32,12 @@ struct f8e4m3 {
 template <typename C>
 constexpr bool kv_quantized = std::is_same_v<C, int8_t> || std::is_same_v<C, f8e4m3>;
 
-// a positive float -> the smallest bfloat16 at or above it (its bits)
-inline uint16_t bf16_at_or_above(float f) {
+// a positive float -> the smallest power of two at or above it, as a bfloat16 (its bits); 0 -> 0
+inline uint16_t pow2_at_or_above(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
-  return (uint16_t)((x >> 16) + ((x & 0xffff) != 0));
+  if (x == 0) return 0;
+  return (uint16_t)(((x >> 23) + ((x & 0x7fffff) != 0)) << 7);
 }
 
 // a float of magnitude <= 448 -> float8 e4m3, rounded to nearest even (as torch's .to(torch.float8_e4m3fn))
@@ -79,7 +82,7 @@ inline void quantize_kv_row(const T* x, int64_t n, C* q, uint16_t* scale) {
   constexpr float top = std::is_same_v<C, int8_t> ? 127.f : 448.f;
   float amax = 0.f;
   for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(value(d)));
-  const uint16_t h = bf16_at_or_above(amax / top);
+  const uint16_t h = pow2_at_or_above(amax / top);
   const float s = bf16_to_float(h), inv = s > 0.f ? 1.f / s : 0.f;
   for (int64_t d = 0; d < n; ++d) {
     if constexpr (std::is_same_v<C, int8_t>) q[d] = (int8_t)std::clamp(std::nearbyint(value(d) * inv), -127.f, 127.f);
@@ -103,12 +106,13 @@ inline void kv_write_rows_quant(const T* k, int64_t k_stride, const T* v, int64_
 }
 
 // m quantized rows of Dh (src, `stride` elements apart; their scales sc, `sc_stride` apart) -> float32 rows in
-// buf [m, Dh]
+// buf [m, Dh]; with sc null, the codes alone (each row's scale, a power of two, then multiplies what the row's
+// values made: a dot product, a weight, as exactly as it would each value)
 template <typename C>
 inline const float* widen_quant_rows(const C* src, int64_t stride, const uint16_t* sc, int64_t sc_stride, int64_t m,
                                      int64_t Dh, float* buf) {
   for (int64_t i = 0; i < m; ++i) {
-    const float s = bf16_to_float(sc[i * sc_stride]);
+    const float s = sc ? bf16_to_float(sc[i * sc_stride]) : 1.f;
     const C* row = src + i * stride;
     float* dst = buf + i * Dh;
     int64_t d = 0;
@@ -121,13 +125,6 @@ inline const float* widen_quant_rows(const C* src, int64_t stride, const uint16_
     }
   }
   return buf;
-}
-
-// n floats rounded to bfloat16 in place (kept as floats)
-inline void round_rows_bf16(float* x, int64_t n) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) store(x + i, bf16_rounded(load(x + i)));
-  for (; i < n; ++i) x[i] = bf16_to_float(float_to_bf16(x[i]));
 }
 
 }  // namespace tmk

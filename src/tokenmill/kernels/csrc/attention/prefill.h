@@ -222,8 +222,8 @@ void block_rows(const PrefillJob<T, C>& job, int64_t g, const int64_t* table, in
         else store((float*)(dst + d), load(row + d));
       }
       sc.krow[i] = dst;
+      // (exact in bf16: kv_quant.h's power-of-two scales)
       widen_quant_rows(key + job.slots * kv_stride, 0, job.kv_scales + job.slots * job.Hkv + at, 0, 1, Dh, value);
-      if constexpr (sizeof(T) == 2) round_rows_bf16(value, Dh);  // a bf16 model reads rows rounded to bf16
     } else {
       sc.krow[i] = key;
       for (int64_t d = 0; d < Dh; d += W) store(value + d, load_row(key + job.slots * kv_stride + d));
