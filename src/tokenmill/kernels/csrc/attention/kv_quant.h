@@ -117,10 +117,16 @@ inline const float* widen_quant_rows(const C* src, int64_t stride, const uint16_
     float* dst = buf + i * Dh;
     int64_t d = 0;
     if constexpr (std::is_same_v<C, int8_t>) {
-      for (; d + W <= Dh; d += W) store(dst + d, load_i8(row + d) * splat(s));
+      if (sc)
+        for (; d + W <= Dh; d += W) store(dst + d, load_i8(row + d) * splat(s));
+      else
+        for (; d + W <= Dh; d += W) store(dst + d, load_i8(row + d));
       for (; d < Dh; ++d) dst[d] = (float)row[d] * s;
     } else {
-      for (; d + W <= Dh; d += W) store(dst + d, load_e4m3(row + d) * splat(s));
+      if (sc)
+        for (; d + W <= Dh; d += W) store(dst + d, load_e4m3(row + d) * splat(s));
+      else
+        for (; d + W <= Dh; d += W) store(dst + d, load_e4m3(row + d));
       for (; d < Dh; ++d) dst[d] = e4m3_to_float(row[d].bits) * s;
     }
   }
