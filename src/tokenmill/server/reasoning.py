@@ -22,9 +22,10 @@ Must not import torch.
 from __future__ import annotations
 
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from tokenmill.server.tools import new_call_id
 
 PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "gpt_oss")
 _THINK = re.compile(r"<think>|</think>")
@@ -129,7 +130,7 @@ class ReasoningStream:
         called = _RECIPIENT.search(header) if self.read_calls and channel is not None else None
         self.in_call = called is not None
         if called is not None:
-            call = {"id": "call_" + uuid.uuid4().hex[:24], "name": called.group(1), "arguments": ""}
+            call = {"id": new_call_id(), "name": called.group(1), "arguments": ""}
             self.calls.append(call)
             self._pieces.append({"index": len(self.calls) - 1, "id": call["id"], "type": "function",
                                  "function": {"name": call["name"], "arguments": ""}})  # fmt: skip

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Any
 
-from tokenmill.server.tools import HERMES_OPEN, PYTHON_TAG, ToolPlan, parse_whole
+from tokenmill.server.tools import HERMES_OPEN, PYTHON_TAG, ToolPlan, new_call_id, parse_whole
 
 # the head of a call object, up to where its arguments begin
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
@@ -33,10 +32,6 @@ _MAX_HEAD = 400  # characters a call's head may take before it is not one
 _BETWEEN = {"required": re.compile(r"[\s\[\],]*"), "hermes": re.compile(r"(?:\s|</?tool_call>)*"),
             "llama3_json": re.compile(r"(?:\s|;|<\|python_tag\|>)*")}  # fmt: skip
 _SEPARATORS = {"required": (), "hermes": ("<tool_call>", "</tool_call>"), "llama3_json": (PYTHON_TAG,)}
-
-
-def _new_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 class CallReader:
@@ -95,7 +90,7 @@ class CallReader:
         except ValueError:
             self.state = "broken"
             return False
-        call = {"id": _new_id(), "name": name, "arguments": arguments}
+        call = {"id": new_call_id(), "name": name, "arguments": arguments}
         self.calls.append(call)
         pieces.append({"index": len(self.calls) - 1, "id": call["id"], "type": "function",
                        "function": {"name": name, "arguments": arguments}})  # fmt: skip
@@ -159,7 +154,7 @@ class ToolStream:
 
     def __init__(self, p: ToolPlan) -> None:
         self.plan, self.text, self.sent = p, "", 0  # sent: characters of text sent as content
-        self.call_id = _new_id()
+        self.call_id = new_call_id()
         self.reader: CallReader | None = CallReader("required") if p.mode == "required" else None
         self.gave_up = False  # auto: what looked like a call was not one; the rest is content
 

@@ -97,9 +97,14 @@ def constraint(p: ToolPlan, parallel: bool) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=array)
 
 
+def new_call_id() -> str:
+    """A tool call's id, as OpenAI's are written (every reader of calls takes its ids here)."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
 def new_call(name: str, arguments: Any) -> dict[str, Any]:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": text}}
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
 def parse_whole(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
