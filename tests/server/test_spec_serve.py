@@ -1,5 +1,6 @@
 """`tokenmill serve --speculative-model ngram`: the same text as the offline engine without speculation, the
-per-request draft counts in the /generate done event, and vLLM's speculative-decoding counters in /metrics."""
+per-request draft counts in the /generate done event, and vLLM's speculative-decoding counters in /metrics. Its
+prompts (~25 tokens) take two prefill steps of --max-num-batched-tokens 16 each."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import json
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from tests.server.helpers import Server, offline, sse_events
 from tests.server.test_http import _metrics, _value
 from tokenmill import LLM
 
-SERVER_FLAGS = ("--speculative-model", "ngram", "--num-speculative-tokens", "3")
+SERVER_FLAGS = ("--speculative-model", "ngram", "--num-speculative-tokens", "3", "--max-num-batched-tokens", "16")
 PROMPT = "To be, or not to be, that is the question. To be, or not to be, that is the question. To be"
 
 
@@ -54,3 +56,17 @@ def test_a_streamed_replys_timings_count_its_drafts(http: httpx.Client) -> None:
     assert (timings["draft_tokens"], timings["accepted_tokens"]) == (done["spec_draft_tokens"],
                                                                     done["spec_accepted_tokens"])  # fmt: skip
     assert timings["draft_tokens"] > 0
+
+
+def test_a_stream_sends_no_chunk_before_its_first_text(server: Server, llm: LLM) -> None:
+    """A prompt over several prefill steps: no completions chunk goes out before there is text (a client stamps its
+    TTFT at the first chunk), and the text and usage are the offline engine's."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=60, max_retries=0)
+    prompt = PROMPT + PROMPT  # ~50 tokens: four prefill steps
+    chunks = list(client.completions.create(model=server.model, prompt=prompt, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    texts = [c.choices[0] for c in chunks if c.choices]
+    assert texts and all(c.text or c.finish_reason for c in texts)
+    assert "".join(c.text for c in texts) == offline(llm, prompt, 8, ignore_eos=False).text
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens == len(llm.tokenizer.encode(prompt)) > 32
