@@ -126,3 +126,27 @@ def test_mlps_reuse_one_scratch_and_their_outputs_do_not_change(ops: kernels.Ker
             assert torch.equal(mlp(x), fresh)
     buf = first.scratch.get("gate_up", 41, 192, torch.bfloat16)
     assert first.scratch.get("gate_up", 3, 192, torch.bfloat16).data_ptr() == buf.data_ptr()  # reused, not new
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_a_long_prefill_goes_through_the_mlp_in_row_blocks(ops: kernels.Kernels, quantization: str) -> None:
+    """Rows beyond `block_rows` go through in blocks (a long prefill's intermediates stay small): the output is the
+    one-call output bit for bit, a short last block included, and the scratch holds one block's rows only."""
+    from types import SimpleNamespace
+
+    from tokenmill.models.layers import GatedMLP, bind_kernels
+    from tokenmill.models.linear import prepare_linears
+
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu", mlp_bias=False)
+    torch.manual_seed(0)
+    mlp = GatedMLP(cfg).to(torch.bfloat16)  # type: ignore[arg-type]
+    prepare_linears(mlp, quantization, torch.device("cpu"))
+    bind_kernels(mlp, ops)
+    assert mlp.scratch is not None and mlp.block_rows >= 64
+    x = torch.randn(150, 64).to(torch.bfloat16)
+    whole = mlp(x)  # [150, 64] in one call
+    mlp.block_rows = 32
+    mlp.scratch.clear()
+    blocks = mlp(x)  # 4 blocks of 32 rows and one of 22
+    assert torch.equal(blocks, whole)
+    assert mlp.scratch.get("gate_up", 1, 192, torch.bfloat16).untyped_storage().nbytes() == 32 * 192 * 2

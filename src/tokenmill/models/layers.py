@@ -256,6 +256,11 @@ class Scratch:
         self._buffers.clear()
 
 
+# A long prefill's MLP intermediates: Qwen2.5-0.5B's 2048-token chunk held 60 MB of them, and its peak RSS 94 MB
+# over the layer's start (blocks of 512 rows cost the layer the same time: Zen 3, Q4_K_M; docs/benchmarks.md)
+MLP_BLOCK_BYTES = 16 << 20
+
+
 class GatedMLP(nn.Module):
     """`intermediate_size`: an expert's width (models/moe.py), where it is not the model's."""
 
@@ -267,8 +272,23 @@ class GatedMLP(nn.Module):
         self.ops: FusedOps | None = None
         self.scratch: Scratch | None = None  # shared by the model's MLPs (bind_kernels)
         self.lora: dict[str, Any] | None = None  # "gate_up_proj" / "down_proj" -> its LoRA adapters (models/lora.py)
+        # rows a call takes at a time: a [T, 2I] + [T, I] pair of at most MLP_BLOCK_BYTES in bf16
+        self.block_rows = max(64, MLP_BLOCK_BYTES // (3 * self.intermediate_size * 2) // 64 * 64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        """A long prefill's rows go through in blocks, so that its intermediates stay small (the rows are
+        independent, and the kernels give each row the same result in any block)."""
+        rows, step = x.shape[0], self.block_rows
+        if rows <= step:
+            return self._rows(x)
+        first = self._rows(x[:step])  # [step, D]
+        out = first.new_empty(rows, first.shape[1])  # [T, D]
+        out[:step] = first
+        for start in range(step, rows, step):
+            out[start : start + step] = self._rows(x[start : start + step])
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         rows, scratch, proj = x.shape[0], self.scratch, self.gate_up_proj
         if scratch is not None and isinstance(proj, KernelLinear):
             gate_up = proj(x, out=scratch.get("gate_up", rows, 2 * self.intermediate_size, x.dtype))  # [T, 2I]
