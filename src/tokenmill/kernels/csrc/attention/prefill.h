@@ -40,11 +40,13 @@ constexpr int64_t PREFILL_ROWS = 96;  // rows (tokens x G heads) a task aims for
 // register tile rows for the scores (what the linears use for the same panels) and for the weighted values
 template <typename T>
 constexpr int score_rows() {
-  if constexpr (sizeof(T) == 2) return W == 16 ? 12 : (W == 8 ? 5 : 2);
+  if constexpr (sizeof(T) == 2) return W == 16 ? 12 : (W == 8 ? 4 : 2);
   else return W == 4 ? 2 : (W == 8 ? 5 : 8);
 }
-constexpr int PV_NV = 4;                   // vectors of Dh per value tile
-constexpr int PV_ROWS = W == 16 ? 6 : 2;   // rows x PV_NV sums + PV_NV values + 1 broadcast fit the registers
+// rows x PV_NV sums + PV_NV values + 1 broadcast fit the registers (16 of them in 8-lane builds: 6 x 2 loads 8 for
+// 12 FMAs, where 2 x 4 loaded 10 for 8: its values were read from memory for each row)
+constexpr int PV_NV = W == 16 ? 4 : 2;     // vectors of Dh per value tile
+constexpr int PV_ROWS = 6;
 
 struct PrefillTask {
   int64_t seq, g, i0, i1;  // sequence, KV head, new tokens [i0, i1)
@@ -94,14 +96,18 @@ inline void pack_keys(const T* const* rows, int64_t n, int64_t Dh, T* panels) {
   }
 }
 
-// s[m][0..P) = scale * (row m of q) . (the panel's P keys), for MT rows of q (Dh apart)
+// s[m][0..P) = scale * (row m of q) . (the panel's P keys), for MT rows of q (Dh apart): bf16 keys against bf16
+// queries in vdpbf16ps pairs where the CPU has it, else against the queries widened to float32 (qf), as the linears
+// take their activations (the same products, in the same order: even k, then odd)
 template <typename T, int MT>
-inline void score_tile(const T* panel, const T* q, int64_t Dh, float scale, float* s, int64_t lds) {
-  vf acc[MT][V] = {};
-  if constexpr (sizeof(T) == 2) tile_bf16_pairs<MT, 1>((const uint16_t*)panel, (const uint16_t*)q, Dh, Dh, acc);
-  else tile_dense<MT, 1, float>((const float*)panel, (const float*)q, Dh, Dh, acc);
+inline void score_tile(const T* panel, const T* q, const float* qf, int64_t Dh, float scale, float* s, int64_t lds) {
+  vf acc[1][MT][V] = {};  // (the keys are in L1: no prefetch)
+  if constexpr (sizeof(T) == 2 && TM_BF16_PAIRS)
+    tile_bf16_pairs<MT, 1>((const uint16_t*)panel, (const uint16_t*)q, Dh, Dh, acc[0]);
+  else if constexpr (sizeof(T) == 2) span_dense<MT, 1, false, uint16_t>((const uint16_t*)panel, qf, Dh, 0, Dh / 2, acc);
+  else tile_dense<MT, 1, float>((const float*)panel, (const float*)q, Dh, Dh, acc[0]);
   for (int m = 0; m < MT; ++m)
-    for (int v = 0; v < V; ++v) store(s + m * lds + v * W, acc[m][v] * splat(scale));
+    for (int v = 0; v < V; ++v) store(s + m * lds + v * W, acc[0][m][v] * splat(scale));
 }
 
 // o[m][d0 .. d0 + NV W) += sum over j < n of p[m][j] * values[j][d0 ..], for MT rows (o rows Dh apart)
@@ -153,15 +159,20 @@ inline float online_softmax_row(float* s, int64_t n, int64_t lo, int64_t hi, flo
   return corr;
 }
 
+// bf16 queries are widened to float32 once per task where the score tiles take float32 activations
+template <typename T>
+constexpr bool widens_q() { return sizeof(T) == 2 && !TM_BF16_PAIRS; }
+
 // Per-thread buffers of a task with up to `rows` rows.
 template <typename T>
 struct PrefillScratch {
   std::vector<T> q, keys, widened;         // [rows, Dh]; [KB, Dh] packed; [KB, Dh] a quantized cache's keys as T
-  std::vector<float> values, s, o, mx, l;  // [KB, Dh]; [rows, KB]; [rows, Dh]; [rows]; [rows]
+  std::vector<float> qf, values, s, o, mx, l;  // [rows, Dh] q widened (bf16 without vdpbf16ps); [KB, Dh]; [rows, KB];
+                                               // [rows, Dh]; [rows]; [rows]
   std::vector<const T*> krow;              // [KB]
   PrefillScratch(int64_t rows, int64_t Dh)
-      : q(rows * Dh), keys(KB * Dh), widened(KB * Dh), values(KB * Dh), s(rows * KB), o(rows * Dh), mx(rows), l(rows),
-        krow(KB) {}
+      : q(rows * Dh), keys(KB * Dh), widened(KB * Dh), qf(widens_q<T>() ? rows * Dh : 0), values(KB * Dh),
+        s(rows * KB), o(rows * Dh), mx(rows), l(rows), krow(KB) {}
 };
 
 // The rows [first row's position + r / G] of a task, and the positions each sees.
@@ -181,7 +192,8 @@ void block_scores(const PrefillScratch<T>& sc, float* s, int64_t R, int64_t n, i
     for (int64_t p = 0; p * P < n && t0 + p * P <= last; ++p) {
       if (tr.window > 0 && t0 + p * P + P - 1 < earliest - tr.window + 1) continue;  // before every row's window
       with_rows<MT>(rows, [&](auto r) {
-        score_tile<T, decltype(r)::value>(sc.keys.data() + p * P * Dh, sc.q.data() + r0 * Dh, Dh, scale,
+        score_tile<T, decltype(r)::value>(sc.keys.data() + p * P * Dh, sc.q.data() + r0 * Dh,
+                                          sc.qf.data() + (widens_q<T>() ? r0 * Dh : 0), Dh, scale,
                                           s + r0 * KB + p * P, KB);
       });
     }
@@ -231,6 +243,18 @@ void block_rows(const PrefillJob<T, C>& job, int64_t g, const int64_t* table, in
   }
 }
 
+// The cache lines of the keys and values of positions [t0, t0 + n) of KV head g, asked into L2 while the block
+// before them is computed (rows of the paged cache are read once per task, and waited on otherwise)
+template <typename T, typename C>
+void prefetch_block(const PrefillJob<T, C>& job, int64_t g, const int64_t* table, int64_t t0, int64_t n) {
+  const int64_t kv_stride = job.Hkv * job.Dh, bytes = job.Dh * (int64_t)sizeof(C);
+  for (int64_t t = t0; t < t0 + n; ++t) {
+    const C* key = job.cache + (table[t / job.block_size] * job.block_size + t % job.block_size) * kv_stride + g * job.Dh;
+    prefetch_range_l2(key, bytes);
+    prefetch_range_l2(key + job.slots * kv_stride, bytes);
+  }
+}
+
 // One task: its rows' queries copied side by side, then the context block by block, then the rows normalized out.
 template <typename T, typename C>
 void prefill_task(const PrefillJob<T, C>& job, const PrefillTask& task, PrefillScratch<T>& sc) {
@@ -242,11 +266,14 @@ void prefill_task(const PrefillJob<T, C>& job, const PrefillTask& task, PrefillS
   const int64_t kend = tr.pos(R - 1) + 1, kbeg = job.window > 0 ? std::max<int64_t>(0, tr.pos(0) - job.window + 1) : 0;
   for (int64_t i = task.i0; i < task.i1; ++i)
     std::copy_n(job.q + (row0 + i) * job.q_stride + task.g * G * Dh, G * Dh, sc.q.data() + (i - task.i0) * G * Dh);
+  if constexpr (widens_q<T>())
+    for (int64_t i = 0; i < R * Dh; i += W) store(sc.qf.data() + i, load_row(sc.q.data() + i));
   std::fill_n(sc.o.data(), R * Dh, 0.f);
   std::fill_n(sc.mx.data(), R, -INFINITY);
   std::fill_n(sc.l.data(), R, 0.f);
   for (int64_t t0 = kbeg; t0 < kend; t0 += KB) {
     const int64_t n = std::min(KB, kend - t0);
+    if (t0 + KB < kend) prefetch_block(job, task.g, table, t0 + KB, std::min(KB, kend - t0 - KB));
     block_rows(job, task.g, table, t0, n, sc);
     pack_keys(sc.krow.data(), n, Dh, sc.keys.data());
     block_scores(sc, sc.s.data(), R, n, t0, tr, Dh, job.scale);
