@@ -58,15 +58,16 @@ def test_a_streamed_replys_timings_count_its_drafts(http: httpx.Client) -> None:
     assert timings["draft_tokens"] > 0
 
 
-def test_a_stream_sends_no_chunk_before_its_first_text(server: Server, llm: LLM) -> None:
-    """A prompt over several prefill steps: no completions chunk goes out before there is text (a client stamps its
+def test_a_stream_sends_no_chunk_before_its_first_token(server: Server, llm: LLM) -> None:
+    """A prompt over several prefill steps: no completions chunk goes out before the first token (a client stamps its
     TTFT at the first chunk), and the text and usage are the offline engine's."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=60, max_retries=0)
     prompt = PROMPT + PROMPT  # ~50 tokens: four prefill steps
+    options = {"include_usage": True, "continuous_usage_stats": True}
     chunks = list(client.completions.create(model=server.model, prompt=prompt, max_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
-    texts = [c.choices[0] for c in chunks if c.choices]
-    assert texts and all(c.text or c.finish_reason for c in texts)
-    assert "".join(c.text for c in texts) == offline(llm, prompt, 8, ignore_eos=False).text
+                                            stream=True, stream_options=options))  # type: ignore[arg-type]  # fmt: skip
+    sent = [c for c in chunks if c.choices]
+    assert sent and all(c.usage is not None and c.usage.completion_tokens >= 1 for c in sent)
+    assert "".join(c.choices[0].text for c in sent) == offline(llm, prompt, 8, ignore_eos=False).text
     usage = chunks[-1].usage
     assert usage is not None and usage.prompt_tokens == len(llm.tokenizer.encode(prompt)) > 32

@@ -72,8 +72,8 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
         index: int, ids: list[int], lp: list[Logprobs] | None, text: str, finish: str | None, first: bool,
         stop: int | str | None,
     ) -> dict[str, Any] | None:  # fmt: skip
-        if not text and finish is None:
-            return None  # a started request with no text yet (its tokens and logprobs go with the next chunk)
+        if not (text or ids or finish):
+            return None  # a prompt's prefill step before its first token (vLLM sends none either)
         logprobs = completion_logprobs(tok, ids, list(lp)) if lp is not None else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
 
