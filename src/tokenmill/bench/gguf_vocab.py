@@ -12,16 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenmill.tokenizer.gguf_bpe import GPT4O_SPLIT
+from tokenmill.tokenizer.gguf_bpe import GPT4O_SPLIT, LLAMA3_SPLIT, QWEN2_SPLIT
 
-# GPT-2's own split (also what `ByteLevel(use_regex=True)` applies), and Llama 3's and Qwen2's (from tokenizer.json)
+# GPT-2's own split (also what `ByteLevel(use_regex=True)` applies); Llama 3's, Qwen2's and o200k's are the
+# tokenizer's own (tokenizer/gguf_bpe.py), which reads them back from the names written here
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")  # single digits
-_SPLIT_REGEX_TO_PRE = {_GPT2_REGEX: "gpt-2", _LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2", GPT4O_SPLIT: "gpt-4o"}
+_SPLIT_REGEX_TO_PRE = {_GPT2_REGEX: "gpt-2", LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2", GPT4O_SPLIT: "gpt-4o"}
 
 
 def write_vocab(writer: Any, hf_dir: Path, config: dict[str, Any]) -> None:
