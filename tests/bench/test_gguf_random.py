@@ -12,10 +12,12 @@ from typing import Any
 
 import gguf
 import pytest
+import torch
 
 from tests import target
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.gguf_random import write_random_gguf
+from tokenmill.config import RopeConfig
 from tokenmill.models.moe import SparseMoE
 
 # rows of 256 (K-quants), two layers, four experts (the first layer's down projection is Q6_K in Q4_K_M)
@@ -59,10 +61,31 @@ def test_a_dense_file_of_each_type_loads(tokenizer_dir: Path, tmp_path: Path, ki
     assert len(LLM(str(path)).generate(["Hi"], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids)
 
 
+def test_a_llama3_scaled_rope_goes_into_the_file(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Llama 3's scaled RoPE (Llama-3.2's shapes) is written as llama.cpp's `rope_freqs`, and the model loaded from
+    the file rotates by the frequencies the config gives (a file without it would rotate by the plain ones)."""
+    from tokenmill.make_model import hf_config
+    from tokenmill.models import family_named
+    from tokenmill.models.layers import rope_inv_freq
+
+    fields = {k: v for k, v in WIDE_MOE.items() if "expert" not in k and k != "norm_topk_prob"}
+    fields["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=128)  # fmt: skip
+    path = write_random_gguf("llama", fields, tokenizer_dir, tmp_path / "l3.gguf", "q8_0", seed=0)
+    assert _types(path)["rope_freqs.weight"] == "F32"
+    want = family_named("llama").config_from_hf(hf_config("llama", **fields).to_dict()).rope
+    assert want.kind == "llama3"
+    loaded = LLM(str(path)).loaded.model.config.rope
+    got_freq, want_freq = rope_inv_freq(loaded, 64)[0], rope_inv_freq(want, 64)[0]
+    assert not torch.equal(want_freq, rope_inv_freq(RopeConfig(want.theta), 64)[0])  # the scaling changes some
+    torch.testing.assert_close(got_freq, want_freq, rtol=1e-6, atol=0)
+
+
 _MEASURE = """
 import json, resource, sys
 from pathlib import Path
 from tokenmill.bench.gguf_random import write_random_gguf
+from tokenmill.config import RopeConfig
 fields, tok, out = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 small = {**fields, "num_hidden_layers": 1, "num_experts": 2}
 write_random_gguf("qwen3_moe", small, tok, out.with_suffix(".small"), "q4_k", 0)  # every import and pool made

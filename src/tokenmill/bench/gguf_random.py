@@ -5,9 +5,10 @@ is made (the largest, one layer's experts of one projection, is the most it hold
 
 The weights are random but valid: each quantized tensor's rows are drawn from a pool of rows quantized once by our
 ggml-exact quantizers (bench/gguf_export.py's `encode`) from N(0, 0.02) floats, so its blocks hold sane scales and
-values; routers, norms and the like are floats. The tensor types follow llama-quantize's recipes (`--gguf q4_k_m`:
-Q4_K, with Q6_K for the LM head (a tied embedding) and for attn_v and the down projections (the experts' too) in the
-layers `quant_mix.more_bits` picks: tensor for tensor the types llama-quantize gives qwen3-moe-small).
+values; routers, norms and the like are floats, and llama3's RoPE factors (`rope_freqs`) what the config says. The
+tensor types follow llama-quantize's recipes (`--gguf q4_k_m`: Q4_K, with Q6_K for the LM head (a tied embedding) and
+for attn_v and the down projections (the experts' too) in the layers `quant_mix.more_bits` picks: tensor for tensor
+the types llama-quantize gives qwen3-moe-small).
 Llama-shaped families (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral: Q/K rows are random, so no permutation
 applies) and gpt-oss (bench/gguf_random_oss.py; `--gguf mxfp4`: its experts in MXFP4, the rest Q8_0).
 """
@@ -56,6 +57,7 @@ def write_random_gguf(arch: str, fields: dict[str, Any], tokenizer_dir: Path, ou
     else:
         assert family.gguf_arch is not None
         arch_name, specs = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[family.gguf_arch]], list(_tensors(cfg, kind))
+    fixed: dict[str, npt.NDArray[np.float32]] = {}  # tensors of set values: llama3's RoPE factors (rope_freqs)
     out.parent.mkdir(parents=True, exist_ok=True)
     with gguf_file(out, arch_name) as writer:
         writer.add_name(f"random {arch}")
@@ -64,8 +66,9 @@ def write_random_gguf(arch: str, fields: dict[str, Any], tokenizer_dir: Path, ou
         if arch == "gpt_oss":
             write_gpt_oss_hparams(writer, config)
         else:
-            _write_hparams(writer, config, arch_name)
+            fixed = _write_hparams(writer, config, arch_name)
             _write_moe_hparams(writer, cfg.moe, arch_name)
+        specs += [(name, factors.shape, "f32") for name, factors in fixed.items()]
         write_vocab(writer, tokenizer_dir, config)
         rng, pools = np.random.default_rng(seed), _Pools(seed)
         for name, shape, dtype in specs:  # each tensor's info first, its bytes later (streamed)
@@ -77,7 +80,7 @@ def write_random_gguf(arch: str, fields: dict[str, Any], tokenizer_dir: Path, ou
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for name, shape, dtype in specs:
-            writer.write_tensor_data(_values(name, shape, dtype, pools, rng))
+            writer.write_tensor_data(fixed[name] if name in fixed else _values(name, shape, dtype, pools, rng))
     return out
 
 
