@@ -40,7 +40,7 @@ LAYERS = [
     ["engine", "quality"],
     ["parallel"],  # Ray replicas: whole engines
     ["__init__"],  # the package's public names (LLM, SamplingParams, ...)
-    ["server", "bench"],
+    ["server", "bench", "engine_flags"],  # engine_flags: EngineConfig's fields as flags
     ["cli"],
     ["__main__"],
 ]

@@ -90,6 +90,6 @@ def test_gpu_keeps_its_share_of_free_memory(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_the_cli_help_states_the_default_context() -> None:
-    from tokenmill.cli import _HELP
+    from tokenmill.engine_flags import HELP
 
-    assert f"at least {DEFAULT_CONTEXT_TOKENS} tokens" in _HELP["max_model_len"]
+    assert f"at least {DEFAULT_CONTEXT_TOKENS} tokens" in HELP["max_model_len"]
