@@ -36,6 +36,13 @@ inline float hsum(vf v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// the largest of v's lanes (none a NaN), in a tree as hsum (the prefill softmax's block maxima)
+inline float hmax(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
 // {hsum(a), hsum(b), hsum(c), hsum(d)} -> out[0..4): one shuffle tree for the four (decode attention's scores)
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
   // per 128-bit lane: [a0+a1, a2+a3, b0+b1, b2+b3] and c's, d's; then [sum a, sum b, sum c, sum d]

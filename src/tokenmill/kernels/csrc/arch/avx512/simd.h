@@ -32,6 +32,9 @@ inline vu load_u8(const uint8_t* p) { return (vu)_mm512_cvtepu8_epi32(_mm_loadu_
 // position and head)
 inline float hsum(vf v) { return _mm512_reduce_add_ps((__m512)v); }
 
+// the largest of v's lanes (none a NaN)
+inline float hmax(vf v) { return _mm512_reduce_max_ps((__m512)v); }
+
 // {hsum(a), hsum(b), hsum(c), hsum(d)} -> out[0..4): one shuffle tree for the four (decode attention's scores)
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
   auto half = [](vf v) {

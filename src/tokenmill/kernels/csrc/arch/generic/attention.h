@@ -1,8 +1,14 @@
-// Builds without vdpbf16ps: decode attention and prefill's key panels take their portable paths (the false
-// returns fold away). attention/decode.h picks this file.
+// Builds without vdpbf16ps: decode attention takes its portable path (the false return folds away), and prefill's
+// key panels AVX2's transpose (arch/avx2/attention.h) where the build has it, else theirs. attention/decode.h picks
+// this file.
 #pragma once
 
 #include <cstdint>
+
+#include "arch/isa.h"
+#if TM_SIMD_AVX2
+#include "arch/avx2/attention.h"
+#endif
 
 namespace tmk {
 
@@ -11,6 +17,8 @@ inline bool attention_split_bf16(const uint16_t*, const uint16_t*, int64_t, cons
   return false;
 }
 
+#if !TM_SIMD_AVX2
 inline bool pack_keys_bf16(const uint16_t* const*, int64_t, int64_t, uint32_t*) { return false; }
+#endif
 
 }  // namespace tmk

@@ -46,6 +46,13 @@ inline float hsum(vf v) {
   return s;
 }
 
+// the largest of v's lanes (none a NaN)
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
 // {hsum(a), hsum(b), hsum(c), hsum(d)} -> out[0..4)
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
   out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
