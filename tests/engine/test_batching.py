@@ -185,15 +185,17 @@ def test_requests_that_can_never_fit_are_rejected(folder: Path) -> None:
 
 
 def test_a_failure_inside_the_engine_ends_only_its_request(folder: Path, alone: list[list[int]]) -> None:
+    """Two requests (one of two samples) fail in the same step: each ends with its error, the others are served."""
     llm = _llm(folder)
     llm.engine.runner.hooks.fault_token = 5  # the runner raises on a sequence whose first token is 5 (its test hook)
     bad = SamplingParams(temperature=0, max_tokens=4, n=2, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in [*PROMPTS[:3], [5, 6, 7]]], [*PARAMS[:3], bad])
+    prompts = [*PROMPTS[:3], [5, 6, 7], [5, 8, 9, 10]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [*PARAMS[:3], bad, PARAMS[0]])
     assert [o.outputs[0].token_ids for o in outs[:3]] == alone[:3]
-    failed = outs[3]
-    assert failed.finished and failed.error is not None and "injected fault" in failed.error
-    assert [c.finish_reason for c in failed.outputs] == ["error", "error"]
-    assert llm.engine.stats.num_failed == 1
+    for failed, samples in zip(outs[3:], (2, 1), strict=True):
+        assert failed.finished and failed.error is not None and "injected fault" in failed.error
+        assert [c.finish_reason for c in failed.outputs] == ["error"] * samples
+    assert llm.engine.stats.num_failed == 2
     assert_pool_full(llm.engine)
     llm.engine.runner.hooks.fault_token = None
     assert _run(llm, PROMPTS[:2], PARAMS[:2]) == alone[:2]  # and the engine serves on

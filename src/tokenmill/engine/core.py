@@ -293,8 +293,9 @@ class EngineCore:
     def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
         """End the user requests whose sequences failed: every sample, with the error, blocks released."""
         outputs = []
-        for parent_id in dict.fromkeys(self._seqs[rid].parent_id for rid in failed):
-            error = next(msg for rid, msg in failed.items() if self._seqs[rid].parent_id == parent_id)
+        parents = {rid: self._seqs[rid].parent_id for rid in failed}  # (read before any is released below)
+        for parent_id in dict.fromkeys(parents.values()):
+            error = next(msg for rid, msg in failed.items() if parents[rid] == parent_id)
             children = self.requests.pop(parent_id)
             for req in children:
                 req.finish_reason = req.finish_reason or "error"
