@@ -48,6 +48,8 @@ class MoEConfig:
     weights_in_float32: bool = False
     # gpt-oss: the experts' clamped SwiGLU, (alpha, limit): up * sigmoid-gated gate, each clamped to `limit` first
     clamped_swiglu: tuple[float, float] | None = None
+    # gpt-oss: the router's top k logits, then their softmax in the model dtype (not the softmax's top k)
+    softmax_after_top_k: bool = False
 
     def check(self, num_layers: int) -> None:
         if not 1 <= self.top_k <= self.num_experts:

@@ -89,16 +89,15 @@ def test_ngram_speculation_keeps_greedy_output(folder: Path) -> None:
                                                   ("float32", "q4_k_m")])  # fmt: skip
 def test_the_decode_stack_runs_sparse_layers_with_the_modules_bits(folder: Path, dtype: str, quantization: str) -> None:
     """Decode steps and decode runs of a MoE model go through the decode stack (stack/moe.h: each row's router, the
-    chosen experts over their rows, the weighted sums) and give the module path's tokens, and its logprobs as the
-    dense stack does, in a batch whose rows choose different experts as well as one row alone."""
+    chosen experts over their rows, the weighted sums; gpt-oss's sinks, window, biases and clamped SwiGLU) and give
+    the module path's tokens, and its logprobs as the dense stack does, in a batch whose rows choose different experts
+    as well as one row alone."""
     target.cpu_only("the CPU kernels")
     llm = LLM(str(folder), dtype=dtype, quantization=quantization, num_scheduler_steps=1)
     runner = llm.engine.runner
-    if llm.loaded.config.attention_sinks:
-        assert runner.decode_stack is None
-        pytest.skip("gpt-oss decodes on the modules: the stack has no sinks, windows, biased or clamped experts")
-    if runner.decode_stack is None:
+    if llm.loaded.ops is None:
         pytest.skip("no compiled CPU kernels here: the decode stack needs them")
+    assert runner.decode_stack is not None
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
 
@@ -229,10 +228,43 @@ def test_the_kernels_router_picks_torchs_experts_ties_included(dtype: str) -> No
             ids, weights = torch.empty(48, k, dtype=torch.int64), torch.empty(48, k)
             module = kernels.variant(level).module
             module.moe_route(x.data_ptr(), dtype == "bfloat16", 48, 64, router.data_ptr(), experts, k, renorm, False,
-                             ids.data_ptr(), weights.data_ptr())  # fmt: skip
+                             ids.data_ptr(), weights.data_ptr(), 0, False)  # fmt: skip
             assert torch.equal(ids, want_ids), (experts, k, level)
             close = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=0, atol=4e-3)  # bf16: an ulp
             assert torch.allclose(weights, want.to(torch_dtype).float(), **close), (experts, k, level)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kernels_router_routes_as_gpt_oss_ties_included(dtype: str) -> None:
+    """ops/route.h as gpt-oss's router (GptOssTopKRouter, which the decode stack runs too): the biased logits' top k,
+    then their softmax in the model dtype; the same experts in torch.topk's order, ties included, on each ISA variant
+    this CPU runs."""
+    target.cpu_only("the CPU kernels")
+    import torch
+    import torch.nn.functional as F
+
+    from tokenmill import kernels
+    from tokenmill.kernels.isa import supported_levels
+
+    if kernels.variant(supported_levels()[0]) is None:
+        pytest.skip("no compiled CPU kernels here")
+    gen = torch.Generator().manual_seed(1)
+    torch_dtype = getattr(torch, dtype)
+    for experts, k in ((8, 2), (32, 4), (128, 2)):
+        router, bias = torch.randn(experts, 64, generator=gen), torch.randn(experts, generator=gen)
+        router[1::3], bias[1::3] = router[0::3][: len(router[1::3])], bias[0::3][: len(bias[1::3])]  # twins
+        router, bias = router.to(torch_dtype), bias.to(torch_dtype)
+        x = torch.randn(48, 64, generator=gen).to(torch_dtype)
+        top, want_ids = torch.topk(F.linear(x, router, bias), k, dim=-1)  # [T, k]
+        want = torch.softmax(top, dim=-1, dtype=torch_dtype).float()
+        for level in supported_levels():
+            ids, weights = torch.empty(48, k, dtype=torch.int64), torch.empty(48, k)
+            kernels.variant(level).module.moe_route(x.data_ptr(), dtype == "bfloat16", 48, 64, router.data_ptr(),
+                                                    experts, k, False, False, ids.data_ptr(), weights.data_ptr(),
+                                                    bias.data_ptr(), True)  # fmt: skip
+            assert torch.equal(ids, want_ids), (experts, k, level)
+            close = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=0, atol=4e-3)  # bf16: an ulp
+            assert torch.allclose(weights, want, **close), (experts, k, level)
 
 
 def test_a_decode_steps_weight_bytes_count_the_chosen_experts_only(folder: Path) -> None:

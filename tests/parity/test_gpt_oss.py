@@ -157,11 +157,10 @@ def test_every_attention_path_gives_transformers_tokens(folder: Path, engine: di
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpt_oss_experts_take_one_kernel_call_with_the_modules_bits(folder: Path, dtype: str) -> None:
-    """The decode stack refuses gpt-oss (sinks, windows), but each layer's experts run in one call of the CPU kernels
-    (linear/experts.h: the biases, the clamped SwiGLU), whose rows are each expert module's own bits, at one row per
-    expert and at many."""
+    """Each layer's experts run in one call of the CPU kernels (linear/experts.h: the biases, the clamped SwiGLU),
+    whose rows are each expert module's own bits, at one row per expert and at many. (Decode steps take the decode
+    stack: tests/engine/test_moe.py holds it to the modules' tokens.)"""
     llm = LLM(str(folder), dtype=dtype, device=target.DEVICE)
-    assert llm.engine.runner.decode_stack is None
     if target.DEVICE != "cpu" or llm.loaded.ops is None:
         pytest.skip("the one-call expert kernel is the CPU kernels'")
     moes = [m for m in llm.loaded.model.modules() if isinstance(m, GptOssMoE)]
@@ -176,6 +175,34 @@ def test_gpt_oss_experts_take_one_kernel_call_with_the_modules_bits(folder: Path
                 moe._experts_call = ()
                 assert torch.equal(fused, moe(x)), tokens
                 moe._experts_call = None
+
+
+def test_the_stacks_checked_calls_refuse_bad_sinks_and_expert_biases(folder: Path) -> None:
+    """kernels/stack_ops.py checks what gpt-oss adds before a pointer crosses: sinks that are not float32 [heads] or
+    for a layer not added, and an expert bias table pointing at tensors it was not given, are each a ValueError; the
+    engine decodes on afterwards."""
+    from dataclasses import replace
+
+    from tokenmill.models.decode_stack import _experts
+
+    target.cpu_only("the decode stack")
+    llm = LLM(str(folder), dtype="float32")
+    if llm.loaded.ops is None:
+        pytest.skip("no compiled CPU kernels here: the decode stack needs them")
+    stack = llm.engine.runner.decode_stack
+    assert stack is not None
+    native, heads = stack.native, stack.native.shape.heads
+    for layer, sinks, what in ((0, torch.zeros(heads + 1), "attention sinks"),
+                               (0, torch.zeros(heads, dtype=torch.bfloat16), "attention sinks"),
+                               (10**6, torch.zeros(heads), "has not been added")):  # fmt: skip
+        with pytest.raises(ValueError, match=what):
+            native.set_sinks(layer, sinks)
+    moe = next(m for m in llm.loaded.model.modules() if isinstance(m, GptOssMoE))
+    experts = _experts(moe, native.shape.d, torch.float32)
+    assert experts is not None and experts.gate_up_bias is not None and experts.clamped_swiglu is not None
+    with pytest.raises(ValueError, match="bias pointers must be their biases'"):
+        native._check_expert_biases(replace(experts, biases=experts.biases[1:]))
+    assert len(_greedy(llm, llm.tokenizer.encode(PROMPT), 8)) == 8
 
 
 def test_tensor_parallel_refuses_gpt_oss(folder: Path) -> None:

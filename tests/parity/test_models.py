@@ -208,8 +208,6 @@ def _skip_without_stack(llm: LLM) -> None:
         pytest.skip("no compiled CPU kernels here: the decode stack needs them")
     if type(llm.loaded.model.decoder()) is not DecoderModel:
         pytest.skip(f"{llm.loaded.config.architecture} is not Llama-shaped: its decode steps run on the modules")
-    if llm.loaded.config.attention_sinks:
-        pytest.skip("gpt-oss decodes on the modules: the stack has no sinks, biased routers or clamped experts yet")
     assert llm.engine.runner.decode_stack is not None
 
 

@@ -60,7 +60,9 @@ class StackExperts:
     """A sparse layer's MLP: the router [E, d] (the model dtype), k of E experts a token (their softmax weights
     renormalised over the k where `renorm`, kept float32 where `keep_f32`), and the experts' packed weights, each
     projection in one format: int64 [E] pointers to gate_up_weights ([2 I, gate_up_k] each) and down_weights
-    ([d, down_k] each)."""
+    ([d, down_k] each). gpt-oss's: the router's bias [E] (the model dtype) and the softmax over its top k logits
+    (`softmax_after_top_k`), int64 [E] pointers to the experts' float32 biases ([2 I] / [d] each, the tensors in
+    `biases`), and the clamped SwiGLU's (alpha, limit)."""
 
     router: torch.Tensor
     num_experts: int
@@ -76,6 +78,12 @@ class StackExperts:
     down_format: int
     down_k: int
     down_weights: tuple[torch.Tensor, ...]
+    router_bias: torch.Tensor | None = None
+    softmax_after_top_k: bool = False
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    biases: tuple[torch.Tensor, ...] = ()
+    clamped_swiglu: tuple[float, float] | None = None
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -190,12 +198,38 @@ class NativeStack:
                 check_packed(w, x.gate_up_format if ptrs is x.gate_up else x.down_format, n, k)
         if x.gate_up_k < s.d or x.down_k < x.intermediate:
             raise ValueError("an expert's packed weights are narrower than its inputs")
-        self._alive += [x.router, x.gate_up, x.down, *x.gate_up_weights, *x.down_weights]
+        _check(x.router_bias, "a router's bias", (x.num_experts,), self.dtype)
+        self._check_expert_biases(x)
+        self._alive += [x.router, x.gate_up, x.down, *x.gate_up_weights, *x.down_weights, x.router_bias,
+                        x.gate_up_bias, x.down_bias, *x.biases]  # fmt: skip
+        alpha, limit = x.clamped_swiglu or (0.0, 0.0)
         self.native.add_sparse_layer(*norm_specs, self.cache[layer].data_ptr(), *attention, x.router.data_ptr(),
                                      x.num_experts, x.top_k, x.renorm, x.keep_f32, x.gate_up.data_ptr(),
                                      x.gate_up_format, x.gate_up_k, x.down.data_ptr(), x.down_format, x.down_k,
-                                     x.intermediate)  # fmt: skip
+                                     x.intermediate, _ptr(x.router_bias), x.softmax_after_top_k, _ptr(x.gate_up_bias),
+                                     _ptr(x.down_bias), x.clamped_swiglu is not None, alpha, limit)  # fmt: skip
         self._set_scales(layer)
+
+    def _check_expert_biases(self, x: StackExperts) -> None:
+        """Each bias pointer table is int64 [E], and points at float32 [2 I] / [d] tensors held in `x.biases`."""
+        held = {b.data_ptr(): b for b in x.biases}
+        for table, n in ((x.gate_up_bias, 2 * x.intermediate), (x.down_bias, self.shape.d)):
+            if table is None:
+                continue
+            _check(table, "the experts' bias pointers", (x.num_experts,), torch.int64)
+            for ptr in table.tolist():
+                if ptr not in held:
+                    raise ValueError("the experts' bias pointers must be their biases'")
+                _check(held[ptr], "an expert's bias", (n,), torch.float32)
+
+    def set_sinks(self, layer: int, sinks: torch.Tensor | None) -> None:
+        """Layer `layer` (added) adds each head's sink logit (float32 [heads]; gpt-oss) to its softmax's denominator
+        (None: no sinks)."""
+        if not 0 <= layer < self.native.num_layers():
+            raise ValueError(f"layer {layer} has not been added")
+        _check(sinks, "a layer's attention sinks", (self.shape.heads,), torch.float32)
+        self._alive.append(sinks)
+        self.native.set_sinks(layer, _ptr(sinks))
 
     def set_packed_embedding(self, packed: torch.Tensor, format_id: int, rows: int, k: int) -> None:
         """The embedding is a quantized (or a tied LM head's bf16) weight's panels [rows, k >= d], its rows

@@ -6,7 +6,8 @@ over the paged cache, the runner hands the embedded tokens to this stack instead
 in the same order from C++ and returns the final norm's output. Prefills and mixed steps take the modules.
 
 It applies to the Llama-shaped stack of `layers.py` (Llama, Mistral, Qwen2, Qwen3, and the MoE families whose
-sparse layers' experts run on the one-call expert kernels: Qwen3-MoE, Mixtral) with every linear a `KernelLinear`;
+sparse layers' experts run on the one-call expert kernels: Qwen3-MoE, Mixtral, gpt-oss with its attention sinks,
+windows, biased router and experts, and clamped SwiGLU) with every linear a `KernelLinear`;
 `DecodeStack.build` returns None for anything else, which then runs on the modules.
 """
 
@@ -68,15 +69,17 @@ def _layer_spec(layer: DecoderLayer, dims: tuple[int, ...], dtype: torch.dtype) 
     [norms, [qkv, o], its SparseMoE]; None if it does not fit."""
     d, h, hkv, dh, i = dims
     attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not Attention or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (h, hkv, dh):
+    if not isinstance(attn, Attention) or type(attn).forward is not Attention.forward:  # (gpt-oss's adds its sinks)
+        return None
+    if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (h, hkv, dh):
         return None
     norms = [_norm(layer.input_layernorm, dtype), _norm(layer.post_attention_layernorm, dtype)]
     qk = [None, None] if attn.q_norm is None else [_norm(attn.q_norm, dtype), _norm(attn.k_norm, dtype)]
     specs = [_linear_spec(attn.qkv_proj, d), _linear_spec(attn.o_proj, h * dh)]
     if any(p is None for p in [*norms, *specs]) or (attn.q_norm is not None and None in qk):
         return None
-    if type(mlp) is SparseMoE:
-        experts = _experts(mlp, d, dtype)
+    if isinstance(mlp, SparseMoE) and type(mlp).forward is SparseMoE.forward and type(mlp).route is SparseMoE.route:
+        experts = _experts(mlp, d, dtype)  # (gpt-oss's GptOssMoE: its own router and experts, routed here alike)
         return None if experts is None else [[*norms, *qk], specs, experts]
     if type(mlp) is not GatedMLP or mlp.act != "silu" or mlp.intermediate_size != i:
         return None
@@ -87,14 +90,18 @@ def _layer_spec(layer: DecoderLayer, dims: tuple[int, ...], dtype: torch.dtype) 
 def _experts(mlp: SparseMoE, d: int, dtype: torch.dtype) -> StackExperts | None:
     """A sparse MLP as the stack takes it, where its router and experts run on the one-call kernels."""
     call, cfg = experts_call(mlp), mlp.moe
-    if not call or mlp.router_ops(torch.empty(0, d, dtype=dtype)) is None or mlp.experts[0].act != "silu":
+    if not call or mlp.router_ops(torch.empty(0, d, dtype=dtype)) is None:
         return None
-    if cfg.clamped_swiglu is not None or call.gate_up_bias is not None or call.down_bias is not None:
-        return None  # (stack/moe.h: SiLU experts without biases)
-    weights = [tuple(getattr(e, name).data for e in mlp.experts) for name in ("gate_up_proj", "down_proj")]
+    if cfg.clamped_swiglu is None and mlp.experts[0].act != "silu":
+        return None  # (stack/moe.h: SiLU*mul or gpt-oss's clamped SwiGLU)
+    names = ("gate_up_proj", "down_proj")
+    weights = [tuple(getattr(e, name).data for e in mlp.experts) for name in names]
+    biases = tuple(b for name in names for e in mlp.experts if (b := getattr(e, name).bias) is not None)
     return StackExperts(mlp.gate.weight, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob, cfg.weights_in_float32,
                         cfg.intermediate_size, call.gate_up, call.gate_up_format, call.gate_up_k, weights[0],
-                        call.down, call.down_format, call.down_k, weights[1])  # fmt: skip
+                        call.down, call.down_format, call.down_k, weights[1], mlp.router_bias,
+                        cfg.softmax_after_top_k, call.gate_up_bias, call.down_bias, biases,
+                        cfg.clamped_swiglu)  # fmt: skip
 
 
 def _intermediate(layers: list[DecoderLayer]) -> int:
@@ -160,6 +167,8 @@ class DecodeStack:
             else:
                 native.add_layer(*spec)
             native.set_window(index, pool.windows[index] if pool.windows else None)
+            sinks = layer.self_attn.sinks  # [H] in the model dtype, read as float32 (as the module path's kernels)
+            native.set_sinks(index, None if sinks is None else sinks.detach().float().contiguous())
         # the LM head joins the stack when logits are the head's output as is (a family may post-process them)
         plain_logits = type(model).compute_logits is CausalLM.compute_logits
         head = _linear_spec(model.lm_head, dims[0]) if plain_logits else None

@@ -12,9 +12,9 @@
   them (`quantization_config.quant_method: mxfp4`, kernels/mxfp4.py): on the CPU kept as blocks in the kernels'
   MXFP4 format (a 20B checkpoint in ~13 GB, not 42 GB of bf16), elsewhere dequantized exactly.
 
-Every layer is refused by the decode stack (its attention is not the plain `Attention`, and its windows): its steps
-run on these modules, each layer's experts in one call of the CPU kernels (linear/experts.h, with the biases and the
-clamped SwiGLU) after the router in torch. Tensor parallelism refuses the family.
+On the CPU kernels the router runs in ops/route.h and each layer's experts in one call (linear/experts.h, with the
+biases and the clamped SwiGLU); decode steps run in the decode stack (stack/stack.h, stack/moe.h: the sinks, the
+windows, the biased router and experts) with the modules' bits. Tensor parallelism refuses the family.
 """
 
 from __future__ import annotations
@@ -76,15 +76,13 @@ class ClampedSwiGLU(GatedMLP):
 
 
 class GptOssMoE(SparseMoE):
+    """Routed as transformers' GptOssTopKRouter: the top k biased logits, then their softmax in the model's dtype
+    (`MoEConfig.softmax_after_top_k`; SparseMoE.route, ops/route.h)."""
+
     def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
         super().__init__(cfg, moe)
         self.gate = BiasedRouter(cfg.hidden_size, moe.num_experts)
         self.experts = nn.ModuleList(ClampedSwiGLU(cfg, moe) for _ in range(moe.num_experts))
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, D] -> weights [T, k], ids [T, k]
-        """The top k logits, then their softmax, in the model's dtype (transformers' GptOssTopKRouter)."""
-        top, ids = torch.topk(self.gate(x), self.moe.top_k, dim=-1)  # [T, k] each
-        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
 
 
 class GptOssForCausalLM(MoECausalLM):
@@ -178,7 +176,8 @@ def _gpt_oss_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _gpt_oss_quirks(hf: dict[str, Any]) -> dict[str, Any]:
     swiglu = (float(hf["swiglu_alpha"]), float(hf["swiglu_limit"]))
-    moe = MoEConfig.from_hf(hf, int(hf.get("num_hidden_layers") or 0), clamped_swiglu=swiglu)
+    moe = MoEConfig.from_hf(hf, int(hf.get("num_hidden_layers") or 0), clamped_swiglu=swiglu,
+                            softmax_after_top_k=True)  # fmt: skip
     bias = bool(hf["attention_bias"])
     return {"moe": moe, "attention_sinks": True, "mlp_bias": True, "attention_bias": bias, "o_proj_bias": bias,
             "layer_types": tuple(hf["layer_types"])}  # fmt: skip

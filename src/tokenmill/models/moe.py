@@ -57,6 +57,9 @@ class SparseMoE(nn.Module):
         ops = self.router_ops(x)
         if ops is not None:
             return self._kernel_route(ops, x)
+        if self.moe.softmax_after_top_k:  # gpt-oss: the top k logits, then their softmax in the model's dtype
+            top, ids = torch.topk(self.gate(x), self.moe.top_k, dim=-1)  # [T, k] each
+            return torch.softmax(top, dim=-1, dtype=top.dtype), ids
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)  # [T, k] each
         if self.moe.norm_topk_prob:
@@ -80,12 +83,20 @@ class SparseMoE(nn.Module):
     def router_ops(self, x: torch.Tensor) -> Any | None:
         """The CPU kernels the router runs on for rows like `x` (the experts' own), or None: torch's ops."""
         first = self.experts[0].gate_up_proj
-        weight = self.gate.weight
+        weight, bias = self.gate.weight, self.router_bias
         if not isinstance(first, KernelLinear) or first.ops is None or not 1 <= self.moe.top_k <= MAX_TOP_K:
             return None
         if x.device.type != "cpu" or weight.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float32):
             return None
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+            return None
         return first.ops if weight.is_contiguous() else None
+
+    @property
+    def router_bias(self) -> torch.Tensor | None:
+        """The router's bias [E] (gpt-oss's), or None."""
+        bias = getattr(self.gate, "bias", None)
+        return bias if isinstance(bias, torch.Tensor) else None
 
     def _kernel_route(self, ops: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.contiguous()
@@ -94,7 +105,8 @@ class SparseMoE(nn.Module):
         weights = torch.empty(tokens, k)  # [T, k] float32, rounded to x's dtype unless the family keeps float32
         ops.module.moe_route(x.data_ptr(), x.dtype == torch.bfloat16, tokens, x.shape[1], self.gate.weight.data_ptr(),
                              self.moe.num_experts, k, self.moe.norm_topk_prob, self.moe.weights_in_float32,
-                             ids.data_ptr(), weights.data_ptr())  # fmt: skip
+                             ids.data_ptr(), weights.data_ptr(), _ptr(self.router_bias),
+                             self.moe.softmax_after_top_k)  # fmt: skip
         return (weights if self.moe.weights_in_float32 else weights.to(x.dtype)), ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # -> [T, D]
@@ -125,8 +137,8 @@ class SparseMoE(nn.Module):
 
     def _kernels_take(self, x: torch.Tensor) -> bool:
         """Whether the CPU kernels run every expert in one call (linear/experts.h): each expert's linears packed
-        alike, bound to the kernels, without biases or per-row invariance; rows of the model's dtype. Checked once
-        (the weights and their placement are fixed once loaded), and their pointers kept."""
+        alike (biases on all or none), bound to the kernels, without per-row invariance; rows of the model's dtype.
+        Checked once (the weights and their placement are fixed once loaded), and their pointers kept."""
         return bool(experts_call(self)) and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
 
 
@@ -180,8 +192,8 @@ def _experts_call(experts: nn.ModuleList) -> _ExpertsCall | tuple[()]:
 class MoECausalLM(CausalLM):
     """A Llama-shaped decoder whose sparse layers (`MoEConfig.sparse_layers`) hold a `SparseMoE` as their MLP.
 
-    Routing reads the batch's values on the host each step, so a MoE model never runs under CUDA graphs; the
-    decode stack (one kernel call for every layer) takes dense MLPs only, so its decode steps run on the modules."""
+    Routing reads the batch's values on the host each step, so a MoE model never runs under CUDA graphs. On the CPU
+    kernels its decode steps run in the decode stack (stack/moe.h), with these modules' bits."""
 
     graph_capturable = False
 

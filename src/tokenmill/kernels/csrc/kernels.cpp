@@ -409,6 +409,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_sparse_layer", &tmk::DecodeStack::add_sparse_layer)
       .def("set_kv_scales", &tmk::DecodeStack::set_kv_scales)
       .def("set_window", &tmk::DecodeStack::set_window)
+      .def("set_sinks", &tmk::DecodeStack::set_sinks)
       .def("num_layers", &tmk::DecodeStack::num_layers)
       .def("set_head", &tmk::DecodeStack::set_head)
       .def("set_lora", &tmk::DecodeStack::set_lora, "a projection's LoRA slot tables (stack/lora.h)")

@@ -142,12 +142,13 @@ inline void moe_routed(uintptr_t x, bool bf16, int64_t T, int64_t D, uintptr_t i
   });
 }
 
-// The router over T tokens (ops/route.h): x [T, D] and router [E, D] in the model dtype -> ids [T, k] int64, weights
-// [T, k] float32
+// The router over T tokens (ops/route.h): x [T, D] and router [E, D] in the model dtype, with its bias [E] (the
+// model dtype; 0: none) -> ids [T, k] int64, weights [T, k] float32
 inline void moe_route(uintptr_t x, bool bf16, int64_t T, int64_t D, uintptr_t router, int64_t E, int64_t k,
-                      bool renorm, bool keep_f32, uintptr_t ids, uintptr_t weights) {
+                      bool renorm, bool keep_f32, uintptr_t ids, uintptr_t weights, uintptr_t bias,
+                      bool softmax_after_top_k) {
   const int64_t e_bytes = bf16 ? 2 : 4;
-  const Routing r{E, k, renorm, keep_f32};
+  const Routing r{E, k, renorm, keep_f32, (const char*)bias, softmax_after_top_k};
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       route_row(Act{(char*)x + t * D * e_bytes, bf16}, (const char*)router, D, r, (int64_t*)ids + t * k,

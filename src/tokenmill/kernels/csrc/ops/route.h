@@ -6,6 +6,8 @@
 // torch's linear stores them; the softmax over all E in float32; its top k (in torch.topk's order, ties
 // included: top_k); renormalised over those k where the config says so; rounded to the model dtype unless the
 // family scales in float32. Only the sums' order differs from torch's (lanes, then the lanes added in turn).
+// gpt-oss's router (GptOssTopKRouter) adds a bias to the logits (W x + b, one rounding, as torch's linear with a
+// bias) and takes the top k of the logits, then the softmax over those k alone (`softmax_after_top_k`).
 #pragma once
 
 #include <algorithm>
@@ -22,6 +24,8 @@ struct Routing {
   int64_t experts, k;
   bool renorm;    // the top k weights divided by their sum
   bool keep_f32;  // the weights stay float32 (else rounded to the model dtype, as their cast there rounds them)
+  const char* bias = nullptr;        // [E] in the model dtype, added to the logits (gpt-oss), or null
+  bool softmax_after_top_k = false;  // the top k logits, then their softmax (gpt-oss), not the softmax's top k
 };
 
 // sum over i < n of x[i] * w[i]: x float32, w the model dtype
@@ -56,6 +60,14 @@ inline void top_k(const float* p, int64_t n, int64_t k, int64_t* out) {
   for (int64_t j = 0; j < k; ++j) out[j] = queue[j].second;
 }
 
+// The softmax over the k logits p[order[0..k)] (the largest first) -> weights [k], rounded as Routing says
+inline void softmax_chosen(const float* p, const int64_t* order, const Routing& r, Act x, float* weights) {
+  float top = -INFINITY, sum = 0.f;
+  for (int64_t j = 0; j < r.k; ++j) top = std::max(top, p[order[j]]);
+  for (int64_t j = 0; j < r.k; ++j) sum += (weights[j] = std::exp(p[order[j]] - top));
+  for (int64_t j = 0; j < r.k; ++j) weights[j] = r.keep_f32 ? weights[j] / sum : x.round(weights[j] / sum);
+}
+
 // x [D] (the model dtype), router [E, D] (the model dtype) -> ids [k] int64, weights [k] float32
 inline void route_row(Act x, const char* router, int64_t D, const Routing& r, int64_t* ids, float* weights) {
   const int64_t e_bytes = x.bf16 ? 2 : 4;
@@ -63,10 +75,17 @@ inline void route_row(Act x, const char* router, int64_t D, const Routing& r, in
   thread_local std::vector<int64_t> order;
   xf.resize(D), p.resize(r.experts), order.resize(r.k);
   for (int64_t d = 0; d < D; ++d) xf[d] = x.get(d);
+  const Act bias{(void*)r.bias, x.bf16};
   float top = -INFINITY;
   for (int64_t e = 0; e < r.experts; ++e) {
-    p[e] = x.round(dot_row(xf.data(), Act{(void*)(router + e * D * e_bytes), x.bf16}, D));
+    const float dot = dot_row(xf.data(), Act{(void*)(router + e * D * e_bytes), x.bf16}, D);
+    p[e] = x.round(r.bias ? dot + bias.get(e) : dot);
     top = std::max(top, p[e]);
+  }
+  if (r.softmax_after_top_k) {
+    top_k(p.data(), r.experts, r.k, order.data());
+    std::copy(order.begin(), order.end(), ids);
+    return softmax_chosen(p.data(), order.data(), r, x, weights);
   }
   float sum = 0.f;
   for (int64_t e = 0; e < r.experts; ++e) sum += (p[e] = std::exp(p[e] - top));

@@ -5,7 +5,7 @@
 //   post_norm_route  (a chunk per row)  the norm, the row's router (ops/route.h) and its row for the experts' linears;
 //                                       the last row to finish groups the step's (row, choice) pairs by expert;
 //   experts_gate_up  (chunks of (expert, output panels))  each chosen expert's gate|up over its rows;
-//   experts_silu     (a chunk per pair)  SiLU*mul, and the row for the down projection;
+//   experts_silu     (a chunk per pair)  SiLU*mul (gpt-oss: the clamped SwiGLU), and the row for the down projection;
 //   experts_down     (as gate_up)        each chosen expert's down projection.
 // Each row's weighted sum is added by the next per-row stage (the next layer's input norm, or the final norm).
 // The experts a step chooses are only known inside it, so the expert stages get chunks for the most experts the
@@ -33,6 +33,9 @@ struct MoELayer {
   const int64_t *gate_up, *down;  // [E] each: the experts' packed weights, gate|up [2I, gu_K] and down [D, dn_K]
   Format gu, dn;
   int64_t gu_K, dn_K, I;
+  const int64_t *gu_bias = nullptr, *dn_bias = nullptr;  // [E] pointers to float32 biases [2I] / [D] (gpt-oss), or null
+  bool clamped = false;                                  // gpt-oss's clamped SwiGLU (at alpha, limit), not SiLU*mul
+  float alpha = 0.f, limit = 0.f;
 };
 
 class MoEStages {
@@ -99,14 +102,17 @@ class MoEStages {
       else std::memcpy(rows32.data() + i * s.gu_K, xq + b * ldxq, s.gu_K * 4);
     }
     project(s.gu, (const uint8_t*)s.gate_up[e], 2 * s.I, s.gu_K, pairs ? nullptr : rows32.data(),
-            pairs ? (const uint16_t*)rows16.data() : nullptr, D_, n, h_.data() + row0 * 2 * s.I * e_, p0, p1);
+            pairs ? (const uint16_t*)rows16.data() : nullptr, D_, n, h_.data() + row0 * 2 * s.I * e_, p0, p1,
+            s.gu_bias ? (const float*)s.gu_bias[e] : nullptr);
   }
 
-  // pair r (in expert order): SiLU*mul, and its row readied for the down projection
+  // pair r (in expert order): SiLU*mul (or the clamped SwiGLU), and its row readied for the down projection
   void silu(int64_t m, int64_t r) {
     const MoELayer& s = layers_[m];
     char* out = act_.data() + r * s.I * e_;
-    silu_mul_rows(Act{h_.data() + r * 2 * s.I * e_, bf16_}, Act{out, bf16_}, 1, s.I);
+    const Act h{h_.data() + r * 2 * s.I * e_, bf16_};
+    if (s.clamped) clamped_swiglu_rows(h, Act{out, bf16_}, 1, s.I, s.alpha, s.limit);
+    else silu_mul_rows(h, Act{out, bf16_}, 1, s.I);
     if (!pairs_apply(s.dn, bf16_, s.I, s.dn_K))
       prep_row(out, bf16_, s.I, s.dn_K, row_prep(s.dn), xq_.data() + r * max_dn_k_);
   }
@@ -118,7 +124,7 @@ class MoEStages {
     if (!chunk(m, c, D_, dn_per_[m], e, row0, n, p0, p1)) return;
     project(s.dn, (const uint8_t*)s.down[e], D_, s.dn_K, pairs ? nullptr : xq_.data() + row0 * max_dn_k_,
             pairs ? (const uint16_t*)(act_.data() + row0 * s.I * 2) : nullptr, s.I, n, ys_.data() + row0 * D_ * e_,
-            p0, p1, max_dn_k_);
+            p0, p1, s.dn_bias ? (const float*)s.dn_bias[e] : nullptr, max_dn_k_);
   }
 
   // row b's weighted sum over its experts -> out [D] (the model dtype)
@@ -151,8 +157,8 @@ class MoEStages {
   }
   // rows x32 (prepared, ldx floats apart; default K) or x16 (the model's bf16, Kx wide) times w -> out rows
   void project(Format F, const uint8_t* w, int64_t N, int64_t K, const float* x32, const uint16_t* x16, int64_t Kx,
-               int64_t n, char* out, int64_t p0, int64_t p1, int64_t ldx = 0) const {
-    linear_range(F, x32, n, ldx ? ldx : K, w, N, K, nullptr, bf16_ ? nullptr : (float*)out,
+               int64_t n, char* out, int64_t p0, int64_t p1, const float* bias, int64_t ldx = 0) const {
+    linear_range(F, x32, n, ldx ? ldx : K, w, N, K, bias, bf16_ ? nullptr : (float*)out,
                  bf16_ ? (uint16_t*)out : nullptr, p0, p1, x16, Kx);
   }
 

@@ -49,6 +49,7 @@ struct LayerSpec {
   uintptr_t kv_scales = 0;  // a quantized cache's bf16 scales [2, slots, Hkv] (attention/kv_quant.h), else 0
   bool kv_fp8 = false;      // that cache's rows are float8 e4m3, not int8
   int64_t window = 0;       // > 0: the layer attends to each row's last `window` positions only (sliding window)
+  const float* sinks = nullptr;  // [H] float32: each head's sink logit in its softmax (gpt-oss), or null
 };
 
 class DecodeStack {
@@ -85,13 +86,18 @@ class DecodeStack {
 
   // A sparse layer (stack/moe.h): its attention as add_layer's; its MLP the router [E, D] (the model dtype; k of E
   // experts a token, their weights renormalised where `renorm`, float32 where `keep_f32`) and the experts' packed
-  // weights (int64 [E] pointers each: gate|up [2 I, gu_K], down [D, dn_K]).
+  // weights (int64 [E] pointers each: gate|up [2 I, gu_K], down [D, dn_K]). gpt-oss's: the router's bias [E] (the
+  // model dtype) and the softmax over its top k logits (ops/route.h); the experts' float32 biases (int64 [E]
+  // pointers to [2 I] / [D] each) and the clamped SwiGLU at alpha and limit. 0 / false: none of those.
   void add_sparse_layer(uintptr_t in_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t cache,
                         LinearSpec qkv, LinearSpec o, uintptr_t router, int64_t E, int64_t k, bool renorm,
                         bool keep_f32, uintptr_t gate_up, int64_t gu_format, int64_t gu_K, uintptr_t down,
-                        int64_t dn_format, int64_t dn_K, int64_t I) {
-    const int64_t m = moe_.add({(const char*)router, Routing{E, k, renorm, keep_f32}, (const int64_t*)gate_up,
-                                (const int64_t*)down, (Format)gu_format, (Format)dn_format, gu_K, dn_K, I});
+                        int64_t dn_format, int64_t dn_K, int64_t I, uintptr_t router_bias, bool softmax_after_top_k,
+                        uintptr_t gu_bias, uintptr_t dn_bias, bool clamped, double alpha, double limit) {
+    const Routing routing{E, k, renorm, keep_f32, (const char*)router_bias, softmax_after_top_k};
+    const int64_t m = moe_.add({(const char*)router, routing, (const int64_t*)gate_up, (const int64_t*)down,
+                                (Format)gu_format, (Format)dn_format, gu_K, dn_K, I, (const int64_t*)gu_bias,
+                                (const int64_t*)dn_bias, clamped, (float)alpha, (float)limit});
     const int64_t l = add_attention({in_norm, post_norm, q_norm, k_norm, cache, qkv, o, {}, {}, m});
     max_k_ = std::max(max_k_, gu_K);
     const int64_t base = l * kStagesPerLayer;
@@ -107,6 +113,8 @@ class DecodeStack {
   // values are quantized as they are written, and widened where attention reads them (attention/kv_quant.h).
   // Layer l attends to each row's last `window` positions only (a sliding-window layer).
   void set_window(int64_t l, int64_t window) { layers_.at(l).window = window; }
+  // Layer l's heads each add a sink logit to their softmax's denominator (sinks [H] float32; gpt-oss): merge_splits.
+  void set_sinks(int64_t l, uintptr_t sinks) { layers_.at(l).sinks = (const float*)sinks; }
 
   void set_kv_scales(int64_t l, uintptr_t scales, bool fp8) {
     layers_.at(l).kv_scales = scales;
@@ -482,9 +490,9 @@ class DecodeStack {
     }
     const int64_t h0 = g * G, first = split_first_[b] * H_;
     if (bf16_) merge_splits<uint16_t>(part_acc_.data() + first * Dh_, part_ml_.data() + first * 2, n, H_, h0, h0 + G,
-                                      Dh_, (uint16_t*)attn_ + b * H_ * Dh_);
+                                      Dh_, (uint16_t*)attn_ + b * H_ * Dh_, spec.sinks);
     else merge_splits<float>(part_acc_.data() + first * Dh_, part_ml_.data() + first * 2, n, H_, h0, h0 + G, Dh_,
-                             (float*)attn_ + b * H_ * Dh_);
+                             (float*)attn_ + b * H_ * Dh_, spec.sinks);
     if (o_split_)  // these query heads' columns of the o projection's input, whole blocks: ready them here
       prep(attn_ + b * H_ * Dh_ * e_, H_ * Dh_, layers_[l].o, b, h0 * Dh_, g + 1 == Hkv_ ? -1 : (h0 + G) * Dh_);
   }
