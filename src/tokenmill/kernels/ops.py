@@ -27,7 +27,7 @@ def _check_logits(logits: torch.Tensor) -> None:
         raise ValueError("logits must be a float32 or bfloat16 CPU tensor [B, V]")
 
 
-def _sinks(sinks: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+def kernel_sinks(sinks: torch.Tensor | None, heads: int) -> torch.Tensor | None:
     """Attention sinks as the kernels read them: [heads] float32, contiguous (None: none)."""
     if sinks is None:
         return None
@@ -224,7 +224,7 @@ class Kernels:
         same = q.dtype == cache.dtype if scales is None else cache.dtype in QUANTIZED_KV
         if q.stride(2) != 1 or q.stride(1) != dh or not out.is_contiguous() or dh % 16 or not same:
             raise ValueError("prefill_attention needs heads Dh apart, Dh % 16 == 0, a contiguous out, one dtype")
-        sink = _sinks(sinks, h)
+        sink = kernel_sinks(sinks, h)
         self.module.prefill_attention(
             q.data_ptr(), q.stride(0), cache.data_ptr(), q.dtype == torch.bfloat16, cache.shape[1], tables.data_ptr(),
             tables.shape[1], block_size, seqs.data_ptr(), seqs.shape[0], h, cache.shape[2], dh, dh**-0.5, window or 0,
@@ -276,7 +276,7 @@ class Kernels:
         cache comes with its bf16 scales [2, slots, Hkv]."""
         b, h, dh = q.shape
         out = torch.empty_like(q)
-        sink = _sinks(sinks, h)
+        sink = kernel_sinks(sinks, h)
         self.module.decode_attention(
             q.data_ptr(), cache.data_ptr(), q.dtype == torch.bfloat16, cache.shape[1], tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), b, h, cache.shape[2], dh, block_size, dh**-0.5, window or 0,

@@ -23,6 +23,7 @@ from torch import nn
 from tokenmill.attention import KVBackend, PagedKVCache
 from tokenmill.attention.paged import PagedMetadata, new_slots, padded_tables
 from tokenmill.kernels import Kernels, formats
+from tokenmill.kernels.ops import kernel_sinks
 from tokenmill.kernels.stack_ops import NativeStack, StackExperts, StackLinear, StackShape
 from tokenmill.models.layers import Attention, CausalLM, DecoderLayer, DecoderModel, GatedMLP, RMSNorm
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
@@ -167,8 +168,7 @@ class DecodeStack:
             else:
                 native.add_layer(*spec)
             native.set_window(index, pool.windows[index] if pool.windows else None)
-            sinks = layer.self_attn.sinks  # [H] in the model dtype, read as float32 (as the module path's kernels)
-            native.set_sinks(index, None if sinks is None else sinks.detach().float().contiguous())
+            native.set_sinks(index, kernel_sinks(layer.self_attn.sinks, dims[1]))  # as the module path's kernels
         # the LM head joins the stack when logits are the head's output as is (a family may post-process them)
         plain_logits = type(model).compute_logits is CausalLM.compute_logits
         head = _linear_spec(model.lm_head, dims[0]) if plain_logits else None
