@@ -197,6 +197,14 @@ class MoECausalLM(CausalLM):
 
     graph_capturable = False
 
+    def release_scratch(self) -> None:
+        """The MLPs' buffers, and the one-call expert kernel's (linear/experts.h: MoEScratch, this thread's)."""
+        super().release_scratch()
+        for m in self.modules():
+            if isinstance(m, SparseMoE) and (call := experts_call(m)):
+                call.ops.module.moe_release_scratch()
+                return
+
     def build_decoder(self, cfg: ModelConfig) -> None:
         super().build_decoder(cfg)
         if cfg.moe is None:

@@ -361,6 +361,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   };
   m.def("linear", &tmk::linear, "out = x @ packed_weight^T (+ bias), on raw pointers");
   m.def("moe_routed", &tmk::moe_routed, "a MoE layer's chosen experts and their weighted sum (linear/experts.h)");
+  m.def("moe_release_scratch", &tmk::moe_release_scratch, "let go of this thread's moe_routed buffers (idle)");
   m.def("moe_route", &tmk::moe_route, "a MoE router's top-k experts and weights per token (ops/route.h)");
   m.def("unpack", &tmk::unpack, "packed weight -> float32 [N, K], on raw pointers");
   m.def("unpack_rows", &tmk::unpack_rows_py, "rows of a packed quantized weight -> float32 [T, K], raw pointers");

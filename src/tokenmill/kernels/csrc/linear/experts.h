@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -26,13 +27,14 @@ namespace tmk {
 // One projection of every expert: rows [start[e], start[e + 1]) of x (Kx wide, the model dtype) times expert e's
 // packed weight w[e] (N outputs, K inputs), plus its float32 bias bias[e] [N] where `bias` is given -> the same rows of
 // out (N wide, the model dtype).
+// `xf` [rows, K] float32 is the rows as the kernels read them (prep_row), where they read no bf16 pairs.
 inline void experts_linear(const char* x, bool bf16, int64_t Kx, const std::vector<int64_t>& start, Format F,
-                           const int64_t* w, int64_t N, int64_t K, char* out, const int64_t* bias = nullptr) {
+                           const int64_t* w, int64_t N, int64_t K, char* out, float* xf,
+                           const int64_t* bias = nullptr) {
   const int64_t E = (int64_t)start.size() - 1, rows = start[E], e_bytes = bf16 ? 2 : 4;
   const RowPrep how = row_prep(F);
   const bool pairs = pairs_apply(F, bf16, Kx, K);
-  std::vector<float> xf(pairs ? 0 : rows * K);  // the rows as the kernels read them
-  float* xf_ptr = xf.data();
+  float* xf_ptr = xf;
   if (!pairs)
     at::parallel_for(0, rows, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) prep_row(x + i * Kx * e_bytes, bf16, Kx, K, how, xf_ptr + i * K);
@@ -87,25 +89,59 @@ struct Grouping {
 
 // token t's MoE output: the sum over its k pairs, in expert order, of weight * that pair's row of ys (grouped as
 // `g`), each product and each sum rounded to the model dtype as transformers' index_add_ over the experts in turn
-// gives it -> out [D]
+// gives it -> out [D]. W lanes of D at a time, then the rest one by one: the same operations on every element.
 inline void combine_row(Act out, const char* ys, const Grouping& g, const int64_t* ids, const float* weight, int64_t t,
                         int64_t k, int64_t D) {
   const int64_t e_bytes = out.bf16 ? 2 : 4;
   int64_t mine[64];
   for (int64_t j = 0; j < k; ++j) mine[j] = t * k + j;
   std::sort(mine, mine + k, [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
-  for (int64_t d = 0; d < D; ++d) {
+  Act y[64];
+  for (int64_t j = 0; j < k; ++j) y[j] = Act{(void*)(ys + g.pos[mine[j]] * D * e_bytes), out.bf16};
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    vf sum = splat(0.f);
+    for (int64_t j = 0; j < k; ++j) {
+      vf product = out.roundv(y[j].getv(d) * splat(weight[mine[j]]));
+      opaque(product);  // rounded, as torch's multiply stores it: never fused into the add (-ffp-contract=fast)
+      sum = out.roundv(sum + product);
+    }
+    out.setv(d, sum);
+  }
+  for (; d < D; ++d) {
     float sum = 0.f;
     for (int64_t j = 0; j < k; ++j) {
-      const int64_t r = mine[j];
-      const Act y{(void*)(ys + g.pos[r] * D * e_bytes), out.bf16};
-      float product = out.round(y.get(d) * weight[r]);
-      opaque(product);  // rounded, as torch's multiply stores it: never fused into the add (-ffp-contract=fast)
+      float product = out.round(y[j].get(d) * weight[mine[j]]);
+      opaque(product);
       sum = out.round(sum + product);
     }
     out.set(d, sum);
   }
 }
+
+// The buffers of moe_routed, kept between its calls on the calling thread (each engine thread has its own): a
+// prefill's layers each needed ~10-50 MB of them, which glibc maps afresh above 128 KB (memory.py), so every call
+// zeroed and faulted in new pages (a fifth of a Qwen3-MoE prefill's time). `moe_release_scratch` lets them go
+// when the engine goes idle (models/layers.py: release_scratch).
+class MoEScratch {
+ public:
+  char* get(size_t bytes) {
+    if (bytes > cap_) {  // (not zeroed: every byte is written before it is read)
+      buf_.reset();
+      buf_.reset(new char[bytes]);
+      cap_ = bytes;
+    }
+    return buf_.get();
+  }
+  void release() { buf_.reset(), cap_ = 0; }
+
+ private:
+  std::unique_ptr<char[]> buf_;
+  size_t cap_ = 0;
+};
+inline thread_local MoEScratch moe_scratch;
+
+inline void moe_release_scratch() { moe_scratch.release(); }
 
 // A MoE layer after its router: ids [T, k] int64 each token's experts (distinct, k <= 64), w [T, k] float32 their
 // weights (rounded to the model dtype first where the family rounds them; ops/route.h) -> out [T, D], each token's
@@ -122,23 +158,30 @@ inline void moe_routed(uintptr_t x, bool bf16, int64_t T, int64_t D, uintptr_t i
   const int64_t* id = (const int64_t*)ids;
   Grouping g;
   g.build(id, R, E);
-  std::vector<char> rows(R * D * e_bytes), h(R * 2 * I * e_bytes), act(R * I * e_bytes), ys(R * D * e_bytes);
+  // [R, D] the pairs' token rows, later their outputs (ys); [R, 2I] gate|up; [R, I] the activation; [R, max K]
+  // float32 the rows as the kernels read them (each projection's in turn); each part 64-byte aligned
+  const auto part = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const int64_t b_rows = part(R * D * e_bytes), b_h = part(R * 2 * I * e_bytes), b_act = part(R * I * e_bytes);
+  char* base = moe_scratch.get(b_rows + b_h + b_act + part(R * std::max(gu_K, dn_K) * 4) + 64);
+  char* rows = base + (64 - (uintptr_t)base % 64) % 64;
+  char *h = rows + b_rows, *act = h + b_h, *ys = rows;
+  float* xf = (float*)(act + b_act);
   at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {  // each pair's token row, grouped by expert
     for (int64_t j = begin; j < end; ++j)
-      std::memcpy(rows.data() + j * D * e_bytes, (const char*)x + g.order[j] / k * D * e_bytes, D * e_bytes);
+      std::memcpy(rows + j * D * e_bytes, (const char*)x + g.order[j] / k * D * e_bytes, D * e_bytes);
   });
-  experts_linear(rows.data(), bf16, D, g.start, static_cast<Format>(gu_format), (const int64_t*)gate_up, 2 * I, gu_K,
-                 h.data(), (const int64_t*)gu_bias);
+  experts_linear(rows, bf16, D, g.start, static_cast<Format>(gu_format), (const int64_t*)gate_up, 2 * I, gu_K, h, xf,
+                 (const int64_t*)gu_bias);
   at::parallel_for(0, R, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
-    const Act in{h.data() + begin * 2 * I * e_bytes, bf16}, o{act.data() + begin * I * e_bytes, bf16};
+    const Act in{h + begin * 2 * I * e_bytes, bf16}, o{act + begin * I * e_bytes, bf16};
     if (clamped) clamped_swiglu_rows(in, o, end - begin, I, (float)alpha, (float)limit);
     else silu_mul_rows(in, o, end - begin, I);
   });
-  experts_linear(act.data(), bf16, I, g.start, static_cast<Format>(dn_format), (const int64_t*)down, D, dn_K, ys.data(),
-                 (const int64_t*)dn_bias);
+  experts_linear(act, bf16, I, g.start, static_cast<Format>(dn_format), (const int64_t*)down, D, dn_K, ys, xf,
+                 (const int64_t*)dn_bias);  // (the token rows are read: ys takes their place)
   at::parallel_for(0, T, std::max<int64_t>(1, 4096 / D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      combine_row(Act{(char*)out + t * D * e_bytes, bf16}, ys.data(), g, id, (const float*)w, t, k, D);
+      combine_row(Act{(char*)out + t * D * e_bytes, bf16}, ys, g, id, (const float*)w, t, k, D);
   });
 }
 
