@@ -91,6 +91,26 @@ def test_decode_attention_over_quantized_blocks_equals_sdpa_over_them_widened(
 
 
 @pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_decode_attention_over_quantized_blocks_gives_the_bits_of_their_bf16_widening(
+    ops: kernels.Kernels, storage: torch.dtype, head_dim: int
+) -> None:
+    """A bf16 model's decode over a quantized cache is bit for bit its decode over the same rows widened to a bf16
+    cache: the power-of-two scales make the widening exact, whichever way a variant takes it (rows widened to bf16
+    for AVX-512 BF16's path, the scales folded into scores and weights elsewhere)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    block_size, num_blocks, heads, kv_heads = 16, 40, 14, 2
+    cache, scales = quantized_cache(gen, num_blocks * block_size, kv_heads, head_dim, storage)
+    lens = torch.tensor([1, 29, 300, 517], dtype=torch.int64)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:33] for _ in lens])  # [B, 33]
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(torch.bfloat16)
+    out = ops.decode_attention(q, cache, tables, lens, block_size, scales=scales)
+    bf16_cache = widened(cache, scales).to(torch.bfloat16)
+    assert torch.equal(widened(cache, scales), bf16_cache.float())  # (exact)
+    assert torch.equal(out, ops.decode_attention(q, bf16_cache, tables, lens, block_size))
+
+
+@pytest.mark.parametrize("storage", STORAGE)
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (6, 1, 80)])
 @pytest.mark.parametrize("window", [None, 70])

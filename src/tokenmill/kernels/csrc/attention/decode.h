@@ -72,15 +72,25 @@ inline void attention_split(const T* q, const C* cache, int64_t slots, const int
   if constexpr (sizeof(T) == 2 && kv_quantized<C>) {
     if (Dh % 32 == 0) {
       thread_local std::vector<uint16_t> rows;  // [2, n, Dh]: keys, then values
-      thread_local std::vector<float> wide;
-      rows.resize(2 * n * Dh), wide.resize(std::min(block_size, n) * Dh);
+      rows.resize(2 * n * Dh);
       int64_t* row = (int64_t*)(scratch + ((G * kSplit + 1) & ~int64_t{1}));  // [n]: each key's offset in rows
+      // each code times its scale straight to bf16, 16 at a time: exact (kv_quant.h's power-of-two scales), so
+      // vcvtneps2bf16's rounding changes nothing and the bits are those of every other path's widening
       for (int64_t half = 0; half < 2; ++half)
         for_each_run(table, block_size, t0, t1, [&](int64_t slot, int64_t t, int64_t m) {
-          widen_quant_rows(cache + (half * slots + slot) * kv_stride + g * Dh, kv_stride,
-                           kv_scales + (half * slots + slot) * Hkv + g, Hkv, m, Dh, wide.data());
+          const C* src = cache + (half * slots + slot) * kv_stride + g * Dh;
+          const uint16_t* sc = kv_scales + (half * slots + slot) * Hkv + g;
           uint16_t* dst = rows.data() + (half * n + t - t0) * Dh;
-          for (int64_t j = 0; j < m * Dh; j += W) store_bf16(dst + j, load(wide.data() + j));
+          for (int64_t i = 0; i < m; ++i) {
+            const vf s = splat(bf16_to_float(sc[i * Hkv]));
+            const C* code = src + i * kv_stride;
+            for (int64_t d = 0; d < Dh; d += W) {
+              vf x;
+              if constexpr (std::is_same_v<C, int8_t>) x = load_i8(code + d) * s;
+              else x = load_e4m3(code + d) * s;
+              _mm256_storeu_si256((__m256i*)(dst + i * Dh + d), (__m256i)_mm512_cvtneps_pbh((__m512)x));
+            }
+          }
         });
       for (int64_t i = 0; i < n; ++i) row[i] = i * Dh;
       attention_bf16((const uint16_t*)q + (b * H + g * G) * Dh, rows.data(), row, n * Dh, n, G, Dh, scale, acc, ml,
