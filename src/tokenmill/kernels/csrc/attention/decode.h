@@ -84,12 +84,9 @@ inline void attention_split(const T* q, const C* cache, int64_t slots, const int
           for (int64_t i = 0; i < m; ++i) {
             const vf s = splat(bf16_to_float(sc[i * Hkv]));
             const C* code = src + i * kv_stride;
-            for (int64_t d = 0; d < Dh; d += W) {
-              vf x;
-              if constexpr (std::is_same_v<C, int8_t>) x = load_i8(code + d) * s;
-              else x = load_e4m3(code + d) * s;
-              _mm256_storeu_si256((__m256i*)(dst + i * Dh + d), (__m256i)_mm512_cvtneps_pbh((__m512)x));
-            }
+            for (int64_t d = 0; d < Dh; d += W)
+              _mm256_storeu_si256((__m256i*)(dst + i * Dh + d),
+                                  (__m256i)_mm512_cvtneps_pbh((__m512)(load_codes(code + d) * s)));
           }
         });
       for (int64_t i = 0; i < n; ++i) row[i] = i * Dh;

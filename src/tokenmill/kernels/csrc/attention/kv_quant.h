@@ -105,6 +105,18 @@ inline void kv_write_rows_quant(const T* k, int64_t k_stride, const T* v, int64_
     }
 }
 
+// W codes of a quantized row widened to float32, their scale not applied (int8 or float8 e4m3)
+template <typename C>
+inline vf load_codes(const C* p) {
+  if constexpr (std::is_same_v<C, int8_t>) return load_i8(p);
+  else return load_e4m3(p);
+}
+template <typename C>
+inline float code_to_float(C c) {
+  if constexpr (std::is_same_v<C, int8_t>) return (float)c;
+  else return e4m3_to_float(c.bits);
+}
+
 // m quantized rows of Dh (src, `stride` elements apart; their scales sc, `sc_stride` apart) -> float32 rows in
 // buf [m, Dh]; with sc null, the codes alone (each row's scale, a power of two, then multiplies what the row's
 // values made: a dot product, a weight, as exactly as it would each value)
@@ -116,19 +128,11 @@ inline const float* widen_quant_rows(const C* src, int64_t stride, const uint16_
     const C* row = src + i * stride;
     float* dst = buf + i * Dh;
     int64_t d = 0;
-    if constexpr (std::is_same_v<C, int8_t>) {
-      if (sc)
-        for (; d + W <= Dh; d += W) store(dst + d, load_i8(row + d) * splat(s));
-      else
-        for (; d + W <= Dh; d += W) store(dst + d, load_i8(row + d));
-      for (; d < Dh; ++d) dst[d] = (float)row[d] * s;
-    } else {
-      if (sc)
-        for (; d + W <= Dh; d += W) store(dst + d, load_e4m3(row + d) * splat(s));
-      else
-        for (; d + W <= Dh; d += W) store(dst + d, load_e4m3(row + d));
-      for (; d < Dh; ++d) dst[d] = e4m3_to_float(row[d].bits) * s;
-    }
+    if (sc)
+      for (; d + W <= Dh; d += W) store(dst + d, load_codes(row + d) * splat(s));
+    else
+      for (; d + W <= Dh; d += W) store(dst + d, load_codes(row + d));
+    for (; d < Dh; ++d) dst[d] = code_to_float(row[d]) * s;
   }
   return buf;
 }

@@ -34,10 +34,9 @@ inline void experts_linear(const char* x, bool bf16, int64_t Kx, const std::vect
   const int64_t E = (int64_t)start.size() - 1, rows = start[E], e_bytes = bf16 ? 2 : 4;
   const RowPrep how = row_prep(F);
   const bool pairs = pairs_apply(F, bf16, Kx, K);
-  float* xf_ptr = xf;
   if (!pairs)
     at::parallel_for(0, rows, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) prep_row(x + i * Kx * e_bytes, bf16, Kx, K, how, xf_ptr + i * K);
+      for (int64_t i = begin; i < end; ++i) prep_row(x + i * Kx * e_bytes, bf16, Kx, K, how, xf + i * K);
     });
   struct Chunk {
     int64_t expert, p_begin, p_end;
@@ -58,7 +57,7 @@ inline void experts_linear(const char* x, bool bf16, int64_t Kx, const std::vect
       uint16_t* o16 = bf16 ? (uint16_t*)out + s * N : nullptr;
       const uint16_t* xh = bf16 ? (const uint16_t*)x + s * Kx : nullptr;
       const float* b = bias ? (const float*)bias[k.expert] : nullptr;
-      linear_range(F, pairs ? nullptr : xf_ptr + s * K, n, K, (const uint8_t*)w[k.expert], N, K, b, o32, o16,
+      linear_range(F, pairs ? nullptr : xf + s * K, n, K, (const uint8_t*)w[k.expert], N, K, b, o32, o16,
                    k.p_begin, k.p_end, xh, Kx);
     }
   });
@@ -122,7 +121,7 @@ inline void combine_row(Act out, const char* ys, const Grouping& g, const int64_
 // The buffers of moe_routed, kept between its calls on the calling thread (each engine thread has its own): a
 // prefill's layers each needed ~10-50 MB of them, which glibc maps afresh above 128 KB (memory.py), so every call
 // zeroed and faulted in new pages (a fifth of a Qwen3-MoE prefill's time). `moe_release_scratch` lets them go
-// when the engine goes idle (models/layers.py: release_scratch).
+// when the engine goes idle (models/moe.py: MoECausalLM.release_scratch).
 class MoEScratch {
  public:
   char* get(size_t bytes) {
