@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.tile_paths import amx_mode, tile_modes
 from tokenmill import kernels
 from tokenmill.attention import PagedKVCache
 from tokenmill.attention.backend import attend_sequence
@@ -72,9 +73,11 @@ def test_prefill_kernel_with_sinks_equals_eager(
     for new, ctx in ((90, 90), (13, 50)):
         cache, table, keys, values = _paged(ctx, kv_heads, head_dim, dtype, gen)
         q = torch.randn(new, heads, head_dim, generator=gen).to(dtype)
-        out = torch.empty_like(q)
-        ops.prefill_attention(q, cache, table[None], torch.tensor([[0, new, ctx]]), 4, window, out, sinks)
-        torch.testing.assert_close(out.double(), eager(q, keys, values, sinks, window), atol=tol, rtol=tol)
+        for mode in tile_modes(ops):  # the vector tiles, and AMX's where allowed
+            out = torch.empty_like(q)
+            with amx_mode(ops, mode):
+                ops.prefill_attention(q, cache, table[None], torch.tensor([[0, new, ctx]]), 4, window, out, sinks)
+            torch.testing.assert_close(out.double(), eager(q, keys, values, sinks, window), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("window", [None, 5])

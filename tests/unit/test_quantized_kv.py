@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.unit.test_paged_attention_matches_sdpa import reference
+from tests.unit.tile_paths import amx_mode, tile_modes
 from tokenmill import kernels
 from tokenmill.attention import PagedKVCache
 from tokenmill.attention.kv_quant import dequantize_rows, quantize_rows, storage_dtype
@@ -130,14 +131,16 @@ def test_prefill_attention_over_quantized_blocks_equals_sdpa_over_them_widened(
         rows += n
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:40] for _ in specs])  # [S, 40]
     q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
-    out = torch.empty_like(q)
-    ops.prefill_attention(q, cache, tables, torch.tensor(seqs, dtype=torch.int64), block_size, window, out,
-                          scales=scales)  # fmt: skip
     full = widened(cache, scales)
     full = full.to(dtype).float()  # (as the decode test)
-    for (start, n, ctx), table in zip(seqs, tables, strict=True):
-        ref = reference(q[start : start + n], full, table, ctx, block_size, window)
-        torch.testing.assert_close(out[start : start + n].float(), ref, atol=tol, rtol=tol)
+    for mode in tile_modes(ops):  # the vector tiles, and AMX's where allowed
+        out = torch.empty_like(q)
+        with amx_mode(ops, mode):
+            ops.prefill_attention(q, cache, tables, torch.tensor(seqs, dtype=torch.int64), block_size, window, out,
+                                  scales=scales)  # fmt: skip
+        for (start, n, ctx), table in zip(seqs, tables, strict=True):
+            ref = reference(q[start : start + n], full, table, ctx, block_size, window)
+            torch.testing.assert_close(out[start : start + n].float(), ref, atol=tol, rtol=tol)
 
 
 def test_the_kernels_refuse_a_quantized_cache_without_scales(ops: kernels.Kernels) -> None:

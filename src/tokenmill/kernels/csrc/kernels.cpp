@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "attention/decode.h"
-#include "attention/prefill.h"
+#include "attention/prefill_run.h"
 #include "core/simd.h"
 #include "linear/experts.h"
 #include "linear/format.h"

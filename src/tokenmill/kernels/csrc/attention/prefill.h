@@ -15,10 +15,7 @@
 // torch's SDPA, called once per sequence, was a large share of a bf16 prefill (docs/benchmarks.md).
 #pragma once
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -257,6 +254,26 @@ void prefetch_block(const PrefillJob<T, C>& job, int64_t g, const int64_t* table
   }
 }
 
+// A task's rows out: each row's float32 sums o [R, Dh] over its sum of exponentials l (and a sink's share of it),
+// rounded to the model's dtype once, into its token's head
+template <typename T, typename C>
+void finish_rows(const PrefillJob<T, C>& job, const PrefillTask& task, const float* o, const float* mx, const float* l) {
+  const int64_t G = job.H / job.Hkv, Dh = job.Dh, R = (task.i1 - task.i0) * G, row0 = job.seqs[task.seq * 3];
+  for (int64_t r = 0; r < R; ++r) {
+    T* dst = job.out + ((row0 + task.i0 + r / G) * job.H + task.g * G + r % G) * Dh;
+    float inv = 1.f / l[r];
+    if (job.sinks) {  // the sink's e^(sink - M) joins the sum of exponentials, against the larger of the two maxima
+      const float sink = job.sinks[task.g * G + r % G], top = std::max(mx[r], sink), corr = std::exp(mx[r] - top);
+      inv = corr / (l[r] * corr + std::exp(sink - top));
+    }
+    for (int64_t d = 0; d < Dh; ++d) {
+      const float y = o[r * Dh + d] * inv;
+      if constexpr (sizeof(T) == 2) *(uint16_t*)(dst + d) = float_to_bf16(y);
+      else dst[d] = y;
+    }
+  }
+}
+
 // One task: its rows' queries copied side by side, then the context block by block, then the rows normalized out.
 template <typename T, typename C>
 void prefill_task(const PrefillJob<T, C>& job, const PrefillTask& task, PrefillScratch<T>& sc) {
@@ -288,40 +305,7 @@ void prefill_task(const PrefillJob<T, C>& job, const PrefillTask& task, PrefillS
     }
     block_values(sc, R, n, Dh);
   }
-  for (int64_t r = 0; r < R; ++r) {
-    T* dst = job.out + ((row0 + task.i0 + r / G) * job.H + task.g * G + r % G) * Dh;
-    float inv = 1.f / sc.l[r];
-    if (job.sinks) {  // the sink's e^(sink - M) joins the sum of exponentials, against the larger of the two maxima
-      const float sink = job.sinks[task.g * G + r % G], top = std::max(sc.mx[r], sink), corr = std::exp(sc.mx[r] - top);
-      inv = corr / (sc.l[r] * corr + std::exp(sink - top));
-    }
-    for (int64_t d = 0; d < Dh; ++d) {
-      const float y = sc.o[r * Dh + d] * inv;
-      if constexpr (sizeof(T) == 2) *(uint16_t*)(dst + d) = float_to_bf16(y);
-      else dst[d] = y;
-    }
-  }
-}
-
-// Every task of the job over the threads: the longest first, each thread taking the next from a shared counter.
-template <typename T, typename C>
-void prefill_attention_run(const PrefillJob<T, C>& job, int64_t num_seqs) {
-  const int64_t G = job.H / job.Hkv, qb = std::max<int64_t>(1, PREFILL_ROWS / G);
-  std::vector<PrefillTask> tasks;
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t n_new = job.seqs[b * 3 + 1], first = job.seqs[b * 3 + 2] - n_new;
-    for (int64_t i0 = 0; i0 < n_new; i0 += qb) {
-      const int64_t i1 = std::min(n_new, i0 + qb), span = job.window > 0 ? std::min(job.window, first + i1) : first + i1;
-      for (int64_t g = 0; g < job.Hkv; ++g) tasks.push_back({b, g, i0, i1, (i1 - i0) * span});
-    }
-  }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const PrefillTask& a, const PrefillTask& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (int64_t)tasks.size());
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    PrefillScratch<T> sc(qb * G, job.Dh);
-    for (int64_t i = next.fetch_add(1); i < (int64_t)tasks.size(); i = next.fetch_add(1)) prefill_task(job, tasks[i], sc);
-  });
+  finish_rows(job, task, sc.o.data(), sc.mx.data(), sc.l.data());
 }
 
 }  // namespace tmk

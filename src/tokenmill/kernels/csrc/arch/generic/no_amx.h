@@ -17,6 +17,15 @@ template <Format F>
 void linear_amx_k(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, uint16_t*,
                   int64_t, int64_t) {}
 
+// prefill attention's (arch/amx/amx_attention.h)
+inline void amx_configure_attention() {}
+inline void amx_release_attention() {}
+inline void amx_attention_scores(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t) {}
+inline void amx_attention_values(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t,
+                                 float*) {}
+inline void amx_split_bf16(const float*, int64_t, uint16_t*, uint16_t*) {}
+inline void amx_pair_values(const uint16_t* const*, int64_t, int64_t, uint16_t*) {}
+
 template <Format F>
 void linear_amx_q(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, uint16_t*,
                   int64_t, int64_t) {}
