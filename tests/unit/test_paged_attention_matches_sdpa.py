@@ -112,6 +112,26 @@ def test_prefill_attention_over_paged_blocks_equals_sdpa(
             torch.testing.assert_close(out[start : start + n].float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize("spread", [10.0, 100.0])
+def test_prefill_attention_over_large_scores_equals_sdpa(
+    ops: kernels.Kernels, dtype: torch.dtype, tol: float, spread: float
+) -> None:
+    """Queries `spread` times larger: scores past e^88, whose running maximum moves block by block (each block's
+    probabilities against it, the earlier sums rescaled), on every tile path."""
+    gen = torch.Generator().manual_seed(int(spread))
+    heads, kv_heads, head_dim, block_size, num_blocks, n, ctx = 14, 2, 64, 16, 64, 300, 1000
+    cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen)
+    q = (spread * torch.randn(n, heads, head_dim, generator=gen)).to(dtype)
+    ref = reference(q, cache, table, ctx, block_size, None)
+    for mode in tile_modes(ops):
+        out = torch.empty_like(q)
+        with amx_mode(ops, mode):
+            ops.prefill_attention(q, cache, table[None], torch.tensor([[0, n, ctx]]), block_size, None, out)
+        torch.testing.assert_close(out.float(), ref, atol=max(tol, 3e-6 * spread), rtol=tol)
+
+
 def test_bf16_prefill_attention_is_as_close_to_exact_as_sdpa(ops: kernels.Kernels) -> None:
     """In bf16, the kernel's outputs are no further from float64 attention than torch's SDPA's (which keeps the
     probabilities in float32: rounding them to bf16 put a model's outputs 1.4x further away), on every tile path."""

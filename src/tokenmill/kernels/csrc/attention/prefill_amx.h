@@ -34,8 +34,8 @@ inline bool amx_prefill(int64_t Dh) {
 
 // Per-thread buffers of an AMX task with up to `rows` rows (padded to `padded`, a multiple of 32).
 struct AmxPrefillScratch {
-  std::vector<uint16_t> q, keys, pairs, widened, hi, lo;  // [padded, Dh]; [AKB, Dh] packed; [AKB, Dh] paired;
-                                                          // [2, AKB, Dh] a quantized cache's rows as bf16; [padded, AKB]
+  // [padded, Dh]; [AKB, Dh] packed; [AKB, Dh] paired; [2, AKB, Dh] a quantized cache's rows as bf16; [padded, AKB]
+  std::vector<uint16_t> q, keys, pairs, widened, hi, lo;
   std::vector<float> s, o, mx, l, row;  // [padded, AKB]; [padded, Dh]; [rows]; [rows]; [Dh] a widened row
   std::vector<const uint16_t*> krow, vrow;  // [AKB]
   AmxPrefillScratch(int64_t rows, int64_t padded, int64_t Dh)
@@ -70,17 +70,6 @@ void amx_block_rows(const PrefillJob<T, C>& job, int64_t g, const int64_t* table
   pack_keys<uint16_t>(sc.krow.data(), n, Dh, sc.keys.data());
 }
 
-// One row's scores of the block [0, n) scaled, softmaxed against its running maximum and sum, zero past n; its
-// output rescaled where the maximum moved
-inline void amx_softmax_row(float* s, int64_t n, int64_t lo, int64_t hi, float scale, float& mx, float& l, float* o,
-                            int64_t Dh) {
-  for (int64_t j = 0; j < n; j += W) store(s + j, load(s + j) * splat(scale));  // (AKB is a multiple of W)
-  std::fill(s + n, s + AKB, 0.f);
-  const float corr = online_softmax_row(s, n, lo, hi, mx, l);
-  if (corr != 1.f)
-    for (int64_t d = 0; d < Dh; d += W) store(o + d, load(o + d) * splat(corr));
-}
-
 template <typename T, typename C>
 void prefill_task_amx(const PrefillJob<T, C>& job, const PrefillTask& task, AmxPrefillScratch& sc) {
   const int64_t G = job.H / job.Hkv, Dh = job.Dh, R = (task.i1 - task.i0) * G, padded = (R + 31) / 32 * 32;
@@ -100,13 +89,17 @@ void prefill_task_amx(const PrefillJob<T, C>& job, const PrefillTask& task, AmxP
     amx_block_rows(job, task.g, table, t0, n, sc);
     const int64_t panels = ((n + P - 1) / P + 1) / 2 * 2;
     amx_attention_scores(sc.q.data(), padded, Dh, sc.keys.data(), panels, sc.s.data(), AKB);
+    const int64_t width = (n + 31) / 32 * 32;  // the positions the values' product takes
     for (int64_t r = 0; r < R; ++r) {
       const int64_t at = tr.pos(r), hi = std::min(n, at - t0 + 1);
       const int64_t lo = job.window > 0 ? std::clamp<int64_t>(at - job.window + 1 - t0, 0, n) : 0;
-      amx_softmax_row(sc.s.data() + r * AKB, n, lo, hi, job.scale, sc.mx[r], sc.l[r], sc.o.data() + r * Dh, Dh);
+      const float corr = amx_softmax_row(sc.s.data() + r * AKB, width, lo, hi, job.scale, sc.mx[r], sc.l[r],
+                                         sc.hi.data() + r * AKB, sc.lo.data() + r * AKB);
+      float* o = sc.o.data() + r * Dh;
+      if (corr != 1.f)
+        for (int64_t d = 0; d < Dh; d += W) store(o + d, load(o + d) * splat(corr));
     }
-    amx_split_bf16(sc.s.data(), padded * AKB, sc.hi.data(), sc.lo.data());
-    amx_attention_values(sc.hi.data(), sc.lo.data(), AKB, padded, (n + 31) / 32, sc.pairs.data(), Dh, sc.o.data());
+    amx_attention_values(sc.hi.data(), sc.lo.data(), AKB, padded, width / 32, sc.pairs.data(), Dh, sc.o.data());
   }
   finish_rows(job, task, sc.o.data(), sc.mx.data(), sc.l.data());
 }

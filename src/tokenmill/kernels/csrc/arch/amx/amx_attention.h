@@ -14,8 +14,13 @@
 
 #include <cstdint>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
 #include "arch/amx/tiles.h"
 #include "arch/isa.h"
+#include "core/simd.h"
 
 namespace tmk {
 
@@ -62,71 +67,108 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_attention_scores(co
   }
 }
 
-// o[16 rows][c0 * 16 .. (c0 + NC) * 16) += (hi + lo)[16 rows][0 .. 32 steps) . values: the tiles' sums start from o
-template <int NC>
-__attribute__((target("amx-tile,amx-bf16"))) inline void amx_value_columns(const uint16_t* hi, const uint16_t* lo,
-                                                                           int64_t ldp, int64_t steps,
-                                                                           const uint16_t* pairs, int64_t Dh,
-                                                                           int64_t c0, float* o) {
-  static_assert(NC == 2 || NC == 4);
+// o[32 rows][c * 16 .. c * 16 + 32) += (hi + lo)[32 rows][0 .. 32 steps) . values: two row tiles by two column
+// tiles, whose four sums start from o; each tile's products come four apart (a tdpbf16ps's latency is about three
+// of its issue intervals: back to back, the hi and lo parts of one tile waited on each other)
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_value_tiles(const uint16_t* hi, const uint16_t* lo,
+                                                                         int64_t ldp, int64_t steps,
+                                                                         const uint16_t* pairs, int64_t Dh, int64_t c,
+                                                                         float* o) {
   const int64_t os = Dh * 4, ps = ldp * 2, vs = Dh * 4;  // bytes between o rows, p rows, value pairs
-  float* oc = o + c0 * 16;
-  const uint16_t* v = pairs + c0 * 32;
-  _tile_loadd(0, oc, os);
-  _tile_loadd(1, oc + 16, os);
-  if constexpr (NC == 4) {
-    _tile_loadd(2, oc + 32, os);
-    _tile_loadd(3, oc + 48, os);
-  }
+  float* o0 = o + c * 16;
+  float* o1 = o0 + 16 * Dh;
+  const uint16_t* v = pairs + c * 32;
+  _tile_loadd(0, o0, os);
+  _tile_loadd(1, o0 + 16, os);
+  _tile_loadd(2, o1, os);
+  _tile_loadd(3, o1 + 16, os);
   for (int64_t j = 0; j < steps; ++j) {  // 32 positions: 16 pairs
     const uint16_t* vj = v + 32 * j * Dh;
-    _tile_loadd(4, hi + 32 * j, ps);
-    _tile_loadd(5, lo + 32 * j, ps);
     _tile_loadd(6, vj, vs);
     _tile_loadd(7, vj + 32, vs);
+    _tile_loadd(4, hi + 32 * j, ps);
+    _tile_loadd(5, hi + 16 * ldp + 32 * j, ps);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(0, 5, 6);
     _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(1, 5, 7);
-    if constexpr (NC == 4) {
-      _tile_loadd(6, vj + 64, vs);
-      _tile_loadd(7, vj + 96, vs);
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(4, lo + 32 * j, ps);
+    _tile_loadd(5, lo + 16 * ldp + 32 * j, ps);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, oc, os);
-  _tile_stored(1, oc + 16, os);
-  if constexpr (NC == 4) {
-    _tile_stored(2, oc + 32, os);
-    _tile_stored(3, oc + 48, os);
-  }
+  _tile_stored(0, o0, os);
+  _tile_stored(1, o0 + 16, os);
+  _tile_stored(2, o1, os);
+  _tile_stored(3, o1 + 16, os);
 }
 
-// o[r][0..Dh) += p[r] . values for rows [0, rows) (a multiple of 16; o rows Dh apart), p as its hi and lo parts
+// o[r][0..Dh) += p[r] . values for rows [0, rows) (a multiple of 32; o rows Dh apart), p as its hi and lo parts
 // (rows ldp apart), over `steps` x 32 positions of the block's value pairs ([positions/2][Dh][2]); Dh % 32 == 0
 inline void amx_attention_values(const uint16_t* hi, const uint16_t* lo, int64_t ldp, int64_t rows, int64_t steps,
                                  const uint16_t* pairs, int64_t Dh, float* o) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-    const int64_t at = r0 * ldp;
-    int64_t c = 0;
-    for (; c + 4 <= Dh / 16; c += 4) amx_value_columns<4>(hi + at, lo + at, ldp, steps, pairs, Dh, c, o + r0 * Dh);
-    if (c < Dh / 16) amx_value_columns<2>(hi + at, lo + at, ldp, steps, pairs, Dh, c, o + r0 * Dh);
-  }
+  for (int64_t r0 = 0; r0 < rows; r0 += 32)
+    for (int64_t c = 0; c < Dh / 16; c += 2)
+      amx_value_tiles(hi + r0 * ldp, lo + r0 * ldp, ldp, steps, pairs, Dh, c, o + r0 * Dh);
 }
 
-// p[0..n) (n a multiple of 32) -> hi, lo bf16: hi = p's top 16 bits, lo = p - hi rounded to nearest
-inline void amx_split_bf16(const float* p, int64_t n, uint16_t* hi, uint16_t* lo) {
+// 32 probabilities as bf16 hi and lo parts: hi = p's top 16 bits, lo = p - hi rounded to nearest
+inline void amx_split_bf16(__m512 a, __m512 b, uint16_t* hi, uint16_t* lo) {
   const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
-  for (int64_t i = 0; i < n; i += 32) {
-    const __m512 a = _mm512_loadu_ps(p + i), b = _mm512_loadu_ps(p + i + 16);
-    const __m512 ah = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), top));
-    const __m512 bh = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), top));
-    _mm512_storeu_si512((void*)(hi + i), (__m512i)_mm512_cvtne2ps_pbh(bh, ah));  // exact: ah, bh are bf16 already
-    _mm512_storeu_si512((void*)(lo + i), (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah)));
+  const __m512 ah = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), top));
+  const __m512 bh = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), top));
+  _mm512_storeu_si512((void*)hi, (__m512i)_mm512_cvtne2ps_pbh(bh, ah));  // exact: ah, bh are bf16 already
+  _mm512_storeu_si512((void*)lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah)));
+}
+
+// the lanes j .. j + 15 that lie in [lo, hi)
+inline __mmask16 lanes_in(int64_t j, int64_t lo, int64_t hi) {
+  const int64_t a = std::clamp<int64_t>(lo - j, 0, 16), b = std::clamp<int64_t>(hi - j, 0, 16);
+  return (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
+}
+
+// 2^t for t <= 0: 2^n * 2^f with n = t rounded (vrndscaleps), f in [-0.5, 0.5] (exp2_fraction's ~1 ulp), scaled
+// by vscalefps, which goes to 0 far below (e^x needs no clamp): 10 instructions, where exp_neg takes 15
+inline __m512 amx_exp2(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps((__m512)exp2_fraction((vf)_mm512_sub_ps(t, n)), n);
+}
+
+// One row's block of `width` (a multiple of 32) unscaled scores, of which it sees [lo, hi), -> its probabilities
+// against its running maximum mx (of scaled scores) and sum l, as bf16 hi and lo parts (zero outside [lo, hi)), in
+// one pass: e^(s scale - max) as 2^(s scale log2 e - max log2 e), its argument in one FMA. Returns the factor the
+// row's earlier sums must be scaled by.
+inline float amx_softmax_row(const float* s, int64_t width, int64_t lo, int64_t hi, float scale, float& mx, float& l,
+                             uint16_t* phi, uint16_t* plo) {
+  if (hi <= lo) {
+    std::memset(phi, 0, width * 2);
+    std::memset(plo, 0, width * 2);
+    return 1.f;
   }
+  __m512 tops = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = lo & ~int64_t{15}; j < hi; j += 16)
+    tops = _mm512_mask_max_ps(tops, lanes_in(j, lo, hi), tops, _mm512_loadu_ps(s + j));
+  // scale > 0: the largest scaled score is the largest score scaled (rounding keeps the order)
+  const float top = _mm512_reduce_max_ps(tops) * scale, m_new = std::max(mx, top);
+  const float corr = mx == m_new ? 1.f : mx == -INFINITY ? 0.f : std::exp(mx - m_new);
+  constexpr float LOG2E = 1.44269504088896341f;
+  const __m512 k = _mm512_set1_ps(scale * LOG2E), shift = _mm512_set1_ps(-m_new * LOG2E);
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; j += 32) {
+    __m512 e[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (j < hi && j + 32 > lo)
+      for (int h = 0; h < 2; ++h) {
+        const __mmask16 in = lanes_in(j + 16 * h, lo, hi);
+        if (!in) continue;
+        e[h] = _mm512_maskz_mov_ps(in, amx_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16 * h), k, shift)));
+        sums = _mm512_add_ps(sums, e[h]);
+      }
+    amx_split_bf16(e[0], e[1], phi + j, plo + j);
+  }
+  l = l * corr + _mm512_reduce_add_ps(sums), mx = m_new;
+  return corr;
 }
 
 // The value rows of n positions (bf16 row pointers) as pairs of positions, [ceil(n / 32) * 16][Dh][2], zero past n:

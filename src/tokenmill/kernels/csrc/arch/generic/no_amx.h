@@ -23,7 +23,9 @@ inline void amx_release_attention() {}
 inline void amx_attention_scores(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t) {}
 inline void amx_attention_values(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t,
                                  float*) {}
-inline void amx_split_bf16(const float*, int64_t, uint16_t*, uint16_t*) {}
+inline float amx_softmax_row(const float*, int64_t, int64_t, int64_t, float, float&, float&, uint16_t*, uint16_t*) {
+  return 1.f;
+}
 inline void amx_pair_values(const uint16_t* const*, int64_t, int64_t, uint16_t*) {}
 
 template <Format F>
