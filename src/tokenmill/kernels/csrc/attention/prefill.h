@@ -147,8 +147,10 @@ inline float online_softmax_row(float* s, int64_t n, int64_t lo, int64_t hi, flo
   std::fill(s, s + lo, 0.f);
   std::fill(s + hi, s + n, 0.f);
   vf sums = {};
+  constexpr float LOG2E = 1.44269504088896341f;  // e^(s - m) = 2^(s log2 e - m log2 e), the argument in one FMA
+  const vf k = splat(LOG2E), shift = splat(-m_new * LOG2E);
   for (j = lo; j + W <= hi; j += W) {
-    const vf e = exp_neg(load(s + j) - splat(m_new));
+    const vf e = exp2_neg(load(s + j) * k + shift);
     store(s + j, e);
     sums += e;
   }
