@@ -81,8 +81,10 @@ def test_decode_attention_over_several_splits_equals_sdpa_alone_and_batched(
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
 # 64: vdpbf16ps for scores and values; 80: 5 vectors of 16 (a tail past 4); 1 KV head of 6: rows = tokens x 6;
-# (2, 2, 32): one head per KV head, so a task takes 96 tokens
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(2, 2, 32), (14, 2, 64), (6, 1, 80), (8, 2, 128)])
+# (2, 2, 32): one head per KV head, so a task takes 96 tokens (192 on AMX); 96: AMX's three 32-wide steps of Dh
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(2, 2, 32), (14, 2, 64), (6, 1, 80), (8, 2, 128), (4, 2, 96)]
+)
 @pytest.mark.parametrize("window", [None, 5, 70])  # 5: inside one key block; 70: longer than a block of 64
 def test_prefill_attention_over_paged_blocks_equals_sdpa(
     ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int, window: int | None
