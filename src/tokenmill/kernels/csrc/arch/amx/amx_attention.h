@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 
 #include "arch/amx/tiles.h"
 #include "arch/isa.h"
@@ -68,8 +69,8 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_attention_scores(co
 }
 
 // o[32 rows][c * 16 .. c * 16 + 32) += (hi + lo)[32 rows][0 .. 32 steps) . values: two row tiles by two column
-// tiles, whose four sums start from o; each tile's products come four apart (a tdpbf16ps's latency is about three
-// of its issue intervals: back to back, the hi and lo parts of one tile waited on each other)
+// tiles, whose four sums start from o; each step's value tiles serve both parts (four column tiles of one row tile
+// at a time, the hi and lo products of a tile back to back, ran as fast: scripts/prefill_attention_ab.py)
 __attribute__((target("amx-tile,amx-bf16"))) inline void amx_value_tiles(const uint16_t* hi, const uint16_t* lo,
                                                                          int64_t ldp, int64_t steps,
                                                                          const uint16_t* pairs, int64_t Dh, int64_t c,
@@ -86,18 +87,14 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_value_tiles(const u
     const uint16_t* vj = v + 32 * j * Dh;
     _tile_loadd(6, vj, vs);
     _tile_loadd(7, vj + 32, vs);
-    _tile_loadd(4, hi + 32 * j, ps);
-    _tile_loadd(5, hi + 16 * ldp + 32 * j, ps);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(4, lo + 32 * j, ps);
-    _tile_loadd(5, lo + 16 * ldp + 32 * j, ps);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    for (const uint16_t* part : {hi, lo}) {  // the same sums, hi's products then lo's
+      _tile_loadd(4, part + 32 * j, ps);
+      _tile_loadd(5, part + 16 * ldp + 32 * j, ps);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, o0, os);
   _tile_stored(1, o0 + 16, os);
