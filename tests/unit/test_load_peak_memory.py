@@ -1,7 +1,9 @@
 """Loading a safetensors folder takes at most the file's pages plus one packed copy of the weights (issue 56): each
 linear is packed as soon as its weight is complete (weights/loader.py), from the file's mapped pages or from the one
 fused weight being gathered, and the packed weights move into their huge-page region one by one, each old buffer
-freed as its copy is made (models/linear.py: place_weights).
+freed as its copy is made (models/linear.py: place_weights). A GGUF's first load takes one packed copy and the
+pages of the tensor in hand: each tensor's pages are let go once it is packed (GGUFFile.release), and the packed
+weights move into the new packed-cache file one by one (PackedCache.place).
 
 Measured in a fresh Python, on a second load of the same folder (the first one pays for imports, the tokenizer and
 the kernels' module, which are not weights): the kernel's own peak of the resident set (VmHWM, reset just before
@@ -25,6 +27,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,13 +47,15 @@ from tokenmill.kernels import formats
 from tokenmill.config import EngineConfig
 from tokenmill.memory import trim
 from tokenmill.models.linear import weight_bytes
-folder, quantization = sys.argv[1], sys.argv[2]
+from tokenmill.weights import packed_cache
+folder, quantization, fresh = sys.argv[1], sys.argv[2], sys.argv[3]
 formats.CHUNK_BYTES = 4 << 20
+cached = EngineConfig(model=folder, quantization=quantization, weight_cache=bool(fresh))
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
 kernels.active()
-first = load(EngineConfig(model=folder, quantization=quantization))
+first = load(cached)
 del first
 gc.collect()
 trim()
@@ -64,10 +69,14 @@ with open("/proc/self/clear_refs", "w") as f:
 rss, anon = status("VmRSS"), status("RssAnon")
 sampler = threading.Thread(target=sample)
 sampler.start()
-loaded = load(EngineConfig(model=folder, quantization=quantization))
+if fresh:  # the first start of this file: packed and written into an empty cache folder
+    packed_cache.cache_root = lambda: Path(fresh)
+loaded = load(cached)
 done.set()
 sampler.join()
-print(json.dumps({"file": sum(p.stat().st_size for p in Path(folder).glob("*.safetensors")),
+files = [Path(folder)] if Path(folder).is_file() else list(Path(folder).glob("*.safetensors"))
+entries = list(Path(fresh).glob("*.bin")) if fresh else []
+print(json.dumps({"file": sum(p.stat().st_size for p in files), "cached": len(entries),
                   "packed": weight_bytes(loaded.model), "peak": status("VmHWM") - rss, "anon": peak[0] - anon,
                   "kernels": loaded.kernels}))
 """
@@ -78,18 +87,37 @@ def folder(make_checkpoint: Callable[..., Path]) -> Path:
     return make_checkpoint("qwen2", dtype="bfloat16", **SHAPE)
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_a_safetensors_load_takes_the_files_pages_and_one_packed_copy(folder: Path, quantization: str) -> None:
+def _measure(source: Path, quantization: str, fresh: str = "") -> dict[str, Any]:
+    """The load's figures (the script above), in bytes; skipped where the linears stay plain."""
     if not sys.platform.startswith("linux") or not Path("/proc/self/clear_refs").exists():
         pytest.skip("not Linux: the peak resident set is read from /proc/self/status")
-    done = subprocess.run([sys.executable, "-c", _LOAD, str(folder), quantization], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _LOAD, str(source), quantization, fresh], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    m = json.loads(done.stdout.strip().splitlines()[-1])
+    m: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     if not set(m["kernels"]) - {"plain", "packed"}:
         pytest.skip(f"the linears were not packed into kernel formats here ({m['kernels']}): no compiled kernels")
+    return m
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_a_safetensors_load_takes_the_files_pages_and_one_packed_copy(folder: Path, quantization: str) -> None:
+    m = _measure(folder, quantization)  # the packed-weight cache off: packed as it loads, each time
     mb = {k: round(v / 2**20, 1) for k, v in m.items() if isinstance(v, int)}
     assert m["peak"] <= m["file"] + m["packed"] + MARGIN, f"{mb}, margin {MARGIN / 2**20:.1f} MB"
+    assert m["anon"] <= m["packed"] + MARGIN, f"{mb}, margin {MARGIN / 2**20:.1f} MB"
+
+
+def test_a_ggufs_first_load_takes_one_packed_copy(folder: Path, tmp_path: Path) -> None:
+    """The file's pages go as each tensor is packed, and the packed weights move into the new cache file one by
+    one: before, the first load held the whole file, the packed weights, and their copy in the cache file."""
+    from tokenmill.bench.gguf_export import export_gguf
+
+    gguf = export_gguf(folder, tmp_path / "model.gguf", "bf16")
+    m = _measure(gguf, "none", str(tmp_path / "packed"))
+    mb = {k: round(v / 2**20, 1) for k, v in m.items() if isinstance(v, int)}
+    assert m["cached"] == 1, f"no packed-cache entry was written: {mb}"
+    assert m["peak"] <= m["packed"] + MARGIN, f"{mb}, margin {MARGIN / 2**20:.1f} MB"
     assert m["anon"] <= m["packed"] + MARGIN, f"{mb}, margin {MARGIN / 2**20:.1f} MB"
 
 

@@ -278,6 +278,7 @@ class GGUFCheckpoint:
             experts = gguf_experts(t.name)
             if experts is not None:
                 yield from self._experts_of(t, *experts, dequantized)
+                self.reader.release(t)
                 continue
             name = gguf_to_hf(self.arch, t.name)
             if name is None:
@@ -290,6 +291,7 @@ class GGUFCheckpoint:
                 heads = hf_config["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"]
                 value = _unpermute(value, heads)
             yield name, value, str(self.path)
+            self.reader.release(t)  # packed or copied by now: its pages need not stay in this process's memory
         if dequantized:
             kinds = ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items()))
             print(f"tokenmill: {self.path.name}: {kinds} tensor(s) have no tokenmill kernel and were dequantized "

@@ -27,6 +27,7 @@ The layout (all integers little-endian):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -137,6 +138,17 @@ class GGUFFile:
         if len({t.name for t in self.tensors}) != len(self.tensors):
             names = [t.name for t in self.tensors]
             raise GGUFError(f"the tensor {next(n for n in names if names.count(n) > 1)!r} appears twice")
+
+    def release(self, t: GGUFTensor) -> None:
+        """Let go of the pages of `t` this process has read. They stay in the page cache, and a later read of `t`
+        maps them again: a first load packs each weight and moves on, and the file's pages would otherwise all
+        count in its resident set beside the packed copy until the file is closed."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        start = -(-t.data_offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside `t` only
+        end = (t.data_offset + t.n_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if advice is not None and end > start:
+            with contextlib.suppress(OSError, ValueError):  # advice only: where it is refused, the pages stay
+                self._buf.madvise(advice, start, end - start)
 
     def sample(self, edge: int = 4096) -> bytes:
         """The header, and the first and last `edge` bytes of every tensor: a fingerprint of the contents that reads

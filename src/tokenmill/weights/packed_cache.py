@@ -18,7 +18,8 @@ folder's linears then never read the folder's pages at all (weights/loader.py: n
   64-byte line, from a 4 KB page on. Writing an entry removes those whose GGUF no longer exists.
 - A first start moves the packed weights into the new file through a shared map, in place of the huge-page region
   it would otherwise copy them into (kernels/placement.py; the file's pages stream as fast, measured on a Xeon),
-  so it writes nothing twice.
+  so it writes nothing twice; each loaded buffer goes as its copy is made, so it holds nothing twice either (and a
+  GGUF's pages go as each tensor is packed: GGUFFile.release).
 - Written aside and renamed: a reader never sees half a file, and a file whose header or sizes do not add up is
   ignored (and replaced). The map is copy-on-write, so a stray write could never reach the file.
 - The weights are keyed by module name: a linear's (`model.layers.0.mlp.down_proj`), a SegmentedLinear's parts
@@ -35,6 +36,7 @@ import logging
 import mmap
 import os
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -102,24 +104,32 @@ class PackedCache:
     def place(self, model: nn.Module) -> bool:
         """Move every packed weight of `model` into a new cache file, mapped shared, in module order (the order a
         step reads them, as kernels/placement.py places them), then name the file: the weights are the file's
-        pages from now on, as on a later start. Older entries of the same source go. False, with the model as it
-        was, where the file cannot be written (a read-only or full cache folder)."""
-        entries = _entries(model)
-        if not entries:
+        pages from now on, as on a later start. Each loaded buffer goes as soon as it is copied, so the packed
+        weights are never held twice. Older entries of the same source go. False, with the model as it was, where
+        the file cannot be made (a read-only or full cache folder)."""
+        layout = _layout(model)
+        if not layout.groups:
             return False
         staging = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            placed = _write(staging, entries, self.source)
-            staging.rename(self.path)
+            panels = _create(staging, layout, self.source)
         except OSError as e:
             log.info("no packed-weight cache written to %s (%s)", self.path.parent, e.strerror or e)
             with contextlib.suppress(OSError):
                 staging.unlink()
             return False
-        for name, m in model.named_modules():
-            if name in entries:
-                m.data = placed[m.data.data_ptr()]  # the loaded buffer is freed once unused
+        for modules, (begin, nbytes) in zip(layout.groups, layout.spans, strict=True):
+            view = panels[begin : begin + nbytes].copy_(modules[0].get_buffer("data").reshape(-1))
+            for m in modules:
+                m.data = view  # the loaded buffer's last holder: freed here, before the next is copied
+        try:
+            staging.rename(self.path)
+        except OSError as e:  # the weights stay in the unnamed file's pages; a later start packs again
+            log.info("no packed-weight cache named %s (%s)", self.path, e.strerror or e)
+            with contextlib.suppress(OSError):
+                staging.unlink()
+            return True
         self._drop_stale()
         return True
 
@@ -136,46 +146,57 @@ class PackedCache:
                 continue
 
 
-def _entries(model: nn.Module) -> dict[str, PackedWeight]:
-    """Module name -> packed weight, for every kernel linear and packed embedding of `model` on the CPU."""
+def _packed_modules(model: nn.Module) -> dict[str, tuple[nn.Module, PackedWeight]]:
+    """Module name -> (module, its packed weight), for every kernel linear and packed embedding of `model` on the
+    CPU."""
     from tokenmill.models.linear import KernelLinear
     from tokenmill.models.packed_embedding import PackedEmbedding
 
-    found: dict[str, PackedWeight] = {}
+    found: dict[str, tuple[nn.Module, PackedWeight]] = {}
     for name, m in model.named_modules():
         if isinstance(m, KernelLinear) and m.data.device.type == "cpu":
-            found[name] = m.packed()
+            found[name] = m, m.packed()
         elif isinstance(m, PackedEmbedding):
-            found[name] = PackedWeight(m.data, m.format, m.num_embeddings, m.embedding_dim, m.padded_dim)
+            found[name] = m, PackedWeight(m.data, m.format, m.num_embeddings, m.embedding_dim, m.padded_dim)
     return found
 
 
-def _write(path: Path, entries: dict[str, PackedWeight], source: Path) -> dict[int, torch.Tensor]:
-    """Header and panels, the panels copied into the file through a shared map: {old data_ptr: its view there}. A
-    buffer shared by two modules (a tied LM head and its embedding) is written once."""
-    table: dict[str, list[Any]] = {}
-    at: dict[int, int] = {}  # data_ptr -> offset
-    buffers: list[torch.Tensor] = []
-    offset = 0
-    for name, w in entries.items():
+@dataclass
+class _Layout:
+    """Where each packed buffer goes in the file. `groups`: the modules holding each buffer (a tied LM head shares
+    its embedding's), in module order, and `spans` its (offset, nbytes) among the panels; `table`: the header's
+    {module name: [offset, nbytes, format, out, in, padded_in]}; `size`: the panels' bytes."""
+
+    groups: list[list[nn.Module]] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    table: dict[str, list[Any]] = field(default_factory=dict)
+    size: int = 0
+
+
+def _layout(model: nn.Module) -> _Layout:
+    layout, at = _Layout(), {}  # at: data_ptr -> (its group, offset)
+    for name, (m, w) in _packed_modules(model).items():
         ptr = w.data.data_ptr()
         if ptr not in at:
-            at[ptr] = offset
-            buffers.append(w.data)
-            offset += -(-w.data.numel() // ALIGN) * ALIGN
-        table[name] = [at[ptr], w.data.numel(), w.format, w.out_features, w.in_features, w.padded_in]
-    text = json.dumps({"source": str(source.resolve()), "weights": table}).encode()
+            at[ptr] = len(layout.groups), layout.size
+            layout.groups.append([])
+            layout.spans.append((layout.size, w.data.numel()))
+            layout.size += -(-w.data.numel() // ALIGN) * ALIGN
+        group, offset = at[ptr]
+        layout.groups[group].append(m)
+        layout.table[name] = [offset, w.data.numel(), w.format, w.out_features, w.in_features, w.padded_in]
+    return layout
+
+
+def _create(path: Path, layout: _Layout, source: Path) -> torch.Tensor:
+    """The file with its header and its blocks allocated, mapped shared: the panels' bytes (a view of the map)."""
+    text = json.dumps({"source": str(source.resolve()), "weights": layout.table}).encode()
     start = -(-(len(MAGIC) + _LEN.size + len(text)) // PAGE) * PAGE
     with open(path, "w+b") as f:
         f.write(MAGIC + _LEN.pack(len(text)) + text)
-        os.posix_fallocate(f.fileno(), 0, start + offset)  # the blocks now: a full disk fails here, never in the map
-        region = mmap.mmap(f.fileno(), start + offset, access=mmap.ACCESS_WRITE)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the map alive while any view lives
-    placed = {}
-    for data in buffers:
-        begin = start + at[data.data_ptr()]
-        placed[data.data_ptr()] = whole[begin : begin + data.numel()].copy_(data.reshape(-1))
-    return placed
+        os.posix_fallocate(f.fileno(), 0, start + layout.size)  # the blocks now: a full disk fails here, not in the map
+        region = mmap.mmap(f.fileno(), start + layout.size, access=mmap.ACCESS_WRITE)
+    return torch.frombuffer(region, dtype=torch.uint8)[start:]  # holds the map alive while any view lives
 
 
 def _header(path: Path) -> dict[str, Any]:
