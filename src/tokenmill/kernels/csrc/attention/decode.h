@@ -7,12 +7,14 @@
 // of values are float32. Two paths:
 // - the portable one (every ISA, float32 or bf16 caches): a run of positions within a block is widened to
 //   float32 once, then each head passes over it (a dot product per position, a vector sum per head);
-// - with AVX-512 BF16 (arch/avx512bf16/attention.h), for a bf16 cache (Dh a multiple of 32): 16 positions' keys are
-//   loaded as 16 rows of bf16 pairs and transposed in registers, so that one vdpbf16ps multiplies a pair of q's
-//   values (broadcast) with that pair of the 16 keys and adds to the 16 positions' scores: no horizontal sums, no
-//   widening of keys, and 32 products per instruction. The keys' products are exact in float32 (bf16 x bf16), only
-//   their sums round (in pairs). Values stay float32 FMAs (the probabilities are not rounded to bf16), all heads'
-//   sums held in registers while the position's values are widened once.
+// - with AVX-512 BF16 (arch/avx512bf16/attention.h), for a bf16 model's cache (Dh a multiple of 32): 16 positions'
+//   keys are loaded as 16 rows of bf16 pairs and transposed in registers, so that one vdpbf16ps multiplies a pair of
+//   q's values (broadcast) with that pair of the 16 keys and adds to the 16 positions' scores: no horizontal sums,
+//   and 32 products per instruction. The keys' products are exact in float32 (bf16 x bf16), only their sums round
+//   (in pairs). Values stay float32 FMAs (the probabilities are not rounded to bf16), all heads' sums held in
+//   registers while the position's values are widened once. A quantized cache is read where it lies the same way:
+//   its codes widened to bf16 in registers (exact), each row's scale (a power of two) multiplying its key's scores
+//   or its value's weights, which gives the bits of the codes times their scales.
 #pragma once
 
 #include <algorithm>
@@ -50,8 +52,7 @@ inline void for_each_run(const int64_t* table, int64_t block_size, int64_t t0, i
 // (keys then values); q: [B, H, Dh]; table: the sequence's block ids; len: its context length. -> acc [G, Dh] (the
 // sums, float32) and ml [G, 2] (each head's largest score and sum of exponentials over the split), for
 // merge_splits. `scratch` holds attention_scratch(G, Dh, block_size) floats. A quantized cache (C = int8_t or
-// f8e4m3) comes with its scales [2, slots, Hkv] (attention/kv_quant.h); its rows are widened a run at a time, as
-// bf16 rows are.
+// f8e4m3) comes with its scales [2, slots, Hkv] (attention/kv_quant.h).
 template <typename T, typename C = T>
 inline void attention_split(const T* q, const C* cache, int64_t slots, const int64_t* table, int64_t len,
                             int64_t window, int64_t b, int64_t g, int64_t s, int64_t H, int64_t Hkv, int64_t Dh,
@@ -62,40 +63,12 @@ inline void attention_split(const T* q, const C* cache, int64_t slots, const int
   // are [t0, t1)
   const int64_t begin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   const int64_t t0 = begin + s * kSplit, t1 = std::min(len, t0 + kSplit), n = t1 - t0;
-  if constexpr (sizeof(T) == 2 && std::is_same_v<C, T>) {
-    if (attention_split_bf16((const uint16_t*)q, (const uint16_t*)cache, slots, table, t0, t1, b, g, H, G, Dh,
-                             kv_stride, block_size, scale, acc, ml, scratch))
+  if constexpr (sizeof(T) == 2 && (std::is_same_v<C, T> || kv_quantized<C>)) {
+    using E = std::conditional_t<kv_quantized<C>, C, uint16_t>;
+    if (attention_split_bf16((const uint16_t*)q, (const E*)cache, slots, table, t0, t1, b, g, H, G, Dh, kv_stride,
+                             block_size, scale, acc, ml, scratch, kv_scales))
       return;
   }
-#if TM_BF16_PAIRS
-  // a bf16 model over a quantized cache: the split's rows as bf16 (as every path reads them), then the bf16 path
-  if constexpr (sizeof(T) == 2 && kv_quantized<C>) {
-    if (Dh % 32 == 0) {
-      thread_local std::vector<uint16_t> rows;  // [2, n, Dh]: keys, then values
-      rows.resize(2 * n * Dh);
-      int64_t* row = (int64_t*)(scratch + ((G * kSplit + 1) & ~int64_t{1}));  // [n]: each key's offset in rows
-      // each code times its scale straight to bf16, 16 at a time: exact (kv_quant.h's power-of-two scales), so
-      // vcvtneps2bf16's rounding changes nothing and the bits are those of every other path's widening
-      for (int64_t half = 0; half < 2; ++half)
-        for_each_run(table, block_size, t0, t1, [&](int64_t slot, int64_t t, int64_t m) {
-          const C* src = cache + (half * slots + slot) * kv_stride + g * Dh;
-          const uint16_t* sc = kv_scales + (half * slots + slot) * Hkv + g;
-          uint16_t* dst = rows.data() + (half * n + t - t0) * Dh;
-          for (int64_t i = 0; i < m; ++i) {
-            const vf s = splat(bf16_to_float(sc[i * Hkv]));
-            const C* code = src + i * kv_stride;
-            for (int64_t d = 0; d < Dh; d += W)
-              _mm256_storeu_si256((__m256i*)(dst + i * Dh + d),
-                                  (__m256i)_mm512_cvtneps_pbh((__m512)(load_codes(code + d) * s)));
-          }
-        });
-      for (int64_t i = 0; i < n; ++i) row[i] = i * Dh;
-      attention_bf16((const uint16_t*)q + (b * H + g * G) * Dh, rows.data(), row, n * Dh, n, G, Dh, scale, acc, ml,
-                     scratch);
-      return;
-    }
-  }
-#endif
   float* qv = scratch;            // [G, Dh]
   float* scores = qv + G * Dh;    // [G, n]
   float* run = scores + G * n;    // [<= block_size, Dh]: a run's keys or values as float32

@@ -1,13 +1,16 @@
-// Decode attention over a bf16 cache with AVX-512 BF16 (attention/decode.h says how), and prefill's key panels
-// transposed in registers. attention/decode.h picks this file.
+// Decode attention over a bf16 or quantized cache with AVX-512 BF16 (attention/decode.h says how), and prefill's key
+// panels transposed in registers. attention/decode.h picks this file.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "arch/isa.h"
 #include "attention/common.h"
+#include "attention/kv_quant.h"
 #include "core/simd.h"
 
 #if !TM_BF16_PAIRS
@@ -43,15 +46,34 @@ inline void transpose16(__m512i r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// scores[j][0..m) = scale * q_j . key_i for GC heads (q rows Dh apart, bf16) and m <= 16 keys (bf16 rows)
-template <int GC>
-inline void key_scores(const uint16_t* q, const uint16_t* const* keys, int m, int64_t Dh, float scale, float* scores,
-                       int64_t ld) {
+// 32 of a row's values from p as 16 bf16 pairs: a bf16 row's as they lie; a quantized row's codes without their
+// scale (which multiplies the row's scores or weights instead), exact in bf16: an int8 or an e4m3 has at most 8
+// significant bits
+template <typename E>
+inline __m512i pairs32(const E* p) {
+  if constexpr (std::is_same_v<E, uint16_t>) return _mm512_loadu_si512((const void*)p);
+  else return (__m512i)_mm512_cvtne2ps_pbh((__m512)load_codes(p + 16), (__m512)load_codes(p));
+}
+
+// 16 of a row's values from p as float32 (a quantized row's codes, as above)
+template <typename E>
+inline __m512 floats16(const E* p) {
+  if constexpr (std::is_same_v<E, uint16_t>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  else return (__m512)load_codes(p);
+}
+
+// scores[j][0..m) = scale * q_j . key_i for GC heads (q rows Dh apart, bf16) and m <= 16 keys (rows of E); a
+// quantized key's dot products times its scale (kscale [m]) first: exact, a power of two (attention/kv_quant.h), so
+// the bits are those of its codes times the scale in bf16, which every other path reads
+template <int GC, typename E>
+inline void key_scores(const uint16_t* q, const E* const* keys, int m, int64_t Dh, float scale, const float* kscale,
+                       float* scores, int64_t ld) {
   __m512 acc[GC];
   for (int j = 0; j < GC; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < Dh; c += 32) {  // 32 values = 16 bf16 pairs: one zmm per key
     __m512i r[16];
-    for (int i = 0; i < 16; ++i) r[i] = i < m ? _mm512_loadu_si512((const void*)(keys[i] + c)) : _mm512_setzero_si512();
+    for (int i = 0; i < 16; ++i) r[i] = i < m ? pairs32(keys[i] + c) : _mm512_setzero_si512();
     transpose16(r);  // r[p]: pair p of the 16 keys
     for (int p = 0; p < 16; ++p)
       for (int j = 0; j < GC; ++j) {
@@ -61,22 +83,21 @@ inline void key_scores(const uint16_t* q, const uint16_t* const* keys, int m, in
       }
   }
   const __mmask16 valid = (__mmask16)((1u << m) - 1);
-  for (int j = 0; j < GC; ++j) _mm512_mask_storeu_ps(scores + j * ld, valid, _mm512_mul_ps(acc[j], _mm512_set1_ps(scale)));
+  const __m512 ks = kscale ? _mm512_maskz_loadu_ps(valid, kscale) : _mm512_set1_ps(1.f);
+  for (int j = 0; j < GC; ++j)
+    _mm512_mask_storeu_ps(scores + j * ld, valid, _mm512_mul_ps(_mm512_mul_ps(acc[j], ks), _mm512_set1_ps(scale)));
 }
 
-// acc[j][0..NV 16) += sum over i < n of p[j][i] * value_i[0..NV 16) for GC heads, the values bf16 rows: each
+// acc[j][0..NV 16) += sum over i < n of p[j][i] * value_i[0..NV 16) for GC heads, the values rows of E: each
 // value widened once for every head, the sums in registers
-template <int GC, int NV>
-inline void value_sums(const uint16_t* const* values, int64_t n, const float* p, int64_t ld, float* acc,
-                       int64_t Dh) {
+template <int GC, int NV, typename E>
+inline void value_sums(const E* const* values, int64_t n, const float* p, int64_t ld, float* acc, int64_t Dh) {
   __m512 a[GC][NV];
   for (int j = 0; j < GC; ++j)
     for (int v = 0; v < NV; ++v) a[j][v] = _mm512_loadu_ps(acc + j * Dh + 16 * v);
   for (int64_t i = 0; i < n; ++i) {
     __m512 x[NV];
-    for (int v = 0; v < NV; ++v)
-      x[v] = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(values[i] + 16 * v))), 16));
+    for (int v = 0; v < NV; ++v) x[v] = floats16(values[i] + 16 * v);
     for (int j = 0; j < GC; ++j) {
       const __m512 w = _mm512_set1_ps(p[j * ld + i]);
       for (int v = 0; v < NV; ++v) a[j][v] = _mm512_fmadd_ps(w, x[v], a[j][v]);
@@ -87,22 +108,30 @@ inline void value_sums(const uint16_t* const* values, int64_t n, const float* p,
 }
 
 // The AVX-512 BF16 path of attention_split (Dh % 32 == 0): keys at cache + row[t], values `vshift` elements
-// further, for a split's n positions -> acc [G, Dh] and ml [G, 2]; scores: scratch [G, n]
-inline void attention_bf16(const uint16_t* qh, const uint16_t* cache, const int64_t* row, int64_t vshift,
-                           int64_t n, int64_t G, int64_t Dh, float scale, float* acc, float* ml, float* scores) {
-  const uint16_t* rows[16];
-  RowAsker ask{[&](int64_t i) { return cache + (i < n ? row[i] : row[i - n] + vshift); }, 2 * n, Dh * 2};
+// further, for a split's n positions -> acc [G, Dh] and ml [G, 2]; scores: scratch [G, n]. A quantized cache
+// (E = int8_t or f8e4m3) is read where it lies, its rows' scales in rs [2, n] (keys', then values'): each key's
+// multiplies its scores, each value's its weights.
+template <typename E>
+inline void attention_bf16(const uint16_t* qh, const E* cache, const int64_t* row, int64_t vshift, int64_t n, int64_t G,
+                           int64_t Dh, float scale, float* acc, float* ml, float* scores, const float* rs) {
+  const E* rows[16];
+  RowAsker ask{[&](int64_t i) { return cache + (i < n ? row[i] : row[i - n] + vshift); }, 2 * n,
+               Dh * (int64_t)sizeof(E)};
   for (int64_t t = 0; t < n; t += 16) {
     ask.until(t + 16);  // these 16 keys and kAskAhead more
     const int m = (int)std::min<int64_t>(16, n - t);
     for (int i = 0; i < m; ++i) rows[i] = cache + row[t + i];
     for (int64_t j = 0; j < G; j += 8)  // heads 8 at a time (8 sums + 16 keys in registers)
       with_rows<8>(std::min<int64_t>(8, G - j), [&](auto gc) {
-        key_scores<decltype(gc)::value>(qh + j * Dh, rows, m, Dh, scale, scores + j * n + t, n);
+        key_scores<decltype(gc)::value>(qh + j * Dh, rows, m, Dh, scale, rs ? rs + t : nullptr, scores + j * n + t,
+                                        n);
       });
   }
   ask.until(n);  // the first values, while the softmax runs
   softmax_rows(scores, G, n, ml);
+  if (rs)  // each value's scale into its weights (exact: a power of two)
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t i = 0; i < n; ++i) scores[j * n + i] *= rs[n + i];
   std::fill(acc, acc + G * Dh, 0.f);
   for (int64_t t = 0; t < n; t += 16) {
     ask.until(n + t + 16);
@@ -120,21 +149,31 @@ inline void attention_bf16(const uint16_t* qh, const uint16_t* cache, const int6
   }
 }
 
-// attention_split's path for a bf16 cache (Dh a multiple of 32; false, and nothing done, otherwise): the split's
-// positions [t0, t1) of sequence b's KV head g, their keys' offsets in scratch past the scores
-inline bool attention_split_bf16(const uint16_t* q, const uint16_t* cache, int64_t slots, const int64_t* table,
-                                 int64_t t0, int64_t t1, int64_t b, int64_t g, int64_t H, int64_t G, int64_t Dh,
-                                 int64_t kv_stride, int64_t block_size, float scale, float* acc, float* ml,
-                                 float* scratch) {
+// attention_split's path for a bf16 or quantized cache (Dh a multiple of 32; false, and nothing done, otherwise):
+// the split's positions [t0, t1) of sequence b's KV head g, their rows' offsets in scratch past the scores; a
+// quantized cache's scales [2, slots, Hkv] in kv_scales
+template <typename E>
+inline bool attention_split_bf16(const uint16_t* q, const E* cache, int64_t slots, const int64_t* table, int64_t t0,
+                                 int64_t t1, int64_t b, int64_t g, int64_t H, int64_t G, int64_t Dh, int64_t kv_stride,
+                                 int64_t block_size, float scale, float* acc, float* ml, float* scratch,
+                                 const uint16_t* kv_scales = nullptr) {
   if (Dh % 32 != 0) return false;
-  const int64_t n = t1 - t0;
+  const int64_t n = t1 - t0, Hkv = kv_stride / Dh;
+  thread_local std::vector<float> rs;  // [2, n]: the keys' and values' scales
+  if (kv_scales) rs.resize(2 * n);
   // the slot of position t is table[t / block_size] * block_size + t % block_size
   int64_t* row = (int64_t*)(scratch + ((G * kSplit + 1) & ~int64_t{1}));  // [n]: keys' offsets
   for (int64_t t = t0, i = 0, block = t0 / block_size, off = t0 % block_size; t < t1; ++t, ++i) {
-    row[i] = (table[block] * block_size + off) * kv_stride + g * Dh;
+    const int64_t slot = table[block] * block_size + off;
+    row[i] = slot * kv_stride + g * Dh;
+    if (kv_scales) {
+      rs[i] = bf16_to_float(kv_scales[slot * Hkv + g]);
+      rs[n + i] = bf16_to_float(kv_scales[(slots + slot) * Hkv + g]);
+    }
     if (++off == block_size) off = 0, ++block;
   }
-  attention_bf16(q + (b * H + g * G) * Dh, cache, row, slots * kv_stride, n, G, Dh, scale, acc, ml, scratch);
+  attention_bf16(q + (b * H + g * G) * Dh, cache, row, slots * kv_stride, n, G, Dh, scale, acc, ml, scratch,
+                 kv_scales ? rs.data() : nullptr);
   return true;
 }
 

@@ -12,8 +12,10 @@
 
 namespace tmk {
 
-inline bool attention_split_bf16(const uint16_t*, const uint16_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t,
-                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*) {
+template <typename E>
+inline bool attention_split_bf16(const uint16_t*, const E*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                                 int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*,
+                                 const uint16_t* = nullptr) {
   return false;
 }
 
