@@ -1,7 +1,8 @@
 """Engine-internal request state and the contracts between the engine's parts: pure data, no tensors.
 
 Who writes what (one writer each):
-- `Request` is written by the engine core alone (`EngineCore.add_request`, `update_from_output`, `abort`).
+- `Request` is written by the engine core alone (`EngineCore.add_request`, `update_from_output`, `abort`, and
+  engine/request_tokens.py's helpers, which only the core calls).
   The scheduler and the output processor read it.
 - `SchedulerOutput` is the scheduler's decision for one step: who runs, from which token, how many tokens.
 - `ModelInput` is the core's description of that batch for the runner; the runner never sees a `Request`.

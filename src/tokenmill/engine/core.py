@@ -21,6 +21,7 @@ from itertools import count
 from tokenmill.engine.lookahead import draft_requests, run_limit
 from tokenmill.engine.lora_registry import LoraRegistry
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request_tokens import advance_pooling, append_token, count_drafts, keep_tokens, pooling_output
 from tokenmill.engine.sequence_input import sequence_input
 from tokenmill.engine.thinking import ThinkingBudgets
 from tokenmill.engine.validation import check_pooling, output_budget
@@ -28,7 +29,7 @@ from tokenmill.errors import LoraError
 from tokenmill.kv_cache import KVManager
 from tokenmill.memory import trim
 from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
-from tokenmill.outputs import PoolingOutput, RequestMetrics, RequestOutput
+from tokenmill.outputs import RequestMetrics, RequestOutput
 from tokenmill.pooling_params import ModelTask, PoolingParams
 from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
@@ -42,6 +43,7 @@ from tokenmill.types import (
     ModelInput,
     Request,
     RunnerOutput,
+    ScheduledRequest,
     SchedulerOutput,
 )
 
@@ -327,51 +329,56 @@ class EngineCore:
             req = self._seqs[request_id]
             if req.metrics.num_preemptions == 0 and req.index == 0:
                 req.metrics.num_cached_tokens = num_cached
-        retains_kv = self.runner.kv.retains_kv
         for s in so.scheduled:
-            req = self._seqs[s.request_id]
-            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or scheduled_at or now
-            if result.forward_path is not None:
-                steps = req.metrics.forward_steps
-                steps[result.forward_path] = steps.get(result.forward_path, 0) + 1
-            if req.pooling is not None:
-                self._advance_pooling(req, s.num_computed_tokens + s.num_new_tokens, result, retains_kv)
-                continue
-            new_tokens = result.sampled.get(req.request_id, [])
-            num_drafts = len(s.spec_token_ids)
-            # kept drafts, and a decode run's tokens before its last: their keys/values stand
-            accepted = max(len(new_tokens) - 1, 0) if num_drafts or so.num_steps > 1 else 0
-            computed = s.num_computed_tokens + s.num_new_tokens - num_drafts + accepted
-            req.num_computed_tokens = computed if retains_kv else 0
-            if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:
-                req.prompt_logprobs += result.prompt_logprobs[req.request_id]
-            if num_drafts:
-                req.metrics.num_draft_tokens += num_drafts
-                req.metrics.num_accepted_tokens += accepted
-                # auto-off for a proposer that keeps missing: after two fruitless rounds in a row, pause this
-                # sequence's drafting for 2, 4, ... 64 steps, probing between pauses; a kept draft resets it
-                req.spec_misses = 0 if accepted else req.spec_misses + 1
-                req.spec_skip = min(2 ** (req.spec_misses - 1), 64) if req.spec_misses >= 2 else 0
-                self.stats.spec_draft_tokens += num_drafts
-                self.stats.spec_accepted_tokens += accepted
-            for token, logprobs in new_tokens:
-                self._append_token(req, token, logprobs, now)
-                self.thinking.accept(req.request_id, token)
-                if self.structured.has(req.request_id):
-                    self._advance_grammar(req, token)
-                if req.finished:  # a stop inside an accepted run: the rest is dropped
-                    break
-        parents = list(dict.fromkeys(self._seqs[s.request_id].parent_id for s in so.scheduled))
+            self._advance(self._seqs[s.request_id], s, so.num_steps, result, scheduled_at or now, now)
+        return self._outputs(list(dict.fromkeys(self._seqs[s.request_id].parent_id for s in so.scheduled)))
+
+    def _advance(self, req: Request, s: ScheduledRequest, num_steps: int, result: RunnerOutput, scheduled_at: float,
+                 now: float) -> None:  # fmt: skip
+        """One scheduled sequence's share of the step: what it computed, its prompt logprobs, its drafts, and its
+        sampled tokens appended until one of them finishes it."""
+        req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or scheduled_at
+        if result.forward_path is not None:
+            steps = req.metrics.forward_steps
+            steps[result.forward_path] = steps.get(result.forward_path, 0) + 1
+        retains_kv = self.runner.kv.retains_kv
+        if req.pooling is not None:
+            advance_pooling(req, s.num_computed_tokens + s.num_new_tokens, result, retains_kv)
+            return
+        new_tokens = result.sampled.get(req.request_id, [])
+        num_drafts = len(s.spec_token_ids)
+        # kept drafts, and a decode run's tokens before its last: their keys/values stand
+        accepted = max(len(new_tokens) - 1, 0) if num_drafts or num_steps > 1 else 0
+        computed = s.num_computed_tokens + s.num_new_tokens - num_drafts + accepted
+        req.num_computed_tokens = computed if retains_kv else 0
+        if req.prompt_logprobs is not None and req.request_id in result.prompt_logprobs:
+            req.prompt_logprobs += result.prompt_logprobs[req.request_id]
+        if num_drafts:
+            count_drafts(req, num_drafts, accepted)
+            self.stats.spec_draft_tokens += num_drafts
+            self.stats.spec_accepted_tokens += accepted
+        for token, logprobs in new_tokens:
+            append_token(req, token, logprobs, now, self.max_model_len)
+            self.stats.generation_tokens += 1
+            self.thinking.accept(req.request_id, token)
+            if self.structured.has(req.request_id):
+                self._advance_grammar(req, token)
+            if req.finished:  # a stop inside an accepted run: the rest is dropped
+                break
+
+    def _outputs(self, parents: list[str]) -> list[RequestOutput]:
+        """The step's outputs for these user requests (stop strings found as their text is made), and what finished
+        released."""
         pooled = [p for p in parents if self.requests[p][0].pooling is not None]
         parents = [p for p in parents if self.requests[p][0].pooling is None]
         for parent_id in parents:
             for req in self.requests[parent_id]:
                 hit = self.output.detokenize(parent_id, req.index)
                 if hit is not None:
-                    self._keep_tokens(req, hit.num_tokens)
+                    self.stats.generation_tokens -= keep_tokens(req, hit.num_tokens)
                     req.finish_reason, req.stop_reason = "stop", hit.stop
         outputs = self.output.make_outputs(parents)
-        outputs += [self._pooling_output(p, self.requests[p][0]) for p in pooled if self.requests[p][0].finished]
+        outputs += [pooling_output(p, self.requests[p][0]) for p in pooled if self.requests[p][0].finished]
         for out in outputs:
             if out.finished:
                 for req in self.requests.pop(out.request_id, []):
@@ -388,61 +395,11 @@ class EngineCore:
         """The pooler reads every prompt position's hidden state (mean pooling): none may come from the prefix cache."""
         return self.task.pooling is not None and self.task.pooling.pooling == "mean"
 
-    @staticmethod
-    def _advance_pooling(req: Request, computed: int, result: RunnerOutput, retains_kv: bool) -> None:
-        """A pooling request's step: its prompt computed so far; its pooled vector, where the step ended its prompt."""
-        req.num_computed_tokens = computed if retains_kv else 0
-        vector = result.pooled.get(req.request_id)
-        if vector is not None:
-            req.pooled, req.finish_reason = vector, "stop"
-            req.metrics.finished_time = time.perf_counter()
-
     def _final_output(self, parent_id: str, children: list[Request]) -> RequestOutput | None:
         """The last output of an aborted or failed request (None where the output processor never knew it)."""
         if children[0].pooling is not None:
-            return self._pooling_output(parent_id, children[0])
+            return pooling_output(parent_id, children[0])
         return self.output.abort(parent_id)
-
-    @staticmethod
-    def _pooling_output(parent_id: str, req: Request) -> RequestOutput:
-        """A pooling request's one output: its result, or none where it did not finish (aborted, failed)."""
-        pooled = PoolingOutput(req.pooled) if req.pooled is not None else None
-        return RequestOutput(parent_id, None, req.prompt_token_ids, [], finished=True, metrics=req.metrics,
-                             pooled=pooled)  # fmt: skip
-
-    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None, now: float) -> None:
-        req.output_token_ids.append(token)
-        if req.logprobs is not None and logprobs is not None:
-            req.logprobs.append(logprobs)
-            req.cumulative_logprob += logprobs[token]
-        m = req.metrics
-        m.first_token_time = m.first_token_time or now
-        m.last_token_time = now
-        m.token_times.append(now)
-        m.num_generated_tokens += 1
-        self.stats.generation_tokens += 1
-        if len(req.output_token_ids) >= req.params.min_tokens:
-            if not req.params.ignore_eos and token in req.eos_token_ids:
-                req.finish_reason = "stop"
-            elif token in req.params.stop_token_ids:
-                req.finish_reason, req.stop_reason = "stop", token
-        if not req.finished and (len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len):
-            req.finish_reason = "length"
-
-    def _keep_tokens(self, req: Request, n: int) -> None:
-        """Drop the output tokens after the first `n` (a decode run's or kept drafts' tokens past a stop string),
-        as if they had never been appended: their logprobs, their share of the cumulative logprob and their counts
-        go too."""
-        dropped = len(req.output_token_ids) - n
-        if dropped <= 0:
-            return
-        del req.output_token_ids[n:]
-        if req.logprobs is not None:
-            del req.logprobs[n:]
-            req.cumulative_logprob = sum((lp[t] for lp, t in zip(req.logprobs, req.output_token_ids)), 0.0)
-        del req.metrics.token_times[-dropped:]
-        req.metrics.num_generated_tokens -= dropped
-        self.stats.generation_tokens -= dropped
 
     def _advance_grammar(self, req: Request, token: int) -> None:
         """Feed the sampled token to the request's grammar: the grammar's end is a stop."""

@@ -1,0 +1,75 @@
+"""What a step's results do to one sequence: its sampled tokens appended (and, past a stop string, taken back), its
+drafts counted, a pooling request's progress and its one output.
+
+These are the engine core's own writes to a `Request`, kept apart so that `EngineCore.update_from_output` reads as
+the order of a step's effects; only the core calls them (types.py: a `Request` has one writer).
+"""
+
+from __future__ import annotations
+
+import time
+
+from tokenmill.outputs import PoolingOutput, RequestOutput
+from tokenmill.types import Request, RunnerOutput
+
+
+def append_token(req: Request, token: int, logprobs: dict[int, float] | None, now: float, max_model_len: int) -> None:
+    """`token` (with its logprobs, where asked for) at the end of `req`'s output; its finish reason where the token
+    is a stop (EOS or a stop token, past min_tokens) or reaches max_tokens or the context length."""
+    req.output_token_ids.append(token)
+    if req.logprobs is not None and logprobs is not None:
+        req.logprobs.append(logprobs)
+        req.cumulative_logprob += logprobs[token]
+    m = req.metrics
+    m.first_token_time = m.first_token_time or now
+    m.last_token_time = now
+    m.token_times.append(now)
+    m.num_generated_tokens += 1
+    if len(req.output_token_ids) >= req.params.min_tokens:
+        if not req.params.ignore_eos and token in req.eos_token_ids:
+            req.finish_reason = "stop"
+        elif token in req.params.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", token
+    if not req.finished and (len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= max_model_len):
+        req.finish_reason = "length"
+
+
+def keep_tokens(req: Request, n: int) -> int:
+    """Drop the output tokens after the first `n` (a decode run's or kept drafts' tokens past a stop string), as if
+    they had never been appended: their logprobs, their share of the cumulative logprob and their counts go too.
+    Returns how many went."""
+    dropped = len(req.output_token_ids) - n
+    if dropped <= 0:
+        return 0
+    del req.output_token_ids[n:]
+    if req.logprobs is not None:
+        del req.logprobs[n:]
+        req.cumulative_logprob = sum((lp[t] for lp, t in zip(req.logprobs, req.output_token_ids)), 0.0)
+    del req.metrics.token_times[-dropped:]
+    req.metrics.num_generated_tokens -= dropped
+    return dropped
+
+
+def count_drafts(req: Request, num_drafts: int, accepted: int) -> None:
+    """A verify step's drafts: counted, and the proposer's auto-off for this sequence. After two fruitless rounds in
+    a row its drafting pauses for 2, 4, ... 64 steps, probing between pauses; a kept draft resets it."""
+    req.metrics.num_draft_tokens += num_drafts
+    req.metrics.num_accepted_tokens += accepted
+    req.spec_misses = 0 if accepted else req.spec_misses + 1
+    req.spec_skip = min(2 ** (req.spec_misses - 1), 64) if req.spec_misses >= 2 else 0
+
+
+def advance_pooling(req: Request, computed: int, result: RunnerOutput, retains_kv: bool) -> None:
+    """A pooling request's step: its prompt computed so far; its pooled vector, where the step ended its prompt."""
+    req.num_computed_tokens = computed if retains_kv else 0
+    vector = result.pooled.get(req.request_id)
+    if vector is not None:
+        req.pooled, req.finish_reason = vector, "stop"
+        req.metrics.finished_time = time.perf_counter()
+
+
+def pooling_output(parent_id: str, req: Request) -> RequestOutput:
+    """A pooling request's one output: its result, or none where it did not finish (aborted, failed)."""
+    pooled = PoolingOutput(req.pooled) if req.pooled is not None else None
+    return RequestOutput(parent_id, None, req.prompt_token_ids, [], finished=True, metrics=req.metrics,
+                         pooled=pooled)  # fmt: skip
