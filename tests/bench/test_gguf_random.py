@@ -17,7 +17,7 @@ import torch
 from tests import target
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.gguf_random import write_random_gguf
-from tokenmill.config import RopeConfig
+from tokenmill.model_config import RopeConfig
 from tokenmill.models.moe import SparseMoE
 
 # rows of 256 (K-quants), two layers, four experts (the first layer's down projection is Q6_K in Q4_K_M)
@@ -85,7 +85,7 @@ _MEASURE = """
 import json, resource, sys
 from pathlib import Path
 from tokenmill.bench.gguf_random import write_random_gguf
-from tokenmill.config import RopeConfig
+from tokenmill.model_config import RopeConfig
 fields, tok, out = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 small = {**fields, "num_hidden_layers": 1, "num_experts": 2}
 write_random_gguf("qwen3_moe", small, tok, out.with_suffix(".small"), "q4_k", 0)  # every import and pool made

@@ -13,8 +13,8 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import PagedKVCache, sizing
-from tokenmill.config import ModelConfig
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.model_config import ModelConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

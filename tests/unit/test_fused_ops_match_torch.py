@@ -29,7 +29,7 @@ def test_rmsnorm_equals_torch_with_and_without_residual(ops: kernels.Kernels, dt
 def test_rope_in_place_on_fused_rows_equals_torch_and_leaves_v(
     ops: kernels.Kernels, dtype: torch.dtype, tol: float
 ) -> None:
-    from tokenmill.config import RopeConfig
+    from tokenmill.model_config import RopeConfig
     from tokenmill.models.layers import RotaryEmbedding, apply_rotary
 
     heads, kv_heads, dh, t = 4, 2, 48, 7

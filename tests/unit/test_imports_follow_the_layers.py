@@ -29,7 +29,17 @@ def test_module_does_not_import_torch(module: str) -> None:
 LAYERS = [
     ["errors", "progress", "sampling_params", "pooling_params", "outputs", "memory", "reaper"],
     ["types", "kv_cache"],
-    ["config", "tokenizer", "kernels", "metrics", "structured_output", "step_plan", "fault_hooks", "pooling_share"],
+    [
+        "config",
+        "model_config",
+        "tokenizer",
+        "kernels",
+        "metrics",
+        "structured_output",
+        "step_plan",
+        "fault_hooks",
+        "pooling_share",
+    ],
     ["attention", "sampling", "scheduler"],
     ["models"],
     ["weights", "make_model", "cuda_graphs"],

@@ -12,7 +12,8 @@ import torch
 from tokenmill.attention import sizing
 from tokenmill.attention.paged import PagedKVCache
 from tokenmill.attention.sizing import DEFAULT_CONTEXT_TOKENS, blocks_for, plan_num_blocks
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import EngineConfig
+from tokenmill.model_config import ModelConfig
 
 DEMO = Path(sizing.__file__).resolve().parents[1] / "assets" / "demo" / "config.json"
 CPU, F32 = torch.device("cpu"), torch.float32

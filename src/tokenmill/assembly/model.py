@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tokenmill.assembly.task import resolve_task
-from tokenmill.config import DTYPES, EngineConfig, ModelConfig
+from tokenmill.config import DTYPES, EngineConfig
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.kernels import CudaKernels, FusedOps, Kernels
 from tokenmill.kernels import active as active_kernels
@@ -21,6 +21,7 @@ from tokenmill.kernels.cuda import cuda_kernels
 from tokenmill.kernels.cuda import unavailable as gpu_kernels_unavailable
 from tokenmill.kernels.formats import pack as pack_weight
 from tokenmill.memory import machine_bytes, return_freed_memory, trim
+from tokenmill.model_config import ModelConfig
 from tokenmill.models import CausalLM, family_for
 from tokenmill.models.compile import compile_model
 from tokenmill.models.layers import bind_kernels

@@ -15,8 +15,9 @@ from tokenmill.attention.none import NoKVCache, causal
 from tokenmill.attention.paged import PagedKVCache
 from tokenmill.attention.protocol import KVBackend
 from tokenmill.attention.sizing import plan_num_blocks
-from tokenmill.config import KV_CACHE_MODES, EngineConfig, ModelConfig
+from tokenmill.config import KV_CACHE_MODES, EngineConfig
 from tokenmill.kernels import FusedOps, Kernels
+from tokenmill.model_config import ModelConfig
 
 
 def make_kv_backend(

@@ -16,7 +16,8 @@ import torch
 
 from tokenmill.attention.kv_quant import storage_dtype
 from tokenmill.attention.paged import PagedKVCache
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import EngineConfig
+from tokenmill.model_config import ModelConfig
 
 # the default total context without --max-model-len, when the model's own is shorter: a short-context model
 # (GPT-2's 1024 tokens) still runs many short sequences side by side

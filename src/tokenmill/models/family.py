@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError
+from tokenmill.model_config import ModelConfig
 from tokenmill.models.layers import CausalLM
 
 

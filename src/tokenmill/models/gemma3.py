@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from tokenmill.attention import KVBackend
-from tokenmill.config import ModelConfig, RopeConfig, rope_from_hf
 from tokenmill.errors import ConfigError
+from tokenmill.model_config import ModelConfig, RopeConfig, rope_from_hf
 from tokenmill.models.family import ModelFamily
 from tokenmill.models.layers import Attention, CausalLM, GatedMLP, RotaryEmbedding, apply_rotary, embedding
 

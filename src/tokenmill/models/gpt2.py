@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from tokenmill.attention import KVBackend
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError
+from tokenmill.model_config import ModelConfig
 from tokenmill.models.family import ModelFamily
 from tokenmill.models.layers import CausalLM, activation, embedding
 from tokenmill.models.linear import Linear

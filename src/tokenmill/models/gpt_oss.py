@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.kernels import Kernels, mxfp4
 from tokenmill.kernels.kformats import MXFP4ScaleError
 from tokenmill.kernels.raw_blocks import RawBlocks
+from tokenmill.model_config import ModelConfig, MoEConfig
 from tokenmill.models.family import ModelFamily
 from tokenmill.models.layers import Attention, GatedMLP, _fused
 from tokenmill.models.moe import MoECausalLM, Router, SparseMoE

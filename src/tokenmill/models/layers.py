@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention import KVBackend
-from tokenmill.config import ModelConfig, RopeConfig
 from tokenmill.kernels import FusedOps, Kernels
+from tokenmill.model_config import ModelConfig, RopeConfig
 from tokenmill.models.linear import KernelLinear, Linear
 
 # fused parameter -> (HF sub-module name, shard index) in the order they are concatenated

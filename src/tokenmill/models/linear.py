@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.config import QUANTIZATION_MODES, MoEConfig
+from tokenmill.config import QUANTIZATION_MODES
 from tokenmill.kernels import CudaKernels, Kernels, formats
 from tokenmill.kernels.isa import cpu_flags
 from tokenmill.kernels.placement import ALIGN, place_buffers
+from tokenmill.model_config import MoEConfig
 from tokenmill.models import quant_mix
 from tokenmill.models.packed_embedding import PackedEmbedding, share_tied_table
 

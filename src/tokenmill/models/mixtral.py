@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.config import MoEConfig
+from tokenmill.model_config import MoEConfig
 from tokenmill.models.family import ModelFamily
 from tokenmill.models.moe import MoECausalLM
 

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.errors import ConfigError
+from tokenmill.model_config import ModelConfig, MoEConfig
 from tokenmill.models.layers import CausalLM, GatedMLP
 from tokenmill.models.linear import KernelLinear
 

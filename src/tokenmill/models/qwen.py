@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.config import MoEConfig
+from tokenmill.model_config import MoEConfig
 from tokenmill.models.family import ModelFamily
 from tokenmill.models.layers import CausalLM
 from tokenmill.models.moe import MoECausalLM

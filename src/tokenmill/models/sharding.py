@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ConfigError
+from tokenmill.model_config import ModelConfig
 
 Tensors = Iterator[tuple[str, torch.Tensor, str]]
 _EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.")  # (Mixtral: w1 w3 | w2)

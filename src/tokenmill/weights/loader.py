@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.formats import PackedWeight, format_for
 from tokenmill.kernels.kformats import MXFP4ScaleError
 from tokenmill.kernels.raw_blocks import RawBlocks, dequantize_raw, pack_raw
+from tokenmill.model_config import ModelConfig
 from tokenmill.models import CausalLM
 from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
