@@ -66,7 +66,7 @@ def test_a_llama3_scaled_rope_goes_into_the_file(tokenizer_dir: Path, tmp_path: 
     the file rotates by the frequencies the config gives (a file without it would rotate by the plain ones)."""
     from tokenmill.make_model import hf_config
     from tokenmill.models import family_named
-    from tokenmill.models.layers import rope_inv_freq
+    from tokenmill.models.rope import rope_inv_freq
 
     fields = {k: v for k, v in WIDE_MOE.items() if "expert" not in k and k != "norm_topk_prob"}
     fields["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

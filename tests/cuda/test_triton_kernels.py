@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="Triton is not installed (CPU installs leav
 
 from tokenmill.kernels import formats
 from tokenmill.kernels.cuda import CudaKernels
-from tokenmill.models.layers import apply_rotary
+from tokenmill.models.rope import apply_rotary
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 OPS = CudaKernels()

@@ -30,7 +30,7 @@ def test_rope_in_place_on_fused_rows_equals_torch_and_leaves_v(
     ops: kernels.Kernels, dtype: torch.dtype, tol: float
 ) -> None:
     from tokenmill.model_config import RopeConfig
-    from tokenmill.models.layers import RotaryEmbedding, apply_rotary
+    from tokenmill.models.rope import RotaryEmbedding, apply_rotary
 
     heads, kv_heads, dh, t = 4, 2, 48, 7
     cos, sin = RotaryEmbedding(RopeConfig(theta=500.0), dh)(torch.arange(3, 3 + t), dtype)

@@ -23,7 +23,8 @@ from tokenmill.attention import KVBackend
 from tokenmill.errors import ConfigError
 from tokenmill.model_config import ModelConfig, RopeConfig, rope_from_hf
 from tokenmill.models.family import ModelFamily
-from tokenmill.models.layers import Attention, CausalLM, GatedMLP, RotaryEmbedding, apply_rotary, embedding
+from tokenmill.models.layers import Attention, CausalLM, GatedMLP, embedding
+from tokenmill.models.rope import RotaryEmbedding, apply_rotary
 
 SLIDING = "sliding_attention"
 

@@ -33,9 +33,10 @@ from tokenmill.kernels.kformats import MXFP4ScaleError
 from tokenmill.kernels.raw_blocks import RawBlocks, dequantize_raw, pack_raw
 from tokenmill.model_config import ModelConfig
 from tokenmill.models import CausalLM
-from tokenmill.models.layers import STACKED_PARAMS, RotaryEmbedding
+from tokenmill.models.layers import STACKED_PARAMS
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
 from tokenmill.models.packed_embedding import PackedEmbedding
+from tokenmill.models.rope import RotaryEmbedding
 from tokenmill.weights.packed_cache import PackedCache
 
 SMALL = 1 << 20  # elements: a tensor this small is copied out of the file as it loads (_Fill.dense)
