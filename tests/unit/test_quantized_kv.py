@@ -92,15 +92,16 @@ def test_decode_attention_over_quantized_blocks_equals_sdpa_over_them_widened(
 
 
 @pytest.mark.parametrize("storage", STORAGE)
-@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize(("heads", "head_dim"), [(14, 64), (14, 40), (20, 96)])
 def test_decode_attention_over_quantized_blocks_gives_the_bits_of_their_bf16_widening(
-    ops: kernels.Kernels, storage: torch.dtype, head_dim: int
+    ops: kernels.Kernels, storage: torch.dtype, heads: int, head_dim: int
 ) -> None:
     """A bf16 model's decode over a quantized cache is bit for bit its decode over the same rows widened to a bf16
-    cache: the power-of-two scales make the widening exact, whichever way a variant takes it (rows widened to bf16
-    for AVX-512 BF16's path, the scales folded into scores and weights elsewhere)."""
+    cache: the power-of-two scales make the widening exact, whichever way a variant takes it (the codes widened in
+    registers and the scales folded into scores and weights; Dh 96 takes AVX-512 BF16's 16-wide value step, 20 heads
+    per KV head its second group of 8 for the scores)."""
     gen = torch.Generator().manual_seed(head_dim)
-    block_size, num_blocks, heads, kv_heads = 16, 40, 14, 2
+    block_size, num_blocks, kv_heads = 16, 40, 2
     cache, scales = quantized_cache(gen, num_blocks * block_size, kv_heads, head_dim, storage)
     lens = torch.tensor([1, 29, 300, 517], dtype=torch.int64)
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:33] for _ in lens])  # [B, 33]

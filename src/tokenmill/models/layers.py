@@ -103,7 +103,7 @@ class Attention(nn.Module):
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    """config.json's `hidden_act` (one of config.ACTIVATIONS) applied to x."""
+    """config.json's `hidden_act` (one of model_config.ACTIVATIONS) applied to x."""
     if name == "silu":
         return F.silu(x)
     return F.gelu(x, approximate="none" if name == "gelu" else "tanh")

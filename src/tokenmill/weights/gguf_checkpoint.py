@@ -291,7 +291,9 @@ class GGUFCheckpoint:
                 heads = hf_config["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"]
                 value = _unpermute(value, heads)
             yield name, value, str(self.path)
-            self.reader.release(t)  # packed or copied by now: its pages need not stay in this process's memory
+            # packed or copied by now, or (q, k, gate: until their fused partners come) held as a view, whose
+            # later read maps the pages again: they need not stay in this process's memory meanwhile
+            self.reader.release(t)
         if dequantized:
             kinds = ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items()))
             print(f"tokenmill: {self.path.name}: {kinds} tensor(s) have no tokenmill kernel and were dequantized "

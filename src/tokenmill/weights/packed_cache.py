@@ -21,7 +21,8 @@ folder's linears then never read the folder's pages at all (weights/loader.py: n
   so it writes nothing twice; each loaded buffer goes as its copy is made, so it holds nothing twice either (and a
   GGUF's pages go as each tensor is packed: GGUFFile.release).
 - Written aside and renamed: a reader never sees half a file, and a file whose header or sizes do not add up is
-  ignored (and replaced). The map is copy-on-write, so a stray write could never reach the file.
+  ignored (and replaced). A later start's map is copy-on-write, so a stray write could never reach the file (a first
+  start's is the shared map it wrote through).
 - The weights are keyed by module name: a linear's (`model.layers.0.mlp.down_proj`), a SegmentedLinear's parts
   (`....qkv_proj.parts.1`) and a packed token embedding (`model.embed_tokens`). The loader takes each one it would
   otherwise pack, checked against the format and shape it expects; anything missing is packed as before.
@@ -119,10 +120,15 @@ class PackedCache:
             with contextlib.suppress(OSError):
                 staging.unlink()
             return False
-        for modules, (begin, nbytes) in zip(layout.groups, layout.spans, strict=True):
-            view = panels[begin : begin + nbytes].copy_(modules[0].get_buffer("data").reshape(-1))
-            for m in modules:
-                m.data = view  # the loaded buffer's last holder: freed here, before the next is copied
+        try:
+            for modules, (begin, nbytes) in zip(layout.groups, layout.spans, strict=True):
+                view = panels[begin : begin + nbytes].copy_(modules[0].get_buffer("data").reshape(-1))
+                for m in modules:
+                    m.data = view  # the loaded buffer's last holder: freed here, before the next is copied
+        except BaseException:  # (an interrupt mid-copy: no staging file is left behind)
+            with contextlib.suppress(OSError):
+                staging.unlink()
+            raise
         try:
             staging.rename(self.path)
         except OSError as e:  # the weights stay in the unnamed file's pages; a later start packs again

@@ -5,7 +5,7 @@
 //
 // The G = H / Hkv query heads of a KV head share every key and value read. Scores, softmax and the weighted sum
 // of values are float32. Two paths:
-// - the portable one (every ISA, float32 or bf16 caches): a run of positions within a block is widened to
+// - the portable one (every ISA, every cache dtype): a run of positions within a block is widened to
 //   float32 once, then each head passes over it (a dot product per position, a vector sum per head);
 // - with AVX-512 BF16 (arch/avx512bf16/attention.h), for a bf16 model's cache (Dh a multiple of 32): 16 positions'
 //   keys are loaded as 16 rows of bf16 pairs and transposed in registers, so that one vdpbf16ps multiplies a pair of
