@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.request_stream import EngineDeadError, RequestFailedError
 from tokenmill.outputs import RequestOutput
 from tokenmill.types import ModelInput, RunnerOutput
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.footprint import memory_line, model_bytes
+from tokenmill.engine.request_stream import EngineDeadError, RequestStream
 from tokenmill.metrics import EngineSnapshot
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import ModelTask, PoolingParams
@@ -41,14 +42,6 @@ log = logging.getLogger("tokenmill.engine")
 
 
 _NO_SAMPLING = SamplingParams(max_tokens=None)  # a pooling request's sampling parameters: it samples nothing
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an unexpected error; no request can be served any more."""
-
-
-class RequestFailedError(RuntimeError):
-    """A failure inside the engine ended this request; the engine serves the others on."""
 
 
 @dataclass
@@ -78,42 +71,6 @@ class _Stop:
 
 
 _Command = _Add | _Abort | _AbortAll | _Stop | _Call
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator. `close()` before the end aborts the request."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
-        self.engine, self.request_id = engine, request_id
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.finished = False
-        self._closed = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished or self._closed:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        if item.error is not None:
-            self.finished = True
-            self.close()
-            raise RequestFailedError(item.error)
-        if item.finished:
-            self.finished = True
-            self.close()
-        return item
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.engine._forget(self.request_id)
-            if not self.finished:
-                self.engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -330,7 +287,8 @@ class AsyncEngine:
         finally:
             stream.close()
 
-    def _forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
+        """Drop `request_id`'s stream (its own `close`): no output goes to it any more."""
         with self._lock:
             self._streams.pop(request_id, None)
 

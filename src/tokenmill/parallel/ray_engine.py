@@ -24,7 +24,7 @@ from typing import Any
 from tokenmill import reaper
 from tokenmill.assembly import kv_manager, load_front
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import RequestFailedError
+from tokenmill.engine.request_stream import RequestFailedError
 from tokenmill.engine.validation import output_budget
 from tokenmill.errors import LoraError
 from tokenmill.kv_cache import KVManager

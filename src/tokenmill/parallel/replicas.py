@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import RequestFailedError
+from tokenmill.engine.request_stream import RequestFailedError
 from tokenmill.metrics import EngineSnapshot
 from tokenmill.outputs import RequestOutput
 from tokenmill.types import EngineRequest

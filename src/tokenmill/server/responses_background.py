@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from tokenmill.engine.async_engine import RequestStream
+from tokenmill.engine.request_stream import RequestStream
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.choice_stream import AnswerPlan
 from tokenmill.server.responses_output import ABORTED, ResponseHead, response_body

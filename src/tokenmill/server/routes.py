@@ -15,7 +15,8 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.request_stream import EngineDeadError, RequestFailedError
 from tokenmill.metrics import peak_rss_mb, rss_mb
 from tokenmill.server.errors import APIError, bad_value, error_body
 from tokenmill.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest

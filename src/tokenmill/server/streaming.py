@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import Request
 
-from tokenmill.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from tokenmill.engine.request_stream import EngineDeadError, RequestFailedError, RequestStream
 from tokenmill.errors import LoraError
 from tokenmill.metrics import PrometheusMetrics
 from tokenmill.outputs import Logprobs, RequestMetrics, RequestOutput
