@@ -16,10 +16,12 @@ def _run_caches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     folders) go to a cache folder of the run's own, gone with it; they piled up in ~/.cache/tokenmill (282 stale
     packed entries, 3 GB, on a developer's machine). The compiled kernels stay shared: the folder links to them.
     Servers and scripts the tests start inherit the variable; a test that sets its own still wins."""
-    real = Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
-    (real / "kernels").mkdir(parents=True, exist_ok=True)
+    from tokenmill.kernels.build import cache_root as kernels_folder
+
+    kernels = kernels_folder()  # (read before the variable changes)
+    kernels.mkdir(parents=True, exist_ok=True)
     root = tmp_path_factory.mktemp("tokenmill-cache")
-    (root / "kernels").symlink_to(real / "kernels", target_is_directory=True)
+    (root / "kernels").symlink_to(kernels, target_is_directory=True)
     before = os.environ.get("TOKENMILL_CACHE_DIR")
     os.environ["TOKENMILL_CACHE_DIR"] = str(root)
     yield
