@@ -21,8 +21,16 @@ from itertools import count
 from tokenmill.engine.lookahead import draft_requests, run_limit
 from tokenmill.engine.lora_registry import LoraRegistry
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.request_tokens import advance_pooling, append_token, count_drafts, keep_tokens, pooling_output
+from tokenmill.engine.request_tokens import (
+    advance_pooling,
+    append_token,
+    count_drafts,
+    keep_tokens,
+    new_sequences,
+    pooling_output,
+)
 from tokenmill.engine.sequence_input import sequence_input
+from tokenmill.engine.snapshot import engine_snapshot
 from tokenmill.engine.thinking import ThinkingBudgets
 from tokenmill.engine.validation import check_pooling, output_budget
 from tokenmill.errors import LoraError
@@ -125,28 +133,7 @@ class EngineCore:
             num_prompt_tokens=len(request.prompt_token_ids),
         )
         arrival = next(self._arrivals)
-        prompt = list(request.prompt_token_ids)  # NOTE: one list for all n samples; nothing writes a prompt
-        children = [
-            Request(
-                request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
-                parent_id=request_id,
-                index=i,
-                prompt_token_ids=prompt,
-                params=params,
-                max_tokens=request.max_tokens,
-                eos_token_ids=self.eos_token_ids,
-                metrics=metrics,
-                arrival_order=arrival,
-                priority=request.priority,
-                seed=None if params.seed is None else params.seed + i,
-                fork_of=f"{request_id}-0" if i > 0 else None,
-                logprobs=[] if params.logprobs is not None else None,
-                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                pooling=request.pooling,
-                no_prefix_cache=request.pooling is not None and self._pools_every_row,
-            )
-            for i in range(params.n)
-        ]
+        children = new_sequences(request, self.eos_token_ids, metrics, arrival, self._pools_every_row)
         grammar = request.grammar
         if grammar is None and params.structured_outputs is not None:
             grammar = self.structured.compile(params.structured_outputs)
@@ -201,27 +188,7 @@ class EngineCore:
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's numbers as one frozen object, for readers on other threads."""
-        return EngineSnapshot(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            kv_blocks_total=self.kv.num_blocks,
-            kv_blocks_free=self.kv.num_free_blocks,
-            prefix_cache_queries=self.kv.prefix_cache_queries,
-            prefix_cache_hits=self.kv.prefix_cache_hits,
-            **{f"prefix_cache_{tier}_hits": hits for tier, hits in self.kv.prefix_cache_hits_by_tier.items()},
-            **{f"prefix_cache_{tier}_bytes": used for tier, used in self.kv.tier_bytes().items()},
-            num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self.stats.num_steps,
-            mean_batch_size=self.stats.mean_batch_size,
-            max_batch_size=self.stats.max_batch_size,
-            num_completed=self.stats.num_completed,
-            num_aborted=self.stats.num_aborted,
-            num_failed=self.stats.num_failed,
-            spec_draft_tokens=self.stats.spec_draft_tokens,
-            spec_accepted_tokens=self.stats.spec_accepted_tokens,
-            prompt_tokens=self.stats.prompt_tokens,
-            generation_tokens=self.stats.generation_tokens,
-        )
+        return engine_snapshot(self.scheduler, self.stats)
 
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,5 +1,5 @@
-"""What a step's results do to one sequence: its sampled tokens appended (and, past a stop string, taken back), its
-drafts counted, a pooling request's progress and its one output.
+"""A user request's sequences as the core makes them, and what a step's results do to one sequence: its sampled tokens
+appended (and, past a stop string, taken back), its drafts counted, a pooling request's progress and its one output.
 
 These are the engine core's own writes to a `Request`, kept apart so that `EngineCore.update_from_output` reads as
 the order of a step's effects; only the core calls them (types.py: a `Request` has one writer).
@@ -9,8 +9,37 @@ from __future__ import annotations
 
 import time
 
-from tokenmill.outputs import PoolingOutput, RequestOutput
-from tokenmill.types import Request, RunnerOutput
+from tokenmill.outputs import PoolingOutput, RequestMetrics, RequestOutput
+from tokenmill.types import EngineRequest, Request, RunnerOutput
+
+
+def new_sequences(request: EngineRequest, eos_token_ids: frozenset[int], metrics: RequestMetrics, arrival: int,
+                  pools_every_row: bool) -> list[Request]:  # fmt: skip
+    """The n sequences of a validated user request, sharing its prompt and its metrics; `arrival` its place in the
+    arrival order. A pooling request skips the prefix cache where the pooler reads every row's hidden state."""
+    request_id, params = request.request_id, request.params
+    prompt = list(request.prompt_token_ids)  # NOTE: one list for all n samples; nothing writes a prompt
+    return [
+        Request(
+            request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
+            parent_id=request_id,
+            index=i,
+            prompt_token_ids=prompt,
+            params=params,
+            max_tokens=request.max_tokens,
+            eos_token_ids=eos_token_ids,
+            metrics=metrics,
+            arrival_order=arrival,
+            priority=request.priority,
+            seed=None if params.seed is None else params.seed + i,
+            fork_of=f"{request_id}-0" if i > 0 else None,
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            pooling=request.pooling,
+            no_prefix_cache=request.pooling is not None and pools_every_row,
+        )
+        for i in range(params.n)
+    ]
 
 
 def append_token(req: Request, token: int, logprobs: dict[int, float] | None, now: float, max_model_len: int) -> None:
