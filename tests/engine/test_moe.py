@@ -293,3 +293,15 @@ def test_a_decode_steps_weight_bytes_count_the_chosen_experts_only(folder: Path)
     assert per_layer > 0 and weight_bytes(model) == dense + len(moes) * (
         per_layer * moe_cfg.top_k // moe_cfg.num_experts
     )
+
+
+def test_the_engines_memory_counts_every_expert(folder: Path) -> None:
+    """What the start-up log states and a server's --models-memory-gb budget counts (engine/footprint.py) is the
+    memory the weights take: every expert, not the share a token reads."""
+    from tokenmill.engine.footprint import model_bytes
+
+    llm = _llm(folder)
+    tensors = {id(t): t for t in [*llm.loaded.model.parameters(), *llm.loaded.model.buffers()]}  # each once
+    held = sum(t.numel() * t.element_size() for t in tensors.values())
+    weights, pool = model_bytes(llm.loaded, llm.engine)
+    assert weights == held and pool > 0, (weights, held)

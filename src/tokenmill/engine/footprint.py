@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 
 def model_bytes(model: LoadedModel, core: EngineCore) -> tuple[int, int]:
-    """(weight bytes, KV pool bytes) at start: the pool as reserved (a CPU pool's pages fill in as its blocks are
-    first used)."""
+    """(weight bytes, KV pool bytes) at start: every weight the model holds (a mixture of experts' every expert, not
+    the share a token reads), and the pool as reserved (a CPU pool's pages fill in as its blocks are first used)."""
     from torch import nn
 
     from tokenmill.attention import PagedKVCache
@@ -28,7 +28,7 @@ def model_bytes(model: LoadedModel, core: EngineCore) -> tuple[int, int]:
     embedding = emb.weight if isinstance(emb, nn.Embedding) else emb.data  # a table, or a PackedEmbedding's panels
     head = model.model.lm_head
     tied = getattr(head, "weight", getattr(head, "data", None)) is embedding  # weight_bytes counted it as the head
-    weights = weight_bytes(model.model) + (0 if tied else embedding.nbytes)
+    weights = weight_bytes(model.model, active=False) + (0 if tied else embedding.nbytes)
     pool = getattr(core.runner, "kv", None)
     return weights, pool.nbytes if isinstance(pool, PagedKVCache) else 0
 

@@ -355,10 +355,11 @@ def make_row_invariant(model: nn.Module, ops: Kernels) -> int:
     return len(linears)
 
 
-def weight_bytes(model: nn.Module) -> int:
+def weight_bytes(model: nn.Module, active: bool = True) -> int:
     """Bytes of weights a one-row decode step reads: every module's own parameters and buffers, once each, except
     the token embedding (a step reads one row of it; a tied LM head still counts it, through `lm_head`), and of a
-    mixture-of-experts MLP's experts only the share a token chooses, top_k of num_experts (its active parameters)."""
+    mixture-of-experts MLP's experts only the share a token chooses, top_k of num_experts (its active parameters).
+    `active=False`: every expert, as the model holds them in memory."""
     seen: set[int] = set()
 
     def own(module: nn.Module) -> int:
@@ -371,7 +372,7 @@ def weight_bytes(model: nn.Module) -> int:
 
     total = 0
     for module in model.modules():
-        moe = getattr(module, "moe", None)
+        moe = getattr(module, "moe", None) if active else None
         if isinstance(moe, MoEConfig) and isinstance(experts := getattr(module, "experts", None), nn.ModuleList):
             every = sum(own(m) for m in experts.modules())
             total += every * moe.top_k // moe.num_experts
