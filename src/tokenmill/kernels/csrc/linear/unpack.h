@@ -19,7 +19,7 @@ inline float bf16_at(const uint8_t* panel, int64_t k, int c) {
   return v;
 }
 
-// One channel c of a bf16 or quantized panel as float32 out[0..K) (a packed embedding's row: stack/stack.h,
+// One channel c of a bf16 or quantized panel as float32 out[0..K) (a packed embedding's row: stack/stages.h,
 // kernels.cpp; bf16: a tied LM head's panels)
 template <Format F>
 void unpack_channel_t(const uint8_t* panel, int64_t K, int c, float* out) {
