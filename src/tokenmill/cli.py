@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -196,9 +197,12 @@ class _FamilyNames:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from tokenmill import LLM
+    from tokenmill.memory import collector_paused
 
-    llm = LLM(a.model, **engine_kwargs(a))
+    with collector_paused():  # the imports and the load (memory.py)
+        from tokenmill import LLM
+
+        llm = LLM(a.model, **engine_kwargs(a))
     defaults = llm.get_default_sampling_params()
     gen_max = llm.loaded.generation_config.get("max_new_tokens")
     overrides = {
@@ -249,6 +253,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    from tokenmill.memory import collector_paused
+
+    with collector_paused():  # until the model has loaded and launch.py freezes the heap (memory.py)
+        return _serve(a)
+
+
+def _serve(a: argparse.Namespace) -> int:
     from tokenmill.assembly.model import default_model_ref
     from tokenmill.server.launch import serve, serve_models
     from tokenmill.weights import resolve_model
@@ -265,6 +276,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from tokenmill.tensor_parallel.workers import env_rank, run_env_worker
 
     if (env_rank(cfg) or 0) > 0:  # torchrun's rank > 0: a tensor-parallel worker for rank 0's server
+        gc.enable()  # its steps run with the collector on (the pause is for a server's start)
         run_env_worker(replace(cfg, model=str(path)))
         return 0
     demo = a.model in (None, "demo", "tokenmill-demo")

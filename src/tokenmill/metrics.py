@@ -129,7 +129,7 @@ class PrometheusMetrics:
         """`snapshots`: each engine's snapshot by (model name, replica); `by_replica`: data parallel, whose engine
         numbers then carry a `replica` label (else the replica is ""). `fleet`: each data-parallel replica's
         `ReplicaState` (`tokenmill:replicas_serving`, `tokenmill:replica_restarts`)."""
-        from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+        from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, ProcessCollector
 
         self.registry = CollectorRegistry()
         self.model_name = model_names[0] if len(model_names) == 1 else ""  # the process's label
@@ -163,6 +163,7 @@ class PrometheusMetrics:
             registry=self.registry,
         )
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes
+        GCCollector(registry=self.registry)  # python_gc_collections_total{generation}: the collector runs (memory.py)
         self.registry.register(_EngineCollector(self.model_name, snapshots, by_replica))
         if fleet is not None:
             self.registry.register(_FleetCollector(self.model_name, fleet))

@@ -103,6 +103,12 @@ def _metric(server: Server, name: str, model: str) -> float:
     return sum(found)
 
 
+def _gen0_collections(server: Server) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "python_gc_collections_total" and s.labels["generation"] == "0")  # fmt: skip
+
+
 def _complete(server: Server, model: str, max_tokens: int = 4) -> str:
     r = _client(server).completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
                                            extra_body={"ignore_eos": True})  # fmt: skip
@@ -119,12 +125,15 @@ def _wait_for(server: Server, model: str, status: str) -> None:
 
 def test_requests_route_by_model_and_models_list_their_states(by_count: Server, small: Path, big: Path) -> None:
     assert _states(by_count) == {"small": "unloaded", "big": "unloaded"}  # (nothing loads before it is asked for)
+    collections = _gen0_collections(by_count)
     wants = {}
     for name, path in (("small", small), ("big", big)):
         wants[name] = offline(LLM(str(path), dtype="float32"), {"prompt_token_ids": PROMPT}, 4).text
         assert _complete(by_count, name) == wants[name]  # the model the request named answered
         assert _states(by_count)[name] == "loaded"
     assert wants["small"] != wants["big"]  # (so the answers above tell the models apart)
+    # the collector, paused for the imports (tokenmill/memory.py), runs here: these models may unload
+    assert _gen0_collections(by_count) > collections  # (gen 0: an unload's gc.collect() counts in gen 2)
     card = _client(by_count).models.retrieve("big")
     assert card.max_model_len == 256  # type: ignore[attr-defined]
 

@@ -260,3 +260,34 @@ print(start, held, status("VmRSS"))
 """)
     assert held - start > 48 * 1024  # the freed runs are still resident ...
     assert held - trimmed > 32 * 1024  # ... until the trim
+
+
+def test_the_collector_pauses_for_a_load_and_the_kept_heap_freezes() -> None:
+    """`serve` and `generate` pause Python's cyclic collector for their imports and load (memory.py): the pause
+    restores whatever state it found, and `freeze_heap` (a kept model, loaded) turns it on with the objects alive
+    then out of its sight, while objects made afterwards are still collected. In a fresh Python: a freeze would
+    otherwise keep this test process's objects."""
+    import subprocess
+    import sys
+
+    code = """
+import gc
+from tokenmill.memory import collector_paused, freeze_heap
+with collector_paused():
+    inside = gc.isenabled()
+gc.disable()
+with collector_paused():
+    pass
+kept_off = not gc.isenabled()
+with collector_paused():
+    held = [[] for _ in range(1000)]
+    freeze_heap()
+frozen = gc.get_freeze_count()
+cycle = []
+cycle.append(cycle)
+del cycle
+print(inside, kept_off, gc.isenabled(), frozen >= 1000, gc.collect() >= 1)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True", "True", "True"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
+import gc
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from typing import Any
 from tokenmill import reaper
 from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
+from tokenmill.memory import freeze_heap
 from tokenmill.server.logs import configure_logging
 
 EXIT_USAGE = 2
@@ -104,6 +106,7 @@ def serve_models(args: argparse.Namespace, models: list[tuple[str, EngineConfig]
         raise ValueError("LoRA adapters (--lora-modules, --enable-lora) serve one MODEL; with several models "
                          "(--model, --models-config) they are not supported")  # fmt: skip
     limits = model_limits(args)
+    gc.enable()  # these load on demand and may unload: the collector runs (cli.py paused it for the imports)
     specs = [ModelSpec(name, functools.partial(_load_model, cfg, name), estimate_bytes(cfg)) for name, cfg in models]
     _run(args, server_config(args, models[0][0]), ModelRegistry(specs, limits))
     return 0
@@ -207,6 +210,7 @@ def _load(cfg: EngineConfig, path: Path, name: str, args: argparse.Namespace, di
         os.kill(os.getpid(), signal.SIGTERM)
 
     engine.on_death = on_death
+    freeze_heap()  # this model stays: its objects leave the collector's sight, which cli.py paused (memory.py)
     log.info("model %s from %s: %s, %d threads", name, path, engine.description, torch.get_num_threads())
     log.info("serving at http://%s:%d/v1", args.host, args.port)
     return engine
