@@ -163,7 +163,8 @@ class PrometheusMetrics:
             registry=self.registry,
         )
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes
-        GCCollector(registry=self.registry)  # python_gc_collections_total{generation}: the collector runs (memory.py)
+        GCCollector(registry=self.registry)  # python_gc_collections_total{generation}, ..._objects_collected_total
+        self.registry.register(_CollectorState())
         self.registry.register(_EngineCollector(self.model_name, snapshots, by_replica))
         if fleet is not None:
             self.registry.register(_FleetCollector(self.model_name, fleet))
@@ -226,6 +227,22 @@ class _ModelStates:
             for name, state in states.items():
                 f.add_metric([name], 1.0 if state == status else 0.0)
             yield f
+
+
+class _CollectorState:
+    """Python's cyclic collector as memory.py leaves it once a model has loaded: `tokenmill:python_gc_enabled` (1 or
+    0) and `tokenmill:python_gc_frozen_objects` (the objects a kept model's load froze out of its sight)."""
+
+    def collect(self) -> Iterator[Any]:
+        import gc
+
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily("tokenmill:python_gc_enabled", "1 while Python's cyclic collector runs.",
+                                value=float(gc.isenabled()))  # fmt: skip
+        frozen = float(gc.get_freeze_count())
+        yield GaugeMetricFamily("tokenmill:python_gc_frozen_objects", "Objects frozen out of the collector's sight "
+                                "once a kept model loaded (gc.freeze).", value=frozen)  # fmt: skip
 
 
 class _EngineCollector:
