@@ -1,4 +1,4 @@
-"""`tokenmill bench <latency|throughput|serve|compare|sweep|report|probe>`: parsers and dispatch."""
+"""`tokenmill bench <latency|throughput|serve|compare|sweep|report|probe|start>`: parsers and dispatch."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 from tokenmill.errors import TokenmillError
 
-SUBCOMMANDS = ("latency", "throughput", "serve", "compare", "sweep", "report", "probe")
-BENCH_HELP = "measure: latency, throughput, serve, compare, sweep, report, probe"
+SUBCOMMANDS = ("latency", "throughput", "serve", "compare", "sweep", "report", "probe", "start")
+BENCH_HELP = "measure: latency, throughput, serve, compare, sweep, report, probe, start"
 
 
 def add_bench_parser(sub: Any, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -34,6 +34,9 @@ def add_bench_parser(sub: Any, engine_args: Callable[[argparse.ArgumentParser], 
     from tokenmill.bench.probe import add_probe_parser
 
     add_probe_parser(bsub)
+    from tokenmill.bench.start import add_start_parser
+
+    add_start_parser(bsub)
 
 
 def require_bench_extra() -> None:
@@ -51,6 +54,11 @@ def run_bench(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Path |
         from tokenmill.bench.probe import run_probe
 
         run_probe(args)
+        return None
+    if args.bench_command == "start":  # prints, draws nothing
+        from tokenmill.bench.start import run_start
+
+        run_start(args)
         return None
     require_bench_extra()
     if args.bench_command == "latency":
