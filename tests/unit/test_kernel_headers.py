@@ -65,11 +65,13 @@ def test_the_header_compiles_alone(header: str) -> None:
 
 
 def test_the_build_key_covers_headers_in_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An edit to a header in a subfolder of csrc/ is a new build, as an edit to kernels.cpp is."""
+    """An edit to a header in a subfolder of csrc/ is a new build and a new packed-weight layout, as an edit to
+    kernels.cpp is."""
     copy = tmp_path / "csrc"
     shutil.copytree(build.CSRC, copy)
     monkeypatch.setattr(build, "CSRC", copy)
-    before = build.build_key("scalar")
+    before, layout = build.build_key("scalar"), build.layout_key("scalar")
     header = copy / "arch" / "generic" / "simd.h"
     header.write_text(header.read_text() + "\n")
     assert build.build_key("scalar") != before
+    assert build.layout_key("scalar") != layout  # the packed weights' cache too

@@ -382,16 +382,18 @@ def test_two_installs_of_the_same_sources_build_in_folders_of_their_own(
 ) -> None:
     """torch writes the sources' paths into a build folder's build.ninja, so two installs of the same sources (two
     venvs, a clone beside a wheel) that shared a folder recompiled there each time the other had loaded. Each
-    source folder gets its own build; the same folder keeps its key."""
+    source folder gets its own build; the same folder keeps its key. The packed weights' layout is the sources'
+    alone (layout_key), so the two share their packed-weight cache instead of packing again at each start."""
 
     from tokenmill.kernels import build
 
-    here = build.build_key("scalar")
+    here, layout = build.build_key("scalar"), build.layout_key("scalar")
     assert build.build_key("scalar") == here
     copy = tmp_path / "csrc"
     shutil.copytree(build.CSRC, copy)
     monkeypatch.setattr(build, "CSRC", copy)
     assert build.build_key("scalar") != here
+    assert build.layout_key("scalar") == layout
 
 
 def test_a_built_variant_loads_without_torchs_build_machinery_and_a_damaged_one_is_built_again(

@@ -246,7 +246,7 @@ def _packed_cache(
     sample = gguf.reader.sample() if gguf else safetensors_sample(folder)  # the contents' fingerprint
     if ops is None or not sample:
         return None
-    return PackedCache(cache_path(source, ops.module.__name__, sample), source)
+    return PackedCache(cache_path(source, ops.layout, sample), source)
 
 
 def _gpu_kernels(cfg: EngineConfig, device: torch.device) -> CudaKernels | None:

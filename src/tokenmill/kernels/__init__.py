@@ -13,7 +13,7 @@ import sys
 from functools import cache
 from typing import Any
 
-from tokenmill.kernels.build import KernelBuildError, build_key, cache_root, load
+from tokenmill.kernels.build import KernelBuildError, build_key, cache_root, layout_key, load
 from tokenmill.kernels.cuda import CudaKernels
 from tokenmill.kernels.isa import LANES, LEVELS, choose, cpu_flags, cpu_name, supported_levels
 from tokenmill.kernels.ops import Kernels
@@ -27,7 +27,7 @@ log = logging.getLogger("tokenmill.kernels")
 @cache
 def variant(level: str) -> Kernels:
     """The compiled kernels of one variant (tests run every variant the CPU supports)."""
-    return Kernels(load(level), level)
+    return Kernels(load(level), level, layout_key(level))
 
 
 @cache

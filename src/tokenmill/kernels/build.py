@@ -48,16 +48,29 @@ def cflags(level: str) -> list[str]:
 
 
 def build_key(level: str) -> str:
+    """The build folder's name: the sources, the flags and the sources' folder too, because torch writes their
+    paths into the folder's build.ninja, so two installs of the same sources (two venvs, a clone beside a wheel)
+    sharing one folder recompiled each time the other had loaded."""
+    return _keys(level)[0]
+
+
+def layout_key(level: str) -> str:
+    """What fixes the packed weights' layout (weights/packed_cache.py): the sources and the flags, not where they
+    lie, so installs of the same sources share the packed weights."""
+    return _keys(level)[1]
+
+
+def _keys(level: str) -> tuple[str, str]:
     import torch
 
     digest = hashlib.sha256()
-    # the sources' folder too: torch writes their paths into the folder's build.ninja, so two installs of the same
-    # sources (two venvs, a clone beside a wheel) sharing one folder recompiled each time the other had loaded
-    digest.update(str(CSRC.resolve()).encode())
     for path in sources():  # every source and header, in every folder: an edit to any of them is a new build
         digest.update(path.relative_to(CSRC).as_posix().encode() + path.read_bytes())
     digest.update(" ".join(cflags(level)).encode())
-    return f"{torch.__version__.replace('+', '_')}-{level}-{digest.hexdigest()[:12]}"
+    prefix = f"{torch.__version__.replace('+', '_')}-{level}-"
+    layout = digest.copy()
+    digest.update(str(CSRC.resolve()).encode())
+    return prefix + digest.hexdigest()[:12], prefix + layout.hexdigest()[:12]
 
 
 def load(level: str) -> ModuleType:

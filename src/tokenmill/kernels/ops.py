@@ -43,8 +43,9 @@ class Kernels:
     device_type = "cpu"
     dtypes = (torch.bfloat16, torch.float32)
 
-    def __init__(self, module: ModuleType, level: str) -> None:
-        self.module, self.level, self.lanes = module, level, int(module.lanes)
+    def __init__(self, module: ModuleType, level: str, layout: str = "") -> None:
+        """`layout`: what fixes the packed weights' layout (build.layout_key), which keys their cache."""
+        self.module, self.level, self.lanes, self.layout = module, level, int(module.lanes), layout
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, format_id: int, n: int, k: int, bias: torch.Tensor | None

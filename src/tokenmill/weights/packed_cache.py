@@ -10,7 +10,8 @@ folder's linears then never read the folder's pages at all (weights/loader.py: n
 
 - One file per GGUF or folder, keyed by its identity (resolved path, size, mtime, inode, and a sample of its bytes:
   GGUFReader.sample, safetensors_io.sample, which adds each weight file's own) and the compiled kernels' identity
-  (their source hash and ISA variant, which fix the panel layout). A changed file or a rebuilt kernel gets a new
+  (their source hash, flags and ISA variant, which fix the panel layout, not the folder they lie in: two installs
+  of the same sources share the entry, kernels/build.py's layout_key). A changed file or a rebuilt kernel gets a new
   key, and writing it removes the older entries of the same path. A folder's entry holds the formats it was packed
   in (a dtype or --quantization); loaded in another, it is packed anew and replaced.
 - Layout: `MAGIC`, the header's length (u64 little-endian), a JSON header {"source": the GGUF's path, "weights":
