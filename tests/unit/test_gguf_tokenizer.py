@@ -134,10 +134,12 @@ def test_the_real_tokenizers(name: str, arch: str, tmp_path: Path) -> None:
 
 def test_the_kept_tokenizer_json_is_the_quick_form_of_the_same_tokenizer(tokenizer_dir: Path, tmp_path: Path) -> None:
     """The kept tokenizer.json writes its merges as "a b" strings, which `tokenizers` reads faster than the [a, b]
-    pairs it writes itself (gguf_bpe.quick_json); read back, it is the same tokenizer. A merge whose part holds a
+    pairs it writes itself (quick_json); read back, it is the same tokenizer. A merge whose part holds a
     space keeps the pairs: a string could not say where it splits."""
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import models
+
+    from tokenmill.tokenizer.backend import quick_json
 
     _, path = _exported(_styled(tokenizer_dir, tmp_path / "tok", "qwen2"), "qwen2", tmp_path)
     built = gguf_bpe.build(GGUFCheckpoint(path).metadata)
@@ -146,10 +148,10 @@ def test_the_kept_tokenizer_json_is_the_quick_form_of_the_same_tokenizer(tokeniz
     assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
     pairs = RustTokenizer.from_str(built.tokenizer_json).to_str()  # `tokenizers` writes the pairs form again
     assert isinstance(json.loads(pairs)["model"]["merges"][0], list)
-    assert RustTokenizer.from_str(gguf_bpe.quick_json(pairs)).to_str() == pairs
+    assert RustTokenizer.from_str(quick_json(pairs)).to_str() == pairs
     spaced = RustTokenizer(models.BPE({"a": 0, " ": 1, "a ": 2, "b": 3, "ab": 4}, [("a", " "), ("a", "b")])).to_str()
-    assert json.loads(gguf_bpe.quick_json(spaced))["model"]["merges"] == [["a", " "], ["a", "b"]]
-    assert RustTokenizer.from_str(gguf_bpe.quick_json(spaced)).to_str() == spaced
+    assert json.loads(quick_json(spaced))["model"]["merges"] == [["a", " "], ["a", "b"]]
+    assert RustTokenizer.from_str(quick_json(spaced)).to_str() == spaced
 
 
 def _load_front_elsewhere(path: Path, cache: Path) -> list[str]:

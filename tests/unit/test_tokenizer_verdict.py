@@ -50,7 +50,7 @@ def with_config(tokenizer_dir: Path, out: Path, **changes: object) -> Path:
 def test_the_second_load_imports_no_transformers(tokenizer_dir: Path, tmp_path: Path) -> None:
     assert load_elsewhere(tokenizer_dir, tmp_path) == ["transformers", "True"]  # compares, and records
     assert load_elsewhere(tokenizer_dir, tmp_path) == ["lean", "False"]
-    (entry,) = (tmp_path / "tokenizer-verdicts").glob("*.json")
+    (entry,) = (p for p in (tmp_path / "tokenizer-verdicts").glob("*.json") if not p.name.endswith(".tokenizer.json"))
     assert json.loads(entry.read_text())["verdict"] == "same"
 
 
@@ -102,6 +102,23 @@ def test_a_tokenizer_transformers_rebuilds_loads_the_rebuilt_one(tokenizer_dir: 
         kept = entry_of(folder).with_name(entry_of(folder).stem + ".tokenizer.json")
         kept.write_text(kept.read_text()[:1000])
         assert [Tokenizer(folder).backend.name for _ in range(2)] == ["transformers", "lean"]
+
+
+def test_a_folder_with_pair_merges_keeps_a_quick_copy_of_them(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """`tokenizers` writes merges as [a, b] pairs and reads them faster as "a b" strings (backend.quick_json): a
+    folder judged alike keeps that form beside its verdict, and the lean tokenizer, reading it, tokenizes as
+    transformers does."""
+    assert isinstance(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["merges"][0], list)
+    hf, lean = load_twice(tokenizer_dir, tmp_path / "cache")
+    assert lean.backend.name == "lean"
+    for text in TEXTS:
+        assert lean.encode(text) == hf.encode(text)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+        entry = entry_of(tokenizer_dir)
+    kept = entry.with_name(json.loads(entry.read_text())["tokenizer_json"])
+    merges = json.loads(kept.read_text(encoding="utf-8"))["model"]["merges"]
+    assert merges and all(isinstance(m, str) for m in merges)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "empty", "not a verdict", "deleted"])

@@ -11,12 +11,13 @@ Only pairs of (architecture, pre-tokenizer) whose result is tested against trans
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from tokenmill.tokenizer.backend import quick_json
 
 Metadata = Callable[[str], Any]  # a GGUF metadata key -> its value (lists for arrays), None where absent
 
@@ -89,19 +90,6 @@ def build(meta: Metadata) -> BuiltTokenizer | None:
                               "built_by": f"tokenmill gguf_bpe {REVISION}"}  # fmt: skip
     template = meta("tokenizer.chat_template")
     return BuiltTokenizer(quick_json(rust.to_str()), config, template if isinstance(template, str) else None)
-
-
-def quick_json(serialized: str) -> str:
-    """tokenizer.json as `tokenizers` writes it, in the form it reads fastest: the merges as "a b" strings (its
-    older form, and the GGUF's own) in place of [a, b] pairs, and non-ASCII text as is. Both forms read to the same
-    tokenizer; the 151k merges of Qwen2's vocabulary load in 227 ms against 305 (Xeon, 2 vCPUs), and this is a
-    start's second-largest step after `import torch`. Pairs stay where a part holds a space (a string could not say
-    where it splits)."""
-    tok = json.loads(serialized)
-    merges = tok["model"].get("merges")
-    if merges and all(isinstance(m, list) and " " not in m[0] + m[1] for m in merges):
-        tok["model"]["merges"] = [f"{a} {b}" for a, b in merges]
-    return json.dumps(tok, ensure_ascii=False)
 
 
 def _rust_tokenizer(tokens: list[str], merges: list[str], types: Any, family: Family) -> Any:
