@@ -43,7 +43,7 @@ class Kernels:
     device_type = "cpu"
     dtypes = (torch.bfloat16, torch.float32)
 
-    def __init__(self, module: ModuleType, level: str, layout: str = "") -> None:
+    def __init__(self, module: ModuleType, level: str, layout: str) -> None:
         """`layout`: what fixes the packed weights' layout (build.layout_key), which keys their cache."""
         self.module, self.level, self.lanes, self.layout = module, level, int(module.lanes), layout
 

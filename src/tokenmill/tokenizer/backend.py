@@ -74,7 +74,15 @@ def quick_json(serialized: str) -> str:
     start's second-largest step after `import torch`. Pairs stay where a part holds a space (a string could not say
     where it splits)."""
     tok = json.loads(serialized)
-    merges = tok["model"].get("merges")
-    if merges and all(isinstance(m, list) and " " not in m[0] + m[1] for m in merges):
-        tok["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+    string_merges(tok)
     return json.dumps(tok, ensure_ascii=False)
+
+
+def string_merges(tok: dict[str, Any]) -> bool:
+    """A parsed tokenizer.json's [a, b] merge pairs made "a b" strings, in place (quick_json); False where it holds
+    none, or one whose part holds a space."""
+    merges = tok.get("model", {}).get("merges")
+    if not merges or not all(isinstance(m, list) and " " not in m[0] + m[1] for m in merges):
+        return False
+    tok["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+    return True

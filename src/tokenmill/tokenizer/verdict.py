@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.tokenizer import probes
-from tokenmill.tokenizer.backend import TokenizerBackend, cache_root, quick_json, write_atomic
+from tokenmill.tokenizer.backend import TokenizerBackend, cache_root, string_merges, write_atomic
 from tokenmill.tokenizer.lean import LeanTokenizer
 from tokenmill.tokenizer.transformers_backend import TransformersTokenizer
 
@@ -111,16 +111,15 @@ def judge(folder: Path, hf: Any, entry: Path) -> None:
 
 
 def _quick_copy(source: Path, entry: Path) -> Path | None:
-    """`source` in the form `tokenizers` reads fastest (backend.quick_json: its merges as "a b" strings, ~25% less
+    """`source` in the form `tokenizers` reads fastest (backend.string_merges: its merges as "a b" strings, ~25% less
     of a start for a 150k vocabulary), kept beside the verdict, where that form differs from the file's and reads
     back to the same tokenizer; None otherwise (the file is read as it is)."""
     from tokenizers import Tokenizer as RustTokenizer
 
-    text = source.read_text(encoding="utf-8")
-    merges = json.loads(text).get("model", {}).get("merges")
-    quick = quick_json(text)
-    if not merges or not isinstance(merges[0], list) or isinstance(json.loads(quick)["model"]["merges"][0], list):
+    tok = json.loads(source.read_text(encoding="utf-8"))
+    if not string_merges(tok):
         return None  # strings already, or pairs that must stay pairs
+    quick = json.dumps(tok, ensure_ascii=False)
     if RustTokenizer.from_str(quick).to_str() != RustTokenizer.from_file(str(source)).to_str():
         return None
     kept = entry.with_name(f"{entry.stem}.tokenizer.json")
