@@ -16,6 +16,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,8 @@ def _hf(
     on the GPU."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to("cuda").eval()
+    auto: Any = AutoModelForCausalLM  # (transformers' decorators type from_pretrained's first argument wrongly)
+    hf = auto.from_pretrained(str(folder), dtype=dtype).to("cuda").eval()
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
         read = out if seq is None else torch.tensor([seq], device="cuda")
@@ -47,7 +49,9 @@ def _ours(folder: Path, seq: list[int], gpu_kernels: bool) -> torch.Tensor:  # [
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     lps = llm.generate([{"prompt_token_ids": seq}], params)[0].prompt_logprobs
     assert lps is not None
-    return torch.tensor([lps[i][t] for i, t in enumerate(seq) if i > 0])
+    rows = [row[t] for row, t in zip(lps[1:], seq[1:], strict=True) if row is not None]  # position 0 has none
+    assert len(rows) == len(seq) - 1
+    return torch.tensor(rows)
 
 
 def main() -> None:

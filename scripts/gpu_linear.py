@@ -7,6 +7,7 @@ per second.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
@@ -29,8 +30,8 @@ def main() -> None:
         for m in (1, 4, 16, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            t8 = cuda_ms(lambda x=x, out=out, q=q, d=d: ops.q8_linear(x, q, d, None, out), 50)
-            t16 = cuda_ms(lambda x=x, wb=wb: F.linear(x, wb), 50)
+            t8 = cuda_ms(functools.partial(ops.q8_linear, x, q, d, None, out), 50)
+            t16 = cuda_ms(functools.partial(F.linear, x, wb), 50)
             print(json.dumps(dict(
                 shape=name, n=n, k=k, m=m, int8_ms=round(t8, 4), bf16_ms=round(t16, 4), speedup=round(t16 / t8, 2),
                 int8_gbs=round((q.numel() + d.numel() * 4) / t8 / 1e6), bf16_gbs=round(wb.numel() * 2 / t16 / 1e6),

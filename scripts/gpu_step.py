@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -22,7 +23,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.models.linear import weight_bytes
 
 
-def cuda_ms(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
+def cuda_ms(fn: Callable[[], object], repeat: int) -> float:
     """fn's mean GPU time in ms over `repeat` calls, after one warm-up (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()

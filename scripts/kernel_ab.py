@@ -44,7 +44,7 @@ def builds(args: argparse.Namespace) -> dict[str, tuple[Kernels, int]]:
     for tree in trees:
         build.CSRC = Path(tree)
         for level in args.levels.split(","):
-            ops = Kernels(build.load(level), level)
+            ops = Kernels(build.load(level), level, build.layout_key(level))
             label = f"{Path(tree).name}:{level}" if args.trees else level
             if args.amx:
                 out[f"{label}+amx"], out[f"{label}-amx"] = (ops, -1), (ops, 0)

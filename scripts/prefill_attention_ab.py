@@ -33,7 +33,7 @@ def main() -> None:
     kernels: dict[str, Kernels] = {}
     for tree in args.trees.split(","):
         build.CSRC = Path(tree)
-        kernels[tree] = Kernels(build.load(args.level), args.level)
+        kernels[tree] = Kernels(build.load(args.level), args.level, build.layout_key(args.level))
     torch.manual_seed(0)
     for case in args.cases.split(","):
         new, ctx = (int(n) for n in case.split(":"))

@@ -227,7 +227,7 @@ def main() -> None:
     undo = label_modules(llm.loaded.model)
     if stack is not None:
         stack.profile(True)
-        engine.runner.decode_stack = LabelledStack(stack)
+        engine.runner.decode_stack = LabelledStack(stack)  # type: ignore[assignment]  # a stand-in
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(a.steps):
             with record_function("engine.step"):

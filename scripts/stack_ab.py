@@ -79,10 +79,10 @@ def main() -> None:
     for i, tree in enumerate(args.trees.split(",")):
         build.CSRC = Path(tree)
         build.cflags = functools.partial(_tree_cflags, plain_cflags, f"-Dtmk=tmk_ab{i}")
-        runner.kv.ops = Kernels(build.load(level), level)
+        runner.kv.ops = Kernels(build.load(level), level, build.layout_key(level))  # type: ignore[attr-defined]
         stacks[tree] = DecodeStack.build(llm.loaded.model, runner.kv)
         if args.tensor_inputs:
-            stacks[f"{tree} (tensor inputs)"] = TensorInputs(stacks[tree])
+            stacks[f"{tree} (tensor inputs)"] = TensorInputs(stacks[tree])  # type: ignore[assignment]  # a stand-in
     total = args.steps * len(stacks) + 2 * args.block
     params = SamplingParams(temperature=0, max_tokens=total + 8, ignore_eos=True)
     for b in range(args.batch):

@@ -298,7 +298,7 @@ def samples(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, seed: int, n:
     for i, prompt in enumerate(PROMPTS):
         torch.manual_seed(seed + i)
         enc = tok(prompt, return_tensors="pt")
-        ids = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, **SAMPLING)  # type: ignore[misc]
+        ids = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, **SAMPLING)
         out.append({"prompt": prompt, "completion": tok.decode(ids[0, enc["input_ids"].shape[1] :])})
     return out
 
