@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from itertools import count
 
+from tokenmill.engine.isolation import execute_isolated
 from tokenmill.engine.lookahead import draft_requests, run_limit
 from tokenmill.engine.lora_registry import LoraRegistry
 from tokenmill.engine.output_processor import OutputProcessor
@@ -207,7 +208,7 @@ class EngineCore:
         if not so.scheduled:
             return self.update_from_output(so, RunnerOutput(), start)
         batch = {s.request_id: self._seqs[s.request_id] for s in so.scheduled}
-        result, failed = self._execute(so)
+        result, failed = execute_isolated(self.runner, so, self._model_input)
         if failed:  # those requests end with their error; the rest of the step stands, but for what they broke
             gone = set(failed) | self._unwind_failed(so, failed, result)
             so = replace(so, scheduled=[s for s in so.scheduled if s.request_id not in gone])
@@ -220,26 +221,6 @@ class EngineCore:
         self.stats.record(step)
         self.scheduler.observe_step(step.duration_s, so.num_steps, decodes, step.num_tokens - step.num_decode_tokens)
         return outputs
-
-    def _execute(self, so: SchedulerOutput) -> tuple[RunnerOutput, dict[str, str]]:
-        """Run the step. If it raises, run each sequence alone, so a failure one request causes fails that
-        request only: (merged output of the others, {failed sequence id: error})."""
-        try:
-            return self.runner.execute(self._model_input(so)), {}
-        except Exception as e:
-            log.warning("a step of %d sequences failed (%r); running them one by one", len(so.scheduled), e)
-        merged, failed = RunnerOutput(), {}
-        for s in so.scheduled:
-            try:
-                result = self.runner.execute(self._model_input(replace(so, scheduled=[s])))
-            except Exception as e:
-                log.exception("request %s failed inside the engine", s.request_id)
-                failed[s.request_id] = f"{type(e).__name__}: {e}"
-                continue
-            merged.sampled.update(result.sampled)
-            merged.prompt_logprobs.update(result.prompt_logprobs)
-            merged.forward_path = result.forward_path
-        return merged, failed
 
     def _unwind_failed(self, so: SchedulerOutput, failed: dict[str, str], result: RunnerOutput) -> set[str]:
         """The sequences of the step that read blocks a failed one never wrote start over (Scheduler.unwind_failed):
