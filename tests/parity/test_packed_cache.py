@@ -18,6 +18,7 @@ from tokenmill.bench.gguf_export import export_gguf
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
 from tokenmill.models.packed_embedding import PackedEmbedding
 from tokenmill.weights import packed_cache
+from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps to see where weights lie")
 MIXED = {"blk.0.attn_v.weight": "q6_k", "blk.1.ffn_down.weight": "q5_0"}  # a SegmentedLinear, and a second type
@@ -106,6 +107,33 @@ def test_a_float_ggufs_dense_weights_and_tied_head_come_from_the_cache_too(
     ids = plain.loaded.tokenizer.encode(PROMPTS[0])
     assert torch.equal(_logits(second, ids), _logits(plain, ids))
     assert _greedy(second, PROMPTS) == _greedy(plain, PROMPTS)
+
+
+def test_a_float_ggufs_tensors_are_read_in_place_and_none_stays_in_its_map(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, root: Path
+) -> None:
+    """A BF16 GGUF's dense tensors come as views of the file's map, not copies (so a load that maps its linears from
+    the packed cache never reads their bytes: 0.4 s of a 0.5B file's start went to copying them); whatever the model
+    keeps of them is copied out of that read-only map: at the first load and the second, and without the kernels,
+    where the linears stay torch parameters (down_proj, [512, 2304], is above the size the loader copies anyway).
+    Each computes as a load without the cache. (qwen2: a `llama` file's q and k rows are permuted back, into
+    copies.)"""
+    ckpt = make_checkpoint("qwen2", hidden_size=512, intermediate_size=2304)
+    path = export_gguf(ckpt, tmp_path / "bf16.gguf", "bf16")
+    checkpoint = GGUFCheckpoint(path)
+    dense = [v for _, v, _ in checkpoint.iter_tensors(checkpoint.hf_config()) if isinstance(v, torch.Tensor)]
+    assert len(dense) > 10 and all(checkpoint.reader.maps(v.data_ptr()) for v in dense)
+    plain = LLM(str(path), dtype="bfloat16", weight_cache=False)
+    folder = LLM(str(ckpt), dtype="bfloat16", cpu_kernels=False)  # the same bf16 weights, from the folder
+    ids = plain.loaded.tokenizer.encode(PROMPTS[0])
+    for load, kwargs, want in (("first", {}, plain), ("second", {}, plain), ("no kernels", {"cpu_kernels": False},
+                                                                              folder)):  # fmt: skip
+        llm = LLM(str(path), dtype="bfloat16", **kwargs)
+        kept = {n: p for n, p in llm.loaded.model.named_parameters() if p.device.type == "cpu"}
+        assert "model.layers.0.mlp.down_proj.weight" in kept or load != "no kernels", sorted(kept)
+        assert not [n for n, p in kept.items() if _mapped_from(p.data_ptr()) == str(path)], load
+        assert torch.equal(_logits(llm, ids), _logits(want, ids)), load
+    assert _only_entry(root).exists()
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "wrong shape"])

@@ -203,6 +203,8 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
     kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights, cfg.cpu_kernels, gpu_ops)
     if device.type == "cpu" and not (cache and (cache.complete or cache.place(model))):  # (else: in its file)
         place_weights(model)  # one huge-page region, in the order a step reads them (kernels/placement.py)
+    if gguf:  # (after the packing: a tied bf16 table is looked up in the head's panels, and never copied)
+        gguf.copy_out(model)
     if shard is not None:
         wrap_row_parallel(model)
     ops: FusedOps | None = None

@@ -299,6 +299,19 @@ class GGUFCheckpoint:
             print(f"tokenmill: {self.path.name}: {kinds} tensor(s) have no tokenmill kernel and were dequantized "
                   "(to the model dtype)", file=sys.stderr, flush=True)  # fmt: skip
 
+    def copy_out(self, model: torch.nn.Module) -> None:
+        """After loading: every parameter still lying in the file's read-only map (a dense tensor kept as it came,
+        as a BF16 file's token embedding, or a linear no kernel packs) gets a copy of its own, so nothing can write
+        to the map. Only those are copied: the dense weights the packed cache held were never read."""
+        copies: dict[int, torch.nn.Parameter] = {}  # a tied weight stays one parameter
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or p.device.type != "cpu" or not self.reader.maps(p.untyped_storage().data_ptr()):
+                    continue
+                if id(p) not in copies:
+                    copies[id(p)] = torch.nn.Parameter(p.detach().clone(), requires_grad=False)
+                module._parameters[name] = copies[id(p)]
+
     def _experts_of(
         self, t: GGUFTensor, layer: int, proj: str, expert: int | None, kind: str, dequantized: dict[str, int]
     ) -> Iterator[tuple[str, torch.Tensor | RawBlocks, str]]:
@@ -327,23 +340,21 @@ class GGUFCheckpoint:
         kind, shape = t.tensor_type.name, [int(n) for n in reversed(t.shape)]
         shape = [int(np.prod(shape[:-1])), shape[-1]] if len(shape) > 2 else shape
         if kind in GGUF_BLOCK_TYPES:  # read from the map in place: the loader repacks them in one pass
-            return RawBlocks(GGUF_BLOCK_TYPES[kind], _torch_bytes(t.data, copy=False).view(shape[0], -1), shape[1])
-        raw = _torch_bytes(t.data)
-        if kind in DENSE:
-            return raw.view(DENSE[kind]).view(shape)
+            return RawBlocks(GGUF_BLOCK_TYPES[kind], _torch_bytes(t.data).view(shape[0], -1), shape[1])
+        if kind in DENSE:  # the map too: a weight the packed cache holds is never read (`copy_out`: the kept ones)
+            return _torch_bytes(t.data).view(DENSE[kind]).view(shape)
         import gguf
 
         dequantized[kind] = dequantized.get(kind, 0) + 1
         return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).view(shape)
 
 
-def _torch_bytes(data: np.ndarray, copy: bool = True) -> torch.Tensor:
-    """A tensor's bytes, copied out of the read-only map (torch warns on, and must not write to, a read-only one);
-    `copy=False`: the map itself, for a reader that only reads it."""
+def _torch_bytes(data: np.ndarray) -> torch.Tensor:
+    """A tensor's bytes where they lie in the read-only map, [bytes] uint8, for readers only (torch warns that it
+    cannot write there: a write would end the process)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        raw = torch.from_numpy(np.asarray(data).view(np.uint8))
-        return (raw.clone() if copy else raw).view(-1)
+        return torch.from_numpy(np.asarray(data).view(np.uint8)).view(-1)
 
 
 def _unpermute(value: torch.Tensor | RawBlocks, heads: int) -> torch.Tensor | RawBlocks:

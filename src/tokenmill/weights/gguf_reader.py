@@ -134,10 +134,16 @@ class GGUFFile:
         self.alignment = _alignment(self.fields)
         self.data_offset = -(-cur.off // self.alignment) * self.alignment  # the end of the infos, rounded up
         whole = np.frombuffer(self._buf, np.uint8)  # [file bytes], read-only
+        self._span = (whole.ctypes.data, whole.nbytes)  # where the map lies in this process's memory
         self.tensors = [_tensor(whole, self.data_offset, *info) for info in infos]
         if len({t.name for t in self.tensors}) != len(self.tensors):
             names = [t.name for t in self.tensors]
             raise GGUFError(f"the tensor {next(n for n in names if names.count(n) > 1)!r} appears twice")
+
+    def maps(self, address: int) -> bool:
+        """Whether `address` lies in this file's (read-only) map."""
+        start, size = self._span
+        return start <= address < start + size
 
     def release(self, t: GGUFTensor) -> None:
         """Let go of the pages of `t` this process has read. They stay in the page cache, and a later read of `t`
