@@ -148,6 +148,32 @@ def test_the_kernels_repack_a_gguf_tensor_into_the_bytes_torch_packs(ops: kernel
     assert ours.format == want.format and torch.equal(ours.data, want.data)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "mxfp4"])
+def test_reordered_blocks_are_gathered_only_when_read(ops: kernels.Kernels, fmt: str) -> None:
+    """`RawBlocks.rows` (llama's Q/K rows put back in HF's order) keeps the order as an index: nothing is gathered
+    until the rows are read, so a weight the packed cache holds is never copied; read, they are the gathered rows,
+    packed (kernels and torch), decoded and sliced alike, and reorderings compose."""
+    from tokenmill.kernels.raw_blocks import RawBlocks, mxfp4_fits, pack_raw
+
+    n, k = 12, KSPECS[fmt].sb if fmt in KSPECS else 32
+    if fmt in KSPECS:
+        raw = torch.from_numpy(random_rows(fmt, n, k, seed=5))
+    else:
+        w = np.random.default_rng(5).standard_normal((n, k)).astype(np.float32)
+        raw = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
+    first, second = torch.randperm(n, generator=torch.Generator().manual_seed(1)), torch.arange(n - 1, -1, -1)
+    lazy = RawBlocks(fmt, raw, k).rows(first).rows(second)
+    gathered = RawBlocks(fmt, raw[first][second], k)
+    assert lazy.raw is raw and lazy.shape == gathered.shape == (n, k)  # nothing gathered yet
+    assert torch.equal(lazy.blocks(), gathered.raw)
+    for packer in (ops, None):
+        assert torch.equal(pack_raw(lazy, packer).data, pack_raw(gathered, packer).data)
+    assert torch.equal(lazy.dequantize(), gathered.dequantize())
+    assert torch.equal(lazy.row_range(3, 7).blocks(), gathered.raw[3:7])
+    assert torch.equal(RawBlocks.cat([lazy, gathered]).raw, torch.cat([gathered.raw, gathered.raw]))
+    assert fmt != "mxfp4" or mxfp4_fits(lazy) == mxfp4_fits(gathered)
+
+
 IQ4 = [f for f, spec in KSPECS.items() if spec.table]
 
 
