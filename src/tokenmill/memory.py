@@ -37,11 +37,19 @@ def _glibc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _load_libc()
         _ = (libc.mallopt, libc.malloc_trim)  # glibc's; musl has neither
         return libc
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return None
+
+
+def _load_libc() -> ctypes.CDLL:
+    """glibc by its soname; else what find_library names (it runs ldconfig: a subprocess, at every start)."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
 
 
 @functools.cache
