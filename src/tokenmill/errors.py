@@ -22,3 +22,6 @@ class LoraError(TokenmillError, ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+    def __reduce__(self) -> tuple[type[LoraError], tuple[str, int]]:  # (sent between processes with its status)
+        return type(self), (str(self), self.status)

@@ -245,3 +245,30 @@ def test_touch_kv_cache_makes_the_pool_resident_at_start(folder: Path) -> None:
     assert pool > 150 * 2**20 and lazy < pool / 2 and touched > 0.9 * pool, (lazy, touched, pool)
     with pytest.raises(ValueError, match="touch_kv_cache needs kv_cache='paged'"):
         _llm(folder, kv_cache="contiguous", touch_kv_cache=True)
+
+
+def test_a_stop_found_by_the_server_ends_one_sample_and_frees_its_blocks(folder: Path) -> None:
+    """`EngineCore.stop_sequence` (the server found a stop string: engine/request_text.py): that sample ends with
+    its first k tokens, finish_reason "stop" and the stop string, and its blocks go back; the others run on, and
+    the request's tokens are those an unstopped run gives, cut there. A stop for a finished sample is nothing."""
+    llm = _llm(folder, enable_prefix_caching=False)
+    engine = llm.engine
+    prompt = PROMPTS[2] * 4  # (several blocks: a freed sample's blocks show)
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, n=2, ignore_eos=True)
+    free = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs
+    engine.add_request(EngineRequest("r", prompt, params, engine.validate(prompt, params)))
+    while not engine.requests["r"][1].output_token_ids[3:]:
+        engine.step()
+    used = engine.kv.num_blocks - engine.kv.num_free_blocks
+    outs = engine.stop_sequence("r", 1, 2, "xyz")
+    assert [(o.outputs[1].token_ids, o.outputs[1].finish_reason, o.outputs[1].stop_reason) for o in outs] == [
+        (free[1].token_ids[:2], "stop", "xyz")
+    ]
+    assert engine.kv.num_blocks - engine.kv.num_free_blocks < used
+    assert engine.stop_sequence("r", 1, 1, "again") == [] and engine.stop_sequence("gone", 0, 1, "x") == []
+    while engine.has_unfinished():
+        outs += engine.step()
+    final = outs[-1]
+    assert final.finished and [c.token_ids for c in final.outputs] == [free[0].token_ids, free[1].token_ids[:2]]
+    assert engine.stats.generation_tokens == len(free[0].token_ids) + 2 + sum(len(c.token_ids) for c in free)
+    assert_pool_full(engine)

@@ -169,7 +169,8 @@ def make_request(tok: Tokenizer, **params: object) -> Request:
 
 def run_stream(tok: Tokenizer, text: str, **params: object) -> tuple[SequenceText, str | None, list[str]]:
     """Feed `text` token by token, taking a streaming delta after each; stop at the first stop string."""
-    seq = SequenceText(tok, make_request(tok, **params))
+    req = make_request(tok, **params)
+    seq = SequenceText(tok, req.prompt_token_ids, req.params)
     streamed: list[str] = []
     stop = None
     for i in tok.encode(text, add_special_tokens=False):
@@ -223,7 +224,8 @@ def test_no_stops_streams_everything_immediately(tok: Tokenizer) -> None:
 
 
 def test_stop_ignored_while_check_disabled(tok: Tokenizer) -> None:
-    seq = SequenceText(tok, make_request(tok, stop=["world"]))
+    req = make_request(tok, stop=["world"])
+    seq = SequenceText(tok, req.prompt_token_ids, req.params)
     ids = tok.encode("Hello world! The end", add_special_tokens=False)
     assert all(seq.add(i, check_stops=False) is None for i in ids)
     assert seq.text == "Hello world! The end"
@@ -233,7 +235,8 @@ def test_earliest_stop_wins_within_one_delta(tok: Tokenizer) -> None:
     first = tok.encode("Hello", add_special_tokens=False)[0]
     piece = tok.decode([first])
     assert piece == "Hel"  # one token holding both stop strings
-    seq = SequenceText(tok, make_request(tok, stop=["l", "e"]))
+    req = make_request(tok, stop=["l", "e"])
+    seq = SequenceText(tok, req.prompt_token_ids, req.params)
     got = seq.add(first, check_stops=True)
     assert got == "e"
     assert seq.text == "H"

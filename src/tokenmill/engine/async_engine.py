@@ -59,6 +59,14 @@ class _AbortAll:
 
 
 @dataclass
+class _StopSequence:
+    parent_id: str
+    index: int
+    num_tokens: int
+    stop: str
+
+
+@dataclass
 class _Call:
     """Run `fn` on the loop thread between steps (a LoRA adapter's load or unload); its result goes to `done`."""
 
@@ -70,7 +78,7 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _AbortAll | _Stop | _Call
+_Command = _Add | _Abort | _AbortAll | _Stop | _Call | _StopSequence
 
 
 class AsyncEngine:
@@ -271,10 +279,16 @@ class AsyncEngine:
                 raise ValueError(f"request id {(taken or [requests[0].request_id])[0]!r} is already in use")
             for stream in streams:
                 self._streams[stream.request_id] = (loop, stream.queue)
+        self.post_requests(requests)
+        return streams
+
+    def post_requests(self, requests: list[EngineRequest]) -> None:
+        """Queue validated requests for the loop thread; their outputs go where `_flush` sends them (a stream each,
+        or the server's process: server/engine_process.py)."""
+        with self._lock:
             self._pending_seqs += sum(r.params.n for r in requests)
         for r in requests:
             self._commands.put(_Add(r))
-        return streams
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
@@ -296,6 +310,10 @@ class AsyncEngine:
         """Stop a request within one step; its stream ends with finish_reason "abort"."""
         self._commands.put(_Abort(request_id))
         self.core.runner.hooks.release()  # a test's held step goes on, and the abort finds its request unfinished
+
+    def stop_sequence(self, parent_id: str, index: int, num_tokens: int, stop: str) -> None:
+        """A stop string the server found ends that sample within one step (`EngineCore.stop_sequence`)."""
+        self._commands.put(_StopSequence(parent_id, index, num_tokens, stop))
 
     def abort_all(self) -> None:
         """Stop every request within one step (a server whose shutdown grace period runs out)."""
@@ -336,6 +354,10 @@ class AsyncEngine:
                 cmd.done.set_result(cmd.fn())
             except Exception as e:  # (the caller's error: the engine goes on)
                 cmd.done.set_exception(e)
+            return True
+        if isinstance(cmd, _StopSequence):
+            for out in self.core.stop_sequence(cmd.parent_id, cmd.index, cmd.num_tokens, cmd.stop):
+                self._deliver(out.request_id, out)
             return True
         if isinstance(cmd, _Abort | _AbortAll):
             for request_id in [cmd.request_id] if isinstance(cmd, _Abort) else list(self.core.requests):

@@ -14,8 +14,9 @@ from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.spec_decode import NgramProposer, Proposer
 
 
-def build_engine_core(loaded: LoadedModel, cfg: EngineConfig) -> EngineCore:
-    """Wire `loaded` into KV backend + KV manager + runner (assembly/) + scheduler + proposer as `cfg` says."""
+def build_engine_core(loaded: LoadedModel, cfg: EngineConfig, detokenize: bool = True) -> EngineCore:
+    """Wire `loaded` into KV backend + KV manager + runner (assembly/) + scheduler + proposer as `cfg` says.
+    `detokenize` False: outputs of tokens alone, for a server that makes the text (server/engine_process.py)."""
     make_runner: RunnerFactory | None = None
     if cfg.tensor_parallel_size > 1:
         from tokenmill.tensor_parallel.workers import TensorParallelRunner
@@ -33,7 +34,8 @@ def build_engine_core(loaded: LoadedModel, cfg: EngineConfig) -> EngineCore:
     )
     core = EngineCore(parts.runner, scheduler, loaded.tokenizer, loaded.config.vocab_size, max_len,
                       loaded.eos_token_ids, make_proposer(loaded, cfg, max_len), cfg.speculative_disable_by_batch_size,
-                      cfg.num_scheduler_steps, loaded.task, loaded.config.hidden_size, cfg.max_lora_rank)  # fmt: skip
+                      cfg.num_scheduler_steps, loaded.task, loaded.config.hidden_size, cfg.max_lora_rank,
+                      detokenize)  # fmt: skip
     if core.lora is not None:
         for name, path in cfg.lora_modules:  # the adapters served from the start (a bad one: one line, no engine)
             core.lora.add(core.lora.read(name, path))

@@ -33,8 +33,7 @@ from tokenmill.engine.request_tokens import (
 from tokenmill.engine.sequence_input import sequence_input
 from tokenmill.engine.snapshot import engine_snapshot
 from tokenmill.engine.thinking import ThinkingBudgets
-from tokenmill.engine.validation import check_pooling, output_budget
-from tokenmill.errors import LoraError
+from tokenmill.engine.validation import check_adapter, check_generates, check_pooling, output_budget
 from tokenmill.kv_cache import KVManager
 from tokenmill.memory import trim
 from tokenmill.metrics import EngineSnapshot, EngineStats, StepStats
@@ -75,16 +74,18 @@ class EngineCore:
         task: ModelTask = GENERATE,  # generation and/or pooling requests (a pooler: the runner's)
         hidden_size: int = 0,  # the longest embedding a pooling request may ask for
         max_lora_rank: int = 16,  # the largest rank a LoRA adapter may have (where the runner serves adapters)
+        detokenize: bool = True,  # False: outputs of tokens alone; the server makes the text (server/engine_process.py)
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
         self.scheduler_steps = num_scheduler_steps if runner.runs_decode_steps else 1
         self.proposer, self.spec_off_above = proposer, spec_off_above  # speculative decoding (spec_decode/)
         self.kv: KVManager = scheduler.kv
-        self.output = OutputProcessor(tokenizer)
+        self.output = OutputProcessor(tokenizer if detokenize else None)
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
         self.task, self.hidden_size = task, hidden_size
-        self.structured = StructuredOutputManager(tokenizer.rust, vocab_size, eos_token_ids)  # grammars' matchers
+        # grammars' matchers; the Rust tokenizer is read at the first compile (a deferred one is built only then)
+        self.structured = StructuredOutputManager(lambda: tokenizer.rust, vocab_size, eos_token_ids)
         self.thinking = ThinkingBudgets()  # thinking budgets' counts (engine/thinking.py)
         # the LoRA adapters served, where the runner's model has them attached (engine/lora_registry.py)
         self.lora = LoraRegistry(runner, runner.lora, max_lora_rank) if runner.lora is not None else None
@@ -104,19 +105,12 @@ class EngineCore:
 
         Reads only facts fixed at construction (and the published adapter names), so any thread may call it."""
         self.check_lora(lora)
-        if not self.task.generate:
-            raise ValueError(f"this model is served for {', '.join(self.task.names)}: it does not generate text; "
-                             "serve it with --task generate")  # fmt: skip
+        check_generates(self.task)
         return output_budget(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.kv)
 
     def check_lora(self, lora: str | None) -> None:
         """A request may name `lora` (LoraError 404 naming the loaded adapters otherwise). Any thread."""
-        if lora is None:
-            return
-        if self.lora is None:
-            raise LoraError(f"no LoRA adapter named {lora!r}: this engine serves none (start it with --lora-modules "
-                            "or --enable-lora)", status=404)  # fmt: skip
-        self.lora.check(lora)
+        check_adapter(lora, None if self.lora is None else (a.name for a in self.lora.loaded))
 
     def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
         """Reject a pooling request this model cannot serve or that can never run (any thread may call it)."""
@@ -186,6 +180,17 @@ class EngineCore:
             self._release(req)
         self.stats.num_aborted += 1
         return self._final_output(request_id, children)
+
+    def stop_sequence(self, parent_id: str, index: int, num_tokens: int, stop: str) -> list[RequestOutput]:
+        """A stop string found by the server (which makes the text: server/engine_process.py) ends sample `index` of
+        `parent_id` after its first `num_tokens` output tokens, as one found here ends it; the outputs it makes.
+        Nothing where that sample has finished or the request is gone."""
+        req = next((r for r in self.requests.get(parent_id, []) if r.index == index), None)
+        if req is None or req.finished:
+            return []
+        self.stats.generation_tokens -= keep_tokens(req, num_tokens)
+        req.finish_reason, req.stop_reason = "stop", stop
+        return self._outputs([parent_id])
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's numbers as one frozen object, for readers on other threads."""

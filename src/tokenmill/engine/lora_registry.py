@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import count
 
+from tokenmill.engine.validation import check_adapter
 from tokenmill.errors import LoraError
 from tokenmill.models.lora import Adapter, ModelLoras
 from tokenmill.runner import ModelRunner
@@ -88,10 +89,7 @@ class LoraRegistry:
 
     def check(self, name: str) -> None:
         """LoraError 404, naming the loaded adapters, unless `name` is one (from the published tuple: any thread)."""
-        loaded = self.loaded
-        if not any(a.name == name for a in loaded):
-            raise LoraError(f"no LoRA adapter named {name!r} is loaded; loaded: {_listing(a.name for a in loaded)}",
-                            status=404)  # fmt: skip
+        check_adapter(name, self.names)
 
     def take(self, name: str, request_ids: Iterable[str]) -> LoadedAdapter:
         """The adapter new sequences run with; it is in use until each is released (loop thread)."""

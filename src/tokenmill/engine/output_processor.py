@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenmill.types import Request
 
@@ -20,10 +21,10 @@ from tokenmill.types import Request
 class SequenceText:
     """The growing text of one sequence, with stop-string detection."""
 
-    def __init__(self, tokenizer: Tokenizer, req: Request) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
-        self.stops = req.params.stop
-        self.include_stop = req.params.include_stop_str_in_output
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.stops = params.stop
+        self.include_stop = params.include_stop_str_in_output
         self.hold_back = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""
         self.num_tokens_seen = 0
@@ -81,14 +82,18 @@ class _Group:
 
 
 class OutputProcessor:
-    """Detokenizes and reports; never changes a `Request`. The engine core decides what a stop string ends."""
+    """Detokenizes and reports; never changes a `Request`. The engine core decides what a stop string ends.
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    Without a tokenizer it makes outputs of tokens alone (empty text) and finds no stop string: the engine's own
+    process, whose server makes the text and stops at stop strings (engine/request_text.py)."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self._groups: dict[str, _Group] = {}
 
     def add_request(self, prompt: str | None, children: list[Request]) -> None:
-        texts = [SequenceText(self.tokenizer, r) for r in children]
+        tok = self.tokenizer
+        texts = [] if tok is None else [SequenceText(tok, r.prompt_token_ids, r.params) for r in children]
         self._groups[children[0].parent_id] = _Group(prompt, children, texts)
 
     def detokenize(self, parent_id: str, index: int) -> StopStringHit | None:
@@ -97,6 +102,8 @@ class OutputProcessor:
         the same token, or a stop token, the length limit or a stop string later in a decode run's or kept drafts'
         tokens, which single steps would never have computed."""
         group = self._groups[parent_id]
+        if not group.texts:
+            return None
         req, text = group.children[index], group.texts[index]
         new_ids = req.output_token_ids[text.num_tokens_seen :]
         for i, tok in enumerate(new_ids):
@@ -115,7 +122,7 @@ class OutputProcessor:
         outputs = []
         for parent_id in parent_ids:
             group = self._groups[parent_id]
-            for req, text in zip(group.children, group.texts):
+            for req, text in zip(group.children, group.texts):  # (none without a tokenizer)
                 if req.finished:
                     text.finish()
             outputs.append(self._build(parent_id, group))
@@ -125,11 +132,12 @@ class OutputProcessor:
 
     def _build(self, parent_id: str, group: _Group) -> RequestOutput:
         completions, deltas = [], []
-        for req, text in zip(group.children, group.texts):
+        for i, req in enumerate(group.children):
+            text = group.texts[i] if group.texts else None
             completions.append(
                 CompletionOutput(
                     index=req.index,
-                    text=text.text,
+                    text="" if text is None else text.text,
                     token_ids=list(req.output_token_ids),
                     cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
                     logprobs=req.logprobs[: len(req.output_token_ids)] if req.logprobs is not None else None,
@@ -137,7 +145,7 @@ class OutputProcessor:
                     stop_reason=req.stop_reason,
                 )
             )
-            deltas.append(text.take_delta(req.finished))
+            deltas.append("" if text is None else text.take_delta(req.finished))
         first = group.children[0]
         return RequestOutput(
             request_id=parent_id,

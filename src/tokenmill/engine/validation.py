@@ -2,13 +2,45 @@
 
 from __future__ import annotations
 
-from tokenmill.kv_cache import KVManager
+from collections.abc import Iterable
+from typing import Protocol
+
+from tokenmill.errors import LoraError
 from tokenmill.pooling_params import ModelTask, PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
+class BlockPool(Protocol):
+    """What the checks read of a KV manager (or of the facts a server's front end holds of it)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def num_blocks_needed(self, num_tokens: int) -> int: ...
+
+
+def check_generates(task: ModelTask) -> None:
+    """ValueError unless the model is served to generate text."""
+    if not task.generate:
+        raise ValueError(f"this model is served for {', '.join(task.names)}: it does not generate text; "
+                         "serve it with --task generate")  # fmt: skip
+
+
+def check_adapter(lora: str | None, loaded: Iterable[str] | None) -> None:
+    """A request may name `lora`: LoraError 404 naming the loaded adapters otherwise. `loaded`: their names, None
+    where the engine serves no adapters."""
+    if lora is None:
+        return
+    if loaded is None:
+        raise LoraError(f"no LoRA adapter named {lora!r}: this engine serves none (start it with --lora-modules "
+                        "or --enable-lora)", status=404)  # fmt: skip
+    names = list(loaded)
+    if lora not in names:
+        raise LoraError(f"no LoRA adapter named {lora!r} is loaded; loaded: {', '.join(names) or 'none'}", status=404)
+
+
 def output_budget(
-    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int, kv: KVManager
+    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int, kv: BlockPool
 ) -> int:
     """The request's output budget (max_tokens, capped by the context); ValueError for one that can never run."""
     num_prompt = len(prompt_token_ids)
@@ -47,7 +79,7 @@ def output_budget(
 
 def check_pooling(
     prompt_token_ids: list[int], params: PoolingParams, task: ModelTask, hidden_size: int, vocab_size: int,
-    max_model_len: int, kv: KVManager,
+    max_model_len: int, kv: BlockPool,
 ) -> None:  # fmt: skip
     """ValueError for a pooling request this model cannot serve or that can never run: it needs a prompt of at least
     one token that fits the context and the KV pool (it computes no output)."""

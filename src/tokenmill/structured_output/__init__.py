@@ -57,7 +57,7 @@ def bitmask_words(vocab_size: int) -> int:
 class StructuredOutputManager:
     def __init__(self, rust_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         """`rust_tokenizer`: the model's Rust `tokenizers.Tokenizer` (`Tokenizer.rust`; None for a slow tokenizer,
-        which grammars cannot use)."""
+        which grammars cannot use), or a function giving it, called at the first compile."""
         self._rust, self.vocab_size, self._eos = rust_tokenizer, vocab_size, sorted(eos_token_ids)
         self._backend: GrammarBackend | None = None
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
@@ -83,7 +83,8 @@ class StructuredOutputManager:
     def _make_backend(self) -> GrammarBackend:
         from tokenmill.structured_output.guidance import GuidanceBackend
 
-        return GuidanceBackend(self._rust, self.vocab_size, self._eos)
+        rust = self._rust() if callable(self._rust) else self._rust
+        return GuidanceBackend(rust, self.vocab_size, self._eos)
 
     # -- the engine thread ------------------------------------------------------------------------------------
     def add(self, seq_id: str, grammar: Grammar) -> None:
