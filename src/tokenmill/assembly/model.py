@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +43,8 @@ from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from tokenmill.weights.packed_cache import PackedCache, cache_path
 from tokenmill.weights.safetensors_io import count_tensors, iter_tensors
 from tokenmill.weights.safetensors_io import sample as safetensors_sample
+from tokenmill.weights.source import DEMO_MODEL, default_model_ref
 
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
 DEMO_DRAFT = DEMO_MODEL.parent / "demo-draft"  # its draft model: `--speculative-model demo-draft`
 log = logging.getLogger("tokenmill.engine")
 _TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
@@ -84,12 +84,6 @@ class LoadedModel:
         if isinstance(gen.get("max_new_tokens"), int):
             kwargs["max_tokens"] = gen["max_new_tokens"]
         return SamplingParams(**kwargs)
-
-
-def default_model_ref() -> str:
-    if not (DEMO_MODEL / "config.json").is_file():
-        raise ModelLoadError("no model given and the built-in demo model is not installed; pass a model folder")
-    return str(DEMO_MODEL)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -142,8 +136,10 @@ def load_front(cfg: EngineConfig) -> LoadedModel:
                        config.max_position_embeddings, generation, task=task)  # fmt: skip
 
 
-def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
-    """The model `cfg` names; with tensor_parallel_size > 1, tensor-parallel rank `rank`'s shard of it."""
+def load(cfg: EngineConfig, rank: int = 0, make_tokenizer: Callable[..., Tokenizer] = Tokenizer) -> LoadedModel:
+    """The model `cfg` names; with tensor_parallel_size > 1, tensor-parallel rank `rank`'s shard of it.
+    `make_tokenizer`: builds the tokenizer from (source, model_type, GGUF metadata); the engine's own process
+    defers it (server/engine_process.py)."""
     return_freed_memory()  # (memory.py: glibc would keep every freed activation resident)
     path, gguf, hf_config, model_config = read_checkpoint(cfg)  # fail on the architecture before any weights
     family = family_for(hf_config)
@@ -169,7 +165,7 @@ def load(cfg: EngineConfig, rank: int = 0) -> LoadedModel:
         resolved = f"{device.type} {str(dtype).removeprefix('torch.')}"
         raise ConfigError(f"batch_invariant runs on the CPU in bfloat16 or float32; this model resolved to "
                           f"{resolved}: pass --device cpu and --dtype")  # fmt: skip
-    tokenizer = Tokenizer(path, hf_config.get("model_type"), gguf.metadata if gguf else None)
+    tokenizer = make_tokenizer(path, hf_config.get("model_type"), gguf.metadata if gguf else None)
     task = resolve_task(cfg.task, path, hf_config, gguf, tokenizer)
     if task.pooling is not None and shard is not None:
         raise ConfigError(f"tensor_parallel_size > 1 serves generation only; this checkpoint is served for "

@@ -9,6 +9,7 @@ Must not import torch: the server side uses it too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,25 @@ class Tokenizer:
             raise ValueError(f"the chat template failed on these messages: {e}") from None
         # The template already holds any BOS it wants; do not add another.
         return self.encode(rendered, add_special_tokens=False)
+
+
+class DeferredTokenizer(Tokenizer):
+    """A tokenizer built on first use, whose EOS id is known before: the engine's own process, whose server holds
+    the tokenizer and sends the id (engine/process_engine.py). Only a grammar or a score model's yes/no tokens build
+    it there; detokenizing is the server's."""
+
+    def __init__(self, source: Path | str, model_type: str | None, gguf_metadata: Any,
+                 eos_token_id: Callable[[], int | None]) -> None:  # fmt: skip
+        self._args = (source, model_type, gguf_metadata)
+        self._eos = eos_token_id
+
+    @cached_property
+    def backend(self) -> TokenizerBackend:  # type: ignore[override]
+        return Tokenizer(*self._args).backend
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos()
 
 
 class IncrementalDetokenizer:

@@ -36,10 +36,8 @@ def gguf_tokenizer(
     on, without transformers where the lean tokenizer matched it. With `model_type`, AutoTokenizer takes the class
     from it (`tokenizer_type`) instead of building the model's config from the file first, which reads every
     metadata array with the gguf package's reader (on a Qwen2 file, 11.0 s instead of ~2 s: docs/benchmarks.md)."""
-    stat = path.resolve().stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|bpe {gguf_bpe.REVISION}"
-    key = hashlib.sha256(identity.encode()).hexdigest()[:24]
-    cached = cache_root() / "gguf-tokenizers" / key
+    cached = kept_folder(path)
+    key = cached.name
     if (cached / "tokenizer_config.json").is_file() and (kept := _load_kept(cached)) is not None:
         return kept
     built = gguf_bpe.build(meta) if meta is not None else None
@@ -67,6 +65,13 @@ def gguf_tokenizer(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return TransformersTokenizer(tok)
+
+
+def kept_folder(path: Path) -> Path:
+    """Where the tokenizer built of this GGUF is kept (keyed by the file's path, size and mtime)."""
+    stat = path.resolve().stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|bpe {gguf_bpe.REVISION}"
+    return cache_root() / "gguf-tokenizers" / hashlib.sha256(identity.encode()).hexdigest()[:24]
 
 
 def _load_kept(folder: Path) -> TokenizerBackend | None:

@@ -10,7 +10,15 @@ from pathlib import Path
 from tokenmill.errors import ModelLoadError
 
 # What a checkpoint needs; never the .bin / .pt / .gguf duplicates some repos also carry.
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"  # the built-in model
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "*.tiktoken"]
+
+
+def default_model_ref() -> str:
+    """The built-in demo model's folder: what `tokenmill serve` with no MODEL serves."""
+    if not (DEMO_MODEL / "config.json").is_file():
+        raise ModelLoadError("no model given and the built-in demo model is not installed; pass a model folder")
+    return str(DEMO_MODEL)
 
 
 def _looks_like_path(ref: str) -> bool:
