@@ -131,6 +131,10 @@ def _serve_args(srv: argparse.ArgumentParser) -> None:
         "used is dropped first (default: 1000; 0 stores none)",
     )
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    srv.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                     help="run the engine in the server's own process (default: a process of its own, which "
+                     "starts beside the server's; one MODEL, without --tensor-parallel-size or "
+                     "--data-parallel-size)")  # fmt: skip
     srv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     srv.add_argument("--log-format", choices=["text", "json"], default="text",
                      help="text, or json: one JSON object per line (time, level, logger, message, request_id where "
@@ -260,18 +264,31 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from tokenmill.assembly.model import default_model_ref
-    from tokenmill.server.launch import serve, serve_models
-    from tokenmill.weights import resolve_model
+    from tokenmill.weights.source import default_model_ref, resolve_model
 
     cfg = EngineConfig(model=a.model, seed=a.seed, **engine_kwargs(a))
     if a.named_models or a.models_config:
+        from tokenmill.server.launch import serve_models
+
         return serve_models(a, _served_models(a, cfg))
     several = [f for f in ("max_loaded_models", "models_memory_gb", "idle_unload_seconds") if getattr(a, f) is not None]
     if several:
         raise ValueError(f"--{several[0].replace('_', '-')} applies to several models (--model NAME=PATH, "
                          "--models-config FILE); one MODEL given alone stays loaded")  # fmt: skip
     path = resolve_model(cfg.model or default_model_ref(), cfg.revision)  # fail fast, before the port opens
+    demo = a.model in (None, "demo", "tokenmill-demo")
+    name = a.served_model_name or ("tokenmill-demo" if demo else a.model)
+    if a.engine_process and cfg.tensor_parallel_size == 1 and a.data_parallel_size == 1:
+        from tokenmill.engine.process_engine import EngineProcess
+        from tokenmill.server.launch import check_port
+
+        check_port(a.host, a.port)  # (a taken port is one line before any engine starts)
+
+        # at once, before this process's own imports: the two load side by side (process_engine.py)
+        process = EngineProcess(replace(cfg, model=str(path)), a.log_level, a.log_format)
+        from tokenmill.server.launch import serve
+
+        return serve(a, cfg, path, name, process)
     _check_architecture(path)
     from tokenmill.tensor_parallel.workers import env_rank, run_env_worker
 
@@ -279,8 +296,9 @@ def _serve(a: argparse.Namespace) -> int:
         gc.enable()  # its steps run with the collector on (the pause is for a server's start)
         run_env_worker(replace(cfg, model=str(path)))
         return 0
-    demo = a.model in (None, "demo", "tokenmill-demo")
-    return serve(a, cfg, path, a.served_model_name or ("tokenmill-demo" if demo else a.model))
+    from tokenmill.server.launch import serve
+
+    return serve(a, cfg, path, name)
 
 
 def _served_models(a: argparse.Namespace, cfg: EngineConfig) -> list[tuple[str, EngineConfig]]:

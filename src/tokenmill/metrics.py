@@ -4,25 +4,46 @@ them. Filled by the engine core and the server; never called from model code. Pe
 
 from __future__ import annotations
 
+import contextlib
 import resource
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tokenmill.outputs import RequestMetrics
 
 
-def rss_mb() -> float:
-    """This process's resident memory now, in MiB."""
+def processes() -> list[Any]:
+    """This process and every live one it started (a server's engine process, tensor-parallel workers, its reaper):
+    what a server's memory and CPU count, whichever process the engine runs in."""
     import psutil
 
-    return float(psutil.Process().memory_info().rss / 2**20)
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def rss_mb() -> float:
+    """The resident memory now of this process and those it started (`processes`), in MiB."""
+    import psutil
+
+    total = 0
+    for p in processes():
+        with contextlib.suppress(psutil.Error):  # (one that ended since it was listed)
+            total += p.memory_info().rss
+    return total / 2**20
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MiB (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident memory so far plus each live process it started's own peak, in MiB (Linux
+    reports ru_maxrss in KiB; a process's peak is its VmHWM): at least the peak of their sum."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for p in processes()[1:]:
+        with contextlib.suppress(OSError, ValueError, StopIteration):
+            status = Path(f"/proc/{p.pid}/status").read_text()
+            peak += int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
+    return peak
 
 
 @dataclass
@@ -252,8 +273,18 @@ class _EngineCollector:
         import psutil
 
         self.model_name, self.snapshots, self.labelled = model_name, snapshots, labelled
-        self.process = psutil.Process()
-        self.process.cpu_percent(None)  # first call primes the counter
+        self._procs: dict[int, psutil.Process] = {}  # each kept across scrapes: its CPU use counts from the last
+        self._cpu_percent()  # (the first call primes the counters)
+
+    def _cpu_percent(self) -> float:
+        import psutil
+
+        total = 0.0
+        for p in processes():
+            kept = self._procs.setdefault(p.pid, p)
+            with contextlib.suppress(psutil.Error):
+                total += kept.cpu_percent(None)
+        return total
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -299,12 +330,13 @@ class _EngineCollector:
                       lambda s: s.spec_accepted_tokens)  # fmt: skip
         yield gauge("tokenmill:spec_decode_draft_acceptance_rate", "Kept / verified speculative drafts.",
                     lambda s: s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0)  # fmt: skip
-        process = [GaugeMetricFamily("tokenmill:process_cpu_percent", "CPU use of this process since the last scrape.",
+        process = [GaugeMetricFamily("tokenmill:process_cpu_percent", "CPU use of the server's processes (this one "
+                                     "and those it started: the engine's) since the last scrape.",
                                      labels=["model_name"]),
-                   GaugeMetricFamily("tokenmill:process_rss_bytes", "Resident memory of this process.",
-                                     labels=["model_name"])]  # fmt: skip
-        process[0].add_metric([self.model_name], self.process.cpu_percent(None))
-        process[1].add_metric([self.model_name], self.process.memory_info().rss)
+                   GaugeMetricFamily("tokenmill:process_rss_bytes", "Resident memory of the server's processes (this "
+                                     "one and those it started: the engine's).", labels=["model_name"])]  # fmt: skip
+        process[0].add_metric([self.model_name], self._cpu_percent())
+        process[1].add_metric([self.model_name], rss_mb() * 2**20)
         yield from process
 
     def _by_tier(self, snaps: dict[tuple[str, str], EngineSnapshot], kind: Any, name: str, doc: str,

@@ -1,6 +1,6 @@
 """Nothing `tokenmill serve` started outlives it, however it ends: SIGTERM and SIGINT with tensor-parallel workers,
-SIGKILL in the middle of a kernel build (its compiler jobs), and a start that fails after Ray's daemons are up; a
-plain serve, which starts no process, starts no reaper either.
+SIGKILL in the middle of a kernel build (its compiler jobs, in the engine's process), and a start that fails after
+Ray's daemons are up; a plain serve starts only its engine's process, and no reaper.
 (SIGKILL with Ray's replicas: tests/server/test_data_parallel.py; a dead worker rank: test_tensor_parallel_serve.py.)
 """
 
@@ -60,11 +60,16 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
-def test_a_plain_serve_starts_no_process(checkpoint: Path, tmp_path: Path) -> None:
+def test_a_plain_serve_starts_only_its_engine(checkpoint: Path, tmp_path: Path) -> None:
+    """Its engine's process (which ends with it by itself), and no reaper: nothing else to reap. In one process
+    (--no-engine-process), no process at all."""
     kernels.active()  # built into the cache first where they build here: a serve that compiles them starts a reaper
     with running(checkpoint, tmp_path, "--threads", "1") as server:
-        started = started_by(server.proc.pid)
-        assert started == [], [p.cmdline() for p in started]  # nothing to reap, so no reaper either
+        started = [" ".join(_cmdline(p)) for p in started_by(server.proc.pid)]
+        assert len(started) == 1 and "tokenmill.server.engine_process" in started[0], started
+    with running(checkpoint, tmp_path, "--threads", "1", "--no-engine-process") as server:
+        started = [" ".join(_cmdline(p)) for p in started_by(server.proc.pid)]
+        assert started == [], started
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -74,8 +74,9 @@ def server_config(args: argparse.Namespace, name: str) -> Any:
                         args.max_pooling_inputs, args.web_ui)  # fmt: skip
 
 
-def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) -> int:
-    """One model, loaded at start and kept."""
+def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str, process: Any = None) -> int:
+    """One model, loaded at start and kept; `process`: the engine's own process, already starting (an
+    `EngineProcess`), else the engine runs in this one."""
     from tokenmill.server.models_registry import Limits, ModelRegistry, ModelSpec
 
     if args.data_parallel_size < 1 or (args.data_parallel_size > 1 and cfg.tensor_parallel_size > 1):
@@ -89,7 +90,7 @@ def serve(args: argparse.Namespace, cfg: EngineConfig, path: Path, name: str) ->
         raise ValueError("LoRA adapters (--lora-modules, --enable-lora) do not run with --data-parallel-size > 1")
     config = server_config(args, name)
     died = threading.Event()
-    spec = ModelSpec(name, lambda: _load(cfg, path, name, args, died))
+    spec = ModelSpec(name, lambda: _load(cfg, path, name, args, died, process))
     _run(args, config, ModelRegistry([spec], Limits(), keep_loaded=True))
     return EXIT_ENGINE_DIED if died.is_set() else 0
 
@@ -132,9 +133,7 @@ def _run(args: argparse.Namespace, config: Any, models: Any) -> None:
 
     from tokenmill.server.app import build_app
 
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port={args.port} is invalid: allowed an integer in [0, 65535] (0: any free port)")
-    _check_port(args.host, args.port)
+    check_port(args.host, args.port)
     reaper.arm()  # whatever this process starts from now on ends when it does (tokenmill/reaper.py)
     json_logs = configure_logging(args.log_level, args.log_format)
     app = build_app(models, config, _tracer(args, config.served_model_name))
@@ -162,11 +161,13 @@ def _tracer(args: argparse.Namespace, name: str) -> Any:
     return RequestTracer(args.otlp_traces_endpoint, name)
 
 
-def _check_port(host: str, port: int) -> None:
+def check_port(host: str, port: int) -> None:
     """Bind every address `host` names at `port` and let them go, as asyncio binds them for uvicorn once the app
     has started: a taken port (or a host this machine cannot bind) then stops the command before the model loads.
     (Handing such a socket to uvicorn instead made a 413 sent on a kept-alive connection arrive as a reset:
     tests/server/test_hostile_input.py.)"""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port={port} is invalid: allowed an integer in [0, 65535] (0: any free port)")
     if port == 0:  # any free one: nothing to check
         return
     try:
@@ -185,19 +186,22 @@ def _check_port(host: str, port: int) -> None:
                 raise ValueError(f"--host {host} --port {port} cannot be bound: {e.strerror or e}{hint}") from None
 
 
-def _load(cfg: EngineConfig, path: Path, name: str, args: argparse.Namespace, died: threading.Event) -> Any:
+def _load(cfg: EngineConfig, path: Path, name: str, args: argparse.Namespace, died: threading.Event,
+          process: Any) -> Any:  # fmt: skip
     """Runs on the loader thread. Any failure ends the process with one line: never a server that lies."""
-    import torch
-
-    from tokenmill.engine.async_engine import AsyncEngine
-
     try:
-        if args.data_parallel_size > 1:
+        if process is not None:
+            from tokenmill.engine.process_engine import connect
+
+            engine: Any = connect(process, path)
+        elif args.data_parallel_size > 1:
             from tokenmill.parallel.ray_engine import RayEngine, RestartPolicy
 
             restarts = RestartPolicy(args.replica_max_restarts, args.replica_restart_backoff)
-            engine: Any = RayEngine(replace(cfg, model=str(path)), args.data_parallel_size, args.ray_address, restarts)
+            engine = RayEngine(replace(cfg, model=str(path)), args.data_parallel_size, args.ray_address, restarts)
         else:
+            from tokenmill.engine.async_engine import AsyncEngine
+
             engine = AsyncEngine.from_config(replace(cfg, model=str(path)))
     except (TokenmillError, ValueError) as e:
         _die(f"tokenmill serve: error: {e}", EXIT_USAGE)
@@ -212,9 +216,19 @@ def _load(cfg: EngineConfig, path: Path, name: str, args: argparse.Namespace, di
 
     engine.on_death = on_death
     freeze_heap()  # this model stays: its objects leave the collector's sight, which cli.py paused (memory.py)
-    log.info("model %s from %s: %s, %d threads", name, path, engine.description, torch.get_num_threads())
+    log.info("model %s from %s: %s, %d threads", name, path, engine.description, _threads(engine))
     log.info("serving at http://%s:%d/v1", args.host, args.port)
     return engine
+
+
+def _threads(engine: Any) -> int:
+    """The engine's intra-op threads (an engine in its own process says; else this process's torch)."""
+    facts = getattr(engine, "facts", None)
+    if facts is not None:
+        return int(facts.threads)
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _load_model(cfg: EngineConfig, name: str) -> Any:
