@@ -4,7 +4,7 @@
 // One vpdpbusd per row and group does 64 products.
 //
 // The integer sums and their scaling are arch/avx2/ktile.h's (linear/kformat.h), lane for lane. Tiles of up to 8
-// rows; 1-3 rows on a Zen 4 take the ymm tiles, as the Q8_0/Q4_0 tiles do (arch/avx512bf16/qtile512.h says why).
+// rows; 1-3 rows on a Zen 4 take the ymm tiles, as the Q8_0/Q4_0 tiles do (core/cpu.h).
 // linear/kquant.h picks this file where the build has AVX-512 VNNI (the avx512bf16 variant).
 #pragma once
 

@@ -13,7 +13,7 @@
 //
 // Tiles of 8 rows (12 gained nothing more). From 1 to 3 rows a Zen 4 keeps the ymm tiles (arch/avx2/qtile.h: one
 // row is bound by memory, and its sums wait on vpdpbusd's latency there); an Intel core, whose zmm units are full
-// width, takes these.
+// width, takes these, as does a Zen 5 (core/cpu.h).
 //
 // linear/quant.h picks this file's quant_panel where the build has AVX-512 VNNI (the avx512bf16 variant).
 #pragma once
@@ -34,7 +34,7 @@
 
 namespace tmk {
 
-constexpr int MT_Q512 = 8;  // rows per tile (from 1 on Intel, from 4 on AMD; linear_quant)
+constexpr int MT_Q512 = 8;  // rows per tile (from 1 on Intel, from 4 on a Zen 4; linear_quant)
 
 template <Format F, int MT>
 inline void qtile512(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P]) {
@@ -87,13 +87,13 @@ inline void qtile512(const uint8_t* panel, const QRow* x, int64_t nb, float (*su
 }
 
 // A panel times mc rows: the rows in the fewest tiles, of even sizes (12 rows as 6 + 6, not 8 + 4); 1-3 rows in the
-// ymm tiles on a Zen 4, the zmm ones on Intel (see the top)
+// ymm tiles on a Zen 4, the zmm ones on Intel and Zen 5 (see the top)
 template <Format F>
 inline void quant_panel(const uint8_t* panel, const QRow* x, int64_t nb, float (*sums)[P], int64_t mc) {
   const int64_t tiles = (mc + MT_Q512 - 1) / MT_Q512, per = (mc + tiles - 1) / tiles;
   for (int64_t m = 0; m < mc; m += per) {
     const int64_t rows = std::min<int64_t>(per, mc - m);
-    if (rows < 4 && amd_avx512) qtile_rows<F, 3>(panel, x + m, nb, sums + m, rows);
+    if (rows < 4 && amd_half_width_512) qtile_rows<F, 3>(panel, x + m, nb, sums + m, rows);
     else with_rows<MT_Q512>(rows, [&](auto r) { qtile512<F, decltype(r)::value>(panel, x + m, nb, sums + m); });
   }
 }
