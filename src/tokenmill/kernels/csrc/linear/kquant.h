@@ -1,7 +1,8 @@
 // The K family (linear/kformat.h) times quantized activation rows, in integer arithmetic: the rows are quantized
 // once per call to Q8_0 blocks (linear/qrow.h), as for Q8_0 and Q4_0 weights (linear/quant.h), and each panel
 // passes over a block of them in this build's tiles:
-//   arch/avx512bf16/ktile512.h  zmm, AVX-512 VNNI (the avx512bf16 variant; 1-3 rows on a Zen 4 take the ymm ones: core/cpu.h)
+//   arch/avx512bf16/ktile512.h  zmm, AVX-512 VNNI (the avx512bf16 variant; 1-3 rows on a Zen 4 take the ymm ones,
+//                               core/cpu.h)
 //   arch/avx2/ktile.h           ymm, every other x86 variant (vpdpbusd where the build has VNNI)
 //   arch/generic/ktile.h        portable loops (the scalar variant)
 // Tiles run span by span of K where a panel takes several of them, as qpanel does (linear/qpanel.h): the first
