@@ -196,6 +196,28 @@ def test_the_first_start_needs_no_transformers_and_the_second_reads_the_kept_fol
     assert Path(second.backend.folder) == kept  # type: ignore[attr-defined]
 
 
+def test_a_server_front_reads_the_kept_folder_without_numpy_or_torch(make_checkpoint: Callable[..., Path],
+                                                                     tmp_path: Path) -> None:  # fmt: skip
+    """Once the tokenizer of a GGUF is kept, the server's front (engine/process_engine.load_tokenizer) loads it
+    without importing numpy or torch: each would stay resident in the front for nothing (numpy: 14 MB)."""
+    import os
+    import subprocess
+    import sys
+
+    from tokenmill.bench.gguf_export import export_gguf
+
+    path = export_gguf(make_checkpoint("qwen2"), tmp_path / "tiny.gguf", "f32", name="tiny-random")
+    code = ("import sys; from pathlib import Path; from tokenmill.engine.process_engine import load_tokenizer; "
+            "tok = load_tokenizer(Path(sys.argv[1])); "
+            "print(tok.backend.name, 'numpy' in sys.modules, 'torch' in sys.modules)")  # fmt: skip
+    env = {**os.environ, "TOKENMILL_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                           timeout=300) for _ in range(2)]  # fmt: skip
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    assert runs[0].stdout.split()[0] == "lean"  # the first built it from the metadata (numpy may come then)
+    assert runs[1].stdout.split() == ["lean", "False", "False"]
+
+
 def test_a_damaged_kept_folder_is_built_again(make_checkpoint: Callable[..., Path], tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     from tokenmill.bench.gguf_export import export_gguf

@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from tokenmill.tokenizer.backend import quick_json
 
 Metadata = Callable[[str], Any]  # a GGUF metadata key -> its value (lists for arrays), None where absent
@@ -73,6 +71,8 @@ def build(meta: Metadata) -> BuiltTokenizer | None:
     None where this module does not build its kind (transformers then does)."""
     if meta("tokenizer.ggml.model") != "gpt2":
         return None
+    import numpy as np  # (here: a server's front loads the kept folder, and numpy would cost it 14 MB resident)
+
     family = FAMILIES.get((meta("general.architecture"), meta("tokenizer.ggml.pre") or "default"))
     merges: list[str] | None = meta("tokenizer.ggml.merges")
     if family is None or merges is None:
@@ -93,6 +93,7 @@ def build(meta: Metadata) -> BuiltTokenizer | None:
 
 
 def _rust_tokenizer(tokens: list[str], merges: list[str], types: Any, family: Family) -> Any:
+    import numpy as np
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     # llama.cpp writes every token in the byte alphabet already (as tokenizer.json does)

@@ -294,6 +294,8 @@ class GGUFCheckpoint:
             # packed or copied by now, or (q, k, gate: until their fused partners come) held as a view, whose
             # later read maps the pages again: they need not stay in this process's memory meanwhile
             self.reader.release(t)
+        for t in self.reader.tensors:  # a shard held for its fused partners was read (packed) after its release
+            self.reader.release(t)
         if dequantized:
             kinds = ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items()))
             print(f"tokenmill: {self.path.name}: {kinds} tensor(s) have no tokenmill kernel and were dequantized "
