@@ -43,7 +43,7 @@ MAX_SEQS_FOR_RUNS = 4
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
     batching: str = "continuous"  # "continuous" | "static"
