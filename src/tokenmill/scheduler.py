@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from tokenmill.config import STEP_TOKENS
 from tokenmill.kv_cache import KVManager
 from tokenmill.pooling_share import PoolingShare
 from tokenmill.types import Request, ScheduledRequest, SchedulerOutput
@@ -43,7 +44,7 @@ MAX_SEQS_FOR_RUNS = 4
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = STEP_TOKENS
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority"
     batching: str = "continuous"  # "continuous" | "static"
