@@ -57,7 +57,7 @@ def test_a_bad_moe_config_is_one_line() -> None:
     with pytest.raises(ConfigError, match="moe_intermediate_size=-1 must be >= 1"):
         family.config_from_hf({**base, "num_experts_per_tok": 2, "moe_intermediate_size": -1})
     awq = {**base, "num_experts_per_tok": 2, "quantization_config": {"quant_method": "awq", "bits": 4}}
-    with pytest.raises(ConfigError, match="quant_method 'awq' is not supported for Qwen3MoeForCausalLM.*: none"):
+    with pytest.raises(ConfigError, match="quant_method 'awq' is not supported for Qwen3MoeForCausalLM.*: fp8$"):
         family.config_from_hf(awq)
 
 

@@ -38,7 +38,7 @@ from tokenmill.pooling_params import ModelTask
 from tokenmill.progress import progress
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
-from tokenmill.weights import load_weights, resolve_model
+from tokenmill.weights import fp8, load_weights, resolve_model
 from tokenmill.weights.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from tokenmill.weights.packed_cache import PackedCache, cache_path
 from tokenmill.weights.safetensors_io import count_tensors, iter_tensors
@@ -187,12 +187,14 @@ def load(cfg: EngineConfig, rank: int = 0, make_tokenizer: Callable[..., Tokeniz
             load_weights(model, _ticking(gguf.iter_tensors(hf_config), advance), str(path), dtype, device, False,
                          "its GGUF metadata", cache, packer, fmt)  # fmt: skip
     else:
-        tensors: Iterator[tuple[str, torch.Tensor, str]] = ((n, t, str(f)) for n, t, f in iter_tensors(path))
-        if shard is not None:
-            tensors = shard.stream(tensors, full_config)
         with progress(f"loading {path.name}", total=count_tensors(path)) as advance:
-            load_weights(model, _ticking(tensors, advance), str(path), dtype, device, cache=cache, packer=packer,
-                         pack_format=fmt)  # fmt: skip
+            tensors = _ticking(((n, t, str(f)) for n, t, f in iter_tensors(path)), advance)
+            if fp8.quantized(hf_config):  # (before a shard's slicing: the scales' blocks are the whole weight's)
+                log.info("%s: an FP8 checkpoint; its weights dequantized to %s as they load", path.name, dtype)
+                tensors = fp8.dequantized(tensors, fp8.block_size(hf_config))
+            if shard is not None:
+                tensors = shard.stream(tensors, full_config)
+            load_weights(model, tensors, str(path), dtype, device, cache=cache, packer=packer, pack_format=fmt)
     if shard is not None:
         split_head(model, shard)  # before packing: its rows become a kernel linear like any other
     gpu_ops = _gpu_kernels(cfg, device)

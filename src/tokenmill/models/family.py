@@ -16,6 +16,9 @@ from tokenmill.errors import ConfigError
 from tokenmill.model_config import ModelConfig
 from tokenmill.models.layers import CausalLM
 
+# a checkpoint quantization the families load unless they say not: FP8 linears, dequantized as they stream in
+FP8_METHOD = "fp8"
+
 
 def no_quirks(hf: dict[str, Any]) -> dict[str, Any]:
     return {}
@@ -50,14 +53,17 @@ class ModelFamily:
     make_fields: Callable[[dict[str, Any]], dict[str, Any]] = field(default=rope_fields)
     # the `quantization_config.quant_method`s whose checkpoints the family loads (gpt-oss: its MXFP4 experts)
     quant_methods: tuple[str, ...] = ()
+    # FP8 checkpoints (`fp8`: 2-D linear weights with block scales, weights/fp8.py); gpt-oss's 3-D experts are not
+    loads_fp8: bool = True
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         """Normalise a parsed config.json: the shared fields, then this family's quirks over them. A checkpoint
         quantized in a way the family does not load is refused here, in one line, before any weight is read."""
         quant = hf.get("quantization_config")
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        if quant is not None and method not in self.quant_methods:
-            supported = ", ".join(self.quant_methods) or "none"
+        methods = (*self.quant_methods, *((FP8_METHOD,) if self.loads_fp8 else ()))
+        if quant is not None and method not in methods:
+            supported = ", ".join(methods)
             raise ConfigError(f"config.json: quantization_config quant_method {method!r} is not supported for "
                               f"{self.architectures[0]} checkpoints; supported: {supported}")  # fmt: skip
         hf = self.normalize_hf(hf)

@@ -193,4 +193,4 @@ def _gpt_oss_make_fields(fields: dict[str, Any]) -> dict[str, Any]:
 
 GPT_OSS = ModelFamily("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), GptOssForCausalLM, "GptOssConfig",
                       adapt_config=_gpt_oss_quirks, normalize_hf=_gpt_oss_config,
-                      make_fields=_gpt_oss_make_fields, quant_methods=("mxfp4",))  # fmt: skip
+                      make_fields=_gpt_oss_make_fields, quant_methods=("mxfp4",), loads_fp8=False)  # fmt: skip

@@ -1,0 +1,120 @@
+"""FP8 checkpoints: `quantization_config.quant_method: fp8`, transformers' fine-grained FP8, as Qwen3-*-FP8 and
+DeepSeek-V3 ship them. Each quantized linear's `weight` is float8 (e4m3) [N, K], beside a `weight_scale_inv` of
+scales, one per block of `weight_block_size` ([128, 128]): the weight is each FP8 value times its block's scale.
+The grid is [ceil(N / bn), ceil(K / bk)] (edge blocks partial); without a block size, one scale for the tensor or a
+grid that divides it. Scales come as float32 (DeepSeek-V3's), bfloat16 or UE8M0 exponents (uint8 or
+float8_e8m0fnu: 2^(e - 127)).
+
+tokenmill loads them dequantized, each weight as it streams in (`dequantized`): float32 products, the same ones as
+transformers' own dequantizing load (`Fp8Dequantize`), then the model's dtype. On the CPU the dense weights then
+take the kernels' format as any folder's do (bf16 panels, or `--quantization int8|int4|q4_k...`), so an FP8 model
+runs in the memory of its bf16 or quantized form. Multiplying the FP8 bytes where they lie (torch._scaled_mm on a
+Hopper GPU) is issue 63's, and not done here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.models.family import FP8_METHOD
+
+SCALE = "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`
+# activation scales of a static scheme: a dequantized weight computes in the model's dtype and needs none
+IGNORED = (".activation_scale", ".input_scale")
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+             if hasattr(torch, n))  # fmt: skip
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+Named = tuple[str, torch.Tensor, str]  # (tensor name, tensor, the file it came from)
+
+
+def quantized(hf_config: dict[str, Any]) -> bool:
+    """Whether config.json declares an FP8 checkpoint."""
+    quant = hf_config.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == FP8_METHOD
+
+
+def block_size(hf_config: dict[str, Any]) -> tuple[int, int] | None:
+    """[bn, bk] of the scales' blocks (config.json's `weight_block_size`), or None where the config gives none."""
+    block = hf_config.get("quantization_config", {}).get("weight_block_size")
+    if block is None:
+        return None
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelLoadError(f"config.json: quantization_config weight_block_size {block!r} is not two positive "
+                             f"integers (e.g. [128, 128])")  # fmt: skip
+    return int(block[0]), int(block[1])
+
+
+def dequantized(tensors: Iterable[Named], block: tuple[int, int] | None) -> Iterator[Named]:
+    """`tensors` with every FP8 weight and its scales replaced by the weight, dequantized (float32). A weight waits
+    for its scales (or they for it) wherever the files put them; one left without its partner fails the load."""
+    weights: dict[str, tuple[torch.Tensor, str]] = {}
+    scales: dict[str, tuple[torch.Tensor, str]] = {}
+    for name, tensor, where in tensors:
+        if name.endswith(IGNORED):
+            continue
+        if name.endswith(SCALE):
+            base = name.removesuffix(SCALE)
+            if base in weights:
+                weight, where = weights.pop(base)
+                yield base, dequantize(weight, tensor, block, base, where), where
+            else:
+                scales[base] = (tensor, where)
+        elif tensor.dtype in _FP8:
+            if name in scales:
+                yield name, dequantize(tensor, scales.pop(name)[0], block, name, where), where
+            else:
+                weights[name] = (tensor, where)
+        else:
+            yield name, tensor, where
+    for name, (_, where) in weights.items():
+        raise ModelLoadError(f"FP8 tensor {name!r} in {where} has no {name + SCALE!r} in the checkpoint")
+    for name, (_, where) in scales.items():
+        raise ModelLoadError(f"{name + SCALE!r} in {where} scales no FP8 tensor {name!r} in the checkpoint")
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, name: str, where: str
+               ) -> torch.Tensor:  # fmt: skip
+    """weight [N, K] (float8) x its block scales -> float32 [N, K]: each value times its block's scale."""
+    if weight.dim() != 2:
+        raise ModelLoadError(f"FP8 tensor {name!r} in {where} has shape {list(weight.shape)}; tokenmill reads 2-D "
+                             f"FP8 weights [out, in]")  # fmt: skip
+    s = _scales(scale)
+    n, k = weight.shape
+    bn, bk = _blocks(n, k, s, block, name, where)
+    out = weight.to(torch.float32)  # [N, K]
+    if s.numel() == 1:
+        return out.mul_(s.reshape(()))
+    full, rem = divmod(k, bk)
+    for i in range(s.shape[0]):  # a row of blocks at a time: the scales never expand to the weight's size
+        rows = out[i * bn : (i + 1) * bn]
+        rows[:, : full * bk].unflatten(1, (full, bk)).mul_(s[i, :full, None])
+        if rem:
+            rows[:, full * bk :].mul_(s[i, full])
+    return out
+
+
+def _scales(scale: torch.Tensor) -> torch.Tensor:  # float32, as many as given
+    if scale.dtype == torch.uint8 or (_E8M0 is not None and scale.dtype == _E8M0):
+        return (scale.view(torch.uint8).to(torch.float32) - 127.0).exp2()  # UE8M0: a power of two per block
+    return scale.to(torch.float32)
+
+
+def _blocks(n: int, k: int, s: torch.Tensor, block: tuple[int, int] | None, name: str, where: str
+            ) -> tuple[int, int]:  # fmt: skip
+    """The [bn, bk] that `s` scales a [n, k] weight in (checked against the grid it must have)."""
+    if s.numel() == 1:
+        return n, k
+    if s.dim() == 2 and block is None and n % s.shape[0] == 0 and k % s.shape[1] == 0:
+        return n // s.shape[0], k // s.shape[1]
+    if block is not None and tuple(s.shape) == (math.ceil(n / block[0]), math.ceil(k / block[1])):
+        return block
+    grid = "one scale, or a grid that divides it" if block is None else \
+        f"[{math.ceil(n / block[0])}, {math.ceil(k / block[1])}] (blocks of {block[0]} x {block[1]})"  # fmt: skip
+    raise ModelLoadError(f"{name + SCALE!r} in {where} has shape {list(s.shape)}; FP8 tensor {name!r} "
+                         f"{list((n, k))} needs {grid}")  # fmt: skip
