@@ -26,15 +26,17 @@ stage env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, triton, transformers;
 $PY -m tokenmill make-model --arch qwen2 --shape qwen2.5-0.5b --tokenizer "$TOK" --out $MODEL --dtype bfloat16 \
   --seed 0 >"$OUT/make-model.txt" 2>&1 &
 MAKER=$!
-stage kernel-tests 150 $PY -m pytest -q -x -n 8 -p no:cacheprovider tests/cuda/test_triton_kernels.py tests/cuda/test_triton_model.py
+stage kernel-tests 150 $PY -m pytest -q -x -n 8 -p no:cacheprovider tests/cuda/test_triton_kernels.py tests/cuda/test_triton_model.py \
+  tests/cuda/test_fp8.py
 wait $MAKER
 cat "$OUT/make-model.txt" >>"$LOG"
 rm -f "$OUT/make-model.txt"
-for flags in "" "--no-gpu-kernels" "--quantization int8" "--batch 64 --context 256" "--batch 64 --context 256 --no-gpu-kernels"; do
+for flags in "" "--no-gpu-kernels" "--quantization int8" "--quantization fp8" "--batch 64 --context 256" \
+  "--batch 64 --context 256 --no-gpu-kernels"; do
   stage "step $flags" 90 $PY scripts/gpu_step.py $MODEL $flags
 done
 LAT="--device cuda --dtype bfloat16 --prompt-tokens 32 --gen-tokens 128 --repeat 3 --warmup 1"
-for flags in "" "--no-gpu-kernels" "--quantization int8"; do
+for flags in "" "--no-gpu-kernels" "--quantization int8" "--quantization fp8"; do
   stage "latency $flags" 90 $PY -m tokenmill bench latency $MODEL $LAT $flags
 done
 stage gpu-suite 240 ./scripts/test_cuda.sh -n 8 -q -p no:cacheprovider

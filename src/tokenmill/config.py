@@ -34,11 +34,13 @@ Batching = Literal["continuous", "static"]
 BATCHING_MODES: tuple[str, ...] = ("continuous", "static")
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
-Quantization = Literal["none", "int8", "int4", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1", "q4_k_m", "q5_k_m"]
+Quantization = Literal["none", "int8", "int4", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1", "q4_k_m", "q5_k_m",
+                       "fp8"]  # fmt: skip
 # int8 / int4: ggml's Q8_0 / Q4_0 blocks; q4_k ... q4_1: ggml's types of those names (kernels/kformats.py);
-# q4_k_m / q5_k_m: llama-quantize's mixes of them (models/quant_mix.py)
+# q4_k_m / q5_k_m: llama-quantize's mixes of them (models/quant_mix.py); fp8: float8 W8A8 on a GPU with FP8 tensor
+# cores (models/gpu_linear.py)
 QUANTIZATION_MODES: tuple[str, ...] = ("none", "int8", "int4", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1",
-                                       "q4_k_m", "q5_k_m")  # fmt: skip
+                                       "q4_k_m", "q5_k_m", "fp8")  # fmt: skip
 
 
 # A step's tokens at most, by default (as llama.cpp's n_ubatch): a burst of prompts is prefilled over several steps,

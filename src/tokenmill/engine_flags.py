@@ -61,7 +61,7 @@ HELP = {
     "prefix_cache_disk_gb": "disk in GB for --prefix-cache-dir; the least recently used blocks go first",
     "quantization": "weight-only, in ggml's block types, quantized as llama-quantize does: none, int8 (Q8_0), int4 "
     "(Q4_0), q4_k, q5_k, q6_k (rows not a multiple of 256 take Q5_0, Q5_1, Q8_0, as llama-quantize's), q5_0, q5_1, "
-    "q4_1",
+    "q4_1, q4_k_m, q5_k_m; fp8: float8 weights and activations on a GPU with FP8 tensor cores (Ada, Hopper)",
     "cpu_kernels": "tokenmill's own CPU kernels (compiled for this CPU on first use); off: pure torch",
     "weight_cache": "keep a GGUF's or a safetensors folder's weights as the CPU kernels read them in "
     "$TOKENMILL_CACHE_DIR/packed (about the packed weights' size on disk), so later starts map them instead of "

@@ -89,6 +89,8 @@ def test_prepare_linears_swaps_every_linear_and_reports_it() -> None:
 
 def test_bad_quantization_requests_fail_clearly() -> None:
     with pytest.raises(ValueError, match="allowed: none, int8, int4"):
+        prepare_linears(nn.Sequential(nn.Linear(64, 64)), "fp4", torch.device("cpu"))
+    with pytest.raises(ValueError, match="fp8 runs on a CUDA GPU with FP8 tensor cores; on the CPU use int8"):
         prepare_linears(nn.Sequential(nn.Linear(64, 64)), "fp8", torch.device("cpu"))
 
 

@@ -46,6 +46,8 @@ def estimate_bytes(cfg: EngineConfig) -> int:
 def _bytes_per_weight(quantization: str, dtype: torch.dtype) -> float:
     if quantization == "none":
         return float(dtype.itemsize)
+    if quantization == "fp8":
+        return 1.0  # a float8 byte a weight (and a float32 scale a row)
     fmt = FORMAT_OF_QUANTIZATION[_MIXES.get(quantization, quantization)]  # a ggml block type: q8_0, q4_k, ...
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt.upper()]]
     return type_size / block

@@ -18,6 +18,8 @@ The model is built with `Linear`: an `nn.Linear` whose one-row product on the CP
 - `CudaBlockLinear` (GPU, int8 / int4): the same block values, multiplied weight-only (W8A16) by a Triton kernel
   that reads the int8 values in place (kernels/cuda/int8.py). Without the GPU kernels (`--no-gpu-kernels`, no
   Triton) a GPU's `KernelLinear` dequantizes the whole weight for each product instead.
+- `Fp8Linear` (GPU with FP8 tensor cores, `--quantization fp8`): float8 weights and activations, row scales,
+  torch's `_scaled_mm` (models/gpu_linear.py).
 - `PackedLinear` (`--pack-weights`, CPU, quantization none): the weight reordered into oneDNN's blocked layout.
 - A float16 model, a non-CPU device or `--no-cpu-kernels` keeps `Linear` (torch's own GEMV/GEMM).
 """
@@ -36,6 +38,7 @@ from tokenmill.kernels.isa import cpu_flags
 from tokenmill.kernels.placement import ALIGN, place_buffers
 from tokenmill.model_config import MoEConfig
 from tokenmill.models import quant_mix
+from tokenmill.models.gpu_linear import CudaBlockLinear, Fp8Linear, fp8_unavailable
 from tokenmill.models.packed_embedding import PackedEmbedding, share_tied_table
 
 # Rows above which a bf16 product goes to oneDNN where it has a native bf16 GEMM. Elsewhere the kernel's blocked
@@ -161,52 +164,6 @@ class SegmentedLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-class CudaBlockLinear(nn.Module):
-    """A q8_0 / q4_0 weight on a GPU, multiplied by the Triton kernel that reads its int8 values in place
-    (kernels/cuda/int8.py): weight-only, W8A16. The values are the CPU path's and a GGUF's (ggml's blocks), held as
-    int8 q [N, K'] and float32 scales d [N, K'/32]; q4_0's values take a byte each too (no 4-bit GPU kernel yet)."""
-
-    q: torch.Tensor
-    d: torch.Tensor
-    bias: torch.Tensor | None
-
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, fmt: str, in_features: int,
-                 ops: CudaKernels) -> None:  # fmt: skip
-        super().__init__()
-        self.in_features, self.out_features, self.format, self.ops = in_features, q.shape[0], fmt, ops
-        self.register_buffer("q", q.contiguous())  # [N, K'] int8
-        self.register_buffer("d", d.float().contiguous())  # [N, K'/32] float32
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())  # [N] float32
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt: str, ops: CudaKernels) -> CudaBlockLinear:
-        """`linear`'s weight quantized as the CPU path quantizes it (formats.quantize_q8_0 / _q4_0)."""
-        w = linear.weight.detach()
-        k = w.shape[1]
-        w = F.pad(w.float(), (0, -k % formats.BLOCK))  # [N, K'] zero columns up to whole blocks
-        if fmt == "q8_0":
-            q, d = formats.quantize_q8_0(w)
-        else:
-            q4, d = formats.quantize_q4_0(w)
-            q = (q4.to(torch.int16) - 8).to(torch.int8)  # -8..7
-        return cls(q, d, linear.bias, fmt, k, ops)
-
-    @classmethod
-    def from_kernel_linear(cls, linear: KernelLinear, ops: CudaKernels) -> CudaBlockLinear:
-        """A GGUF's blocks (loaded as a `KernelLinear`), the same numbers in the GPU's layout."""
-        q, d = formats.unpack_blocks(linear.packed())
-        return cls(q, d, linear.bias, linear.format, linear.in_features, ops)
-
-    def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.format}, triton"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        x2 = x.reshape(-1, self.in_features)
-        out = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype, device=x2.device)
-        self.ops.q8_linear(x2, self.q, self.d, self.bias, out)
-        return out.view(*x.shape[:-1], self.out_features)
-
-
 class PackedLinear(nn.Module):
     packed: torch.Tensor
     bias: torch.Tensor | None
@@ -259,6 +216,10 @@ def _kind(quantization: str, device: torch.device, dtype: torch.dtype, pack: boo
     (oneDNN) or 'plain'."""
     if device.type != "cpu" and (quantization in quant_mix.MIXES or quantization in formats.kformats.KSPECS):
         raise ValueError(f"--quantization {quantization} runs on the CPU kernels only; on a GPU use int8 or int4")
+    if quantization == "fp8":
+        if (reason := fp8_unavailable(device)) is not None:
+            raise ValueError(f"--quantization {reason}")
+        return "fp8"
     if quantization in quant_mix.MIXES:
         return "mix"
     if quantization in FORMAT_OF_QUANTIZATION:
@@ -330,7 +291,11 @@ def prepare_linears(
                     for fmt in [p.format for p in new.parts] if isinstance(new, SegmentedLinear) else [new.format]:
                         counts[str(fmt)] = counts.get(str(fmt), 0) + 1
                     continue
-                if kind == "packed":
+                if kind == "fp8" and f"{where}.{name}".lstrip(".") == "lm_head":
+                    continue  # (the head stays in the model's dtype, as vLLM's fp8)
+                if kind == "fp8":
+                    new = Fp8Linear.from_linear(child)
+                elif kind == "packed":
                     new = PackedLinear(child)
                 elif gpu_ops is not None and kind in ("q8_0", "q4_0"):
                     new = CudaBlockLinear.from_linear(child, kind, gpu_ops)
