@@ -21,9 +21,10 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.engine.commands import Abort, AbortAll, Add, Call, Command, Stop, StopSequence
 from tokenmill.engine.footprint import memory_line, model_bytes
 from tokenmill.engine.request_stream import EngineDeadError, RequestStream
 from tokenmill.metrics import EngineSnapshot
@@ -44,43 +45,6 @@ log = logging.getLogger("tokenmill.engine")
 _NO_SAMPLING = SamplingParams(max_tokens=None)  # a pooling request's sampling parameters: it samples nothing
 
 
-@dataclass
-class _Add:
-    request: EngineRequest
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-class _AbortAll:
-    pass
-
-
-@dataclass
-class _StopSequence:
-    parent_id: str
-    index: int
-    num_tokens: int
-    stop: str
-
-
-@dataclass
-class _Call:
-    """Run `fn` on the loop thread between steps (a LoRA adapter's load or unload); its result goes to `done`."""
-
-    fn: Callable[[], Any]
-    done: concurrent.futures.Future[Any]
-
-
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _AbortAll | _Stop | _Call | _StopSequence
-
-
 class AsyncEngine:
     def __init__(self, core: EngineCore, model: LoadedModel) -> None:
         self.core = core  # driven by the loop thread alone once started
@@ -97,7 +61,7 @@ class AsyncEngine:
             f"{model.dtype} on {model.device}, KV capacity {capacity}, max_model_len {self.max_model_len}; "
             f"{memory_line(weights, pool)}"
         )
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._lock = threading.Lock()  # guards _streams, _snapshot and the pending counts across threads
         self._snapshot = core.snapshot()
@@ -127,7 +91,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._thread is not None:
-            self._commands.put(_Stop())
+            self._commands.put(Stop())
             self._thread.join(timeout)
         if self._thread is None or not self._thread.is_alive():
             self.core.close()
@@ -263,7 +227,7 @@ class AsyncEngine:
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(_Call(fn, done))
+        self._commands.put(Call(fn, done))
         return await asyncio.wrap_future(done)
 
     def _check_alive(self) -> None:
@@ -288,7 +252,7 @@ class AsyncEngine:
         with self._lock:
             self._pending_seqs += sum(r.params.n for r in requests)
         for r in requests:
-            self._commands.put(_Add(r))
+            self._commands.put(Add(r))
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
@@ -308,16 +272,16 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request within one step; its stream ends with finish_reason "abort"."""
-        self._commands.put(_Abort(request_id))
+        self._commands.put(Abort(request_id))
         self.core.runner.hooks.release()  # a test's held step goes on, and the abort finds its request unfinished
 
     def stop_sequence(self, parent_id: str, index: int, num_tokens: int, stop: str) -> None:
         """A stop string the server found ends that sample within one step (`EngineCore.stop_sequence`)."""
-        self._commands.put(_StopSequence(parent_id, index, num_tokens, stop))
+        self._commands.put(StopSequence(parent_id, index, num_tokens, stop))
 
     def abort_all(self) -> None:
         """Stop every request within one step (a server whose shutdown grace period runs out)."""
-        self._commands.put(_AbortAll())
+        self._commands.put(AbortAll())
         self.core.runner.hooks.release()
 
     # -- the loop thread ----------------------------------------------------------------------------------
@@ -345,22 +309,22 @@ class AsyncEngine:
             self._pending_seqs -= self._applied_seqs
             self._applied_seqs = 0
 
-    def _apply(self, cmd: _Command) -> bool:
+    def _apply(self, cmd: Command) -> bool:
         """Apply one command; False means stop the loop."""
-        if isinstance(cmd, _Stop):
+        if isinstance(cmd, Stop):
             return False
-        if isinstance(cmd, _Call):
+        if isinstance(cmd, Call):
             try:
                 cmd.done.set_result(cmd.fn())
             except Exception as e:  # (the caller's error: the engine goes on)
                 cmd.done.set_exception(e)
             return True
-        if isinstance(cmd, _StopSequence):
+        if isinstance(cmd, StopSequence):
             for out in self.core.stop_sequence(cmd.parent_id, cmd.index, cmd.num_tokens, cmd.stop):
                 self._deliver(out.request_id, out)
             return True
-        if isinstance(cmd, _Abort | _AbortAll):
-            for request_id in [cmd.request_id] if isinstance(cmd, _Abort) else list(self.core.requests):
+        if isinstance(cmd, Abort | AbortAll):
+            for request_id in [cmd.request_id] if isinstance(cmd, Abort) else list(self.core.requests):
                 final = self.core.abort(request_id)
                 if final is not None:
                     self._deliver(request_id, final)
@@ -417,5 +381,5 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Call):
+            if isinstance(cmd, Call):
                 cmd.done.set_exception(error)
