@@ -7,11 +7,16 @@ Skipped without such a GPU. scripts/test_cuda.sh runs it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 
+from tests.parity.test_fp8_checkpoint import SPREAD, write_fp8
 from tests.unit.test_fp8_linear import VAL_TEXT
 from tokenmill import LLM, SamplingParams
+from tokenmill.attention import causal
 from tokenmill.models.gpu_linear import MIN_CAPABILITY, Fp8Linear
 from tokenmill.quality import compare, score
 
@@ -40,3 +45,20 @@ def test_fp8_keeps_the_demo_models_predictions_on_the_gpu() -> None:
     q = compare(score(reference, VAL_TEXT), score(fp8, VAL_TEXT))
     assert q["top1_agreement"] >= 0.97, q  # the CPU's run of the same values: 0.978
     assert abs(q["perplexity_change"]) <= 0.01, q
+
+
+def test_an_fp8_checkpoint_runs_in_fp8_on_the_gpu(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """An FP8 checkpoint with no --quantization runs in fp8 here (weights/fp8.py `quantization_for`): its linears
+    `Fp8Linear`, its prompt logits those of the CPU's dequantized load, up to fp8's rounding of the activations."""
+    folder = write_fp8(make_checkpoint("qwen3", **SPREAD), tmp_path / "fp8", (32, 32))
+    gpu = LLM(str(folder), dtype="bfloat16", device="cuda")
+    assert any(isinstance(m, Fp8Linear) for m in gpu.loaded.model.modules())
+    cpu = LLM(str(folder), dtype="float32")
+    ids = list(range(7, 40))
+    logits = []
+    with torch.inference_mode():
+        for llm, device in ((gpu, "cuda"), (cpu, "cpu")):
+            model = llm.loaded.model
+            hidden = model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), *causal(len(ids)))
+            logits.append(model.compute_logits(hidden).float().cpu().flatten())
+    assert torch.corrcoef(torch.stack(logits))[0, 1].item() > 0.99

@@ -21,7 +21,8 @@ from tests import target
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import causal
 from tokenmill.errors import ModelLoadError
-from tokenmill.weights.fp8 import dequantize
+from tokenmill.models.gpu_linear import fp8_unavailable
+from tokenmill.weights.fp8 import dequantize, quantization_for
 
 SPREAD = dict(initializer_range=0.1)
 FP8 = torch.float8_e4m3fn
@@ -152,3 +153,15 @@ def test_bad_fp8_checkpoints_fail_in_one_line(make_checkpoint: Callable[..., Pat
         with pytest.raises(ModelLoadError, match=message) as e:
             LLM(str(bad), dtype="float32")
         assert "\n" not in str(e.value)
+
+
+def test_an_fp8_checkpoint_takes_fp8_only_where_the_device_multiplies_float8() -> None:
+    """On the CPU an FP8 checkpoint runs dequantized (or as --quantization says); a GPU with FP8 tensor cores runs
+    it in fp8 (tests/cuda/test_fp8.py)."""
+    fp8, cpu = {"quantization_config": {"quant_method": "fp8"}}, torch.device("cpu")
+    assert quantization_for("none", fp8, cpu) == "none"
+    assert quantization_for("int8", fp8, cpu) == "int8"
+    assert quantization_for("none", {}, cpu) == "none"
+    if torch.cuda.is_available() and fp8_unavailable(torch.device("cuda")) is None:
+        assert quantization_for("none", fp8, torch.device("cuda")) == "fp8"
+        assert quantization_for("int4", fp8, torch.device("cuda")) == "int4"

@@ -198,7 +198,8 @@ def load(cfg: EngineConfig, rank: int = 0, make_tokenizer: Callable[..., Tokeniz
     if shard is not None:
         split_head(model, shard)  # before packing: its rows become a kernel linear like any other
     gpu_ops = _gpu_kernels(cfg, device)
-    kernels = prepare_linears(model, cfg.quantization, device, cfg.pack_weights, cfg.cpu_kernels, gpu_ops)
+    quantization = fp8.quantization_for(cfg.quantization, hf_config, device)  # (an FP8 checkpoint on a GPU)
+    kernels = prepare_linears(model, quantization, device, cfg.pack_weights, cfg.cpu_kernels, gpu_ops)
     if device.type == "cpu" and not (cache and (cache.complete or cache.place(model))):  # (else: in its file)
         place_weights(model)  # one huge-page region, in the order a step reads them (kernels/placement.py)
     if gguf:  # (after the packing: a tied bf16 table is looked up in the head's panels, and never copied)

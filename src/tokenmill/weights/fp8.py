@@ -8,8 +8,9 @@ float8_e8m0fnu: 2^(e - 127)).
 tokenmill loads them dequantized, each weight as it streams in (`dequantized`): float32 products, the same ones as
 transformers' own dequantizing load (`Fp8Dequantize`), then the model's dtype. On the CPU the dense weights then
 take the kernels' format as any folder's do (bf16 panels, or `--quantization int8|int4|q4_k...`), so an FP8 model
-runs in the memory of its bf16 or quantized form. Multiplying the FP8 bytes where they lie (torch._scaled_mm on a
-Hopper GPU) is issue 63's, and not done here.
+runs in the memory of its bf16 or quantized form. On a GPU with FP8 tensor cores an FP8 checkpoint runs in fp8
+unless `--quantization` says otherwise (`quantization_for`): its weights re-quantized with a scale per row
+(models/gpu_linear.py), not in their own blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.family import FP8_METHOD
+from tokenmill.models.gpu_linear import fp8_unavailable
 
 SCALE = "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`
 # activation scales of a static scheme: a dequantized weight computes in the model's dtype and needs none
@@ -37,6 +39,14 @@ def quantized(hf_config: dict[str, Any]) -> bool:
     """Whether config.json declares an FP8 checkpoint."""
     quant = hf_config.get("quantization_config")
     return isinstance(quant, dict) and quant.get("quant_method") == FP8_METHOD
+
+
+def quantization_for(quantization: str, hf_config: dict[str, Any], device: torch.device) -> str:
+    """The quantization a model's linears take: an FP8 checkpoint's is fp8 where `device` multiplies float8 and
+    none was asked for (as vLLM runs such checkpoints); else `quantization` as given."""
+    if quantization == "none" and quantized(hf_config) and fp8_unavailable(device) is None:
+        return "fp8"
+    return quantization
 
 
 def block_size(hf_config: dict[str, Any]) -> tuple[int, int] | None:
