@@ -126,12 +126,12 @@ def test_paged_decode_attention_matches_sdpa(
     torch.testing.assert_close(got, want, **(TOL[dtype] if dtype != torch.float32 else dict(atol=2e-6, rtol=1e-5)))
 
 
-@pytest.mark.parametrize("m", [1, 3, 17, 70])
-@pytest.mark.parametrize("k, kx", [(256, 256), (160, 160), (256, 230)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 70])
+@pytest.mark.parametrize("k, kx", [(256, 256), (160, 160), (256, 230), (2048, 2048)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_linear_matches_the_dequantized_product(m: int, k: int, kx: int, dtype: torch.dtype) -> None:
-    """Q8_0 weights (int8, one scale per 32) read as int8: every row count (split K for few rows), K in groups of
-    128 or of 32, and activations narrower than the padded weight."""
+    """Q8_0 weights (int8, one scale per 32) read as int8: every row count (the GEMV up to 4 rows, the tiles above;
+    split K for few rows), K in groups of 128 or of 32, and activations narrower than the padded weight."""
     n = 96
     q, d = formats.quantize_q8_0(torch.randn(n, k, generator=torch.Generator().manual_seed(4)))
     q, d = q.to(DEV), d.float().to(DEV)
