@@ -141,3 +141,45 @@ def test_int8_linear_matches_the_dequantized_product(m: int, k: int, kx: int, dt
     got = OPS.q8_linear(x, q, d, bias, torch.empty(m, n, dtype=dtype, device=DEV))
     tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
     torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 2, 8), (5, 3, 6), (37, 2, 8), (40, 4, 5)])
+def test_align_lays_each_experts_pairs_in_blocks_of_their_own(tokens: int, top_k: int, experts: int) -> None:
+    """Every pair once, in a block of its expert's, the blocks each expert needs and no more (a device computation:
+    no host sync, so a CUDA graph records it)."""
+    from tokenmill.kernels.cuda import moe
+
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEV)
+    slots, block_expert, blocks = moe.align(ids, experts)
+    pairs = tokens * top_k
+    flat = ids.flatten().cpu()
+    counts = torch.bincount(flat, minlength=experts)
+    assert blocks.item() == int(((counts + moe.BM - 1) // moe.BM).sum())
+    used = slots[: blocks.item() * moe.BM].cpu().view(-1, moe.BM)
+    assert sorted(used[used < pairs].tolist()) == list(range(pairs))
+    assert not (slots[blocks.item() * moe.BM :] < pairs).any()
+    for b, row in enumerate(used):
+        assert (flat[row[row < pairs]] == block_expert[b].item()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 2), (7, 2), (33, 3)])
+def test_fused_moe_is_each_chosen_experts_swiglu_times_its_weight(dtype: torch.dtype, tokens: int, top_k: int) -> None:
+    experts, d, inter = 6, 64, 48
+    g = torch.Generator().manual_seed(3)
+    x = _randn(tokens, d, dtype=dtype, seed=7)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEV)
+    weights = torch.rand(tokens, top_k, generator=g).to(DEV)
+    w1 = (_randn(experts, 2 * inter, d, seed=8) * 0.2).to(dtype)
+    w2 = (_randn(experts, d, inter, seed=9) * 0.2).to(dtype)
+    got = OPS.fused_moe(x, ids, weights, w1, w2)  # [T * k, D] float32
+    want = torch.empty(tokens * top_k, d)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = ids[t, j].item()
+            gate, up = (x[t].float() @ w1[e].float().T).to(dtype).float().split(inter)
+            act = (F.silu(gate.to(dtype)).float() * up).to(dtype).float()
+            want[t * top_k + j] = weights[t, j].item() * (act @ w2[e].float().T)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(got.cpu(), want, **tol)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -101,3 +102,36 @@ def test_quantized_linears_hold_the_cpu_paths_values_and_multiply_them(quantizat
     x = torch.randn(3, 80, device=DEV)
     want = F.linear(x, formats.unpack(packed.packed()).to(DEV), linear.bias)
     torch.testing.assert_close(gpu(x), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])),
+     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2))],
+)  # fmt: skip
+def test_a_moe_models_experts_in_the_grouped_gemms_match_torchs_ops(
+    make_checkpoint: Callable[..., Path], arch: str, overrides: dict[str, Any]
+) -> None:
+    """The experts of every sparse layer in the GPU's two grouped GEMMs (kernels/cuda/moe.py), each expert's linears
+    then views of the stacked weights, and the model recordable in CUDA graphs: float32 greedy tokens and
+    logprobs as the per-expert path's."""
+    from tokenmill.models.moe import SparseMoE
+
+    folder = make_checkpoint(arch, **SPREAD, **overrides)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = [PROMPT, PROMPT[:11]]
+    common = dict(dtype="float32", device=DEV, cpu_kernels=False, gpu_kernels=False, enforce_eager=True, block_size=8)
+    want = [o.outputs[0] for o in LLM(str(folder), **common).generate(prompts, params)]
+    llm = LLM(str(folder), **common)
+    model = llm.loaded.model
+    assert not model.graph_capturable
+    model.bind_gpu_ops(_bind_triton(llm))
+    assert model.graph_capturable
+    sparse = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert sparse and all(m._gpu is not None for m in sparse)
+    stack = sparse[0]._gpu[1]  # type: ignore[index]
+    assert sparse[0].experts[1].gate_up_proj.weight.data_ptr() == stack[1].data_ptr()  # a view, not a copy
+    got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la if t in lb) < 1e-4

@@ -215,6 +215,7 @@ def load(cfg: EngineConfig, rank: int = 0, make_tokenizer: Callable[..., Tokeniz
     elif gpu_ops is not None:
         ops = gpu_ops
         bind_kernels(model, ops)
+        model.bind_gpu_ops(ops)
     trim()  # what loading freed (the tokenizer's JSON, packing's scratch) leaves the arenas (memory.py)
     if cfg.batch_invariant:
         if not isinstance(ops, Kernels):

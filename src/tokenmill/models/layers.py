@@ -250,7 +250,8 @@ class CausalLM(nn.Module):
     # checkpoint name parts renamed to ours wherever they stand (Mixtral's `block_sparse_moe`, `w1`): "a" -> "b"
     # turns ".a." into ".b."
     hf_part_renames: tuple[tuple[str, str], ...] = ()
-    # whether a decode step may run as a recorded CUDA graph (a MoE's routing reads values on the host: not)
+    # whether a decode step may run as a recorded CUDA graph (a MoE's per-expert path reads its routing on the host:
+    # not, unless its experts run in the GPU's grouped GEMMs)
     graph_capturable: bool = True
 
     @classmethod
@@ -289,6 +290,10 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
         return self.lm_head(hidden).float()
+
+    def bind_gpu_ops(self, ops: Any) -> None:
+        """After `bind_kernels` with the GPU's Triton kernels: what a family runs in them beyond the layers' own
+        (a MoE's experts: models/moe.py). Nothing here."""
 
     def release_scratch(self) -> None:
         """Let go of the buffers the MLPs share while steps run (Scratch.clear)."""

@@ -23,7 +23,7 @@ from torch import nn
 from tokenmill.errors import ConfigError
 from tokenmill.model_config import ModelConfig, MoEConfig
 from tokenmill.models.layers import CausalLM, GatedMLP
-from tokenmill.models.linear import KernelLinear
+from tokenmill.models.linear import KernelLinear, Linear
 
 
 class Router(nn.Module):
@@ -49,6 +49,7 @@ class SparseMoE(nn.Module):
         self.gate = Router(cfg.hidden_size, moe.num_experts)
         self.experts = nn.ModuleList(GatedMLP(cfg, moe.intermediate_size) for _ in range(moe.num_experts))
         self._experts_call: _ExpertsCall | tuple[()] | None = None  # (None: not looked at yet)
+        self._gpu: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # (ops, w1, w2): `fuse_on_gpu`
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, D] -> weights [T, k], ids [T, k]
         """Each token's chosen experts and their weights: the softmax over all experts in float32, its top k,
@@ -70,6 +71,8 @@ class SparseMoE(nn.Module):
         weights, ids = self.route(x)
         if self._kernels_take(x):
             return self._routed(x, weights, ids)
+        if self._gpu is not None and x.device == self._gpu[1].device:
+            return self._grouped(x, weights, ids)
         k = self.moe.top_k
         flat = ids.flatten()  # [T*k]: token t's j-th choice at t*k + j
         order = flat.argsort(stable=True)  # [T*k], the pairs grouped by expert
@@ -124,6 +127,34 @@ class SparseMoE(nn.Module):
                                    self.moe.intermediate_size, call.down_k, out.data_ptr(), _ptr(call.gate_up_bias),
                                    _ptr(call.down_bias), self.moe.clamped_swiglu is not None, *clamped)  # fmt: skip
         return out
+
+    def fuse_on_gpu(self, ops: Any) -> bool:
+        """Stack the experts' weights for the GPU's grouped GEMMs (kernels/cuda/moe.py: no host sync, so CUDA
+        graphs record the layer), each expert's linears then views of the stacks (no second copy). False, and the
+        per-expert path stays, where an expert is quantized or biased, or its activation is not SiLU's SwiGLU."""
+        experts = [e for e in self.experts if isinstance(e, GatedMLP)]
+        linears = [m for e in experts for m in (e.gate_up_proj, e.down_proj) if type(m) is Linear and m.bias is None]
+        if len(linears) != 2 * len(self.experts) or self.moe.clamped_swiglu is not None or experts[0].act != "silu":
+            return False
+        gate_up, down = linears[0::2], linears[1::2]
+        w1 = torch.stack([m.weight.detach() for m in gate_up])  # [E, 2I, D]
+        w2 = torch.stack([m.weight.detach() for m in down])  # [E, D, I]
+        for modules, stack in ((gate_up, w1), (down, w2)):
+            for m, w in zip(modules, stack, strict=True):
+                m.weight = nn.Parameter(w, requires_grad=False)
+        self._gpu = (ops, w1, w2)
+        return True
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # -> [T, D]
+        ops, w1, w2 = self._gpu  # type: ignore[misc]
+        tokens, k = ids.shape
+        out = ops.fused_moe(x.contiguous(), ids, weights, w1, w2).to(x.dtype).view(tokens, k, -1)  # [T, k, D]
+        # each token's outputs added in its experts' order, as the per-expert path adds them
+        out = out.gather(1, ids.argsort(dim=1)[:, :, None].expand_as(out))
+        total = torch.zeros_like(x)
+        for j in range(k):
+            total = total + out[:, j]
+        return total
 
     def _each(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:  # [R, D] -> [R, D]
         """Each chosen expert's module over its rows."""
@@ -192,10 +223,16 @@ def _experts_call(experts: nn.ModuleList) -> _ExpertsCall | tuple[()]:
 class MoECausalLM(CausalLM):
     """A Llama-shaped decoder whose sparse layers (`MoEConfig.sparse_layers`) hold a `SparseMoE` as their MLP.
 
-    Routing reads the batch's values on the host each step, so a MoE model never runs under CUDA graphs. On the CPU
-    kernels its decode steps run in the decode stack (stack/moe.h), with these modules' bits."""
+    The per-expert path reads each step's routing on the host, so a MoE model runs under CUDA graphs only where its
+    experts take the GPU's grouped GEMMs (`bind_gpu_ops`). On the CPU kernels its decode steps run in the decode
+    stack (stack/moe.h), with these modules' bits."""
 
     graph_capturable = False
+
+    def bind_gpu_ops(self, ops: Any) -> None:
+        sparse = [m for m in self.modules() if isinstance(m, SparseMoE)]
+        fused = [m.fuse_on_gpu(ops) for m in sparse]
+        self.graph_capturable = bool(fused) and all(fused)
 
     def release_scratch(self) -> None:
         """The MLPs' buffers, and the one-call expert kernel's (linear/experts.h: MoEScratch, this thread's)."""

@@ -38,11 +38,11 @@ class CudaKernels:
     def __init__(self, device_type: str = "cuda") -> None:
         """`device_type` "cpu" only under Triton's interpreter (TRITON_INTERPRET=1, set before this is made): the
         tests run whole models through these kernels that way."""
-        from tokenmill.kernels.cuda import attention, int8, pointwise
+        from tokenmill.kernels.cuda import attention, int8, moe, pointwise
 
         reaper.before_spawn()  # Triton's compiler jobs (ptxas)
         self.device_type = device_type
-        self._attention, self._int8, self._pointwise = attention, int8, pointwise
+        self._attention, self._int8, self._moe, self._pointwise = attention, int8, moe, pointwise
 
     def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """[rows, D] contiguous: residual += x (in place, when given), then rmsnorm(residual or x) * weight."""
@@ -91,6 +91,21 @@ class CudaKernels:
         """x [M, K'] (K' <= K) @ (q [N, K] int8 * d [N, K/32] float32 per 32-block)^T (+ bias float32 [N]) ->
         out [M, N] in x's dtype."""
         self._int8.launch_q8_linear(x.contiguous(), q, d, bias, out)
+        return out
+
+    def fused_moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+                  ) -> torch.Tensor:  # fmt: skip
+        """A mixture of experts' SwiGLU MLP over each token's chosen experts (kernels/cuda/moe.py): x [T, D], ids and
+        weights [T, k], w1 [E, 2I, D] (gate rows, then up), w2 [E, D, I] -> [T * k, D] float32, row t * k + j token
+        t's j-th expert's output times its weight."""
+        tokens, top_k = ids.shape
+        slots, block_expert, blocks = self._moe.align(ids, w1.shape[0])
+        gate_up = torch.empty(tokens * top_k, w1.shape[1], dtype=x.dtype, device=x.device)  # [P, 2I]
+        self._moe.grouped_gemm(x, w1, gate_up, slots, block_expert, blocks, top_k, True, None)
+        act = self.silu_mul(gate_up)  # [P, I]
+        out = torch.empty(tokens * top_k, w2.shape[1], dtype=torch.float32, device=x.device)  # [P, D]
+        flat = weights.float().flatten().contiguous()  # [P]
+        self._moe.grouped_gemm(act, w2, out, slots, block_expert, blocks, top_k, False, flat)
         return out
 
 
