@@ -44,5 +44,12 @@ TPUT="--device cuda --dtype bfloat16 --max-num-seqs 64 --num-prompts 64 --input-
 for flags in "" "--no-gpu-kernels"; do
   stage "throughput $flags" 90 $PY -m tokenmill bench throughput $MODEL $TPUT $flags
 done
+# a mixture of experts: the grouped GEMMs and CUDA graphs (the default) against the per-expert path
+stage moe-model 60 $PY -m tokenmill make-model --arch qwen3_moe --shape qwen3-moe-small --tokenizer "$TOK" \
+  --out /tmp/moes --dtype bfloat16 --seed 0
+for flags in "" "--no-gpu-kernels"; do
+  stage "moe latency $flags" 90 $PY -m tokenmill bench latency /tmp/moes $LAT $flags
+  stage "moe throughput $flags" 90 $PY -m tokenmill bench throughput /tmp/moes $TPUT $flags
+done
 tar czf "$OUT/bench.tgz" bench-results 2>/dev/null
 echo "=== done"
