@@ -15,7 +15,7 @@ all the same: the numbers are the GPU's, up to the order of the fp32 sums.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +23,16 @@ from torch import nn
 
 from tokenmill.kernels import CudaKernels, formats
 
-if TYPE_CHECKING:
-    from tokenmill.models.linear import KernelLinear
+
+class Blocks(Protocol):
+    """What `CudaBlockLinear.from_kernel_linear` reads of a CPU `KernelLinear` (models/linear.py) holding blocks."""
+
+    in_features: int
+    format: str
+    bias: torch.Tensor | None
+
+    def packed(self) -> formats.PackedWeight: ...
+
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -117,7 +125,7 @@ class CudaBlockLinear(nn.Module):
         return cls(q, d, linear.bias, fmt, k, ops)
 
     @classmethod
-    def from_kernel_linear(cls, linear: KernelLinear, ops: CudaKernels) -> CudaBlockLinear:
+    def from_kernel_linear(cls, linear: Blocks, ops: CudaKernels) -> CudaBlockLinear:
         """A GGUF's blocks (loaded as a `KernelLinear`), the same numbers in the GPU's layout."""
         q, d = formats.unpack_blocks(linear.packed())
         return cls(q, d, linear.bias, linear.format, linear.in_features, ops)
