@@ -280,7 +280,7 @@ def test_compare_backend_specs() -> None:
     for bad, words in (
         ("vllm", "unknown"),
         ("llama.cpp:q3_k", "q8_0"),
-        ("tokenmill:fp8", "int4"),
+        ("tokenmill:fp4", "int4"),
         ("transformers:x", "no"),
     ):
         with pytest.raises(ValueError, match=words):
