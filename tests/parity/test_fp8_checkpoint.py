@@ -165,3 +165,24 @@ def test_an_fp8_checkpoint_takes_fp8_only_where_the_device_multiplies_float8() -
     if torch.cuda.is_available() and fp8_unavailable(torch.device("cuda")) is None:
         assert quantization_for("none", fp8, torch.device("cuda")) == "fp8"
         assert quantization_for("int4", fp8, torch.device("cuda")) == "int4"
+
+
+def test_a_second_load_takes_the_packed_weights_and_dequantizes_nothing(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU packs an FP8 folder's weights once (weights/packed_cache.py); a later load maps them and dequantizes
+    no FP8 weight (weights/fp8.py `Deferred`), with the same logits."""
+    target.cpu_only()
+    from tokenmill.weights import fp8
+
+    folder = write_fp8(make_checkpoint("qwen3", **SPREAD), tmp_path / "fp8", (32, 32))
+    real, dequantized = fp8.dequantize, []
+    monkeypatch.setattr(
+        fp8, "dequantize", lambda w, s, b, name, where: dequantized.append(name) or real(w, s, b, name, where)
+    )
+    first = LLM(str(folder), dtype="bfloat16")
+    assert len(dequantized) == 14  # 2 layers x q, k, v, o, gate, up, down
+    second = LLM(str(folder), dtype="bfloat16")
+    assert len(dequantized) == 14
+    ids = list(range(7, 40))
+    assert torch.equal(_logits(first, ids), _logits(second, ids))

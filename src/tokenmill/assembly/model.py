@@ -191,7 +191,7 @@ def load(cfg: EngineConfig, rank: int = 0, make_tokenizer: Callable[..., Tokeniz
             tensors = _ticking(((n, t, str(f)) for n, t, f in iter_tensors(path)), advance)
             if fp8.quantized(hf_config):  # (before a shard's slicing: the scales' blocks are the whole weight's)
                 log.info("%s: an FP8 checkpoint; its weights dequantized to %s as they load", path.name, dtype)
-                tensors = fp8.dequantized(tensors, fp8.block_size(hf_config))
+                tensors = fp8.dequantized(tensors, fp8.block_size(hf_config), defer=shard is None)
             if shard is not None:
                 tensors = shard.stream(tensors, full_config)
             load_weights(model, tensors, str(path), dtype, device, cache=cache, packer=packer, pack_format=fmt)

@@ -60,9 +60,29 @@ def block_size(hf_config: dict[str, Any]) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def dequantized(tensors: Iterable[Named], block: tuple[int, int] | None) -> Iterator[Named]:
-    """`tensors` with every FP8 weight and its scales replaced by the weight, dequantized (float32). A weight waits
-    for its scales (or they for it) wherever the files put them; one left without its partner fails the load."""
+class Deferred:
+    """An FP8 weight with its scales, dequantized when the loader reads it (`value`): a weight an earlier start's
+    packed copy stands in for (weights/packed_cache.py) is never dequantized, so a warm start reads no FP8 page."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, name: str,
+                 where: str) -> None:  # fmt: skip
+        n, k = _matrix(weight, name, where)
+        _blocks(n, k, _scales(scale), block, name, where)  # a bad grid fails at once, cached or not
+        self.weight, self.scale, self.block, self.name, self.where = weight, scale, block, name, where
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def value(self) -> torch.Tensor:  # [N, K] float32
+        return dequantize(self.weight, self.scale, self.block, self.name, self.where)
+
+
+def dequantized(tensors: Iterable[Named], block: tuple[int, int] | None, defer: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor | Deferred, str]]:  # fmt: skip
+    """`tensors` with every FP8 weight and its scales replaced by the weight, dequantized (float32), or with `defer`
+    a `Deferred` the loader dequantizes where it needs the values. A weight waits for its scales (or they for it)
+    wherever the files put them; one left without its partner fails the load."""
     weights: dict[str, tuple[torch.Tensor, str]] = {}
     scales: dict[str, tuple[torch.Tensor, str]] = {}
     for name, tensor, where in tensors:
@@ -72,12 +92,12 @@ def dequantized(tensors: Iterable[Named], block: tuple[int, int] | None) -> Iter
             base = name.removesuffix(SCALE)
             if base in weights:
                 weight, where = weights.pop(base)
-                yield base, dequantize(weight, tensor, block, base, where), where
+                yield base, _pair(weight, tensor, block, base, where, defer), where
             else:
                 scales[base] = (tensor, where)
         elif tensor.dtype in _FP8:
             if name in scales:
-                yield name, dequantize(tensor, scales.pop(name)[0], block, name, where), where
+                yield name, _pair(tensor, scales.pop(name)[0], block, name, where, defer), where
             else:
                 weights[name] = (tensor, where)
         else:
@@ -88,14 +108,17 @@ def dequantized(tensors: Iterable[Named], block: tuple[int, int] | None) -> Iter
         raise ModelLoadError(f"{name + SCALE!r} in {where} scales no FP8 tensor {name!r} in the checkpoint")
 
 
+def _pair(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, name: str, where: str,
+          defer: bool) -> torch.Tensor | Deferred:  # fmt: skip
+    deferred = Deferred(weight, scale, block, name, where)
+    return deferred if defer else deferred.value()
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, name: str, where: str
                ) -> torch.Tensor:  # fmt: skip
     """weight [N, K] (float8) x its block scales -> float32 [N, K]: each value times its block's scale."""
-    if weight.dim() != 2:
-        raise ModelLoadError(f"FP8 tensor {name!r} in {where} has shape {list(weight.shape)}; tokenmill reads 2-D "
-                             f"FP8 weights [out, in]")  # fmt: skip
+    n, k = _matrix(weight, name, where)
     s = _scales(scale)
-    n, k = weight.shape
     bn, bk = _blocks(n, k, s, block, name, where)
     out = weight.to(torch.float32)  # [N, K]
     if s.numel() == 1:
@@ -107,6 +130,13 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
         if rem:
             rows[:, full * bk :].mul_(s[i, full])
     return out
+
+
+def _matrix(weight: torch.Tensor, name: str, where: str) -> tuple[int, int]:  # [N, K]
+    if weight.dim() != 2:
+        raise ModelLoadError(f"FP8 tensor {name!r} in {where} has shape {list(weight.shape)}; tokenmill reads 2-D "
+                             f"FP8 weights [out, in]")  # fmt: skip
+    return int(weight.shape[0]), int(weight.shape[1])
 
 
 def _scales(scale: torch.Tensor) -> torch.Tensor:  # float32, as many as given

@@ -37,11 +37,12 @@ from tokenmill.models.layers import STACKED_PARAMS
 from tokenmill.models.linear import KernelLinear, SegmentedLinear
 from tokenmill.models.packed_embedding import PackedEmbedding
 from tokenmill.models.rope import RotaryEmbedding
+from tokenmill.weights.fp8 import Deferred
 from tokenmill.weights.packed_cache import PackedCache
 
 SMALL = 1 << 20  # elements: a tensor this small is copied out of the file as it loads (_Fill.dense)
 
-Value = torch.Tensor | RawBlocks
+Value = torch.Tensor | RawBlocks | Deferred
 Tensors = Iterable[tuple[str, Value, str]]  # (HF tensor name, value, where it came from)
 Packer = Callable[[torch.Tensor], PackedWeight]  # a dense [N, K] weight -> its packed form
 
@@ -91,7 +92,13 @@ class _Fill:
     # whole weights, packed as soon as complete: one format, or one per shard (in shard order)
     packed: dict[str, PackedWeight | list[PackedWeight]] = field(default_factory=dict)
 
-    def dense(self, name: str, shard: int, value: torch.Tensor, whole: bool) -> None:
+    def dense(self, name: str, shard: int, value: torch.Tensor | Deferred, whole: bool) -> None:
+        if isinstance(value, Deferred):  # (an FP8 weight: dequantized only where its values are read)
+            if self._cached_whole(name) and name not in self.blocks:
+                if whole:
+                    _set_param(self.model, name, torch.empty(value.shape, dtype=self.dtype, device="meta"))
+                return
+            value = value.value()
         value = value.to(device=self.device, dtype=self.dtype).contiguous()
         if name in self.blocks:  # earlier shards came in blocks: this one is dense, so all of it is
             held = self.blocks.pop(name)
@@ -209,6 +216,8 @@ def load_weights(
         if renamed is None:
             continue
         hf_name = renamed
+        if isinstance(tensor, Deferred) and hf_layout and hf_name.endswith(model.hf_transposed):
+            tensor = tensor.value()
         if hf_layout and hf_name.endswith(model.hf_transposed) and isinstance(tensor, torch.Tensor):
             tensor = tensor.t()  # [in, out] -> [out, in]
         name, fused, shard, expected = _target(params, cfg, hf_name, where, config_source)
