@@ -186,3 +186,31 @@ def test_a_second_load_takes_the_packed_weights_and_dequantizes_nothing(
     assert len(dequantized) == 14
     ids = list(range(7, 40))
     assert torch.equal(_logits(first, ids), _logits(second, ids))
+
+
+def test_an_fp8_folder_that_fits_only_as_fp8_fails_in_one_line_before_loading(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """An FP8 tensor of half the machine's memory and a GiB (a sparse file: nothing that large is written or read):
+    its file fits, its bf16 weights do not, so the load stops in one line before reading a weight; with
+    `--quantization int8` (about a byte a weight) the same check lets it through to the next stage."""
+    import struct
+
+    from tests.unit.test_cli import assert_one_line_error, run_cli
+    from tokenmill.memory import machine_bytes
+
+    have = machine_bytes()
+    if have is None:
+        pytest.skip("this platform tells no memory size (sysconf), so there is no limit to exceed")
+    folder = write_fp8(make_checkpoint("qwen3", **SPREAD), tmp_path / "fp8", (32, 32))
+    rows = (have // 2 + 2**30) // 4096 + 1
+    header = json.dumps({"spare.weight": {"dtype": "F8_E4M3", "shape": [rows, 4096], "data_offsets": [0, rows * 4096]}})
+    header += " " * (-len(header) % 8)
+    with open(folder / "spare.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header.encode())
+        f.truncate(8 + len(header) + rows * 4096)
+    result = run_cli("generate", str(folder), "--prompt", "x", "--dtype", "bfloat16")
+    assert_one_line_error(result, "more than this machine's", "FP8 weights dequantized to 2 bytes a value")
+    from tokenmill.assembly.model import _check_fits
+
+    _check_fits(folder, None, 1, 1)  # (at a byte a weight it fits: no error)

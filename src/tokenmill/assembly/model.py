@@ -153,7 +153,7 @@ def load(cfg: EngineConfig, rank: int = 0, make_tokenizer: Callable[..., Tokeniz
     if gguf and cfg.quantization != "none":
         _check_gguf_quantization(gguf, cfg.quantization)
     if resolve_device(cfg.device).type == "cpu":
-        _check_fits(path, gguf, cfg.tensor_parallel_size)
+        _check_fits(path, gguf, cfg.tensor_parallel_size, _fp8_itemsize(cfg, hf_config, model_config))
     max_len = cfg.max_model_len or model_config.max_position_embeddings
     if max_len > model_config.max_position_embeddings:
         raise ValueError(
@@ -269,16 +269,28 @@ def _ticking(tensors: Iterator[Any], advance: Any) -> Iterator[Any]:
         advance()
 
 
-def _check_fits(path: Path, gguf: GGUFCheckpoint | None, ranks: int) -> None:
+def _fp8_itemsize(cfg: EngineConfig, hf_config: dict[str, Any], config: ModelConfig) -> int:
+    """Bytes a value an FP8 checkpoint's weights take once loaded: the model dtype's, unless --quantization packs
+    them anew (about a byte or less: counted as the file's byte); 1 for any other checkpoint."""
+    dequantized = fp8.quantized(hf_config) and cfg.quantization == "none"
+    return resolve_dtype(cfg.dtype, config).itemsize if dequantized else 1
+
+
+def _check_fits(path: Path, gguf: GGUFCheckpoint | None, ranks: int, fp8_itemsize: int = 1) -> None:
     """A checkpoint whose weights (this rank's share) exceed the machine's memory fails here, in one line, before any
-    weight is read: mapped, it would start and then page from disk at every step."""
+    weight is read: mapped, it would start and then page from disk at every step. An FP8 folder's weights count
+    as they will be held, dequantized to `fp8_itemsize` bytes a value (1: kept at a byte, or quantized anew)."""
     have = machine_bytes()
     files = [] if gguf else sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    need = (sum(t.n_bytes for t in gguf.reader.tensors) if gguf else sum(f.stat().st_size for f in files)) // ranks
+    extra = fp8.expansion_bytes(files, fp8_itemsize) if fp8_itemsize > 1 else 0
+    need = sum(t.n_bytes for t in gguf.reader.tensors) if gguf else sum(f.stat().st_size for f in files) + extra
+    need //= ranks
     if have is not None and need > have:
+        held = f" (its FP8 weights dequantized to {fp8_itemsize} bytes a value)" if extra else ""
         raise ModelLoadError(
-            f"{path.name}: its weights take {need / 2**30:.1f} GiB, more than this machine's {have / 2**30:.1f} GiB "
-            "of memory; pick a smaller model or a smaller quantization (Q4_K_M: about 0.6 bytes per weight)"
+            f"{path.name}: its weights take {need / 2**30:.1f} GiB{held}, more than this machine's "
+            f"{have / 2**30:.1f} GiB of memory; pick a smaller model or a smaller quantization (Q4_K_M: about 0.6 "
+            "bytes per weight; --quantization int8 keeps an FP8 model at about a byte a weight)"
         )
 
 

@@ -15,8 +15,10 @@ unless `--quantization` says otherwise (`quantization_for`): its weights re-quan
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +49,19 @@ def quantization_for(quantization: str, hf_config: dict[str, Any], device: torch
     if quantization == "none" and quantized(hf_config) and fp8_unavailable(device) is None:
         return "fp8"
     return quantization
+
+
+def expansion_bytes(files: Iterable[Path], itemsize: int) -> int:
+    """How many more bytes than the files' the FP8 tensors in `files` take dequantized to `itemsize` bytes a value:
+    read from the safetensors headers alone (8 bytes of length, then JSON), never the weights."""
+    extra = 0
+    for path in files:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, info in header.items():
+            if name != "__metadata__" and str(info.get("dtype", "")).startswith("F8_E"):
+                extra += math.prod(info["shape"]) * (itemsize - 1)
+    return extra
 
 
 def block_size(hf_config: dict[str, Any]) -> tuple[int, int] | None:
