@@ -25,6 +25,19 @@ from torch import Tensor
 TARGET_PROGRAMS = 264  # ~2 programs per multiprocessor of an H100/H200
 
 
+@triton.jit
+def _store(acc, rm, rn, M, N, split, bias_ptr, out_ptr, part_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's [BM, BN] float32 sums: to out (+ bias) in its dtype, or to its split's part of the float32 sums."""
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    offsets = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    if not SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + split * M * N + offsets, acc, mask=mask)
+
+
 # NOTE: the row count and the split are not specialized: each distinct value would compile another kernel
 @triton.jit(do_not_specialize=["M", "k_per_split"])
 def _q8_linear(x_ptr, q_ptr, d_ptr, bias_ptr, out_ptr, part_ptr, M, N, KX, KP, k_per_split,
@@ -51,14 +64,7 @@ def _q8_linear(x_ptr, q_ptr, d_ptr, bias_ptr, out_ptr, part_ptr, M, N, KX, KP, k
             else:  # exact: |q| <= 127 fits a bf16/fp16 mantissa
                 part = tl.dot(x, w.to(x.dtype))
             acc += part * scale[None, :]
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    offsets = rm.to(tl.int64)[:, None] * N + rn[None, :]
-    if not SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + split * M * N + offsets, acc, mask=mask)
+    _store(acc, rm, rn, M, N, split, bias_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
 
 
 @triton.jit(do_not_specialize=["total", "splits"])
@@ -100,14 +106,7 @@ def _q8_gemv(x_ptr, q_ptr, d_ptr, bias_ptr, out_ptr, part_ptr, M, N, KX, KP, k_p
                     mask=(rm < M)[:, None] & (k < KX)[None, :], other=0.0).to(tl.float32)  # [BM, BK]  # fmt: skip
         prod = tl.reshape(w[None, :, :] * x[:, None, :], (BM, BN, BK // 32, 32))  # [BM, BN, BK / 32, 32]
         acc += tl.sum(tl.sum(prod, axis=3) * scale[None, :, :], axis=2)
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
-    offsets = rm.to(tl.int64)[:, None] * N + rn[None, :]
-    if not SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + split * M * N + offsets, acc, mask=mask)
+    _store(acc, rm, rn, M, N, split, bias_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
 
 
 GEMV_ROWS = 4  # rows up to which the GEMV takes a product (decode at a few streams)
@@ -130,12 +129,8 @@ def launch_q8_linear(x: Tensor, q: Tensor, d: Tensor, bias: Tensor | None, out: 
         return _launch_gemv(x, q, d, bias, out)
     bm, bn, warps = _tiles(m)
     groups = 4 if kp % 128 == 0 else 1
-    programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    steps = kp // (32 * groups)
-    splits = max(1, min(TARGET_PROGRAMS // programs, steps, 16))
-    k_per_split = triton.cdiv(steps, splits) * 32 * groups
-    splits = triton.cdiv(kp, k_per_split)
-    part = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    splits, k_per_split = _splits(kp, 32 * groups, triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    part = _parts(splits, m, n, x.device)
     has_bias = bias is not None
     _q8_linear[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
         x, q, d, bias if has_bias else d, out, part, m, n, kx, kp, k_per_split,
@@ -143,10 +138,7 @@ def launch_q8_linear(x: Tensor, q: Tensor, d: Tensor, bias: Tensor | None, out: 
         IEEE=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps,
     )  # fmt: skip
-    if splits > 1:
-        block = 1024
-        _sum_splits[(triton.cdiv(m * n, block),)](part, bias if has_bias else part, out, m * n, n, splits,
-                                                 HAS_BIAS=has_bias, BLOCK=block)  # fmt: skip
+    _add_splits(part, bias, out, splits)
 
 
 def _launch_gemv(x: Tensor, q: Tensor, d: Tensor, bias: Tensor | None, out: Tensor) -> None:
@@ -154,18 +146,32 @@ def _launch_gemv(x: Tensor, q: Tensor, d: Tensor, bias: Tensor | None, out: Tens
     n, kp = q.shape
     bm = 1 if m == 1 else 2 if m == 2 else 4  # (three compiled variants at most)
     bn, bk = 16, 128 if kp % 128 == 0 else 32
-    programs = triton.cdiv(n, bn)
-    steps = kp // bk
-    splits = max(1, min(TARGET_PROGRAMS // programs, steps, 16))
-    k_per_split = triton.cdiv(steps, splits) * bk
-    splits = triton.cdiv(kp, k_per_split)
-    part = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    splits, k_per_split = _splits(kp, bk, triton.cdiv(n, bn))
+    part = _parts(splits, m, n, x.device)
     has_bias = bias is not None
-    _q8_gemv[(programs, splits)](
+    _q8_gemv[(triton.cdiv(n, bn), splits)](
         x, q, d, bias if has_bias else d, out, part, m, n, kx, kp, k_per_split,
         HAS_BIAS=has_bias, BM=bm, BN=bn, BK=bk, SPLIT=splits > 1, num_warps=4,
     )  # fmt: skip
+    _add_splits(part, bias, out, splits)
+
+
+def _splits(kp: int, step: int, programs: int) -> tuple[int, int]:
+    """(splits, k per split) of K, in whole steps: enough programs to fill the GPU, at most 16 splits."""
+    steps = kp // step
+    splits = max(1, min(TARGET_PROGRAMS // programs, steps, 16))
+    k_per_split = triton.cdiv(steps, splits) * step
+    return triton.cdiv(kp, k_per_split), k_per_split
+
+
+def _parts(splits: int, m: int, n: int, device: torch.device) -> Tensor:  # [splits, M, N] float32 (unused: [1])
+    return torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=device)
+
+
+def _add_splits(part: Tensor, bias: Tensor | None, out: Tensor, splits: int) -> None:
+    """out = the splits' sums in order (+ bias), where K was split."""
     if splits > 1:
+        m, n = out.shape
         block = 1024
-        _sum_splits[(triton.cdiv(m * n, block),)](part, bias if has_bias else part, out, m * n, n, splits,
-                                                 HAS_BIAS=has_bias, BLOCK=block)  # fmt: skip
+        _sum_splits[(triton.cdiv(m * n, block),)](part, part if bias is None else bias, out, m * n, n, splits,
+                                                 HAS_BIAS=bias is not None, BLOCK=block)  # fmt: skip
