@@ -35,6 +35,12 @@ for flags in "" "--no-gpu-kernels" "--quantization int8" "--quantization fp8" "-
   "--batch 64 --context 256 --no-gpu-kernels"; do
   stage "step $flags" 90 $PY scripts/gpu_step.py $MODEL $flags
 done
+# a Qwen3 shape: its q/k norms run inside the fused RoPE + KV write launch with the kernels, in torch's ops without
+stage qwen3-model 60 $PY -m tokenmill make-model --arch qwen3 --shape qwen2.5-0.5b --tokenizer "$TOK" --out /tmp/q3 \
+  --dtype bfloat16 --seed 0
+for flags in "" "--no-gpu-kernels"; do
+  stage "qwen3 step $flags" 90 $PY scripts/gpu_step.py /tmp/q3 $flags
+done
 LAT="--device cuda --dtype bfloat16 --prompt-tokens 32 --gen-tokens 128 --repeat 3 --warmup 1"
 for flags in "" "--no-gpu-kernels" "--quantization int8" "--quantization fp8"; do
   stage "latency $flags" 90 $PY -m tokenmill bench latency $MODEL $LAT $flags

@@ -64,6 +64,47 @@ def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_mul_matches_torch(dtype: torch.dtype, approximate: str) -> None:
+    gate_up = 3 * _randn(3, 2 * 1100, dtype=dtype)  # wide enough to reach gelu's tails
+    gate, up = gate_up.split(1100, dim=-1)
+    want = F.gelu(gate, approximate=approximate) * up
+    torch.testing.assert_close(OPS.gelu_mul(gate_up, tanh=approximate == "tanh"), want, **TOL[dtype])
+    assert not torch.allclose(OPS.gelu_mul(gate_up, tanh=approximate != "tanh"), want, atol=1e-6, rtol=0)
+
+
+def _rotary_tables(t: int, dh: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.arange(t, dtype=torch.float32, device=DEV)[:, None] * torch.linspace(0.1, 1, dh // 2, device=DEV)
+    return torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norms", [False, True])
+def test_rope_and_kv_write_in_one_launch_match_the_ops_they_replace(dtype: torch.dtype, norms: bool) -> None:
+    """GQA (6 q heads on 2 KV heads), head_dim 40 (a half of 20: masked lanes); with Qwen3's q/k norms or none."""
+    t, h, hkv, dh = 3, 6, 2, 40
+    qkv = _randn(t, (h + 2 * hkv) * dh, dtype=dtype)
+    cos, sin = _rotary_tables(t, dh, dtype)
+    qw, kw = 1 + _randn(dh, dtype=dtype, seed=1) / 4, 1 + _randn(dh, dtype=dtype, seed=2) / 4
+    q, k, v = (x.view(t, -1, dh) for x in qkv.split([h * dh, hkv * dh, hkv * dh], dim=-1))
+    if norms:
+        q, k = _torch_rmsnorm(q, qw, 1e-6), _torch_rmsnorm(k, kw, 1e-6)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    slots = torch.tensor([9, 2, 4], device=DEV)
+    want = torch.zeros(2, 12, hkv, dh, dtype=dtype, device=DEV)
+    want[0].index_copy_(0, slots, k)
+    want[1].index_copy_(0, slots, v)
+    v_before = v.clone()
+    cache = torch.zeros_like(want)
+    OPS.rope_kv_write_(qkv, cos, sin, h, dh, cache, slots, (qw, kw, 1e-6) if norms else None)
+    torch.testing.assert_close(cache, want, **TOL[dtype])
+    torch.testing.assert_close(qkv[:, : h * dh].view(t, h, dh), q, **TOL[dtype])  # q rotated in place
+    torch.testing.assert_close(qkv[:, h * dh : (h + hkv) * dh].view(t, hkv, dh), k, **TOL[dtype])
+    assert torch.equal(qkv[:, (h + hkv) * dh :].view(t, hkv, dh), v_before)  # v as it was
+    assert cache[:, [0, 1, 3, 5, 6, 7, 8, 10, 11]].abs().sum() == 0  # no other slot written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rotates_the_q_and_k_heads_of_a_fused_qkv_in_place(dtype: torch.dtype) -> None:
     t, h, hkv, dh = 4, 3, 1, 32
     qkv = _randn(t, (h + 2 * hkv) * dh, dtype=dtype)

@@ -43,20 +43,48 @@ def _bind_triton(llm: LLM) -> CudaKernels:
     return ops
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_float32_greedy_tokens_and_logprobs_match_torchs_ops(make_checkpoint: Callable[..., Path], arch: str) -> None:
-    """Two prompts batched (prefill, then decodes of two context lengths crossing a block boundary)."""
+    """Two prompts batched (prefill, then decodes of two context lengths crossing a block boundary). llama and
+    qwen2 rotate and write their KV in one launch, qwen3 with its q/k norms in the same launch; gemma3's MLP is a
+    GeGLU (its attention keeps torch's ops around the KV write)."""
     folder = make_checkpoint(arch, **SPREAD)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [PROMPT, PROMPT[:11]]
     common = dict(dtype="float32", device=DEV, cpu_kernels=False, gpu_kernels=False, enforce_eager=True, block_size=8)
-    want = [o.outputs[0] for o in LLM(str(folder), **common).generate(prompts, params)]
-    llm = LLM(str(folder), **common)
-    _bind_triton(llm)
+    reference, llm = LLM(str(folder), **common), LLM(str(folder), **common)
+    for model in (reference.loaded.model, llm.loaded.model):
+        _spread_norms(model)
+    want = [o.outputs[0] for o in reference.generate(prompts, params)]
+    ops = _bind_triton(llm)
+    calls: dict[str, int] = {}
+    for name in ("rope_kv_write_", "rope_", "kv_write", "gelu_mul", "silu_mul"):
+        setattr(ops, name, _counted(getattr(ops, name), name, calls))
     got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    fused_kv = arch != "gemma3"
+    assert bool(calls.get("rope_kv_write_")) == fused_kv and not calls.get("rope_")
+    assert bool(calls.get("kv_write")) != fused_kv
+    assert bool(calls.get("gelu_mul")) == (arch == "gemma3") != bool(calls.get("silu_mul"))
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la if t in lb) < 1e-4
+
+
+def _spread_norms(model: torch.nn.Module) -> None:
+    """Every norm's weight drawn at random (a checkpoint's start as ones: q's and k's would be alike)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + torch.randn(p.shape, generator=g) / 4)
+
+
+def _counted(fn: Callable[..., Any], name: str, calls: dict[str, int]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args, **kwargs)
+
+    return call
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="Triton's interpreter truncates float32 -> bfloat16 casts (a GPU rounds)")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tokenmill.attention.backend import BatchLayout, attend_sequence, window_of
 from tokenmill.attention.kv_quant import QUANTIZED, bytes_per_row, dequantize_rows, quantize_rows
 from tokenmill.attention.sinks import attend_with_sinks
-from tokenmill.kernels import FusedOps, Kernels
+from tokenmill.kernels import CudaKernels, FusedOps, Kernels
 from tokenmill.types import SequenceInput
 
 
@@ -248,6 +248,18 @@ class PagedKVCache:
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
 
     # -- per layer --------------------------------------------------------------------------------------------
+    def rope_and_write(
+        self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int,
+        meta: PagedMetadata, norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> bool:  # fmt: skip
+        """The GPU kernels' one launch for a layer's (q/k norms,) RoPE and `write` (`CudaKernels.rope_kv_write_`):
+        qkv [T, (H + 2 Hkv) * Dh] rotated in place, its k and v rows stored. False where this pool does not take it
+        (the CPU's kernels, torch's ops, a quantized pool): the caller rotates and calls `write`."""
+        if not isinstance(self.ops, CudaKernels) or qkv.dtype != self.dtype or not qkv.is_contiguous():
+            return False
+        self.ops.rope_kv_write_(qkv, cos, sin, heads, head_dim, self.cache[layer], meta.slot_mapping, norms)
+        return True
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> None:
         if self.ops is not None and k.dtype == self.dtype and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]:
             if self.scales is None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention import KVBackend
-from tokenmill.kernels import FusedOps, Kernels
+from tokenmill.kernels import CudaKernels, FusedOps, Kernels
 from tokenmill.model_config import ModelConfig
 from tokenmill.models.linear import KernelLinear, Linear
 from tokenmill.models.rope import RotaryEmbedding, apply_rotary
@@ -85,21 +85,38 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         if self.lora is not None:
             qkv = self.lora["qkv_proj"].add(x, qkv)
-        ops = _fused(self.ops, qkv) if self.q_norm is None else None
+        written = self._rope_and_write(qkv, cos, sin, kv, meta)
+        ops = _fused(self.ops, qkv) if self.q_norm is None and not written else None
         if ops is not None:  # RoPE in place on the q and k heads, side by side at the start of each qkv row
             ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, Dh]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, Dh]
-        if ops is None:
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        kv.write(self.layer_idx, k, v, meta)
+        if not written:
+            if ops is None:
+                if self.q_norm is not None and self.k_norm is not None:
+                    q, k = self.q_norm(q), self.k_norm(k)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            kv.write(self.layer_idx, k, v, meta)
         o = kv.attend(self.layer_idx, q, k, v, meta, self.sinks).reshape(-1, self.q_size)  # [T, H * Dh]
         out = self.o_proj(o)  # [T, D]
         return out if self.lora is None else self.lora["o_proj"].add(o, out)
+
+    def _rope_and_write(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVBackend, meta: Any
+    ) -> bool:
+        """The GPU kernels' one launch for the q/k norms (Qwen3's plain RMSNorm; none elsewhere), RoPE and the KV
+        write, where the kernels are bound and the pool is theirs (`PagedKVCache.rope_and_write`)."""
+        if not isinstance(self.ops, CudaKernels) or _fused(self.ops, qkv) is None or (paged := kv.paged) is None:
+            return False
+        norms = None
+        if self.q_norm is not None or self.k_norm is not None:
+            q_norm, k_norm = self.q_norm, self.k_norm
+            if type(q_norm) is not RMSNorm or type(k_norm) is not RMSNorm or q_norm.eps != k_norm.eps:
+                return False
+            norms = (q_norm.weight, k_norm.weight, q_norm.eps)
+        return paged.rope_and_write(self.layer_idx, qkv, cos, sin, self.num_heads, self.head_dim, meta, norms)
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -175,6 +192,8 @@ class GatedMLP(nn.Module):
         if self.act == "silu" and (ops := _fused(self.ops, gate_up)) is not None:
             act = None if scratch is None else scratch.get("act", rows, self.intermediate_size, x.dtype)  # [T, I]
             h = ops.silu_mul(gate_up, out=act)  # [T, I]
+        elif self.act != "silu" and isinstance(ops := _fused(self.ops, gate_up), CudaKernels):  # GeGLU on the GPU
+            h = ops.gelu_mul(gate_up, tanh=self.act != "gelu")  # [T, I]
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
             h = activation(self.act, gate) * up

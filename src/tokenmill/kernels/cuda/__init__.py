@@ -2,7 +2,8 @@
 attention (attention.py) and the weight-only int8 product (int8.py).
 
 `CudaKernels` has the fused ops' calls of the CPU kernels (`kernels.Kernels`: rmsnorm, rope_, silu_mul, kv_write,
-decode_attention), so the layers and the paged KV cache call either the same way; `device_type` and `dtypes` say
+decode_attention), so the layers and the paged KV cache call either the same way, and two of its own: `gelu_mul`
+(GeGLU) and `rope_kv_write_` (a layer's q and k norms, RoPE and KV write in one launch); `device_type` and `dtypes` say
 which tensors each takes. A GPU model binds them unless `--no-gpu-kernels`, or Triton is missing (`unavailable()`
 says so, and torch's ops run). Nothing here imports Triton until a GPU model asks for the kernels: a CPU install
 has no Triton. Tests run the kernels on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
@@ -66,6 +67,33 @@ class CudaKernels:
             out = torch.empty(rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
         self._pointwise.launch_silu_mul(gate_up, out)
         return out
+
+    def gelu_mul(self, gate_up: torch.Tensor, tanh: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, 2I] contiguous (gate, then up) -> gelu(gate) * up [rows, I] (torch's approximate="tanh" where
+        `tanh`, else the exact erf form), into `out` when given."""
+        rows, width = gate_up.shape
+        if out is None:
+            out = torch.empty(rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
+        self._pointwise.launch_gelu_mul(gate_up, out, tanh)
+        return out
+
+    def rope_kv_write_(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int,
+        cache: torch.Tensor, slots: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> None:  # fmt: skip
+        """One launch for what `rope_` and `kv_write` do, in a fused qkv [T, (H + 2 Hkv) * Dh] (q heads, k heads,
+        v heads): where `norms` (q_norm's weight [Dh], k_norm's [Dh], eps), each q and k head is first RMS-normed
+        by its weight (Qwen3); the q and k heads are rotated in place (cos, sin [T, Dh]), and each token's k and v
+        heads go to the layer's cache [2, S, Hkv, Dh] at `slots` [T] (int64)."""
+        kv_heads = cache.shape[2]
+        if not (qkv.is_contiguous() and cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("rope_kv_write_ needs a contiguous qkv, cache and cos/sin")
+        if qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or cos.shape != (qkv.shape[0], head_dim):
+            raise ValueError(
+                f"rope_kv_write_: qkv {tuple(qkv.shape)} is not {heads} + 2 x {kv_heads} heads of "
+                f"{head_dim}, or cos {tuple(cos.shape)} not [{qkv.shape[0]}, {head_dim}]"
+            )
+        self._pointwise.launch_rope_kv_write(qkv, cos, sin, heads, kv_heads, head_dim, cache, slots, norms)
 
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v [T, Hkv, Dh] (rows may be strided: slices of a fused qkv) -> a layer's cache [2, S, Hkv, Dh] at
