@@ -39,6 +39,20 @@ def test_fp8_serves_from_cuda_graphs_as_it_does_eagerly() -> None:
     assert ours == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_fp8_serves_a_float16_or_float32_model(dtype: str) -> None:
+    """Row-wise scaled FP8 products are written in bf16 on every FP8 GPU (torch refuses float32 out but on Hopper's
+    cuBLAS 12.9+): a model in another dtype takes them cast, decodes from its CUDA graphs, and keeps the bf16
+    bars on the demo model's held-out text."""
+    llm = LLM(dtype=dtype, device="cuda", quantization="fp8")
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert len(llm.generate(["ROMEO:\nBut soft, what light"], params)[0].outputs[0].token_ids) == 24
+    reference = LLM(dtype=dtype, device="cuda").loaded
+    q = compare(score(reference, VAL_TEXT), score(llm.loaded, VAL_TEXT))
+    assert q["top1_agreement"] >= 0.97, q
+    assert abs(q["perplexity_change"]) <= 0.01, q
+
+
 def test_fp8_keeps_the_demo_models_predictions_on_the_gpu() -> None:
     reference = LLM(dtype="bfloat16", device="cuda").loaded
     fp8 = LLM(dtype="bfloat16", device="cuda", quantization="fp8").loaded

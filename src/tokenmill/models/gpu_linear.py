@@ -76,8 +76,11 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         q, sx = quantize_rows(x2)
-        # scale_b [1, N] and the weight's transpose (column-major [K, N]): the layout cuBLASLt's row-wise FP8 takes
-        out = torch._scaled_mm(q, self.weight.t(), scale_a=sx, scale_b=self.scale, out_dtype=x.dtype)
+        # scale_b [1, N] and the weight's transpose (column-major [K, N]): the layout cuBLASLt's row-wise FP8 takes.
+        # A GPU writes row-wise scaled products in bf16 (torch refuses float32 out but on Hopper's cuBLAS 12.9+,
+        # and float16 out in older releases): a float16 or float32 model's products are bf16, then its dtype
+        out_dtype = x.dtype if x.device.type == "cpu" else torch.bfloat16
+        out = torch._scaled_mm(q, self.weight.t(), scale_a=sx, scale_b=self.scale, out_dtype=out_dtype).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
