@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit defines the kernels
 pytest.importorskip("triton", reason="Triton is not installed (CPU installs leave it out; `pip install triton`)")
 
+from tokenmill.attention.sinks import attend_with_sinks
 from tokenmill.kernels import formats
 from tokenmill.kernels.cuda import CudaKernels
 from tokenmill.models.rope import apply_rotary
@@ -147,14 +148,14 @@ def _reference_attention(q, cache, tables, lens, bs, window):  # type: ignore[no
 
 @pytest.mark.parametrize(
     "b, h, hkv, dh, window",
-    [(3, 8, 2, 64, None), (1, 7, 1, 80, None), (2, 4, 4, 32, 5), (1, 2, 1, 64, 37), (40, 4, 2, 16, None)],
+    [(3, 8, 2, 64, None), (1, 7, 1, 80, None), (2, 4, 4, 32, 5), (1, 2, 1, 64, 37), (140, 4, 2, 16, None)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_attention_matches_sdpa(
     b: int, h: int, hkv: int, dh: int, window: int | None, dtype: torch.dtype
 ) -> None:
     """GQA groups of 4, 7 (not a power of two) and 1; head sizes 80 (padded to 128) and 16; windows; one sequence
-    (the context split over many programs, then combined) and 40 (one split each); contexts of 1 position, ragged
+    (the context split over many programs, then combined) and 140 (one split each); contexts of 1 position, ragged
     block ends and tiles spanning blocks, through tables in shuffled block order."""
     bs, width = 16, 9
     g = torch.Generator().manual_seed(3)
@@ -165,6 +166,29 @@ def test_paged_decode_attention_matches_sdpa(
     got = OPS.decode_attention(q, cache, tables, lens, bs, window)
     want = _reference_attention(q, cache, tables, lens, bs, window).to(dtype)
     torch.testing.assert_close(got, want, **(TOL[dtype] if dtype != torch.float32 else dict(atol=2e-6, rtol=1e-5)))
+
+
+@pytest.mark.parametrize("b, window", [(1, None), (1, 20), (140, None), (140, 7)])
+def test_paged_decode_attention_with_sinks_matches_the_torch_path(b: int, window: int | None) -> None:
+    """gpt-oss's sinks (a logit per query head in the denominator, attention/sinks.py): one sequence (many splits,
+    the sink joining in the combine) and 140 (2 x 140 programs fill the GPU: one split each, the sink in the
+    epilogue), with and without a window; sinks from far below the scores to far above them."""
+    h, hkv, dh, bs, width = 8, 2, 32, 16, 9
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 64 * bs, hkv, dh, generator=g).to(DEV)
+    tables = torch.stack([torch.randperm(64, generator=g)[:width] for _ in range(b)]).to(DEV)
+    lens = torch.tensor([[140, 1, 17, 144, 33][i % 5] for i in range(b)], device=DEV)
+    q = torch.randn(b, h, dh, generator=g).to(DEV)
+    sinks = torch.tensor([-30.0, -1.0, 0.0, 0.5, 1.0, 2.0, 4.0, 30.0], device=DEV)
+    got = OPS.decode_attention(q, cache, tables, lens, bs, window, sinks)
+    for i, n in enumerate(lens.tolist()):
+        pos = torch.arange(max(0, n - window) if window else 0, n, device=DEV)
+        slots = tables[i, pos // bs] * bs + pos % bs
+        keys, values = cache[0, slots].transpose(0, 1)[None], cache[1, slots].transpose(0, 1)[None]  # [1, Hkv, n, Dh]
+        want = attend_with_sinks(q[i].view(1, hkv, h // hkv, 1, dh), keys, values, sinks).view(h, dh)
+        torch.testing.assert_close(got[i], want, atol=2e-6, rtol=1e-5)
+    without = OPS.decode_attention(q, cache, tables, lens, bs, window)
+    assert not torch.allclose(got[:, 1:], without[:, 1:], atol=1e-3)  # (head 0's sink, -30, weighs ~nothing)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 70])

@@ -70,6 +70,33 @@ def test_float32_greedy_tokens_and_logprobs_match_torchs_ops(make_checkpoint: Ca
         assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la if t in lb) < 1e-4
 
 
+def test_gpt_oss_sinks_and_windows_in_the_triton_decode_attention(make_checkpoint: Callable[..., Path]) -> None:
+    """gpt-oss's sinks and alternating 8-token windows through the paged decode kernel (prefills keep torch's
+    attention with sinks): float32 greedy tokens and logprobs as torch's ops give them, past the window."""
+    from tests.parity.test_gpt_oss import GPT_OSS
+
+    folder = make_checkpoint("gpt_oss", **GPT_OSS)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompts = [PROMPT[:40], PROMPT[:11]]
+    common = dict(dtype="float32", device=DEV, cpu_kernels=False, gpu_kernels=False, enforce_eager=True, block_size=8)
+    want = [o.outputs[0] for o in LLM(str(folder), **common).generate(prompts, params)]
+    llm = LLM(str(folder), **common)
+    ops = _bind_triton(llm)
+    sinks_given: list[bool] = []
+    attention = ops.decode_attention
+
+    def decode_attention(*args: Any) -> torch.Tensor:
+        sinks_given.append(args[6] is not None)  # (q, cache, tables, lens, block_size, window, sinks)
+        return attention(*args)
+
+    ops.decode_attention = decode_attention  # type: ignore[method-assign]
+    got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert sinks_given and all(sinks_given)  # every decode step's layers through the kernel, with their sinks
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la if t in lb) < 1e-4
+
+
 def _spread_norms(model: torch.nn.Module) -> None:
     """Every norm's weight drawn at random (a checkpoint's start as ones: q's and k's would be alike)."""
     g = torch.Generator().manual_seed(0)

@@ -16,7 +16,7 @@ from tokenmill.attention.paged import PagedKVCache
 from tokenmill.attention.protocol import KVBackend
 from tokenmill.attention.sizing import plan_num_blocks
 from tokenmill.config import KV_CACHE_MODES, EngineConfig
-from tokenmill.kernels import FusedOps, Kernels
+from tokenmill.kernels import FusedOps
 from tokenmill.model_config import ModelConfig
 
 
@@ -25,8 +25,6 @@ def make_kv_backend(
     ops: FusedOps | None = None,
 ) -> KVBackend:  # fmt: skip
     """The backend `cfg.kv_cache` names, sized by `cfg` (the paged pool: `plan_num_blocks`)."""
-    if model.attention_sinks and not isinstance(ops, Kernels):  # the GPU's Triton attention has no sinks: torch's
-        ops = None
     if cfg.kv_cache == "paged":
         num_blocks = plan_num_blocks(model, cfg, dtype, device, max_model_len)
         paged = PagedKVCache(model.num_layers, num_blocks, cfg.block_size, model.num_kv_heads, model.head_dim, dtype,

@@ -278,8 +278,6 @@ class PagedKVCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata,
                sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        if sinks is not None and self.ops is not None and not isinstance(self.ops, Kernels):
-            raise ValueError("attention sinks run in the CPU kernels or in torch: build this pool with ops=None")
         nd = meta.num_decodes
         if meta.row_tables is not None and meta.row_lens is not None:  # batch-invariant: every row as a decode
             assert isinstance(self.ops, Kernels)
@@ -325,9 +323,8 @@ class PagedKVCache:
                                              meta.decode_lens, self.block_size, window, sinks,
                                              self._layer_scales(layer))  # fmt: skip
         if self.ops is not None:
-            return self.ops.decode_attention(
-                q.contiguous(), self.cache[layer], meta.decode_block_tables, meta.decode_lens, self.block_size, window
-            )
+            return self.ops.decode_attention(q.contiguous(), self.cache[layer], meta.decode_block_tables,
+                                             meta.decode_lens, self.block_size, window, sinks)  # fmt: skip
         bias = meta.decode_bias if window is None else meta.window_bias[window]
         assert bias is not None
         b, m = meta.decode_block_tables.shape

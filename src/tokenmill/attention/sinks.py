@@ -3,8 +3,9 @@ attends to nothing, so a head can put weight "nowhere" rather than on some key.
 
     p_i = exp(s_i) / (sum_j exp(s_j) + exp(sink_h)),   out = sum_i p_i v_i
 
-This is the torch path every KV backend takes for a model with sinks where the CPU kernels do not (they fold the
-sink into their softmax: attention/decode.h, prefill.h). It is transformers' eager attention (`modeling_gpt_oss`:
+This is the torch path every KV backend takes for a model with sinks where no kernel does: the CPU kernels fold the
+sink into their softmax (attention/decode.h, prefill.h), the GPU's decode kernel into its last step
+(kernels/cuda/attention.py), and a GPU's prefills come here. It is transformers' eager attention (`modeling_gpt_oss`:
 the sink concatenated to the scores as one more column, the largest logit taken out, softmax, the column dropped),
 in float32 whatever the model's dtype, and queries are taken in chunks so the [rows, context] scores of a long prompt
 are never held at once.

@@ -105,12 +105,15 @@ class CudaKernels:
 
     def decode_attention(
         self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int,
-        window: int | None = None,
+        window: int | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """As `Kernels.decode_attention`: q [B, H, Dh] against the paged cache [2, slots, Hkv, Dh] -> [B, H, Dh]."""
+        """As `Kernels.decode_attention`: q [B, H, Dh] against the paged cache [2, slots, Hkv, Dh] -> [B, H, Dh];
+        `sinks` [H]: each query head's sink logit (gpt-oss)."""
         q = q.contiguous()
         out = torch.empty_like(q)
-        self._attention.launch_decode(q, cache, tables, lens, block_size, window or 0, out, q.shape[-1] ** -0.5)
+        sinks = None if sinks is None else sinks.float().contiguous()
+        self._attention.launch_decode(q, cache, tables, lens, block_size, window or 0, out, q.shape[-1] ** -0.5,
+                                      sinks)  # fmt: skip
         return out
 
     def q8_linear(

@@ -6,7 +6,9 @@ reads each key once, and walks its split of the context in tiles of TILE positio
 position's block comes from the table (position // block_size), so a tile may span blocks. With more than one
 split (long contexts, few sequences: too few programs to fill the GPU otherwise) each split writes its running
 max, sum and weighted values, and a second kernel combines them in a fixed order, so the result does not depend
-on scheduling. A sliding window skips the tiles before it and masks what precedes it inside a tile.
+on scheduling. A sliding window skips the tiles before it and masks what precedes it inside a tile. Sinks (gpt-oss:
+a logit per query head that joins the softmax's denominator and weighs no value, attention/sinks.py) join where
+the softmax ends: in the one split's epilogue, or in the combine.
 
 Scores and softmax are float32, products are elementwise (no tf32), so a float32 model matches SDPA to ~1e-6.
 """
@@ -27,9 +29,10 @@ TARGET_PROGRAMS = 264  # ~2 programs per multiprocessor of an H100/H200 (132 of 
 # NOTE: the ints that change from step to step are neither constexprs nor specialized: each distinct value would
 # compile another kernel (a 64-stream run with the split count as a constexpr spent ~3 s of 4.9 compiling)
 @triton.jit(do_not_specialize=["table_width", "window", "split_len", "splits"])
-def _decode(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, kv_offset, table_width, scale, window,
-            split_len, splits, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-            DH: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+def _decode(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, sinks_ptr, kv_offset, table_width, scale,
+            window, split_len, splits, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+            DH: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
+            SINKS: tl.constexpr):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -64,6 +67,12 @@ def _decode(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, kv_offset
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     if not SPLIT:
+        if SINKS:  # the sink's exp joins the sum, rescaled to the larger of the two maxima
+            sink = tl.load(sinks_ptr + heads, mask=g < G, other=0.0).to(tl.float32)
+            top = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - top)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp(sink - top)
         out = acc / l_i[:, None]
         tl.store(out_ptr + (b * H + heads)[:, None] * DH + d[None, :], out.to(out_ptr.dtype.element_ty), mask=qmask)
     else:  # partials [B, H, SPLITS, DH + 2]: the weighted values, then the max and the sum
@@ -74,7 +83,8 @@ def _decode(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, kv_offset
 
 
 @triton.jit(do_not_specialize=["splits"])
-def _combine(part_ptr, out_ptr, splits, DH: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
+def _combine(part_ptr, out_ptr, sinks_ptr, splits, H: tl.constexpr, DH: tl.constexpr, DP: tl.constexpr,
+             SP: tl.constexpr, SINKS: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)  # b * H + head
     s = tl.arange(0, SP)
     d = tl.arange(0, DP)
@@ -82,9 +92,15 @@ def _combine(part_ptr, out_ptr, splits, DH: tl.constexpr, DP: tl.constexpr, SP: 
     m = tl.load(base + DH, mask=s < splits, other=float("-inf"))
     total = tl.load(base + DH + 1, mask=s < splits, other=0.0)
     top = tl.max(m, axis=0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + row % H).to(tl.float32)
+        top = tl.maximum(top, sink)
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)  # an empty split (no positions) weighs nothing
     acc = tl.load(base[:, None] + d[None, :], mask=(s < splits)[:, None] & (d < DH)[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(total * w, axis=0)
+    denominator = tl.sum(total * w, axis=0)
+    if SINKS:
+        denominator += tl.exp(sink - top)
+    out = tl.sum(acc * w[:, None], axis=0) / denominator
     tl.store(out_ptr + row * DH + d, out.to(out_ptr.dtype.element_ty), mask=d < DH)
 
 
@@ -95,9 +111,11 @@ def splits_for(batch: int, kv_heads: int, max_positions: int) -> int:
 
 
 def launch_decode(
-    q: Tensor, cache: Tensor, tables: Tensor, lens: Tensor, block_size: int, window: int, out: Tensor, scale: float
-) -> None:
-    """q [B, H, Dh], cache [2, slots, Hkv, Dh], tables [B, M] int64, lens [B] int64 -> out [B, H, Dh]."""
+    q: Tensor, cache: Tensor, tables: Tensor, lens: Tensor, block_size: int, window: int, out: Tensor, scale: float,
+    sinks: Tensor | None = None,
+) -> None:  # fmt: skip
+    """q [B, H, Dh], cache [2, slots, Hkv, Dh], tables [B, M] int64, lens [B] int64 (, sinks [H] float32) -> out
+    [B, H, Dh]."""
     b, h, dh = q.shape
     hkv, width = cache.shape[2], tables.shape[1]
     g = h // hkv
@@ -105,9 +123,13 @@ def launch_decode(
     split_len = triton.cdiv(triton.cdiv(width * block_size, splits), TILE) * TILE
     splits = triton.cdiv(width * block_size, split_len)
     part = torch.empty((b, h, splits, dh + 2) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    has_sinks = sinks is not None
+    sinks_arg = sinks if sinks is not None else lens  # (unread without SINKS)
     _decode[(b, hkv, splits)](
-        q, cache, tables, lens, out, part, cache.stride(0), width, scale, window, split_len, splits,
+        q, cache, tables, lens, out, part, sinks_arg, cache.stride(0), width, scale, window, split_len, splits,
         H=h, HKV=hkv, G=g, GP=next_pow2(g), DH=dh, DP=next_pow2(dh), BS=block_size, TILE=TILE, SPLIT=splits > 1,
+        SINKS=has_sinks,
     )  # fmt: skip
-    if splits > 1:  # SP: a power of two, so at most 6 variants of the combine are ever compiled
-        _combine[(b * h,)](part, out, splits, DH=dh, DP=next_pow2(dh), SP=next_pow2(splits))
+    if splits > 1:  # SP: a power of two, so at most 6 variants of the combine are ever compiled (12 with sinks)
+        _combine[(b * h,)](part, out, sinks_arg, splits, H=h, DH=dh, DP=next_pow2(dh), SP=next_pow2(splits),
+                           SINKS=has_sinks)  # fmt: skip
