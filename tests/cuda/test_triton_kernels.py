@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit defines the kernels
 pytest.importorskip("triton", reason="Triton is not installed (CPU installs leave it out; `pip install triton`)")
 
+from tokenmill.attention.backend import attend_sequence
 from tokenmill.attention.sinks import attend_with_sinks
 from tokenmill.kernels import formats
 from tokenmill.kernels.cuda import CudaKernels
@@ -189,6 +190,41 @@ def test_paged_decode_attention_with_sinks_matches_the_torch_path(b: int, window
         torch.testing.assert_close(got[i], want, atol=2e-6, rtol=1e-5)
     without = OPS.decode_attention(q, cache, tables, lens, bs, window)
     assert not torch.allclose(got[:, 1:], without[:, 1:], atol=1e-3)  # (head 0's sink, -30, weighs ~nothing)
+
+
+@pytest.mark.parametrize(
+    "h, hkv, dh, window, sinks",
+    [(4, 2, 32, None, False), (6, 1, 80, None, False), (4, 4, 16, 7, False), (8, 2, 32, 12, True)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_attention_matches_the_per_sequence_path(
+    h: int, hkv: int, dh: int, window: int | None, sinks: bool, dtype: torch.dtype
+) -> None:
+    """Four prompts in one call, after two decode rows: a fresh one of 70 tokens (three query tiles), a chunk of
+    5 after 40 cached, one token after 1, a chunk of 33 after 64 (a tile of one row past 32); GQA 2, 6 and 1,
+    head sizes 32, 80 (padded to 128) and 16, windows, sinks; tables in shuffled block order. Each sequence
+    against attend_sequence over its gathered context (the path the loop took)."""
+    bs, g = 8, torch.Generator().manual_seed(7)
+    spans = [(70, 70), (5, 45), (1, 2), (33, 97)]  # (new tokens, context length)
+    width = max(-(-ctx // bs) for _, ctx in spans)
+    cache = torch.randn(2, 64 * bs, hkv, dh, generator=g).to(dtype).to(DEV)
+    tables = torch.stack([torch.randperm(64, generator=g)[:width] for _ in spans]).to(DEV)
+    rows = 2 + sum(n for n, _ in spans)
+    qkv = torch.randn(rows, (h + 2 * hkv) * dh, generator=g).to(dtype).to(DEV)  # q rows strided, as in a layer
+    q = qkv[:, : h * dh].view(rows, h, dh)
+    starts = [2 + sum(n for n, _ in spans[:i]) for i in range(len(spans))]
+    seqs = torch.tensor([[s, n, ctx] for s, (n, ctx) in zip(starts, spans, strict=True)], device=DEV)
+    sink = torch.linspace(-2, 3, h, device=DEV) if sinks else None
+    out = torch.full((rows, h, dh), 7.0, dtype=dtype, device=DEV)
+    OPS.prefill_attention(q, cache, tables, seqs, bs, window, out, sink, max_rows=70)
+    assert (out[:2] == 7.0).all()  # the decodes' rows untouched
+    for i, ((n, ctx), start) in enumerate(zip(spans, starts, strict=True)):
+        pos = torch.arange(ctx, device=DEV)
+        slots = tables[i, pos // bs] * bs + pos % bs
+        keys, values = cache[0, slots].transpose(0, 1), cache[1, slots].transpose(0, 1)  # [Hkv, ctx, Dh]
+        want = attend_sequence(q[start : start + n].float(), keys.float(), values.float(), window, sink)
+        tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(out[start : start + n].float(), want, **tol)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 70])

@@ -45,7 +45,8 @@ def _bind_triton(llm: LLM) -> CudaKernels:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_float32_greedy_tokens_and_logprobs_match_torchs_ops(make_checkpoint: Callable[..., Path], arch: str) -> None:
-    """Two prompts batched (prefill, then decodes of two context lengths crossing a block boundary). llama and
+    """Two prompts batched (prefill, then decodes of two context lengths crossing a block boundary), the prefills
+    in the paged prefill kernel. llama and
     qwen2 rotate and write their KV in one launch, qwen3 with its q/k norms in the same launch; gemma3's MLP is a
     GeGLU (its attention keeps torch's ops around the KV write)."""
     folder = make_checkpoint(arch, **SPREAD)
@@ -58,13 +59,42 @@ def test_float32_greedy_tokens_and_logprobs_match_torchs_ops(make_checkpoint: Ca
     want = [o.outputs[0] for o in reference.generate(prompts, params)]
     ops = _bind_triton(llm)
     calls: dict[str, int] = {}
-    for name in ("rope_kv_write_", "rope_", "kv_write", "gelu_mul", "silu_mul"):
+    for name in ("rope_kv_write_", "rope_", "kv_write", "gelu_mul", "silu_mul", "prefill_attention"):
         setattr(ops, name, _counted(getattr(ops, name), name, calls))
     got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert calls.get("prefill_attention")  # the prompts, the second one's prefix cached, in one launch a layer
     fused_kv = arch != "gemma3"
     assert bool(calls.get("rope_kv_write_")) == fused_kv and not calls.get("rope_")
     assert bool(calls.get("kv_write")) != fused_kv
     assert bool(calls.get("gelu_mul")) == (arch == "gemma3") != bool(calls.get("silu_mul"))
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la if t in lb) < 1e-4
+
+
+def test_prefill_chunks_and_cached_prefixes_in_the_prefill_kernel(make_checkpoint: Callable[..., Path]) -> None:
+    """Prompts in chunks of 8 tokens (a step's budget), then a prompt whose first blocks are cached: the prefill
+    kernel reads the earlier positions from the pool. float32 tokens and logprobs as torch's ops give them."""
+    folder = make_checkpoint("qwen2", **SPREAD)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    turns = [[PROMPT], [PROMPT + " And the second turn adds these words."]]
+    common = dict(dtype="float32", device=DEV, cpu_kernels=False, gpu_kernels=False, enforce_eager=True, block_size=8,
+                  max_num_batched_tokens=8, enable_chunked_prefill=True)  # fmt: skip
+    reference = LLM(str(folder), **common)
+    want = [o.outputs[0] for turn in turns for o in reference.generate(turn, params)]
+    llm = LLM(str(folder), **common)
+    ops = _bind_triton(llm)
+    spans: list[tuple[int, int]] = []  # (new tokens, context length) of each prefill the kernel took
+    prefill = ops.prefill_attention
+
+    def prefill_attention(*args: Any, **kwargs: Any) -> None:
+        spans.extend((n, ctx) for _, n, ctx in args[3].tolist())
+        prefill(*args, **kwargs)
+
+    ops.prefill_attention = prefill_attention  # type: ignore[method-assign]
+    got = [o.outputs[0] for turn in turns for o in llm.generate(turn, params)]
+    assert any(ctx > n for n, ctx in spans)  # a chunk after the first, or a cached prefix
+    assert max(n for n, _ in spans) <= 8
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la if t in lb) < 1e-4

@@ -9,8 +9,9 @@ Two attention paths:
   gathered at once into [B, S, Hkv, Dh] (S = the longest context, padded), and the H query heads are grouped
   per KV head ([B, Hkv, H/Hkv, Dh]), so GQA needs no repeated keys and a padding bias is the only mask. This
   path reads only tensors from the metadata.
-- everything else (prefills and chunks), one sequence at a time; a sequence with nothing cached attends to its
-  new keys directly, without reading them back.
+- everything else (prefills and chunks): with the fused kernels, every prefill of the step in one call that reads
+  the blocks in place (its new keys and values were written first). Otherwise one sequence at a time; a sequence
+  with nothing cached attends to its new keys directly, without reading them back.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class PagedMetadata(BatchLayout):
     context_slots: list[torch.Tensor | None] = field(default_factory=list)  # per sequence: [ctx] slots to read
     prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks] the prefills' block ids (fused kernel)
     prefill_seqs: torch.Tensor | None = None  # [P, 3] int64: first row, new tokens, context length (fused kernel)
+    prefill_max_rows: int = 0  # the most new tokens of a prefill (the GPU kernel's grid)
     row_tables: torch.Tensor | None = None  # batch-invariant: [T, max_blocks] each row's sequence's block ids
     row_lens: torch.Tensor | None = None  # batch-invariant: [T] int64 each row's context, itself included
 
@@ -71,7 +73,6 @@ class PagedKVCache:
         fused = ops is not None and device.type == ops.device_type and dtype in ops.dtypes
         fused = fused and (self.storage == dtype or (quantized and isinstance(ops, Kernels)))
         self.ops = ops if fused else None
-        self.fused_prefill = isinstance(self.ops, Kernels)  # the CPU kernels also attend prefills in place
         # every row, prefill or decode, through the decode kernel, one query at a time: the same sums for a token
         # whatever its batch, chunk or cached prefix (the prefill kernel's tiles sum in another order)
         self.batch_invariant = batch_invariant
@@ -163,7 +164,7 @@ class PagedKVCache:
         meta.slot_mapping = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [T]
         if self.batch_invariant:
             meta.row_tables, meta.row_lens = self._row_queries(sequences, meta.seq_lens)
-        elif self.fused_prefill and len(sequences) > num_decodes:
+        elif self.ops is not None and len(sequences) > num_decodes:  # both kernel sets attend prefills in place
             meta.prefill_block_tables, meta.prefill_seqs = self._prefill_tables(sequences[num_decodes:], meta)
         return meta
 
@@ -173,10 +174,12 @@ class PagedKVCache:
         """The fused prefill attention's block tables [P, M] (padded with 0) and [P, 3] (first row, new tokens,
         context length) for the prefill sequences, which follow the decodes."""
         width = max(len(s.block_table) for s in prefills)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in prefills], dtype=torch.int64)
+        padded = [s.block_table + [0] * (width - len(s.block_table)) for s in prefills]
+        tables = torch.tensor(padded, dtype=torch.int64, device=self.device)
         starts = meta.query_start_loc[meta.num_decodes :]
         seqs = [[starts[i], starts[i + 1] - starts[i], s.seq_len] for i, s in enumerate(prefills)]
-        return tables, torch.tensor(seqs, dtype=torch.int64)
+        meta.prefill_max_rows = max(n for _, n, _ in seqs)
+        return tables, torch.tensor(seqs, dtype=torch.int64, device=self.device)
 
     def _row_queries(
         self, sequences: Sequence[SequenceInput], seq_lens: list[int]
@@ -289,17 +292,17 @@ class PagedKVCache:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode_batch(layer, q[:nd], meta, sinks)
-        fused = meta.prefill_seqs is not None and q.dtype == self.dtype and q.stride(1) == q.shape[-1]
-        if fused and q.shape[-1] % 16 == 0:  # every prefill in one call (prefill_attention.h)
-            assert (
-                isinstance(self.ops, Kernels)
-                and meta.prefill_block_tables is not None
-                and meta.prefill_seqs is not None
-            )
-            self.ops.prefill_attention(q, self.cache[layer], meta.prefill_block_tables, meta.prefill_seqs,
-                                       self.block_size, window_of(self.windows, layer), out, sinks,
-                                       self._layer_scales(layer))  # fmt: skip
-            return out
+        tables, seqs, window = meta.prefill_block_tables, meta.prefill_seqs, window_of(self.windows, layer)
+        if tables is not None and seqs is not None and q.dtype == self.dtype and q.stride(1) == q.shape[-1]:
+            if isinstance(self.ops, Kernels) and q.shape[-1] % 16 == 0:  # every prefill in one call
+                self.ops.prefill_attention(
+                    q, self.cache[layer], tables, seqs, self.block_size, window, out, sinks, self._layer_scales(layer)
+                )  # fmt: skip (prefill_attention.h)
+                return out
+            if isinstance(self.ops, CudaKernels):  # (kernels/cuda/prefill.py)
+                self.ops.prefill_attention(q, self.cache[layer], tables, seqs, self.block_size, window, out, sinks,
+                                           max_rows=meta.prefill_max_rows)  # fmt: skip
+                return out
         for b in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[b], meta.query_start_loc[b + 1]
             slots = meta.context_slots[b]

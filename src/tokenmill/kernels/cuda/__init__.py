@@ -1,12 +1,13 @@
-"""tokenmill's GPU kernels, in Triton: the fused small ops of a decoder layer (pointwise.py), paged decode
-attention (attention.py) and the weight-only int8 product (int8.py).
+"""tokenmill's GPU kernels, in Triton: the fused small ops of a decoder layer (pointwise.py), paged decode and
+prefill attention (attention.py, prefill.py), the weight-only int8 product (int8.py) and MoE's grouped GEMMs (moe.py).
 
 `CudaKernels` has the fused ops' calls of the CPU kernels (`kernels.Kernels`: rmsnorm, rope_, silu_mul, kv_write,
-decode_attention), so the layers and the paged KV cache call either the same way, and two of its own: `gelu_mul`
-(GeGLU) and `rope_kv_write_` (a layer's q and k norms, RoPE and KV write in one launch); `device_type` and `dtypes` say
-which tensors each takes. A GPU model binds them unless `--no-gpu-kernels`, or Triton is missing (`unavailable()`
-says so, and torch's ops run). Nothing here imports Triton until a GPU model asks for the kernels: a CPU install
-has no Triton. Tests run the kernels on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
+decode_attention, prefill_attention), so the layers and the paged KV cache call either the same way, and two of
+its own: `gelu_mul` (GeGLU) and `rope_kv_write_` (a layer's q and k norms, RoPE and KV write in one launch);
+`device_type` and `dtypes` say which tensors each takes. A GPU model binds them unless `--no-gpu-kernels`, or
+Triton is missing (`unavailable()` says so, and torch's ops run). Nothing here imports Triton until a GPU model asks
+for the kernels: a CPU install has no Triton. Tests run the kernels on the CPU under Triton's interpreter
+(TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ class CudaKernels:
     def __init__(self, device_type: str = "cuda") -> None:
         """`device_type` "cpu" only under Triton's interpreter (TRITON_INTERPRET=1, set before this is made): the
         tests run whole models through these kernels that way."""
-        from tokenmill.kernels.cuda import attention, int8, moe, pointwise
+        from tokenmill.kernels.cuda import attention, int8, moe, pointwise, prefill
 
         reaper.before_spawn()  # Triton's compiler jobs (ptxas)
         self.device_type = device_type
         self._attention, self._int8, self._moe, self._pointwise = attention, int8, moe, pointwise
+        self._prefill = prefill
 
     def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """[rows, D] contiguous: residual += x (in place, when given), then rmsnorm(residual or x) * weight."""
@@ -115,6 +117,20 @@ class CudaKernels:
         self._attention.launch_decode(q, cache, tables, lens, block_size, window or 0, out, q.shape[-1] ** -0.5,
                                       sinks)  # fmt: skip
         return out
+
+    def prefill_attention(
+        self, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor, block_size: int,
+        window: int | None, out: torch.Tensor, sinks: torch.Tensor | None = None, *, max_rows: int,
+    ) -> None:  # fmt: skip
+        """As `Kernels.prefill_attention` (the cache unquantized): the prompts' new rows of q [T, H, Dh] over the
+        paged cache [2, slots, Hkv, Dh], which holds their keys and values already, through tables [S, M] and seqs
+        [S, 3] (first row, new tokens, context length; int64, on the device) -> those rows of out [T, H, Dh]
+        (contiguous). `max_rows`: the most new tokens of a sequence, known on the host (the grid's extent)."""
+        dh = q.shape[2]
+        if q.stride(2) != 1 or q.stride(1) != dh or not out.is_contiguous() or q.dtype != cache.dtype:
+            raise ValueError("prefill_attention needs heads Dh apart, a contiguous out and one dtype")
+        sinks = None if sinks is None else sinks.float().contiguous()
+        self._prefill.launch_prefill(q, cache, tables, seqs, block_size, window or 0, out, sinks, max_rows)
 
     def q8_linear(
         self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
