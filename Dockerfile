@@ -13,8 +13,9 @@ ARG TORCH_VERSION=2.13.0
 # its CUDA wheels); elsewhere e.g. "--find-links http://HOST:PORT/" serving a folder that holds torch-*+cpu-*.whl
 ARG TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 # the kernel variants compiled now (the rest compile on first use, into the writable cache): the x86-64 levels a
-# server CPU picks (AVX2: Zen 2/3; AVX-VNNI: Alder Lake on; AVX-512: Skylake-SP/Ice Lake; AVX-512 BF16: Zen 4/5, Xeons)
-ARG KERNEL_VARIANTS="avx2 avxvnni avx512 avx512bf16"
+# server CPU picks (AVX2: Zen 2/3; AVX-VNNI: Alder Lake on; AVX-512: Skylake-SP; AVX-512 VNNI: Cascade Lake, Ice Lake;
+# AVX-512 BF16: Zen 4/5, Sapphire Rapids on)
+ARG KERNEL_VARIANTS="avx2 avxvnni avx512 avx512vnni avx512bf16"
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PIP_NO_CACHE_DIR=1

@@ -64,6 +64,22 @@ def test_the_header_compiles_alone(header: str) -> None:
     assert done.returncode == 0, f"{header} ({level} flags) does not compile alone:\n{done.stderr[-4000:]}"
 
 
+@pytest.mark.parametrize("level", ["avx512vnni"])
+def test_a_variant_that_shares_another_ones_headers_compiles(level: str) -> None:
+    """The avx512vnni variant (Cascade Lake, Ice Lake) takes arch/avx512bf16/'s zmm integer tiles without its BF16
+    flags: the whole translation unit is compiled with its flags on every machine (unoptimized: GCC reports an
+    intrinsic the flags lack only when it inlines it, which a syntax check never does), so a BF16 instruction
+    slipping into those tiles fails here, not only where a CPU picks that variant."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler: {compiler!r} is not on PATH (install g++, or set CXX)")
+    if not X86:
+        pytest.skip(f"{level} is x86 code: this is {platform.machine()}")
+    command = [compiler, "-c", "-o", os.devnull, "-std=c++20", "-fPIC", *build.cflags(level), "-O0", *_include_flags()]
+    done = subprocess.run([*command, str(build.CSRC / "kernels.cpp")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"kernels.cpp ({level} flags) does not compile:\n{done.stderr[-4000:]}"
+
+
 def test_the_build_key_covers_headers_in_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An edit to a header in a subfolder of csrc/ is a new build and a new packed-weight layout, as an edit to
     kernels.cpp is."""

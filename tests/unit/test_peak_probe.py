@@ -35,10 +35,10 @@ def test_every_variant_has_the_fma_peak_named_by_its_instruction(ops: kernels.Ke
     kinds = {kind: name for kind, name, _ in ops.module.peak_kinds()}
     assert 0 in kinds
     expected = {"avx2": "vfmadd231ps ymm", "avxvnni": "vfmadd231ps ymm", "avx512": "vfmadd231ps zmm",
-                "avx512bf16": "vfmadd231ps zmm"}.get(ops.level)  # fmt: skip
+                "avx512vnni": "vfmadd231ps zmm", "avx512bf16": "vfmadd231ps zmm"}.get(ops.level)  # fmt: skip
     if expected:
         assert kinds[0] == expected
-    assert (2 in kinds) == (ops.level in ("avxvnni", "avx512bf16"))  # vpdpbusd where the variant has VNNI
+    assert (2 in kinds) == (ops.level in ("avxvnni", "avx512vnni", "avx512bf16"))  # vpdpbusd where it has VNNI
     assert (1 in kinds) == (ops.level == "avx512bf16")
 
 

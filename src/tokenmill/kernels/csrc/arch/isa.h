@@ -6,7 +6,8 @@
 //   arch/avx2/        8-lane vectors; the ymm integer tiles of the quantized formats (every x86 variant's)
 //   arch/avxvnni/     the wide quantized tiles of the avxvnni variant (VNNI on 8 lanes)
 //   arch/avx512/      16-lane vectors
-//   arch/avx512bf16/  vdpbf16ps pair tiles and bf16 decode attention; the zmm VNNI quantized tiles
+//   arch/avx512bf16/  vdpbf16ps pair tiles and bf16 decode attention; the zmm VNNI quantized tiles (also the
+//                     avx512vnni variant's: AVX-512 VNNI without BF16, Cascade Lake and Ice Lake)
 //   arch/amx/         AMX tiles (in the avx512bf16 variant, taken only where the CPU and Linux allow them)
 #pragma once
 
