@@ -327,6 +327,32 @@ def test_status_names_the_active_variant_and_why() -> None:
     assert s["kernels"] in (*kernels.LEVELS, "pure-torch") and s["supported"][0] == "scalar" and s["why"]
 
 
+# the flags /proc/cpuinfo lists for each CPU kind (the ones isa.py reads)
+_BASE = {"avx2", "fma", "f16c"}
+_AVX512 = _BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+CPU_KINDS = {
+    "Zen 3": (_BASE, "avx2"),
+    "Alder Lake": (_BASE | {"avx_vnni"}, "avxvnni"),
+    "Skylake-SP": (_AVX512, "avx512"),
+    "Cascade Lake / Ice Lake": (_AVX512 | {"avx512_vnni"}, "avx512vnni"),
+    "Zen 4 / Sapphire Rapids": (_AVX512 | {"avx512_vnni", "avx512_bf16", "avx_vnni"}, "avx512bf16"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CPU_KINDS))
+def test_each_cpu_kind_gets_its_variant(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variant picked from a CPU's flags: AVX-512 VNNI without BF16 (Cascade Lake, Ice Lake) takes the zmm
+    VNNI tiles of `avx512vnni`, not `avx512`'s; BF16 with VNNI takes `avx512bf16`."""
+    from tokenmill.kernels import isa
+
+    flags, want = CPU_KINDS[kind]
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("TOKENMILL_ISA", raising=False)
+    assert isa.choose().level == want
+    assert isa.supported_levels()[-1] == want
+
+
 def test_a_forced_isa_must_exist_and_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     from tokenmill.kernels.isa import choose
 
