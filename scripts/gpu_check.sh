@@ -57,6 +57,10 @@ for flags in "" "--no-gpu-kernels"; do
   stage "throughput $flags" 90 $PY -m tokenmill bench throughput $MODEL $TPUT $flags
   tar czf "$OUT/bench.tgz" bench-results 2>/dev/null
 done
+# the 64-stream target's baselines: transformers' generate (one static batch) and its continuous batching
+for flags in "" "--continuous-batching"; do
+  stage "transformers $flags" 90 $PY scripts/hf_static_batch.py $MODEL --batch 64 --len 128 $flags
+done
 # a mixture of experts: the grouped GEMMs and CUDA graphs (the default) against the per-expert path
 stage moe-model 60 $PY -m tokenmill make-model --arch qwen3_moe --shape qwen3-moe-small --tokenizer "$TOK" \
   --out /tmp/moes --dtype bfloat16 --seed 0
