@@ -47,9 +47,8 @@ def _prefill(q_ptr, q_stride, cache_ptr, tables_ptr, seqs_ptr, out_ptr, sinks_pt
     kvh = head // G
     end = tl.minimum(ctx, ctx - q_len + tile * BM + BM)  # past the tile's last row's position
     end = tl.where(tile * BM < q_len, end, 0)  # a tile past the sequence's rows reads nothing and stores nothing
-    lo = 0
-    if window > 0:
-        lo = (tl.maximum(ctx - q_len + tile * BM - window + 1, 0) // BN) * BN
+    # the tile's first row's window starts here (one expression, not a branch: a runtime `if` must give one type)
+    lo = tl.where(window > 0, (tl.maximum(ctx - q_len + tile * BM - window + 1, 0) // BN) * BN, 0)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DP], tl.float32)
@@ -67,8 +66,7 @@ def _prefill(q_ptr, q_stride, cache_ptr, tables_ptr, seqs_ptr, out_ptr, sinks_pt
             s = tl.dot(q, tl.trans(k))
         s = s * scale
         seen = kvalid[None, :] & (kpos[None, :] <= qpos[:, None])
-        if window > 0:
-            seen = seen & (kpos[None, :] > qpos[:, None] - window)
+        seen = seen & ((window == 0) | (kpos[None, :] > qpos[:, None] - window))
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN from -inf - -inf
