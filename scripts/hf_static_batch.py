@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -23,7 +24,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def static_batch(model: torch.nn.Module, ids: torch.Tensor, n: int, device: str) -> tuple[int, float]:
+def static_batch(model: Any, ids: torch.Tensor, n: int, device: str) -> tuple[int, float]:
     mask = torch.ones_like(ids)
     model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=8, min_new_tokens=8, do_sample=False)
     _sync(device)
@@ -33,7 +34,7 @@ def static_batch(model: torch.nn.Module, ids: torch.Tensor, n: int, device: str)
     return (out.shape[1] - ids.shape[1]) * ids.shape[0], time.perf_counter() - start
 
 
-def continuous_batching(model: torch.nn.Module, ids: torch.Tensor, n: int, device: str) -> tuple[int, float]:
+def continuous_batching(model: Any, ids: torch.Tensor, n: int, device: str) -> tuple[int, float]:
     prompts = ids.tolist()
     config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(max_new_tokens=8, do_sample=False,
