@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+if not torch.cuda.is_available():  # (Triton reads it once: the other modules here run their kernels interpreted)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed (CPU installs leave it out; `pip install triton`)")
 
 HERE = Path(__file__).resolve().parent
