@@ -67,6 +67,19 @@ def _round(x, like):
 
 
 @triton.jit
+def _rotate(a, b, like, cos_ptr, sin_ptr, token, i, mask, HALF: tl.constexpr):
+    """A head's halves a, b (float32) rotated by the token's cos/sin rows, in `like`'s dtype: x * cos +
+    rotate_half(x) * sin, rotate_half = (-b, a), each product rounded as torch's are."""
+    c_lo = tl.load(cos_ptr + token * 2 * HALF + i, mask=mask, other=0.0).to(tl.float32)
+    c_hi = tl.load(cos_ptr + token * 2 * HALF + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    s_lo = tl.load(sin_ptr + token * 2 * HALF + i, mask=mask, other=0.0).to(tl.float32)
+    s_hi = tl.load(sin_ptr + token * 2 * HALF + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    new_lo = _round(a * c_lo, like) + _round(-b * s_lo, like)
+    new_hi = _round(b * c_hi, like) + _round(a * s_hi, like)
+    return new_lo.to(like.dtype), new_hi.to(like.dtype)
+
+
+@triton.jit
 def _rope(x_ptr, cos_ptr, sin_ptr, row_stride, HALF: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -75,15 +88,9 @@ def _rope(x_ptr, cos_ptr, sin_ptr, row_stride, HALF: tl.constexpr, BLOCK: tl.con
     base = x_ptr + token * row_stride + head * 2 * HALF
     lo = tl.load(base + i, mask=mask, other=0.0)
     hi = tl.load(base + HALF + i, mask=mask, other=0.0)
-    c_lo = tl.load(cos_ptr + token * 2 * HALF + i, mask=mask, other=0.0).to(tl.float32)
-    c_hi = tl.load(cos_ptr + token * 2 * HALF + HALF + i, mask=mask, other=0.0).to(tl.float32)
-    s_lo = tl.load(sin_ptr + token * 2 * HALF + i, mask=mask, other=0.0).to(tl.float32)
-    s_hi = tl.load(sin_ptr + token * 2 * HALF + HALF + i, mask=mask, other=0.0).to(tl.float32)
-    a, b = lo.to(tl.float32), hi.to(tl.float32)
-    new_lo = _round(a * c_lo, lo) + _round(-b * s_lo, lo)  # x * cos + rotate_half(x) * sin, rotate_half = (-b, a)
-    new_hi = _round(b * c_hi, lo) + _round(a * s_hi, lo)
-    tl.store(base + i, new_lo.to(lo.dtype), mask=mask)
-    tl.store(base + HALF + i, new_hi.to(lo.dtype), mask=mask)
+    new_lo, new_hi = _rotate(lo.to(tl.float32), hi.to(tl.float32), lo, cos_ptr, sin_ptr, token, i, mask, HALF)
+    tl.store(base + i, new_lo, mask=mask)
+    tl.store(base + HALF + i, new_hi, mask=mask)
 
 
 @triton.jit
@@ -121,12 +128,7 @@ def _rope_kv(qkv_ptr, row_stride, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, cache_p
                         tl.load(qw_ptr + HALF + i, mask=mask, other=0.0))  # fmt: skip
         a = _round(_round(a * rms, lo) * w_lo.to(tl.float32), lo)
         b = _round(_round(b * rms, lo) * w_hi.to(tl.float32), lo)
-    c_lo = tl.load(cos_ptr + token * 2 * HALF + i, mask=mask, other=0.0).to(tl.float32)
-    c_hi = tl.load(cos_ptr + token * 2 * HALF + HALF + i, mask=mask, other=0.0).to(tl.float32)
-    s_lo = tl.load(sin_ptr + token * 2 * HALF + i, mask=mask, other=0.0).to(tl.float32)
-    s_hi = tl.load(sin_ptr + token * 2 * HALF + HALF + i, mask=mask, other=0.0).to(tl.float32)
-    new_lo = (_round(a * c_lo, lo) + _round(-b * s_lo, lo)).to(lo.dtype)
-    new_hi = (_round(b * c_hi, lo) + _round(a * s_hi, lo)).to(lo.dtype)
+    new_lo, new_hi = _rotate(a, b, lo, cos_ptr, sin_ptr, token, i, mask, HALF)
     tl.store(base + i, new_lo, mask=mask)
     tl.store(base + HALF + i, new_hi, mask=mask)
     if is_k:
