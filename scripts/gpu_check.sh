@@ -5,13 +5,16 @@
 # within one budget (DEADLINE seconds, default 540: a lent GPU's command may run 600): a stage whose limit would
 # pass it is skipped and says so. Everything lands in $OUT (default ./gpu-out): log.txt, and bench.tgz (the
 # stored runs of bench-results/, packed after each benchmark).
-#   scripts/gpu_check.sh TOKENIZER_DIR          (a Qwen2 tokenizer folder: the model is made with random weights)
+#   scripts/gpu_check.sh TOKENIZER_DIR [LLAMA3_TOKENIZER_DIR]
+# (a Qwen2 tokenizer folder: the models are made with random weights; a Llama 3 one, default the "llama3" folder
+# beside the first, for the Llama-3.1-8B shape of the roofline target: drawn on the GPU, written to /tmp, 16 GB)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-TOK=${1:?usage: scripts/gpu_check.sh TOKENIZER_DIR}
+TOK=${1:?usage: scripts/gpu_check.sh TOKENIZER_DIR [LLAMA3_TOKENIZER_DIR]}
+TOK8=${2:-$(dirname "$TOK")/llama3}
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG="$OUT/log.txt"
 MODEL=/tmp/q05
@@ -33,6 +36,15 @@ stage env 30 bash -c "nvidia-smi -L; $PY -c 'import torch, triton, transformers;
 $PY -m tokenmill make-model --arch qwen2 --shape qwen2.5-0.5b --tokenizer "$TOK" --out $MODEL --dtype bfloat16 \
   --seed 0 >"$OUT/make-model.txt" 2>&1 &
 MAKER=$!
+L8=/tmp/l8b
+if [[ -d $TOK8 ]]; then  # the 8B shape's weights drawn on the GPU while the kernel tests run
+  $PY -m tokenmill make-model --arch llama --shape llama-3.1-8b --tokenizer "$TOK8" --out $L8 --dtype bfloat16 \
+    --seed 0 --device cuda >"$OUT/make-8b.txt" 2>&1 &
+  MAKER8=$!
+else
+  echo "=== no Llama 3 tokenizer at $TOK8: the 8B stages are skipped" | tee -a "$LOG"
+  MAKER8=
+fi
 stage kernel-tests 150 $PY -m pytest -q -x -n 8 -p no:cacheprovider tests/cuda/test_triton_kernels.py tests/cuda/test_triton_model.py \
   tests/cuda/test_fp8.py
 wait $MAKER
@@ -42,6 +54,18 @@ for flags in "" "--no-gpu-kernels" "--quantization int8" "--quantization fp8" "-
   "--batch 64 --context 256 --no-gpu-kernels"; do
   stage "step $flags" 60 $PY scripts/gpu_step.py $MODEL $flags
 done
+# the roofline target: one stream of the Llama-3.1-8B shape in bf16 (the report's "achieved / probe"), then int8
+if [[ -n $MAKER8 ]]; then
+  stage "8b model" 150 bash -c "while kill -0 $MAKER8 2>/dev/null; do sleep 1; done; cat $OUT/make-8b.txt"
+  if [[ -f $L8/model.safetensors.index.json || -f $L8/model.safetensors ]]; then
+    for flags in "" "--quantization int8"; do
+      stage "8b latency $flags" 120 $PY -m tokenmill bench latency $L8 --device cuda --dtype bfloat16 \
+        --prompt-tokens 32 --gen-tokens 128 --repeat 3 --warmup 1 $flags
+      tar czf "$OUT/bench.tgz" bench-results 2>/dev/null
+    done
+  fi
+  rm -rf $L8
+fi
 # a Qwen3 shape: its q/k norms run inside the fused RoPE + KV write launch with the kernels, in torch's ops without
 stage qwen3-model 60 $PY -m tokenmill make-model --arch qwen3 --shape qwen2.5-0.5b --tokenizer "$TOK" --out /tmp/q3 \
   --dtype bfloat16 --seed 0

@@ -7,14 +7,13 @@ import gc
 import json
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, NoReturn
 
-from tokenmill.config import DTYPES, EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine_flags import engine_args, engine_kwargs
 from tokenmill.errors import TokenmillError
+from tokenmill.make_model_cli import add_make_model_args, cmd_make_model
 from tokenmill.metrics import peak_rss_mb
 
 EXIT_USAGE = 2
@@ -47,7 +46,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="print the CPU, its ISA, which kernel path runs and why, and torch's threads")
     env.add_argument("--bandwidth", action="store_true", help="also measure the memory read bandwidth (seconds)")
 
-    _make_model_args(sub.add_parser("make-model", help="write a random-weight checkpoint at a real model's shape"))
+    add_make_model_args(sub.add_parser("make-model", help="write a random-weight checkpoint at a real model's shape"))
     return parser
 
 
@@ -162,42 +161,6 @@ def _models_args(srv: argparse.ArgumentParser) -> None:
                      help="unload a model no request has used for this long (default: never)")  # fmt: skip
     srv.add_argument("--model-load-timeout", type=float, default=600.0, metavar="S",
                      help="how long a request waits for its model to load before a 503 (default: 600)")  # fmt: skip
-
-
-def _make_model_args(mk: argparse.ArgumentParser) -> None:
-    """`tokenmill make-model`'s flags."""
-    from tokenmill.make_model import SHAPES
-
-    mk.add_argument(
-        "--arch",
-        choices=_FamilyNames(),
-        metavar="FAMILY",
-        required=True,
-        help="model family (llama, qwen2, ...; a wrong name lists them all)",
-    )
-    mk.add_argument("--shape", choices=list(SHAPES), required=True)
-    mk.add_argument("--tokenizer", required=True, help="folder with a Hugging Face tokenizer")
-    mk.add_argument("--out", required=True)
-    mk.add_argument("--dtype", choices=[d for d in DTYPES if d != "auto"], default="bfloat16")
-    mk.add_argument("--seed", type=int, default=0)
-    mk.add_argument("--gguf", default=None, metavar="TYPE",
-                    help="write a GGUF file of this type straight to --out, without a checkpoint (f32, bf16, q8_0, "
-                         "q4_0, q4_k, q5_k, q6_k, q4_k_m, q5_k_m; Llama-shaped families)")  # fmt: skip
-
-
-class _FamilyNames:
-    """`--arch` choices, read from the model registry only when argparse needs them (it imports torch)."""
-
-    def _names(self) -> list[str]:
-        from tokenmill.models import FAMILIES
-
-        return [f.name for f in FAMILIES]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names()
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -363,23 +326,6 @@ def cmd_env(a: argparse.Namespace) -> int:
     width = max(len(k) for k in info)
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")
-    return 0
-
-
-def cmd_make_model(a: argparse.Namespace) -> int:
-    from tokenmill.make_model import make_model, shape_fields
-
-    if a.gguf is None:
-        out = make_model(a.arch, a.shape, a.tokenizer, a.out, a.dtype, a.seed)
-        print(f"wrote {a.arch} {a.shape} ({a.dtype}) to {out}")
-        return 0
-    from tokenmill.bench.gguf_random import write_random_gguf
-    from tokenmill.progress import progress
-
-    fields = shape_fields(a.shape, a.tokenizer)
-    with progress(f"make-model: {a.arch} at the {a.shape} shape, a {a.gguf} GGUF"):
-        out = write_random_gguf(a.arch, fields, Path(a.tokenizer), Path(a.out), a.gguf, a.seed)
-    print(f"wrote {a.arch} {a.shape} ({a.gguf} GGUF, random weights) to {out}")
     return 0
 
 

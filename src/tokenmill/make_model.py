@@ -55,6 +55,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
     ),
+    "llama-3.1-8b": dict(  # issue 63's roofline shape: 8.0B parameters, 16 GB in bf16 (`--device cuda` draws them)
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
     # mixtures of experts (`--arch qwen3_moe` / `mixtral`): the real models' shapes, and a small one that fits a laptop
     "qwen3-30b-a3b": dict(
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
@@ -102,14 +109,21 @@ def hf_config(arch: str, **fields: Any) -> Any:
 
 
 def write_checkpoint(
-    config: Any, tokenizer_dir: str | Path | None, out: str | Path, dtype: str = "float32", seed: int = 0
+    config: Any,
+    tokenizer_dir: str | Path | None,
+    out: str | Path,
+    dtype: str = "float32",
+    seed: int = 0,
+    device: str = "cpu",
 ) -> Path:
-    """Initialise a model from `config` with `seed`, save it with its tokenizer into `out`."""
+    """Initialise a model from `config` with `seed` on `device`, save it with its tokenizer into `out`. The same
+    seed draws other values on a GPU than on the CPU (another generator)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+    where = _device(device)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir is not None else None
@@ -123,7 +137,8 @@ def write_checkpoint(
         config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
         config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with where:
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
@@ -131,6 +146,24 @@ def write_checkpoint(
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out
+
+
+def _device(name: str) -> Any:
+    """torch's device `name`, checked here: ValueError with one line where this machine has none such."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device; allowed: cpu, cuda, cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device {name!r}: make-model draws weights on cpu or cuda")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (device.index or 0) >= count:
+        raise ValueError(f"--device {name!r}: this machine has {count} CUDA GPU(s); use --device cpu")
+    return device
 
 
 def shape_fields(shape: str, tokenizer_dir: str | Path) -> dict[str, Any]:
@@ -148,9 +181,11 @@ def shape_fields(shape: str, tokenizer_dir: str | Path) -> dict[str, Any]:
     return fields
 
 
-def make_model(arch: str, shape: str, tokenizer_dir: str | Path, out: str | Path, dtype: str, seed: int) -> Path:
+def make_model(
+    arch: str, shape: str, tokenizer_dir: str | Path, out: str | Path, dtype: str, seed: int, device: str = "cpu"
+) -> Path:
     fields = shape_fields(shape, tokenizer_dir)
     from tokenmill.progress import progress
 
     with progress(f"make-model: {arch} at the {shape} shape"):
-        return write_checkpoint(hf_config(arch, **fields), tokenizer_dir, out, dtype, seed)
+        return write_checkpoint(hf_config(arch, **fields), tokenizer_dir, out, dtype, seed, device)

@@ -116,6 +116,40 @@ def test_make_model_tiny_loads_in_both(tokenizer_dir: Path, tmp_path: Path) -> N
     assert_one_line_error(bad, "--tokenizer")
 
 
+def test_make_model_device_draws_there_or_says_why_not(tokenizer_dir: Path, tmp_path: Path) -> None:
+    import torch
+
+    args = ["make-model", "--arch", "llama", "--shape", "tiny", "--tokenizer", str(tokenizer_dir), "--dtype",
+            "float32"]  # fmt: skip
+    cpu = run_cli(*args, "--out", str(tmp_path / "cpu"), "--device", "cpu")
+    assert cpu.returncode == 0, cpu.stderr
+    gpu = run_cli(*args, "--out", str(tmp_path / "gpu"), "--device", "cuda")
+    if torch.cuda.is_available():  # (the lent GPU's run: the weights drawn there, written as on the CPU)
+        assert gpu.returncode == 0, gpu.stderr
+        assert (tmp_path / "gpu" / "model.safetensors").stat().st_size == (
+            tmp_path / "cpu" / "model.safetensors"
+        ).stat().st_size
+    else:
+        assert_one_line_error(gpu, "--device 'cuda'", "0 CUDA GPU", "--device cpu")
+        assert not (tmp_path / "gpu" / "model.safetensors").exists()
+    assert_one_line_error(run_cli(*args, "--out", str(tmp_path / "x"), "--device", "tpu"), "--device", "tpu")
+    gguf = run_cli(*args, "--out", str(tmp_path / "x.gguf"), "--gguf", "q8_0", "--device", "cuda")
+    assert_one_line_error(gguf, "--device cuda", "--gguf")
+
+
+def test_the_llama_3_1_8b_shape_has_the_real_models_parameter_count() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.make_model import SHAPES, hf_config
+
+    with torch.device("meta"):  # (no memory: the shapes alone)
+        model = AutoModelForCausalLM.from_config(hf_config("llama", **SHAPES["llama-3.1-8b"]))
+    # Meta-Llama-3.1-8B's safetensors hold 8,030,261,248 parameters (issue 63's roofline model)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    assert model.config.rope_scaling["rope_type"] == "llama3" and not model.config.tie_word_embeddings
+
+
 def test_generate_without_model_uses_the_demo() -> None:
     from tests.parity.test_demo_model import GOLDEN_TEXT
 

@@ -51,6 +51,7 @@ LAYERS = [
     ["parallel"],  # Ray replicas: whole engines
     ["__init__"],  # the package's public names (LLM, SamplingParams, ...)
     ["server", "bench", "engine_flags"],  # engine_flags: EngineConfig's fields as flags
+    ["make_model_cli"],  # `tokenmill make-model`'s flags and command
     ["cli"],
     ["__main__"],
 ]
