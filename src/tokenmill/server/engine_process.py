@@ -127,7 +127,7 @@ def _load(cfg: Any, link: Link) -> PipeEngine | None:
     from tokenmill.assembly import load
     from tokenmill.engine.build import build_engine_core
     from tokenmill.errors import TokenmillError
-    from tokenmill.memory import freeze_heap
+    from tokenmill.memory import freeze_heap, release_code_pages
 
     tokenizer = ServerTokenizer(link)
     try:
@@ -145,6 +145,7 @@ def _load(cfg: Any, link: Link) -> PipeEngine | None:
     engine.on_death = lambda e: link.send(("died", repr(e)))
     engine.start()
     freeze_heap()  # the model stays: its objects leave the collector's sight (memory.py)
+    release_code_pages()  # what the imports ran once leaves the resident set (memory.py)
     link.send(("ready", facts(engine)))
     return engine
 

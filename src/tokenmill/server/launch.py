@@ -34,7 +34,7 @@ from typing import Any
 from tokenmill import reaper
 from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
-from tokenmill.memory import freeze_heap
+from tokenmill.memory import freeze_heap, release_code_pages
 from tokenmill.server.logs import configure_logging
 
 EXIT_USAGE = 2
@@ -216,6 +216,7 @@ def _load(cfg: EngineConfig, path: Path, name: str, args: argparse.Namespace, di
 
     engine.on_death = on_death
     freeze_heap()  # this model stays: its objects leave the collector's sight, which cli.py paused (memory.py)
+    release_code_pages()  # what the imports and the load ran once leaves the resident set (memory.py)
     log.info("model %s from %s: %s, %d threads", name, path, engine.description, _threads(engine))
     log.info("serving at http://%s:%d/v1", args.host, args.port)
     return engine
