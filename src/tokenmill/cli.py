@@ -242,7 +242,7 @@ def _serve(a: argparse.Namespace) -> int:
     demo = a.model in (None, "demo", "tokenmill-demo")
     name = a.served_model_name or ("tokenmill-demo" if demo else a.model)
     if a.engine_process and cfg.tensor_parallel_size == 1 and a.data_parallel_size == 1:
-        from tokenmill.engine.process_engine import EngineProcess
+        from tokenmill.engine.process_start import EngineProcess
         from tokenmill.server.launch import check_port
 
         check_port(a.host, a.port)  # (a taken port is one line before any engine starts)

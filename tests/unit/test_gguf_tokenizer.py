@@ -198,7 +198,7 @@ def test_the_first_start_needs_no_transformers_and_the_second_reads_the_kept_fol
 
 def test_a_server_front_reads_the_kept_folder_without_numpy_or_torch(make_checkpoint: Callable[..., Path],
                                                                      tmp_path: Path) -> None:  # fmt: skip
-    """Once the tokenizer of a GGUF is kept, the server's front (engine/process_engine.load_tokenizer) loads it
+    """Once the tokenizer of a GGUF is kept, the server's front (engine/process_start.load_tokenizer) loads it
     without importing numpy or torch: each would stay resident in the front for nothing (numpy: 14 MB)."""
     import os
     import subprocess
@@ -207,7 +207,7 @@ def test_a_server_front_reads_the_kept_folder_without_numpy_or_torch(make_checkp
     from tokenmill.bench.gguf_export import export_gguf
 
     path = export_gguf(make_checkpoint("qwen2"), tmp_path / "tiny.gguf", "f32", name="tiny-random")
-    code = ("import sys; from pathlib import Path; from tokenmill.engine.process_engine import load_tokenizer; "
+    code = ("import sys; from pathlib import Path; from tokenmill.engine.process_start import load_tokenizer; "
             "tok = load_tokenizer(Path(sys.argv[1])); "
             "print(tok.backend.name, 'numpy' in sys.modules, 'torch' in sys.modules)")  # fmt: skip
     env = {**os.environ, "TOKENMILL_CACHE_DIR": str(tmp_path / "cache")}

@@ -26,7 +26,7 @@ from typing import Any
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.output_codec import OutputEncoder
-from tokenmill.engine.process_engine import EngineFacts, Link
+from tokenmill.engine.process_start import EngineFacts, Link
 
 log = logging.getLogger("tokenmill.engine")
 
