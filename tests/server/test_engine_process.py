@@ -156,3 +156,32 @@ def test_the_servers_memory_counts_its_engine(server: Server) -> None:
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
     line = next(x for x in text.splitlines() if x.startswith("tokenmill:process_rss_bytes{"))
     assert float(line.split()[-1]) > engine
+
+
+def _libtorch_code_rss(pid: int) -> int:
+    """Resident bytes of libtorch_cpu's code (its r-xp mappings) in process `pid`."""
+    total, inside = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            inside = len(head) > 5 and head[1] == "r-xp" and head[5].endswith("libtorch_cpu.so")
+        elif inside and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+def test_a_ready_engine_holds_no_more_of_torchs_code_than_it_runs(server: Server, client: openai.OpenAI) -> None:
+    """The code torch's import ran once leaves the engine's resident set when it is ready (memory.py:
+    release_code_pages); what serving runs comes back."""
+    import subprocess
+    import sys
+
+    client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4)
+    code = "import torch, sys; print('imported', flush=True); sys.stdin.read()"
+    fresh = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert fresh.stdout is not None and fresh.stdout.readline().strip() == "imported"
+        imported = _libtorch_code_rss(fresh.pid)  # what `import torch` alone leaves resident
+    finally:
+        fresh.communicate("")
+    assert _libtorch_code_rss(_engine_process(server).pid) < 0.7 * imported
