@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from tokenmill import reaper
 from tokenmill.config import EngineConfig
+from tokenmill.memory import release_code_pages
 from tokenmill.models.sharding import use_reducer
 from tokenmill.runner import ModelRunner
 from tokenmill.tensor_parallel.shm import ShmAllReduce
@@ -89,6 +90,7 @@ def _worker(rank: int, size: int, init_method: str, cfg: EngineConfig) -> None:
     # rank 0's pool, eagerly: a CUDA graph would record the all-reduces of one step
     kv_cfg = replace(cfg, num_kv_blocks=num_blocks, kv_cache_memory_gb=None, enforce_eager=True)
     runner = build_parts(loaded, kv_cfg, sample=False).runner
+    release_code_pages()  # what the imports ran once leaves this rank's resident set (memory.py)
     dist.barrier()  # loaded: rank 0 may start
     while True:
         message: list[Any] = [None]
