@@ -1,0 +1,101 @@
+"""Issue 56's serving targets on the machine at hand, tokenmill against llama-server on the same GGUF files.
+
+Per file, one server at a time, each fresh (a warm start of tokenmill first, so its packed cache is made): `tokenmill
+serve F` and `llama-server -m F -t 2 -tb 2 -np 16 -c 8192`, each driven by `tokenmill bench serve --workload custom
+--request-rate inf --warmup 1`: one stream (4 requests of 64 in / 64 out) and 16 (32 of 128 / 128); the RSS of the
+server's process tree right after the 16 streams (MB = 10^6 bytes). Prints one markdown row per file, as
+docs/benchmarks.md's tables have them. Say what else was running; never run it beside a build or tests.
+
+    .venv/bin/python scripts/gguf_sitting.py F.gguf [F2.gguf ...] --llama-server /tmp/llbuild/bin/llama-server \
+        --tokenizer ../shared/tokenizers/qwen2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+TM = [sys.executable, "-m", "tokenmill"]
+PORT = 8791
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], timeout: float = 600.0) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with status {proc.returncode} before it was healthy")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=1)
+            return time.monotonic() - t0
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"no healthy server within {timeout:.0f} s")
+
+
+def bench(model: str, tokenizer: str, out: Path, streams: int) -> dict:
+    n, length = (4, 64) if streams == 1 else (32, 128)
+    cmd = TM + ["bench", "serve", "--url", f"http://127.0.0.1:{PORT}", "--model", model, "--tokenizer", tokenizer,
+                "--workload", "custom", "--request-rate", "inf", "--warmup", "1", "--max-concurrency", str(streams),
+                "--num-prompts", str(n), "--input-len", str(length), "--output-len", str(length),
+                "--output-dir", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    newest = max(out.glob("custom_*"), key=lambda p: p.stat().st_mtime)
+    return json.loads((newest / "summary" / "summary.json").read_text())
+
+
+def tree_rss_mb(pid: int) -> float:
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 1e6
+
+
+def one_server(cmd: list[str], model: str, tokenizer: str, out: Path) -> dict:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        start = wait_healthy(proc)
+        one, sixteen = bench(model, tokenizer, out, 1), bench(model, tokenizer, out, 16)
+        return {"start": start, "one": one["output_throughput"], "tpot": one["tpot_ms"]["p50"],
+                "sixteen": sixteen["output_throughput"], "ttft16": sixteen["ttft_ms"]["p50"],
+                "rss": tree_rss_mb(proc.pid)}  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+")
+    p.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
+    p.add_argument("--tokenizer", required=True, help="the files' tokenizer folder, for the load generator")
+    p.add_argument("--output-dir", default="bench-results/gguf-sitting")
+    a = p.parse_args()
+    out = Path(a.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    print(
+        "| file | one stream, output tok/s (decode: 1000 / TPOT p50) | 16 streams, output tok/s "
+        "| TTFT p50 at 16, ms | start to healthy, s | RSS after 16 streams, MB |\n|---|---|---|---|---|---|"
+    )
+    for f in a.files:
+        tm = TM + ["serve", f, "--port", str(PORT)]
+        warm = subprocess.Popen(tm, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_healthy(warm)  # the first start packs the file into the cache: not the one measured
+        warm.terminate()
+        warm.wait(60)
+        t = one_server(tm, f, a.tokenizer, out)
+        llama = [a.llama_server, "-m", f, "-t", "2", "-tb", "2", "-np", "16", "-c", "8192", "--port", str(PORT)]
+        ll = one_server(llama, f, a.tokenizer, out)
+        print(f"| {Path(f).name} | {t['one']:.1f} vs {ll['one']:.1f} ({t['one'] / ll['one']:.2f}×; "
+              f"{1000 / t['tpot']:.1f} vs {1000 / ll['tpot']:.1f}) "
+              f"| {t['sixteen']:.1f} vs {ll['sixteen']:.1f} ({t['sixteen'] / ll['sixteen']:.2f}×) "
+              f"| {t['ttft16']:.0f} vs {ll['ttft16']:.0f} | {t['start']:.2f} vs {ll['start']:.2f} "
+              f"| {t['rss']:.0f} vs {ll['rss']:.0f} ({t['rss'] / ll['rss']:.2f}×) |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
