@@ -51,11 +51,12 @@ wait $MAKER
 cat "$OUT/make-model.txt" >>"$LOG"
 rm -f "$OUT/make-model.txt"
 # the roofline target first: one stream of the Llama-3.1-8B shape in bf16 (the report's "achieved / probe"), then
-# int8; its maker (CPU-busy while it writes 16 GB) has ended before the 0.5B steps are timed
+# int8 and fp8 (>= 1.6x bf16 each: on this shape the weights, not the step's overhead, set a token's time); its
+# maker (CPU-busy while it writes 16 GB) has ended before the 0.5B steps are timed
 if [[ -n $MAKER8 ]]; then
   stage "8b model" 150 bash -c "while kill -0 $MAKER8 2>/dev/null; do sleep 1; done; cat $OUT/make-8b.txt"
   if [[ -f $L8/model.safetensors.index.json || -f $L8/model.safetensors ]]; then
-    for flags in "" "--quantization int8"; do
+    for flags in "" "--quantization int8" "--quantization fp8"; do
       stage "8b latency $flags" 120 $PY -m tokenmill bench latency $L8 --device cuda --dtype bfloat16 \
         --prompt-tokens 32 --gen-tokens 128 --repeat 3 --warmup 1 $flags
       tar czf "$OUT/bench.tgz" bench-results 2>/dev/null
