@@ -108,27 +108,20 @@ def release_code_pages() -> int:
 
 
 def _clean_library_mappings() -> list[tuple[int, int, int]]:
-    """(start, end, resident bytes) of every private read-only mapping of a shared library with no written page."""
-    found: list[tuple[int, int, int]] = []
-    head: tuple[int, int] | None = None
-    fields: dict[str, int] = {}
+    """(start, end, resident bytes) of every private read-only mapping of a shared library with no written page
+    (psutil's reading of /proc/self/smaps; none where it cannot be read)."""
+    import psutil
+
     try:
-        with open("/proc/self/smaps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return found
-    for line in lines + ["0-0 ---- end"]:
-        first = line.split(maxsplit=5)
-        if "-" in first[0] and not first[0].endswith(":"):  # a mapping's header: start-end perms offset dev inode path
-            if head is not None and fields.get("Anonymous", 1) == 0 and fields.get("Private_Dirty", 1) == 0:
-                found.append((head[0], head[1], fields.get("Rss", 0) * 1024))
-            head, fields = None, {}
-            path = first[5] if len(first) > 5 else ""
-            if first[1] in ("r-xp", "r--p") and path.startswith("/") and ".so" in path.rsplit("/", 1)[-1]:
-                lo, hi = first[0].split("-")
-                head = (int(lo, 16), int(hi, 16))
-        elif head is not None and len(first) >= 2 and first[0].endswith(":") and first[1].isdigit():
-            fields[first[0][:-1]] = int(first[1])
+        maps = psutil.Process().memory_maps(grouped=False)
+    except (psutil.Error, OSError, NotImplementedError):
+        return []
+    found = []
+    for m in maps:
+        library = m.path.startswith("/") and ".so" in m.path.rsplit("/", 1)[-1]
+        if library and m.perms in ("r-xp", "r--p") and m.anonymous == 0 and m.private_dirty == 0:
+            lo, hi = m.addr.split("-")
+            found.append((int(lo, 16), int(hi, 16), m.rss))
     return found
 
 

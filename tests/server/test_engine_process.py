@@ -160,14 +160,8 @@ def test_the_servers_memory_counts_its_engine(server: Server) -> None:
 
 def _libtorch_code_rss(pid: int) -> int:
     """Resident bytes of libtorch_cpu's code (its r-xp mappings) in process `pid`."""
-    total, inside = 0, False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        head = line.split()
-        if "-" in head[0] and not head[0].endswith(":"):
-            inside = len(head) > 5 and head[1] == "r-xp" and head[5].endswith("libtorch_cpu.so")
-        elif inside and head[0] == "Rss:":
-            total += int(head[1]) * 1024
-    return total
+    maps = psutil.Process(pid).memory_maps(grouped=False)
+    return sum(m.rss for m in maps if m.perms == "r-xp" and m.path.endswith("libtorch_cpu.so"))
 
 
 def test_a_ready_engine_holds_no_more_of_torchs_code_than_it_runs(server: Server, client: openai.OpenAI) -> None:
