@@ -59,7 +59,7 @@ class KSpec:
         return 2 * PANEL * (1 + self.has_min) + (self.subs * PANEL * (1 + self.has_min) if self.has_sc else 0)
 
     @property
-    def block_bytes(self) -> int:  # per panel and block of 32: the nibbles, then the bit planes
+    def block_bytes(self) -> int:  # per panel and block of 32: the nibbles, then the bits above them
         return BLOCK // 2 * PANEL + self.planes * 64
 
     @property
@@ -282,7 +282,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:  # [np, 16, nsb, ...] -> [np, nsb, 
 
 def pack_kblocks(w: KBlockWeight, n_padded: int) -> torch.Tensor:
     """The numbers -> the kernels' panels (bytes), csrc/linear/kformat.h's layout: per panel and superblock the
-    header, then each block of 32 as its nibbles (Q4_0's order) and its bit planes."""
+    header, then each block of 32 as its nibbles (Q4_0's order) and the bits above them, group by group."""
     spec = KSPECS[w.format]
     k = w.shape[1]
     nsb, per_sb = k // spec.sb, spec.sb // BLOCK
@@ -296,12 +296,14 @@ def pack_kblocks(w: KBlockWeight, n_padded: int) -> torch.Tensor:
     low = q & 15
     nib = low[:, : PANEL // 2] | (low[:, PANEL // 2 :] << 4)  # [np, 8, nsb, j, g, i]
     blocks = [nib.permute(0, 2, 3, 4, 1, 5).reshape(q.shape[0], nsb, per_sb, -1)]  # [np, nsb, j, 256]
-    if spec.planes:
-        weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 1, 1, 1, 8)
-        for p in range(spec.planes):
-            bit = ((q >> (4 + p)) & 1).permute(0, 2, 3, 4, 1, 5).reshape(*q.shape[:1], nsb, per_sb, 8, 8, 8)
-            byte = (bit.to(torch.int32) * weights).sum(-1).to(torch.uint8)  # [np, nsb, j, g, 8 bytes] (bit 4c + i)
-            blocks.append(byte.reshape(q.shape[0], nsb, per_sb, 64))
+    if spec.planes == 1:  # bit w = 4c + i of the group's 64-bit word: byte w // 8, bit w % 8
+        bit = (q >> 4).permute(0, 2, 3, 4, 1, 5).reshape(*q.shape[:1], nsb, per_sb, 8, 8, 8).to(torch.int32)
+        byte = (bit << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)  # [np, nsb, j, g, 8 bytes]
+        blocks.append(byte.reshape(q.shape[0], nsb, per_sb, 64))
+    elif spec.planes == 2:  # Q6_K: h = q >> 4 of weight w = 4c + i in byte w % 16, bits 2 (w // 16) and up
+        h = (q >> 4).permute(0, 2, 3, 4, 1, 5).reshape(q.shape[0], nsb, per_sb, 8, 4, 16).to(torch.int32)
+        byte = (h << (2 * torch.arange(4, dtype=torch.int32)).view(4, 1)).sum(-2).to(torch.uint8)  # [.., g, 16]
+        blocks.append(byte.reshape(q.shape[0], nsb, per_sb, 128))
     body = torch.cat(blocks, dim=-1).reshape(q.shape[0], nsb, -1)  # [np, nsb, per_sb * block bytes]
     return torch.cat([*parts, body], dim=-1).reshape(-1)
 
@@ -326,10 +328,13 @@ def unpack_kpanels(data: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor
     body = sbs[..., at:].reshape(n_panels, nsb, per_sb, spec.block_bytes)
     nib = body[..., :256].reshape(n_panels, nsb, per_sb, 8, 8, 4)  # [np, nsb, j, g, c 8, i]
     q = torch.cat([nib & 15, nib >> 4], dim=4)  # [np, nsb, j, g, c 16, i]
-    for p in range(spec.planes):
-        byte = body[..., 256 + 64 * p : 320 + 64 * p].reshape(n_panels, nsb, per_sb, 8, 8, 1)
-        bit = (byte >> torch.arange(8, dtype=torch.uint8)) & 1  # [np, nsb, j, g, 8 bytes, 8 bits]: bit 4c + i
-        q = q | (bit.reshape(n_panels, nsb, per_sb, 8, PANEL, 4) << (4 + p))
+    if spec.planes:
+        high = body[..., 256:].reshape(n_panels, nsb, per_sb, 8, 1, 8 * spec.planes)  # [np, nsb, j, g, 1, 8P]
+        if spec.planes == 1:  # [np, nsb, j, g, 8 bytes, 8 bits]: weight 8 byte + bit, i.e. 4c + i
+            h = (high.reshape(*high.shape[:4], 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        else:  # [np, nsb, j, g, 4 fields, 16 bytes]: weight 16 field + byte
+            h = (high >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3
+        q = q | (h.reshape(n_panels, nsb, per_sb, 8, PANEL, 4) << 4)
     q = q.permute(0, 4, 1, 2, 3, 5).reshape(n_panels * PANEL, k)
     w = KBlockWeight(fmt, q, d, dmin, sc, mn).dequantize()
     return w[:n]

@@ -61,7 +61,8 @@ constexpr bool khas_sc(KSpec s) { return ksubs(s) > 1; }  // one sub-block: its 
 constexpr int64_t kheader_bytes(KSpec s) {
   return 2 * P * (1 + s.has_min) + (khas_sc(s) ? ksubs(s) * P * (1 + s.has_min) : 0);
 }
-// one block of 32 k: the low nibbles as Q4_0's (256 bytes), then `planes` bit planes of uint64 bits[8] (64 bytes)
+// one block of 32 k: the low nibbles as Q4_0's (256 bytes), then the bits above them, `planes` x 64 bytes
+// (linear/kformat.h)
 constexpr int64_t kblock_bytes(KSpec s) { return QK / 2 * P + s.planes * 64; }
 constexpr int64_t ksb_bytes(KSpec s) { return kheader_bytes(s) + s.sb / QK * kblock_bytes(s); }
 

@@ -24,9 +24,14 @@
 //   then sb / 32 blocks of 32 k, each:
 //     uint8 nib[8][8][4]     Q4_0's layout: byte [g][c][i] holds channel c at k = 4g + i in its low nibble and
 //                            channel c + 8 in its high one: the low 4 bits of q
-//     uint64 bits[planes][8] bit 4 + p of q: bit (4c + i) of bits[p][g] for channel c at k = 4g + i
-// so one 32-byte load and a shift give a group's 16 channels x 4 k as bytes, and each plane one 64-bit mask over
-// the same bytes. Bytes per weight: Q4_K 4.625 bits (ggml's 4.5), Q5_K 5.625 (5.5), Q6_K 6.5625 (the same),
+//     uint8 high[8][8 planes] the bits of q above the low 4, group by group; of group g's 64 weights, j = 4c + i
+//                            (channel c at k = 4g + i) has them at
+//                              5-bit q: bit j of high[g] as a little-endian uint64 (byte j / 8, bit j % 8);
+//                              Q6_K:    bits 2 (j / 16) and 2 (j / 16) + 1 of byte j % 16 (its 2 bits, h = q >> 4)
+// so one 32-byte load and a shift give a group's 16 channels x 4 k as bytes (j is their byte index, channels 8-15
+// from 32); a 5-bit group's high bits are one 64-bit mask over those bytes (an AVX-512 masked add), and Q6_K's come
+// to bits 4-5 of each byte with one broadcast load and a shift per 16 bytes (arch/avx2/ktile.h: kgroup). Bytes per
+// weight: Q4_K 4.625 bits (ggml's 4.5), Q5_K 5.625 (5.5), Q6_K 6.5625 (the same),
 // Q5_0 5.5 (the same), Q5_1 6 (the same), Q4_1 5 (the same), IQ4_NL 4.5 (the same), IQ4_XS 4.3125 (4.25).
 //
 // The product against a quantized row (linear/qrow.h): per sub-block the exact integer sum isum = sum of v(q) * qx,
@@ -106,17 +111,21 @@ inline KHeader<F> ksuperblock(const uint8_t* panel, int64_t sb, bool prefetch) {
   return h;
 }
 
+// the bits above the low 4 of weight j = 4c + i of group g in a block of 32 (the layout above)
+template <int Planes>
+inline int32_t khigh(const uint8_t* blk, int g, int j) {
+  const uint8_t* high = blk + QK / 2 * P + g * 8 * Planes;
+  if constexpr (Planes == 1) return (high[j / 8] >> (j % 8)) & 1;
+  return (high[j % 16] >> (2 * (j / 16))) & 3;
+}
+
 // channel c's v(q) at k = kk of a block of 32 (q: 0 .. 2^(4 + planes) - 1; a table format's: its unsigned entry)
 template <Format F>
 inline int32_t kvalue(const uint8_t* blk, int c, int kk) {
   const int g = kk / 4, i = kk % 4;
   const uint8_t byte = blk[g * 32 + (c % 8) * 4 + i];
   int32_t v = c < 8 ? byte & 15 : byte >> 4;
-  for (int p = 0; p < kspec(F).planes; ++p) {
-    uint64_t bits;
-    std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
-    v |= (int32_t)((bits >> (4 * c + i)) & 1) << (4 + p);
-  }
+  if constexpr (kspec(F).planes) v |= khigh<kspec(F).planes>(blk, g, 4 * c + i) << 4;
   if constexpr (kspec(F).table) return ktable_unsigned<F>()[v];
   return v;
 }

@@ -137,7 +137,7 @@ inline void write_panel_block(const GgmlBlock& g, int c, uint8_t* dst) {
   }
 }
 
-// write_panel_block's K family: the header's numbers, then each block's nibbles and bit planes
+// write_panel_block's K family: the header's numbers, then each block's nibbles and high bits
 template <Format F>
 inline void write_kblock(const GgmlBlock& g, int c, uint8_t* dst) {
   constexpr KSpec S = kspec(F);
@@ -156,14 +156,11 @@ inline void write_kblock(const GgmlBlock& g, int c, uint8_t* dst) {
     for (int gi = 0; gi < QK / 4; ++gi) {
       uint8_t* nib = blk + gi * 32 + (c % 8) * 4;
       for (int i = 0; i < 4; ++i) nib[i] |= c < 8 ? (q[4 * gi + i] & 15) : (q[4 * gi + i] & 15) << 4;
-      for (int p = 0; p < S.planes; ++p) {  // channel c's 4 bits of group gi's plane word: bits 4c .. 4c + 3
-        uint64_t four = 0;
-        for (int i = 0; i < 4; ++i) four |= (uint64_t)((q[4 * gi + i] >> (4 + p)) & 1) << i;
-        uint64_t word;
-        uint8_t* at = blk + QK / 2 * P + p * 64 + gi * 8;
-        std::memcpy(&word, at, 8);
-        word |= four << (4 * c);
-        std::memcpy(at, &word, 8);
+      uint8_t* high = blk + QK / 2 * P + gi * 8 * S.planes;  // the bits above the low 4 (linear/kformat.h)
+      for (int i = 0, j = 4 * c; i < 4 && S.planes > 0; ++i, ++j) {
+        const int h = q[4 * gi + i] >> 4;
+        if (S.planes == 1) high[j / 8] |= (uint8_t)(h << (j % 8));
+        else high[j % 16] |= (uint8_t)(h << (2 * (j / 16)));
       }
     }
   }

@@ -1,7 +1,7 @@
 // The K family's register tiles on ymm registers (AVX2 with F16C: every x86 variant; with VNNI, vpdpbusd in place of
 // vpmaddubsw + vpmaddwd). A group's 32 nibble bytes give channels 0-7 (low nibbles) and 8-15 (high ones, shifted
-// down) as two registers of 8 channels x 4 k; each bit plane's 64-bit mask, spread to bytes, adds 16 << p where
-// its bit is set. q is unsigned (0..63) and the row's q signed, as vpmaddubsw and vpdpbusd take them.
+// down) as two registers of 8 channels x 4 k; the bits above them (5- and 6-bit q) come from one broadcast load
+// (khigh_bits). q is unsigned (0..63) and the row's q signed, as vpmaddubsw and vpdpbusd take them.
 //
 // vpmaddubsw's 16-bit pair sums saturate above 32767: a pair is at most 2 * 127 * (2^(4 + planes) - 1), so the
 // 16-bit sums widen to 32 bits every 8 groups (4-bit), 4 (5-bit) or 2 (6-bit), before they could. The sums are
@@ -33,19 +33,30 @@ constexpr int kmt() {
   return TM_REGS32 ? 4 : (TM_VNNI ? 3 : (kspec(F).planes == 2 ? 2 : 4));
 }
 
-// a group's bit-plane mask (64 bits, byte j of a half from bit j of its 32) -> two halves of 32 bytes, 0xFF where the
-// bit is set: one broadcast load, then per half a byte shuffle, an and and a compare
-inline void spread_bits(const uint8_t* at, __m256i* mask) {
-  int64_t word;
-  std::memcpy(&word, at, 8);
-  const __m256i all = _mm256_set1_epi64x(word);
-  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-  const __m256i from0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
-                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  // the second half's bytes 4-7 of the word, moved down to 0-3: one constant fewer live in the tile's loop
-  const __m256i high = _mm256_srli_epi64(all, 32);
-  mask[0] = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(all, from0), bit), bit);
-  mask[1] = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(high, from0), bit), bit);
+// Group g's bits above the low 4 (linear/kformat.h) at bits 4 and up of each weight's byte: h[0] bytes 0-31
+// (channels 0-7), h[1] 32-63 (8-15). 5-bit q: the group's 64-bit mask spread to bytes (one broadcast load, then per
+// half a byte shuffle, an and and a compare), 16 where the bit is set. Q6_K: one broadcast of the group's 16 bytes
+// and per half a shift per 128-bit lane and an and (its two bit planes of before, spread as the 5-bit mask is, took
+// ~22 instructions a group against 4 here: one row 1.35x faster on the Xeon's avx2 variant)
+template <int Planes>
+inline void khigh_bits(const uint8_t* at, __m256i* h) {
+  if constexpr (Planes == 1) {
+    int64_t word;
+    std::memcpy(&word, at, 8);
+    const __m256i all = _mm256_set1_epi64x(word);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i from0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    // the second half's bytes 4-7 of the word, moved down to 0-3: one constant fewer live in the tile's loop
+    const __m256i high = _mm256_srli_epi64(all, 32), m = _mm256_set1_epi8(0x10);
+    h[0] = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(all, from0), bit), bit), m);
+    h[1] = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(high, from0), bit), bit), m);
+  } else {
+    static_assert(Planes == 2, "4-, 5- and 6-bit q");
+    const __m256i all = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)at)), m = _mm256_set1_epi8(0x30);
+    h[0] = _mm256_and_si256(_mm256_sllv_epi32(all, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)), m);  // bits 0-1, 2-3
+    h[1] = _mm256_and_si256(_mm256_srlv_epi32(all, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), m);  // bits 4-5, 6-7
+  }
 }
 
 // the zero the integer sums carry (linear/kformat.h): the format's, but none for the signed IQ4 table (no VNNI)
@@ -68,12 +79,11 @@ inline void kgroup(const uint8_t* blk, int g, __m256i* w) {
     w[0] = _mm256_shuffle_epi8(lut, w[0]);
     w[1] = _mm256_shuffle_epi8(lut, w[1]);
   }
-  for (int p = 0; p < kspec(F).planes; ++p) {
-    __m256i mask[2];
-    spread_bits(blk + QK / 2 * P + p * 64 + g * 8, mask);
-    const __m256i add = _mm256_set1_epi8((char)(16 << p));
-    w[0] = _mm256_or_si256(w[0], _mm256_and_si256(mask[0], add));
-    w[1] = _mm256_or_si256(w[1], _mm256_and_si256(mask[1], add));
+  if constexpr (kspec(F).planes > 0) {
+    __m256i h[2];
+    khigh_bits<kspec(F).planes>(blk + QK / 2 * P + g * 8 * kspec(F).planes, h);
+    w[0] = _mm256_or_si256(w[0], h[0]);
+    w[1] = _mm256_or_si256(w[1], h[1]);
   }
 }
 
@@ -87,8 +97,10 @@ inline void kprefetch_block(const KHeader<F>& h, int64_t j) {
 
 // A span's groups as kgroup gives them, decoded once for the tiles that follow: superblocks [s0, s1) of a panel
 // into `dec`, block after block, 64 bytes a group (channels 0-7, then 8-15): QK * P bytes a block of 32 k. Where a
-// panel takes several tiles, each decoded every group again: a Q6_K group is ~17 instructions against a row's ~5
-// in the 2-row tiles of the AVX2 build, so 16 rows spent most of their time decoding.
+// panel takes several tiles, each decoded every group again: a Q6_K group was ~25 instructions against a row's ~5
+// in the 2-row tiles of the AVX2 build, so 16 rows spent most of their time decoding. (Its ~9 now still gain from
+// the decoded span: without it 16 rows ran 1.45x slower on the Xeon's avx2 variant, and tiles of 3 or 4 rows
+// 1.09-1.18x.)
 template <Format F>
 inline void kdecode_span(const uint8_t* panel, int64_t s0, int64_t s1, uint8_t* dec) {
   constexpr int64_t BPS = kspec(F).sb / QK;  // blocks of 32 per superblock
@@ -108,9 +120,9 @@ inline void kdecode_span(const uint8_t* panel, int64_t s0, int64_t s1, uint8_t* 
 }
 
 // The decoded span for a panel's tiles (thread-local, 32-byte aligned), or null where decoding in each tile costs
-// no more or the span would not fit. With bit planes (5- and 6-bit q) a group's decoding costs several times a row's
-// products; a 4-bit group's is a few instructions, about what storing and reloading it takes (Zen 3, 16 rows: Q5_0
-// 1.6x, Q6_K 1.27x, Q4_K 0.94x).
+// no more or the span would not fit. With bits above the low 4 (5- and 6-bit q) a group's decoding costs more than
+// a row's products; a 4-bit group's is a few instructions, about what storing and reloading it takes (Zen 3, 16
+// rows: Q5_0 1.6x, Q6_K 1.27x, Q4_K 0.94x).
 template <Format F>
 inline const uint8_t* kdecoded(const uint8_t* panel, int64_t s0, int64_t s1) {
   constexpr int64_t CAP = 16 << 10;  // a span of SPAN_BYTES decodes to at most ~15 KB in every format

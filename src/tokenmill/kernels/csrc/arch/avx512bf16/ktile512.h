@@ -35,10 +35,19 @@ inline __m512i kgroup512(const uint8_t* blk, int g) {
                                  _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
   if constexpr (kspec(F).table)
     w = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)ktable_unsigned<F>())), w);
-  for (int p = 0; p < kspec(F).planes; ++p) {
+  // the bits above the low 4 (linear/kformat.h): a 5-bit group's mask adds 16 to the bytes it covers (a masked
+  // byte add, AVX-512 BW); Q6_K's 16 bytes, broadcast to the 4 128-bit lanes, hold lane s's 2 bits at 2s, 2s + 1,
+  // rotated to bits 4-5 and or-ed in (one ternary logic)
+  constexpr int planes = kspec(F).planes;
+  const uint8_t* high = blk + QK / 2 * P + g * 8 * planes;
+  if constexpr (planes == 1) {
     uint64_t bits;
-    std::memcpy(&bits, blk + QK / 2 * P + p * 64 + g * 8, 8);
-    w = _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8((char)(16 << p)));
+    std::memcpy(&bits, high, 8);
+    w = _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8(16));
+  } else if constexpr (planes == 2) {
+    const __m512i all = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)high));
+    const __m512i h = _mm512_rolv_epi32(all, _mm512_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 30, 30, 30, 30));
+    w = _mm512_ternarylogic_epi64(w, h, _mm512_set1_epi8(0x30), 0xF8);
   }
   return w;
 }
