@@ -111,12 +111,20 @@ inline KHeader<F> ksuperblock(const uint8_t* panel, int64_t sb, bool prefetch) {
   return h;
 }
 
-// the bits above the low 4 of weight j = 4c + i of group g in a block of 32 (the layout above)
+// where weight j = 4c + i of a group keeps its bits above the low 4 (the layout above): the byte of the group's
+// 8 * Planes, and the shift within it; kvalue reads them there, linear/repack.h writes them
+template <int Planes>
+constexpr int khigh_byte(int j) { return Planes == 1 ? j / 8 : j % 16; }
+template <int Planes>
+constexpr int khigh_shift(int j) { return Planes == 1 ? j % 8 : 2 * (j / 16); }
+template <int Planes, typename Byte>  // (uint8_t or const uint8_t)
+inline Byte* khigh_group(Byte* blk, int g) { return blk + QK / 2 * P + g * 8 * Planes; }
+
+// the bits above the low 4 of weight j of group g in a block of 32
 template <int Planes>
 inline int32_t khigh(const uint8_t* blk, int g, int j) {
-  const uint8_t* high = blk + QK / 2 * P + g * 8 * Planes;
-  if constexpr (Planes == 1) return (high[j / 8] >> (j % 8)) & 1;
-  return (high[j % 16] >> (2 * (j / 16))) & 3;
+  const uint8_t byte = khigh_group<Planes>(blk, g)[khigh_byte<Planes>(j)];
+  return (byte >> khigh_shift<Planes>(j)) & ((1 << Planes) - 1);
 }
 
 // channel c's v(q) at k = kk of a block of 32 (q: 0 .. 2^(4 + planes) - 1; a table format's: its unsigned entry)

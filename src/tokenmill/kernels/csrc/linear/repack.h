@@ -156,11 +156,10 @@ inline void write_kblock(const GgmlBlock& g, int c, uint8_t* dst) {
     for (int gi = 0; gi < QK / 4; ++gi) {
       uint8_t* nib = blk + gi * 32 + (c % 8) * 4;
       for (int i = 0; i < 4; ++i) nib[i] |= c < 8 ? (q[4 * gi + i] & 15) : (q[4 * gi + i] & 15) << 4;
-      uint8_t* high = blk + QK / 2 * P + gi * 8 * S.planes;  // the bits above the low 4 (linear/kformat.h)
-      for (int i = 0, j = 4 * c; i < 4 && S.planes > 0; ++i, ++j) {
-        const int h = q[4 * gi + i] >> 4;
-        if (S.planes == 1) high[j / 8] |= (uint8_t)(h << (j % 8));
-        else high[j % 16] |= (uint8_t)(h << (2 * (j / 16)));
+      if constexpr (S.planes > 0) {  // the bits above the low 4, where linear/kformat.h's kvalue reads them
+        uint8_t* high = khigh_group<S.planes>(blk, gi);
+        for (int i = 0, j = 4 * c; i < 4; ++i, ++j)
+          high[khigh_byte<S.planes>(j)] |= (uint8_t)((q[4 * gi + i] >> 4) << khigh_shift<S.planes>(j));
       }
     }
   }

@@ -81,7 +81,7 @@ inline void kgroup(const uint8_t* blk, int g, __m256i* w) {
   }
   if constexpr (kspec(F).planes > 0) {
     __m256i h[2];
-    khigh_bits<kspec(F).planes>(blk + QK / 2 * P + g * 8 * kspec(F).planes, h);
+    khigh_bits<kspec(F).planes>(khigh_group<kspec(F).planes>(blk, g), h);
     w[0] = _mm256_or_si256(w[0], h[0]);
     w[1] = _mm256_or_si256(w[1], h[1]);
   }

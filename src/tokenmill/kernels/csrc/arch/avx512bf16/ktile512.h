@@ -39,7 +39,7 @@ inline __m512i kgroup512(const uint8_t* blk, int g) {
   // byte add, AVX-512 BW); Q6_K's 16 bytes, broadcast to the 4 128-bit lanes, hold lane s's 2 bits at 2s, 2s + 1,
   // rotated to bits 4-5 and or-ed in (one ternary logic)
   constexpr int planes = kspec(F).planes;
-  const uint8_t* high = blk + QK / 2 * P + g * 8 * planes;
+  const uint8_t* high = khigh_group<planes>(blk, g);
   if constexpr (planes == 1) {
     uint64_t bits;
     std::memcpy(&bits, high, 8);
