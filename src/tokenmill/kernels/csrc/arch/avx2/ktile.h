@@ -203,8 +203,30 @@ inline void kacc_end(const __m256 (*acc)[2], float (*sums)[P]) {
     for (int hh = 0; hh < 2; ++hh) _mm256_storeu_ps(sums[m] + 8 * hh, acc[m][hh]);
 }
 
-// The K-quants' tile (linear/kformat.h): each superblock's sub-block sums add up in integers, T += sc isum, and F +=
-// f sx in float (exact); once per superblock T -= zero F and acc += dx (d T - dmin F), as on every path
+// F = the sum of f sx over a superblock's sub-blocks, in their order (f the channels' mn with mins, or sc with a
+// zero): exact, every partial sum an integer under 2^24. Summed after the superblock's groups, so that the tiles do
+// not hold it in registers through them (avxvnni 16-64 rows 1.05-1.19x, avx2 1.00-1.04x: docs/benchmarks.md)
+template <Format F, int MT>
+inline void ksuper_f(const KHeader<F>& h, const QRow* x, int64_t sb, __m256 (*Fl)[2]) {
+  constexpr KSpec S = kspec(F);
+  constexpr int NS = QK / S.sub;
+  for (int m = 0; m < MT; ++m) Fl[m][0] = Fl[m][1] = _mm256_setzero_ps();
+  if constexpr (S.has_min || S.zero)
+    for (int j = 0; j < S.sb / QK; ++j)
+      for (int s = 0; s < NS; ++s) {
+        const int64_t b = sb * (S.sb / QK) + j;
+        const uint8_t* f8 = S.has_min ? h.mn(j * NS + s) : (const uint8_t*)h.sc(j * NS + s);
+        for (int hh = 0; hh < 2; ++hh) {
+          const __m128i v = _mm_loadl_epi64((const __m128i*)(f8 + 8 * hh));
+          const __m256 f = _mm256_cvtepi32_ps(S.has_min ? _mm256_cvtepu8_epi32(v) : _mm256_cvtepi8_epi32(v));
+          for (int m = 0; m < MT; ++m)
+            Fl[m][hh] = _mm256_fmadd_ps(f, _mm256_set1_ps(x[m].fs[3 * b + (NS == 1 ? 2 : s)]), Fl[m][hh]);
+        }
+      }
+}
+
+// The K-quants' tile (linear/kformat.h): each superblock's sub-block sums add up in integers, T += sc isum, and F
+// (ksuper_f); once per superblock T -= zero F and acc += dx (d T - dmin F), as on every path
 template <Format F, int MT>
 inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t s1, float (*sums)[P], bool prefetch,
                         const uint8_t* dec) {
@@ -215,22 +237,17 @@ inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t
   for (int64_t sb = s0; sb < s1; ++sb) {
     const KHeader<F> h = ksuperblock<F>(panel, sb, false);
     __m256i T[MT][2];
-    __m256 Fl[MT][2];  // the sum of f sx: f the channels' mn (with mins) or sc (with a zero), exact
-    for (int m = 0; m < MT; ++m)
-      for (int hh = 0; hh < 2; ++hh) T[m][hh] = _mm256_setzero_si256(), Fl[m][hh] = _mm256_setzero_ps();
+    for (int m = 0; m < MT; ++m) T[m][0] = T[m][1] = _mm256_setzero_si256();
     for (int j = 0; j < S.sb / QK; ++j) {
       const int64_t b = sb * (S.sb / QK) + j;
       if (prefetch_quant_rows && prefetch) kprefetch_block(h, j);
       for (int s = 0; s < NS; ++s) {
         __m256i sc[2];
-        __m256 f[2];
         for (int hh = 0; hh < 2; ++hh) {
           const __m128i sc8 = _mm_loadl_epi64((const __m128i*)(h.sc(j * NS + s) + 8 * hh));
+#if TM_VNNI
           sc[hh] = _mm256_cvtepi8_epi32(sc8);
-          f[hh] = S.has_min ? _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                  _mm_loadl_epi64((const __m128i*)(h.mn(j * NS + s) + 8 * hh))))
-                            : _mm256_cvtepi32_ps(sc[hh]);
-#if !TM_VNNI
+#else
           sc[hh] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8, sc8));  // each channel's sc in both 16-bit halves
 #endif
         }
@@ -243,13 +260,10 @@ inline void ktile_super(const uint8_t* panel, const QRow* x, int64_t s0, int64_t
 #else  // the 16-bit sums widen straight into T, times sc (|T| < 2^28: linear/kformat.h)
         ksub_sums<F, MT>(h.block(j), kblock_decoded<F>(dec, sb - s0, j), x, b, s, sc, T);
 #endif
-        for (int m = 0; m < MT; ++m) {
-          const __m256 fsx = _mm256_set1_ps(x[m].fs[3 * b + (NS == 1 ? 2 : s)]);
-          for (int hh = 0; hh < 2; ++hh)
-            if constexpr (S.has_min || S.zero) Fl[m][hh] = _mm256_fmadd_ps(f[hh], fsx, Fl[m][hh]);
-        }
       }
     }
+    __m256 Fl[MT][2];
+    ksuper_f<F, MT>(h, x, sb, Fl);
     for (int hh = 0; hh < 2; ++hh) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h.d() + 8 * hh)));
       const __m256 dmin = S.has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h.dmin() + 8 * hh))) : d;
