@@ -15,13 +15,10 @@
 namespace tmk {
 
 // rows of one dense tile at this vector width (what fits in the register file; 8 lanes: 6 with dense_tiles.h's even-then-
-// odd step for bf16)
+// odd step for bf16, 12 sums, 2 weights and a broadcast, the odd half's mask a memory operand: arch/avx2/simd.h).
+// Where a block's rows take several tiles, 16 rows as 6 + 5 + 5 ran 1.12x faster than as 4 x 4 when the mask no
+// longer cost a sum its register (Xeon, avx2 variant: docs/benchmarks.md)
 constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 6 : 8);
-// rows of each dense tile where a block's rows take several (8 lanes: 5, so 16 rows as 4 x 4). A lone 6-row tile
-// keeps one of its 12 sums on the stack (16 ymm registers), which costs little while it waits on memory (Zen 3, a
-// 6-row bf16 decode step: 47 ms, 60 as 3 + 3); where several tiles share a span from L1 that sum's store and reload
-// sit in its chain of FMAs (Zen 3, bf16 decode steps: 16 rows 1.08x and 12 rows 1.25x faster than as 6 + 6 + 4, 6 + 6)
-constexpr int MT_DENSE_SHARED = W == 8 ? 5 : MT_DENSE;
 // rows of one bf16 pair tile: with 16 lanes a row needs one accumulator and no widened weights. 16, not 12: a
 // 16-row decode step in one tile reads each weight once, 16 vdpbf16ps per 64 bytes, which two cores can feed from
 // memory; as two tiles of 8 the first waited on memory while the second ran from cache
@@ -100,9 +97,9 @@ void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed
   for (int64_t p = p_begin; p < p_end; ++p) {
     const T* panel = (const T*)(packed + p * stride);
     const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
-    // the block's rows in the fewest tiles, of even sizes: 8 rows as 4 + 4, not 5 + 3; 26 as 5 + 5 + 4 + 4 + 4 + 4
-    const int64_t r1 = std::min(M, r0 + block), cap = xh || r1 - r0 <= mt ? mt : MT_DENSE_SHARED;
-    const int64_t n = r1 - r0, tiles = (n + cap - 1) / cap;
+    // the block's rows in the fewest tiles, of even sizes: 8 rows as 4 + 4, not 6 + 2; 16 as 5 + 5 + 6
+    const int64_t r1 = std::min(M, r0 + block);
+    const int64_t n = r1 - r0, tiles = (n + mt - 1) / mt;
     if constexpr (std::is_same_v<T, uint16_t>) {
       // (every tile of 2 rows or more: a 4-lane build's tiles of at most 2 rows leave 3 rows as 1 + 2)
       const bool spans = kspans && tiles > 1 && n / tiles >= 2 && K / 2 > KSPAN && n <= KSPAN_ROWS;

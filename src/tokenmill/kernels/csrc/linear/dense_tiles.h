@@ -44,7 +44,10 @@ inline void span_dense(const T* panel, const float* x, int64_t ldx, int64_t j0, 
     if constexpr (Prefetch) prefetch_ahead(panel, j);
     for (int h = 0; h < 2; ++h) {
       vf w[V];
-      for (int v = 0; v < V; ++v) w[v] = load_bf16_half((const uint16_t*)panel + j * 2 * P + v * 2 * W, h);
+      for (int v = 0; v < V; ++v) {
+        const uint16_t* at = (const uint16_t*)panel + j * 2 * P + v * 2 * W;
+        w[v] = MT >= 6 ? load_bf16_half_tight(at, h) : load_bf16_half(at, h);  // 6 rows: 15 registers without the mask
+      }
       for (int m = 0; m < MT; ++m) {
         const vf xb = splat(x[m * ldx + 2 * j + h]);
         for (int v = 0; v < V; ++v) set[m][v] += w[v] * xb;

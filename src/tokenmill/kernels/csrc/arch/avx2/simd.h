@@ -20,6 +20,17 @@ inline vf load_bf16(const uint16_t* p) {
   return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
+// The high bf16 of each 32-bit lane as a float (lanes & 0xffff0000), the mask read by the and from memory
+// (core/simd.h: load_bf16_half_tight). Held in a register, the mask is the 16th ymm of a 6-row bf16 tile (12 sums, 2
+// weights, a broadcast), and GCC spilled one of the sums instead, its store and reload inside its chain of FMAs
+inline vf bf16_high(vu lanes) {
+  alignas(32) static const uint32_t high[8] = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
+                                               0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
+  __m256 out;
+  asm("vandps %1, %2, %0" : "=x"(out) : "m"(*(const __m256*)high), "x"((__m256)lanes));
+  return (vf)out;
+}
+
 // W int8 values -> W floats (the int8 KV cache's rows)
 inline vf load_i8(const int8_t* p) {
   return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
