@@ -3,7 +3,8 @@
 Per file, one server at a time, each fresh (a warm start of tokenmill first, so its packed cache is made): `tokenmill
 serve F` and `llama-server -m F -t 2 -tb 2 -np 16 -c 8192`, each driven by `tokenmill bench serve --workload custom
 --request-rate inf --warmup 1`: one stream (4 requests of 64 in / 64 out) and 16 (32 of 128 / 128); the RSS of the
-server's process tree right after the 16 streams (MB = 10^6 bytes). Prints one markdown row per file, as
+server's process tree right after the 16 streams (MB = 10^6 bytes); the model GFLOPS of the 16 streams and their share
+of the FMA peak (`--flops-model F --probe-threads 2`: the AVX2 target's measure). Prints one markdown row per file, as
 docs/benchmarks.md's tables have them. Say what else was running; never run it beside a build or tests.
 
     .venv/bin/python scripts/gguf_sitting.py F.gguf [F2.gguf ...] --llama-server /tmp/llbuild/bin/llama-server \
@@ -21,6 +22,8 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+
+from tokenmill.bench.flops import fma_share
 
 TM = [sys.executable, "-m", "tokenmill"]
 PORT = 8791
@@ -41,10 +44,11 @@ def wait_healthy(proc: subprocess.Popen[bytes], timeout: float = 600.0) -> float
 
 def bench(model: str, tokenizer: str, out: Path, streams: int) -> dict:
     n, length = (4, 64) if streams == 1 else (32, 128)
+    flops = [] if streams == 1 else ["--flops-model", model, "--probe-threads", "2"]
     cmd = TM + ["bench", "serve", "--url", f"http://127.0.0.1:{PORT}", "--model", model, "--tokenizer", tokenizer,
                 "--workload", "custom", "--request-rate", "inf", "--warmup", "1", "--max-concurrency", str(streams),
                 "--num-prompts", str(n), "--input-len", str(length), "--output-len", str(length),
-                "--output-dir", str(out)]  # fmt: skip
+                "--output-dir", str(out), *flops]  # fmt: skip
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     newest = max(out.glob("custom_*"), key=lambda p: p.stat().st_mtime)
     return json.loads((newest / "summary" / "summary.json").read_text())
@@ -62,6 +66,7 @@ def one_server(cmd: list[str], model: str, tokenizer: str, out: Path) -> dict:
         one, sixteen = bench(model, tokenizer, out, 1), bench(model, tokenizer, out, 16)
         return {"start": start, "one": one["output_throughput"], "tpot": one["tpot_ms"]["p50"],
                 "sixteen": sixteen["output_throughput"], "ttft16": sixteen["ttft_ms"]["p50"],
+                "flops16": fma_share(sixteen["flops"]),
                 "rss": tree_rss_mb(proc.pid)}  # fmt: skip
     finally:
         proc.terminate()
@@ -79,7 +84,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     print(
         "| file | one stream, output tok/s (decode: 1000 / TPOT p50) | 16 streams, output tok/s "
-        "| TTFT p50 at 16, ms | start to healthy, s | RSS after 16 streams, MB |\n|---|---|---|---|---|---|"
+        "| TTFT p50 at 16, ms | model GFLOPS at 16 (share of the FMA peak) | start to healthy, s "
+        "| RSS after 16 streams, MB |\n|---|---|---|---|---|---|---|"
     )
     for f in a.files:
         tm = TM + ["serve", f, "--port", str(PORT)]
@@ -93,7 +99,8 @@ def main() -> None:
         print(f"| {Path(f).name} | {t['one']:.1f} vs {ll['one']:.1f} ({t['one'] / ll['one']:.2f}×; "
               f"{1000 / t['tpot']:.1f} vs {1000 / ll['tpot']:.1f}) "
               f"| {t['sixteen']:.1f} vs {ll['sixteen']:.1f} ({t['sixteen'] / ll['sixteen']:.2f}×) "
-              f"| {t['ttft16']:.0f} vs {ll['ttft16']:.0f} | {t['start']:.2f} vs {ll['start']:.2f} "
+              f"| {t['ttft16']:.0f} vs {ll['ttft16']:.0f} | {t['flops16']} vs {ll['flops16']} "
+              f"| {t['start']:.2f} vs {ll['start']:.2f} "
               f"| {t['rss']:.0f} vs {ll['rss']:.0f} ({t['rss'] / ll['rss']:.2f}×) |", flush=True)  # fmt: skip
 
 
