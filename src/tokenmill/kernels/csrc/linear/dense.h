@@ -16,7 +16,7 @@ namespace tmk {
 
 // rows of one dense tile at this vector width (what fits in the register file; 8 lanes: 6 with dense_tiles.h's even-then-
 // odd step for bf16, 12 sums, 2 weights and a broadcast, the odd half's mask a memory operand: arch/avx2/simd.h).
-// Where a block's rows take several tiles, 16 rows as 6 + 5 + 5 ran 1.12x faster than as 4 x 4 when the mask no
+// Where a block's rows take several tiles, 16 rows as 5 + 5 + 6 ran 1.11x faster than as 4 x 4 when the mask no
 // longer cost a sum its register (Xeon, avx2 variant: docs/benchmarks.md)
 constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 6 : 8);
 // rows of one bf16 pair tile: with 16 lanes a row needs one accumulator and no widened weights. 16, not 12: a
