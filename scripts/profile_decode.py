@@ -86,7 +86,8 @@ def print_groups(prof: Any, steps: int, linears: set[str]) -> None:
           f"({(total - in_linears) / total:.1%} of the profiled step)")  # fmt: skip
 
 
-LINEAR_STAGES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+# the stages that multiply weights (a MoE layer's chosen experts too: stack/moe.h)
+LINEAR_STAGES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "experts_gate_up", "experts_down")
 
 
 class LabelledStack:
