@@ -26,6 +26,11 @@ class RopeConfig:
     kind: str = "default"
     params: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def long_from(self) -> int | None:
+        """LongRoPE's original context, from which positions rotate by the long factors; None for other kinds."""
+        return int(self.params["original_max_position_embeddings"]) if self.kind == "longrope" else None
+
 
 @dataclass(frozen=True)
 class MoEConfig:

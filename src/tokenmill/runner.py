@@ -356,7 +356,7 @@ def _split_drafts(
         if k and s.num_new_tokens == k + 1:
             for j, token in enumerate(s.token_ids):
                 run = SequenceInput(s.request_id, [token], s.start + j, s.block_table, s.max_num_tokens, None,
-                                    lora_id=s.lora_id)  # fmt: skip
+                                    lora_id=s.lora_id, rope_long_below=s.rope_long_below)  # fmt: skip
                 runs.append(run)
                 rows_of[id(run)] = [(j, 0)]
         else:

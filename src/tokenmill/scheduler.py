@@ -32,13 +32,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokenmill.config import STEP_TOKENS
-from tokenmill.kv_cache import KVManager
+from tokenmill.kv_cache import KVManager, hash_block_tokens
 from tokenmill.pooling_share import PoolingShare
 from tokenmill.types import Request, ScheduledRequest, SchedulerOutput
 
 # decode runs only while this few sequences run: the Python a run saves, ~0.25 ms a token (Zen 4, int4), matters
 # against a one-row step (~10 ms) and not against a 16-row one, where a newcomer would wait several long steps instead
 MAX_SEQS_FOR_RUNS = 4
+
+
+def prefix_salt(req: Request) -> int | None:
+    """The salt `req`'s prefix-cache hashes chain on: its adapter's digest, and a chain of its own where its positions
+    below `rope_long_below` rotate by LongRoPE's long factors (their keys are not a shorter prompt's)."""
+    if not req.rope_long_below:
+        return req.cache_salt
+    return hash_block_tokens(req.cache_salt, [-1, req.rope_long_below])  # (no token id is negative)
 
 
 @dataclass(frozen=True)
@@ -153,7 +161,7 @@ class Scheduler:
             drafts = req.spec_token_ids[: plan.budget - num_new] if num_new == remaining else []
             room = not drafts or self.kv.allocate_slots(
                 req.request_id, req.all_token_ids, req.num_computed_tokens, num_new,
-                num_lookahead_tokens=len(drafts), salt=req.cache_salt,
+                num_lookahead_tokens=len(drafts), salt=prefix_salt(req),
             )  # fmt: skip
             if not room:
                 drafts = []  # no room for their slots: no drafts this step, rather than preempt anyone for them
@@ -183,7 +191,7 @@ class Scheduler:
             return 1
         for req, start, _, _ in plan.scheduled:
             if not self.kv.allocate_slots(req.request_id, req.all_token_ids, start, 1, num_lookahead_tokens=run - 1,
-                                          salt=req.cache_salt):  # fmt: skip
+                                          salt=prefix_salt(req)):  # fmt: skip
                 return 1
         return run
 
@@ -191,7 +199,7 @@ class Scheduler:
         """Reserve blocks for `req`, preempting from the back of the running queue until it fits."""
         while not self.kv.allocate_slots(
             req.request_id, req.all_token_ids, req.num_computed_tokens, num_new, num_lookahead_tokens=num_drafts,
-            salt=req.cache_salt,
+            salt=prefix_salt(req),
         ):  # fmt: skip
             victim = self.running[-1]
             self._preempt(victim, plan)
@@ -221,7 +229,7 @@ class Scheduler:
                 self.kv.free(req.request_id)  # (what a fork may have shared)
                 continue  # a pooling prompt past this step's share: the requests behind it may still come in
             if not self.kv.allocate_slots(req.request_id, req.all_token_ids, num_cached, num_new, blocks,
-                                          salt=req.cache_salt):  # fmt: skip
+                                          salt=prefix_salt(req)):  # fmt: skip
                 self.kv.free(req.request_id)  # drop what a fork may have shared
                 break  # no room: it waits; running requests are never preempted for newcomers
             self.waiting.remove(req)
@@ -249,5 +257,5 @@ class Scheduler:
                 return shared, []
         if req.params.prompt_logprobs is not None or req.no_prefix_cache:
             return 0, []  # prompt logprobs (mean pooling) read every prompt position's logits (hidden state)
-        blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids, req.cache_salt)
+        blocks, num_cached = self.kv.get_computed_blocks(req.all_token_ids, prefix_salt(req))
         return num_cached, blocks

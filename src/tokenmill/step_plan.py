@@ -55,7 +55,8 @@ def plan_step(sequences: Sequence[SequenceInput], constrained: Collection[str], 
     logits = max(reads, default=LogitsRead.FULL)
     if len(rows) < len(sequences) or drafts:  # a prompt's chunk that samples nothing (or is pooled), or drafts
         logits = LogitsRead.FULL
-    decode_only = all(s.num_new_tokens == 1 + (len(s.sampling.draft_token_ids) if s.sampling else 0) for s in sequences)
+    decode_only = all(s.num_new_tokens == 1 + (len(s.sampling.draft_token_ids) if s.sampling else 0)
+                      and s.start >= s.rope_long_below for s in sequences)  # fmt: skip
     return StepPlan(
         num_steps=num_steps,
         logits=logits,

@@ -76,6 +76,9 @@ class Request:
     no_prefix_cache: bool = False
     lora_id: int = 0  # the LoRA adapter it runs with (the core's id for it; 0: the base model)
     cache_salt: int | None = None  # its prefix-cache hashes start from this (its adapter's digest): none is shared
+    # LongRoPE (Phi-3): its prompt passes the original context, so its positions below this rotate by the long
+    # factors too (models/rope.py), and its prefix chain is its own (scheduler.prefix_salt); 0: none
+    rope_long_below: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -183,6 +186,7 @@ class SequenceInput:
     prompt_logprobs: PromptLogprobsInput | None = None
     pooling: PoolingInput | None = None  # a pooling request's: it never samples
     lora_id: int = 0  # the LoRA adapter its rows take (0: the base model's rows add nothing)
+    rope_long_below: int = 0  # its positions below this rotate by LongRoPE's long factors (Request.rope_long_below)
 
     @property
     def num_new_tokens(self) -> int:

@@ -373,33 +373,6 @@ def test_quantized_stack_on_amx_equals_the_module_path(make_checkpoint: Callable
         ops.module.set_amx(amx_before)
 
 
-def test_longrope_past_the_original_length_matches_transformers_with_a_cache(
-    make_checkpoint: Callable[..., Path],
-) -> None:
-    """Past `original_max_position_embeddings` each new token rotates by the long factors, over keys cached
-    with the short ones: what HF's model computes step by step with a KV cache. (HF's `generate` for Phi-3
-    instead recomputes the whole cache once, at the crossing; we do not.)"""
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    folder = make_checkpoint("phi3", **SPREAD, rope_scaling=LONGROPE, original_max_position_embeddings=32)
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(target.DEVICE).eval()
-    llm = LLM(str(folder), dtype="float32", device=target.DEVICE)
-    ids = llm.tokenizer.encode(PROMPT)
-    assert len(ids) < 32 < len(ids) + 16
-    seq, ref = list(ids), []
-    with torch.no_grad():
-        cache = DynamicCache(config=hf.config)
-        logits = hf(target.ids_tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
-        for _ in range(16):
-            ref.append(int(logits.argmax()))
-            seq.append(ref[-1])
-            step = hf(target.ids_tensor([[ref[-1]]]), past_key_values=cache,
-                      position_ids=target.ids_tensor([[len(seq) - 1]]))  # fmt: skip
-            logits = step.logits[0, -1]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == ref
-
-
 def test_the_text_tower_of_a_gemma3_multimodal_checkpoint(tokenizer_dir: Path, tmp_path: Path) -> None:
     """`Gemma3ForConditionalGeneration` checkpoints (Gemma 3 4B and up): the text model loads, the vision tower
     is skipped, and text-only logits equal transformers' multimodal model's."""

@@ -35,7 +35,7 @@ def build_engine_core(loaded: LoadedModel, cfg: EngineConfig, detokenize: bool =
     core = EngineCore(parts.runner, scheduler, loaded.tokenizer, loaded.config.vocab_size, max_len,
                       loaded.eos_token_ids, make_proposer(loaded, cfg, max_len), cfg.speculative_disable_by_batch_size,
                       cfg.num_scheduler_steps, loaded.task, loaded.config.hidden_size, cfg.max_lora_rank,
-                      detokenize)  # fmt: skip
+                      detokenize, loaded.config.rope.long_from)  # fmt: skip
     if core.lora is not None:
         for name, path in cfg.lora_modules:  # the adapters served from the start (a bad one: one line, no engine)
             core.lora.add(core.lora.read(name, path))

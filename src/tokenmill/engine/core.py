@@ -75,6 +75,7 @@ class EngineCore:
         hidden_size: int = 0,  # the longest embedding a pooling request may ask for
         max_lora_rank: int = 16,  # the largest rank a LoRA adapter may have (where the runner serves adapters)
         detokenize: bool = True,  # False: outputs of tokens alone; the server makes the text (server/engine_process.py)
+        rope_long_from: int | None = None,  # LongRoPE's original context: a longer prompt rotates long throughout
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
         self.scheduler_steps = num_scheduler_steps if runner.runs_decode_steps else 1
@@ -83,7 +84,7 @@ class EngineCore:
         self.output = OutputProcessor(tokenizer if detokenize else None)
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
-        self.task, self.hidden_size = task, hidden_size
+        self.task, self.hidden_size, self.rope_long_from = task, hidden_size, rope_long_from
         # grammars' matchers; the Rust tokenizer is read at the first compile (a deferred one is built only then)
         self.structured = StructuredOutputManager(lambda: tokenizer.rust, vocab_size, eos_token_ids)
         self.thinking = ThinkingBudgets()  # thinking budgets' counts (engine/thinking.py)
@@ -127,8 +128,8 @@ class EngineCore:
             tokenization_ms=request.tokenization_ms,
             num_prompt_tokens=len(request.prompt_token_ids),
         )
-        arrival = next(self._arrivals)
-        children = new_sequences(request, self.eos_token_ids, metrics, arrival, self._pools_every_row)
+        children = new_sequences(request, self.eos_token_ids, metrics, next(self._arrivals), self._pools_every_row,
+                                 self.rope_long_from)  # fmt: skip
         grammar = request.grammar
         if grammar is None and params.structured_outputs is not None:
             grammar = self.structured.compile(params.structured_outputs)

@@ -39,4 +39,5 @@ def sequence_input(req: Request, s: ScheduledRequest) -> SequenceInput:
         prompt_logprobs=prompt_logprobs,
         pooling=pooling,
         lora_id=req.lora_id,
+        rope_long_below=req.rope_long_below,
     )

@@ -19,7 +19,8 @@ class Rows:
     sequences: list[SequenceInput]  # in row order: the first `num_decodes` have one new token each
     num_decodes: int
     input_ids: list[int] = field(default_factory=list)  # [T]
-    positions: list[int] = field(default_factory=list)  # [T]
+    # [T]; -1 - p where p rotates by LongRoPE's long factors below their start (SequenceInput.rope_long_below)
+    positions: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # [B]: each sequence's first row
 
 
@@ -51,5 +52,6 @@ def flatten(sequences: list[SequenceInput]) -> Rows:
     for s in ordered:
         rows.offsets.append(len(rows.input_ids))
         rows.input_ids += s.token_ids
-        rows.positions += range(s.start, s.seq_len)
+        # (a position below rope_long_below goes only to the modules: StepPlan.decode_only is False for it)
+        rows.positions += (p if p >= s.rope_long_below else -1 - p for p in range(s.start, s.seq_len))
     return rows

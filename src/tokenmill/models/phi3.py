@@ -3,7 +3,7 @@
 - q|k|v and gate|up are stored fused (`qkv_proj`, `gate_up_proj`), as our layers hold them: the loader fills
   them whole.
 - `longrope` RoPE scaling (Phi-3 128k, Phi-3.5): per-frequency factors, short up to the pretraining context and
-  long past it (rope.RotaryEmbedding).
+  long past it, and long from position 0 for a prompt longer than that context (rope.RotaryEmbedding).
 """
 
 from __future__ import annotations

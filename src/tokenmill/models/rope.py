@@ -94,9 +94,11 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):  # (on the meta device, where models are built, `theta ** t` imports torch._dynamo:
             inv_freq, self.scale = rope_inv_freq(rope, head_dim)  # ~1.8 s of a start; `materialize` redoes it)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [Dh/2] float32
-        # LongRoPE: positions from `long_from` on rotate by the long factors (HF switches a whole forward once
-        # its length passes the original context; here each token goes by its own position)
-        self.long_from = int(rope.params["original_max_position_embeddings"]) if rope.kind == "longrope" else None
+        # LongRoPE: positions from `long_from` on rotate by the long factors, and so does every position of a
+        # sequence whose prompt passes the original context, which comes as -1 - p (long_below: HF's model picks
+        # the factors by the length of a forward, so such a prompt's prefill is all long). A sequence that crosses
+        # the length while it generates keeps its keys of before, as HF's model does step by step with a cache.
+        self.long_from = rope.long_from
         long = _longrope_inv_freq(rope, head_dim, "long_factor")[0] if self.long_from is not None else None
         self.register_buffer("long_inv_freq", long, persistent=False)  # [Dh/2] float32, or None
         self._table = (torch.empty(0, head_dim), torch.empty(0, head_dim))  # CPU cos, sin [positions, Dh] float32
@@ -109,6 +111,9 @@ class RotaryEmbedding(nn.Module):
         self._table = (torch.empty(0, self.head_dim), torch.empty(0, self.head_dim))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.long_from is not None and positions.numel() and int(positions.min()) < 0:
+            cos, sin = self._compute(*long_below(positions))  # (a long prompt's prefill: no table)
+            return cos.to(dtype), sin.to(dtype)
         if positions.device.type != "cpu":
             cos, sin = self._compute(positions)
             return cos.to(dtype), sin.to(dtype)
@@ -123,13 +128,23 @@ class RotaryEmbedding(nn.Module):
             self._table = self._compute(torch.arange(max(top, 2 * self._table[0].shape[0], 256)))
         return self._table
 
-    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> [T, Dh] float32 x2
+    def _compute(
+        self, positions: torch.Tensor, long: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] (and [T] bool: rotate by the long factors) -> [T, Dh] float32 x2
         inv_freq = self.inv_freq[None, :]  # [1, Dh/2]
         if self.long_inv_freq is not None and self.long_from is not None:
-            inv_freq = torch.where((positions >= self.long_from)[:, None], self.long_inv_freq, inv_freq)  # [T, Dh/2]
+            past = positions >= self.long_from if long is None else (positions >= self.long_from) | long  # [T]
+            inv_freq = torch.where(past[:, None], self.long_inv_freq, inv_freq)  # [T, Dh/2]
         freqs = positions.float()[:, None] * inv_freq  # [T, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
         return emb.cos() * self.scale, emb.sin() * self.scale
+
+
+def long_below(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """LongRoPE's positions as the rows give them ([T] int64; -1 - p for a token of a sequence whose prompt passes
+    the original context, forward/base.py) -> the positions [T] and which tokens rotate by the long factors [T]."""
+    below = positions < 0
+    return torch.where(below, -1 - positions, positions), below
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,113 @@
+"""Phi-3's LongRoPE against transformers on both sides of `original_max_position_embeddings` (here 32).
+
+HF's model picks the factors by the length of a forward: a prompt longer than the original context is rotated by
+the long factors from position 0, and so are the tokens after it; a shorter sequence that crosses the length while
+it generates keeps the keys it cached with the short ones (what HF's model computes step by step with a cache). A
+long prompt's rows must come out the same through chunked prefill, a prefix cache shared with a shorter prompt of
+the same first tokens, one-token prefill chunks beside a decoding row, decode runs and the decode stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests import target
+from tests.parity.test_models import LONGROPE, PROMPT, SPREAD
+from tokenmill import LLM, SamplingParams
+
+ORIGINAL = 32
+
+
+@pytest.fixture(scope="module")
+def phi3(make_checkpoint: Callable[..., Path]) -> tuple[Path, Any]:
+    from transformers import AutoModelForCausalLM
+
+    folder = make_checkpoint("phi3", **SPREAD, rope_scaling=LONGROPE, original_max_position_embeddings=ORIGINAL)
+    return folder, AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(target.DEVICE).eval()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 380, (n,), generator=g).tolist()
+
+
+def _hf_greedy(hf: Any, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(target.ids_tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def test_a_prompt_past_the_original_length_matches_transformers(phi3: tuple[Path, Any]) -> None:
+    """Prompt logprobs (every position, from 0) and greedy tokens of prompts of 33 and 50 tokens."""
+    folder, hf = phi3
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE)
+    for n in (ORIGINAL + 1, 50):
+        ids = _prompt(n, n)
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0,
+                                                                        prompt_logprobs=1))[0]  # fmt: skip
+        assert out.outputs[0].token_ids == _hf_greedy(hf, ids, 12)
+        with torch.no_grad():
+            ref = hf(target.ids_tensor([ids])).logits[0].float().cpu().log_softmax(-1)  # [n, V]
+        assert out.prompt_logprobs is not None
+        diffs = [abs(entry[ids[p + 1]] - ref[p, ids[p + 1]].item()) for p, entry in enumerate(out.prompt_logprobs[1:])
+                 if entry is not None]  # fmt: skip
+        assert len(diffs) == n - 1 and max(diffs) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [
+        dict(max_num_batched_tokens=8),  # chunks below and across the original length
+        dict(max_num_batched_tokens=2, max_num_seqs=2),  # one-token chunks beside a decoding row
+        dict(num_scheduler_steps=1, enable_prefix_caching=False),
+        dict(cpu_kernels=False),  # the modules alone: no decode stack
+    ],
+)
+def test_long_and_short_prompts_of_the_same_first_tokens_in_one_engine(
+    phi3: tuple[Path, Any], switches: dict[str, Any]
+) -> None:
+    """A short prompt (20 tokens, short factors) and a long one (45 tokens) that starts with the same 20. Both at once
+    in a fresh engine (the long one's chunks beside the short one's decoding rows), then in another the short one
+    first, filling the prefix cache: the long one must not take its blocks, whose keys the short factors rotated.
+    Every output is transformers' greedy."""
+    folder, hf = phi3
+    short = _prompt(20, 1)
+    long = short + _prompt(25, 2)
+    want = {len(ids): _hf_greedy(hf, ids, 10) for ids in (short, long)}
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0)
+    for batches in (([short, long], [long, short]), ([short], [long], [short, long])):
+        llm = LLM(str(folder), dtype="float32", device=target.DEVICE, **switches)
+        for batch in batches:
+            outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params)
+            assert [o.outputs[0].token_ids for o in outs] == [want[len(ids)] for ids in batch]
+
+
+def test_a_sequence_that_crosses_the_original_length_matches_transformers_with_a_cache(
+    phi3: tuple[Path, Any],
+) -> None:
+    """Past `original_max_position_embeddings` each new token rotates by the long factors, over keys cached
+    with the short ones: what HF's model computes step by step with a KV cache. (HF's `generate` for Phi-3
+    instead recomputes the whole cache once, at the crossing; we do not.)"""
+    from transformers import DynamicCache
+
+    folder, hf = phi3
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE)
+    ids = llm.tokenizer.encode(PROMPT)
+    assert len(ids) < ORIGINAL < len(ids) + 16
+    seq, ref = list(ids), []
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config)
+        logits = hf(target.ids_tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
+        for _ in range(16):
+            ref.append(int(logits.argmax()))
+            seq.append(ref[-1])
+            step = hf(target.ids_tensor([[ref[-1]]]), past_key_values=cache,
+                      position_ids=target.ids_tensor([[len(seq) - 1]]))  # fmt: skip
+            logits = step.logits[0, -1]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == ref
