@@ -111,3 +111,23 @@ def test_a_sequence_that_crosses_the_original_length_matches_transformers_with_a
             logits = step.logits[0, -1]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == ref
+
+
+def test_the_rotary_embedding_takes_a_long_prompts_positions_as_minus_one_minus_p(phi3: tuple[Path, Any]) -> None:
+    """-1 - p is position p rotated by the long factors, from the tables' path on the CPU and from the computed path
+    that a GPU takes (no host sync there: CUDA graphs capture it); p >= 0 reads the tables as before."""
+    from transformers import AutoConfig
+
+    from tokenmill.model_config import ModelConfig
+    from tokenmill.models.rope import RotaryEmbedding, long_below
+
+    folder, _ = phi3
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(folder)).to_dict())
+    rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+    p = torch.arange(0, 48)  # [T]
+    short_then_long = rotary(p, torch.float32)  # the per-position rule
+    all_long = rotary(-1 - p, torch.float32)
+    assert torch.equal(all_long[0][ORIGINAL:], short_then_long[0][ORIGINAL:])  # past the length: the same rows
+    assert not torch.allclose(all_long[0][1:ORIGINAL], short_then_long[0][1:ORIGINAL])  # below: the long factors
+    computed = rotary._compute(*long_below(torch.cat([p[:10], -1 - p[10:]])))  # the device path's
+    assert torch.equal(computed[0][10:], all_long[0][10:]) and torch.equal(computed[1][:10], short_then_long[1][:10])

@@ -111,11 +111,11 @@ class RotaryEmbedding(nn.Module):
         self._table = (torch.empty(0, self.head_dim), torch.empty(0, self.head_dim))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.long_from is not None and positions.numel() and int(positions.min()) < 0:
-            cos, sin = self._compute(*long_below(positions))  # (a long prompt's prefill: no table)
+        if positions.device.type != "cpu":  # (no host sync: CUDA graphs capture this)
+            cos, sin = self._compute(*long_below(positions)) if self.long_from is not None else self._compute(positions)
             return cos.to(dtype), sin.to(dtype)
-        if positions.device.type != "cpu":
-            cos, sin = self._compute(positions)
+        if self.long_from is not None and positions.numel() and int(positions.min()) < 0:
+            cos, sin = self._compute(*long_below(positions))  # (a long prompt's prefill: not from the tables)
             return cos.to(dtype), sin.to(dtype)
         # on the CPU, rows of a table of every position so far: cos and sin of a handful of positions cost more
         # in torch's per-op overhead than the decode step's kernels of a small model (the same numbers either way)
