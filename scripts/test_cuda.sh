@@ -10,7 +10,7 @@ if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PYTHON" -m pytest --device cuda tests/cuda tests/parity/test_models.py \
+exec "$PYTHON" -m pytest --device cuda tests/cuda tests/parity/test_models.py tests/parity/test_longrope.py \
   tests/parity/test_sliding_window.py tests/parity/test_quantization.py tests/engine/test_batching.py \
   tests/engine/test_generate.py tests/engine/test_spec_decode.py \
   tests/engine/test_cuda_graphs_change_no_token.py tests/parity/test_pooling_models.py tests/engine/test_pooling.py "$@"
