@@ -9,8 +9,8 @@ looks where the parity tests' fixed prompts and switches do not.
 Per config and seed: 2-6 random prompts (some sharing a prefix, up to 90 tokens: past every tiny window and
 LongRoPE's original length), then three random sets of max_num_seqs, the step budget (4-512 tokens), prefix caching,
 decode runs, block size, a KV pool just big enough to preempt, ngram speculation and the contiguous cache. The
-reference for transformers is its model step by step with a KV cache (its `generate` recomputes Phi-3's cache once
-at LongRoPE's crossing, and forbids EOS under `min_new_tokens`: neither is what we compute). Prints a line per run
+reference is transformers' greedy `generate` with no EOS (under `min_new_tokens` it would forbid the tiny
+tokenizer's EOS, token 0). Prints a line per run
 and exits 1 on any mismatch or error. Needs the test suite's helpers (run from the repository root).
 """
 
@@ -63,19 +63,15 @@ def switches(rng: random.Random, prompts: list[list[int]], max_tokens: int, inva
 
 
 def hf_reference(hf: Any, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor], torch.Tensor]:
-    """transformers step by step with a cache: greedy tokens, each step's log-softmax [V], the prompt's [T, V]."""
-    from transformers import DynamicCache
-
+    """transformers' greedy `generate` with no EOS (its tokens and each step's log-softmax [V]), and the prompt's
+    log-softmax [T, V] from one forward."""
+    hf.generation_config.eos_token_id = None  # (a GenerationConfig's None would take the model's)
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        cache = DynamicCache(config=hf.config)
-        prompt_logits = hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0]  # [T, V]
-        logits, tokens, steps = prompt_logits[-1], [], []
-        for _ in range(n):
-            steps.append(logits.float().log_softmax(-1))
-            tokens.append(int(logits.argmax()))
-            position = torch.tensor([[len(prompt) + len(tokens) - 1]])
-            logits = hf(torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=position).logits[0, -1]
-    return tokens, steps, prompt_logits.float().log_softmax(-1)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        prompt_lp = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    return out.sequences[0, len(prompt) :].tolist(), [s[0].float().log_softmax(-1) for s in out.logits], prompt_lp
 
 
 def check_hf(folder: Path, rng: random.Random) -> list[str]:
@@ -94,8 +90,9 @@ def check_hf(folder: Path, rng: random.Random) -> list[str]:
         for p, (tokens, steps, prompt_lp), out in zip(prompts, refs, outs):
             got = list(out.outputs[0].token_ids)
             if got != tokens:
-                k = next(j for j in range(len(tokens)) if got[j] != tokens[j])
-                problems.append(f"a {len(p)}-token prompt's token {k}: {got[k]} against {tokens[k]}")
+                k = next((j for j in range(min(len(got), len(tokens))) if got[j] != tokens[j]), None)
+                problems.append(f"a {len(p)}-token prompt's token {k}: {got[k]} against {tokens[k]}" if k is not None
+                                else f"a {len(p)}-token prompt: {len(got)} tokens against {len(tokens)}")  # fmt: skip
                 continue
             worst = 0.0
             if plp is not None and out.prompt_logprobs is not None:

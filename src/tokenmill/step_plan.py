@@ -37,6 +37,8 @@ def run_steps_allowed(req: Request, steps: int, max_model_len: int, constrained:
     same distribution."""
     p, num_out = req.params, len(req.output_token_ids)
     left = min(req.max_tokens - num_out, max_model_len - req.num_tokens)
+    if req.short_rope_steps is not None:  # not past LongRoPE's switch (Request.rope_long_from)
+        left = min(left, req.short_rope_steps)
     only_draws = row_reads(p, [], constrained) <= LogitsRead.DRAW
     # past the first token: a prompt's last chunk of one token samples its first at once
     decoding = num_out > 0 and not req.spec_token_ids and req.num_computed_tokens == req.num_tokens - 1

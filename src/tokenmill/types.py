@@ -76,13 +76,25 @@ class Request:
     no_prefix_cache: bool = False
     lora_id: int = 0  # the LoRA adapter it runs with (the core's id for it; 0: the base model)
     cache_salt: int | None = None  # its prefix-cache hashes start from this (its adapter's digest): none is shared
-    # LongRoPE (Phi-3): its prompt passes the original context, so its positions below this rotate by the long
-    # factors too (models/rope.py), and its prefix chain is its own (scheduler.prefix_salt); 0: none
+    # LongRoPE (Phi-3): the original context (0: no such model), and where the sequence has passed it, the same
+    # number in rope_long_below: its positions below it rotate by the long factors too (models/rope.py), and its
+    # prefix chain is its own (scheduler.prefix_salt). A prompt longer than the context starts so; a sequence that
+    # grows past it is computed again so once (transformers' Phi-3 `generate` recomputes its cache there)
+    rope_long_from: int = 0
     rope_long_below: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def short_rope_steps(self) -> int | None:
+        """The decode steps left before the sequence passes LongRoPE's original context (each step's position must
+        stay below it while the short factors rotate it; 0: it has passed, and is to be computed again with the
+        long ones), or None where no switch is ahead."""
+        if not self.rope_long_from or self.rope_long_below:
+            return None
+        return max(0, self.rope_long_from - self.num_tokens + 1)
 
     @property
     def num_tokens(self) -> int:

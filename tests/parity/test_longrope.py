@@ -1,10 +1,10 @@
 """Phi-3's LongRoPE against transformers on both sides of `original_max_position_embeddings` (here 32).
 
 HF's model picks the factors by the length of a forward: a prompt longer than the original context is rotated by
-the long factors from position 0, and so are the tokens after it; a shorter sequence that crosses the length while
-it generates keeps the keys it cached with the short ones (what HF's model computes step by step with a cache). A
-long prompt's rows must come out the same through chunked prefill, a prefix cache shared with a shorter prompt of
-the same first tokens, one-token prefill chunks beside a decoding row, decode runs and the decode stack.
+the long factors from position 0, and so are the tokens after it; a shorter sequence that grows past the length is
+computed again with the long factors throughout (HF's Phi-3 `generate` drops its cache there). A long prompt's rows
+must come out the same through chunked prefill, a prefix cache shared with a shorter prompt of the same first
+tokens, one-token prefill chunks beside a decoding row, decode runs, speculation and the decode stack.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests import target
-from tests.parity.test_models import LONGROPE, PROMPT, SPREAD
+from tests.parity.test_models import LONGROPE, SPREAD
 from tokenmill import LLM, SamplingParams
 
 ORIGINAL = 32
@@ -28,7 +28,9 @@ def phi3(make_checkpoint: Callable[..., Path]) -> tuple[Path, Any]:
     from transformers import AutoModelForCausalLM
 
     folder = make_checkpoint("phi3", **SPREAD, rope_scaling=LONGROPE, original_max_position_embeddings=ORIGINAL)
-    return folder, AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(target.DEVICE).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(target.DEVICE).eval()
+    hf.generation_config.eos_token_id = None  # `generate` makes every token asked for (the tiny tokenizer's EOS is 0)
+    return folder, hf
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -38,7 +40,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _hf_greedy(hf: Any, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = hf.generate(target.ids_tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out = hf.generate(target.ids_tensor([ids]), max_new_tokens=n, do_sample=False)
     return out[0, len(ids) :].tolist()
 
 
@@ -87,30 +89,36 @@ def test_long_and_short_prompts_of_the_same_first_tokens_in_one_engine(
             assert [o.outputs[0].token_ids for o in outs] == [want[len(ids)] for ids in batch]
 
 
-def test_a_sequence_that_crosses_the_original_length_matches_transformers_with_a_cache(
-    phi3: tuple[Path, Any],
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {},
+        dict(num_scheduler_steps=8),  # decode runs: none may step past the switch
+        dict(speculative_model="ngram", num_speculative_tokens=5, num_scheduler_steps=1),  # nor a verify row
+        dict(speculative_model="itself", num_speculative_tokens=5, num_scheduler_steps=1),  # (every draft kept)
+        dict(max_num_batched_tokens=8, cpu_kernels=False),
+    ],
+)
+def test_a_sequence_that_grows_past_the_original_length_matches_transformers_generate(
+    phi3: tuple[Path, Any], switches: dict[str, Any]
 ) -> None:
-    """Past `original_max_position_embeddings` each new token rotates by the long factors, over keys cached
-    with the short ones: what HF's model computes step by step with a KV cache. (HF's `generate` for Phi-3
-    instead recomputes the whole cache once, at the crossing; we do not.)"""
-    from transformers import DynamicCache
-
+    """transformers' Phi-3 `generate` computes a sequence again, with the long factors throughout, once it grows
+    past the original length (its prepare_inputs_for_generation drops the cache there); so do we. Prompts of 20, 31
+    and 32 tokens (the last switches after its first token), of a repeated 7-token pattern (prompt lookup finds
+    drafts), each alone (a decode run takes one to four sequences), then together with two of them again (prefix
+    hits)."""
     folder, hf = phi3
-    llm = LLM(str(folder), dtype="float32", device=target.DEVICE)
-    ids = llm.tokenizer.encode(PROMPT)
-    assert len(ids) < ORIGINAL < len(ids) + 16
-    seq, ref = list(ids), []
-    with torch.no_grad():
-        cache = DynamicCache(config=hf.config)
-        logits = hf(target.ids_tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
-        for _ in range(16):
-            ref.append(int(logits.argmax()))
-            seq.append(ref[-1])
-            step = hf(target.ids_tensor([[ref[-1]]]), past_key_values=cache,
-                      position_ids=target.ids_tensor([[len(seq) - 1]]))  # fmt: skip
-            logits = step.logits[0, -1]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == ref
+    pattern = _prompt(7, 3)
+    prompts = [(pattern * 5)[:n] for n in (20, ORIGINAL - 1, ORIGINAL)]
+    want = [_hf_greedy(hf, ids, 24) for ids in prompts]
+    if switches.get("speculative_model") == "itself":
+        switches = {**switches, "speculative_model": str(folder)}
+    llm = LLM(str(folder), dtype="float32", device=target.DEVICE, **switches)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for ids, tokens in zip(prompts, want):
+        assert llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids == tokens
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts + prompts[:2]], params)
+    assert [o.outputs[0].token_ids for o in outs] == want + want[:2]
 
 
 def test_the_rotary_embedding_takes_a_long_prompts_positions_as_minus_one_minus_p(phi3: tuple[Path, Any]) -> None:

@@ -285,6 +285,11 @@ class EngineCore:
                 req.metrics.num_cached_tokens = num_cached
         for s in so.scheduled:
             self._advance(self._seqs[s.request_id], s, so.num_steps, result, scheduled_at or now, now)
+        for req in (self._seqs[s.request_id] for s in so.scheduled):
+            if req.short_rope_steps == 0 and not req.finished:  # past LongRoPE's original context: computed again
+                req.rope_long_below = req.rope_long_from  # with the long factors, as transformers' Phi-3 generate
+                self.scheduler.requeue(req)
+                self._recompute(req)
         return self._outputs(list(dict.fromkeys(self._seqs[s.request_id].parent_id for s in so.scheduled)))
 
     def _advance(self, req: Request, s: ScheduledRequest, num_steps: int, result: RunnerOutput, scheduled_at: float,

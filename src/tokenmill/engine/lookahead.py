@@ -26,6 +26,8 @@ def draft_requests(
             continue
         # each kept draft and the token after them are outputs: stay inside max_tokens and the context
         limit = min(req.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens) - 1
+        if req.short_rope_steps is not None:  # no verify row past LongRoPE's switch (Request.rope_long_from)
+            limit = min(limit, req.short_rope_steps - 1)
         free = thinking.free_tokens(req.request_id)  # drafts stop short of a token a budget forces
         limit = limit if free is None else min(limit, free - 1)
         if limit >= 1:

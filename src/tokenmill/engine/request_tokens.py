@@ -18,7 +18,7 @@ def new_sequences(request: EngineRequest, eos_token_ids: frozenset[int], metrics
     """The n sequences of a validated user request, sharing its prompt and its metrics; `arrival` its place in the
     arrival order. A pooling request skips the prefix cache where the pooler reads every row's hidden state. With
     LongRoPE (`rope_long_from`: the original context), a prompt longer than that rotates by the long factors from
-    position 0, as HF's model does over such a prompt."""
+    position 0, as HF's model does over such a prompt (Request.rope_long_below)."""
     request_id, params = request.request_id, request.params
     prompt = list(request.prompt_token_ids)  # NOTE: one list for all n samples; nothing writes a prompt
     long_below = rope_long_from if rope_long_from is not None and len(prompt) > rope_long_from else 0
@@ -40,6 +40,7 @@ def new_sequences(request: EngineRequest, eos_token_ids: frozenset[int], metrics
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             pooling=request.pooling,
             no_prefix_cache=request.pooling is not None and pools_every_row,
+            rope_long_from=rope_long_from or 0,
             rope_long_below=long_below,
         )
         for i in range(params.n)

@@ -95,9 +95,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq, self.scale = rope_inv_freq(rope, head_dim)  # ~1.8 s of a start; `materialize` redoes it)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [Dh/2] float32
         # LongRoPE: positions from `long_from` on rotate by the long factors, and so does every position of a
-        # sequence whose prompt passes the original context, which comes as -1 - p (long_below: HF's model picks
-        # the factors by the length of a forward, so such a prompt's prefill is all long). A sequence that crosses
-        # the length while it generates keeps its keys of before, as HF's model does step by step with a cache.
+        # sequence longer than the original context, which comes as -1 - p (long_below: HF's model picks the
+        # factors by the length of a forward; a sequence that grows past it is computed again, as HF's Phi-3
+        # `generate` does: engine/core.py). The engine's sequences never reach `long_from` with the short ones.
         self.long_from = rope.long_from
         long = _longrope_inv_freq(rope, head_dim, "long_factor")[0] if self.long_from is not None else None
         self.register_buffer("long_inv_freq", long, persistent=False)  # [Dh/2] float32, or None
