@@ -8,7 +8,8 @@ looks where the parity tests' fixed prompts and switches do not.
 
 Per config and seed: 2-6 random prompts (some sharing a prefix, up to 90 tokens: past every tiny window and
 LongRoPE's original length), then three random sets of max_num_seqs, the step budget (4-512 tokens), prefix caching,
-decode runs, block size, a KV pool just big enough to preempt, ngram speculation and the contiguous cache. The
+decode runs, block size, a KV pool just big enough to preempt, ngram speculation, the contiguous cache or none, and
+torch's ops without our kernels. The
 reference is transformers' greedy `generate` with no EOS (under `min_new_tokens` it would forbid the tiny
 tokenizer's EOS, token 0). Prints a line per run
 and exits 1 on any mismatch or error. Needs the test suite's helpers (run from the repository root).
@@ -56,9 +57,13 @@ def switches(rng: random.Random, prompts: list[list[int]], max_tokens: int, inva
         kw["num_kv_blocks"] = rng.randint(need, 2 * need + 4)
     if rng.random() < 0.3:
         kw.update(speculative_model="ngram", num_speculative_tokens=rng.choice([1, 3, 5]))
-    if not invariant and rng.random() < 0.2:
-        kw["kv_cache"] = "contiguous"
+    if not invariant and rng.random() < 0.25:
+        kw["kv_cache"] = rng.choice(["contiguous", "none"])  # (none: every step computes the whole context again)
         kw.pop("num_kv_blocks", None)
+        if kw["kv_cache"] == "none":  # (drafts need a cache to verify against)
+            kw.pop("speculative_model", None), kw.pop("num_speculative_tokens", None)
+    if not invariant and rng.random() < 0.2:
+        kw["cpu_kernels"] = False  # torch's ops alone
     return kw
 
 
