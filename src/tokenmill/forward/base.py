@@ -52,6 +52,8 @@ def flatten(sequences: list[SequenceInput]) -> Rows:
     for s in ordered:
         rows.offsets.append(len(rows.input_ids))
         rows.input_ids += s.token_ids
-        # (a position below rope_long_below goes only to the modules: StepPlan.decode_only is False for it)
-        rows.positions += (p if p >= s.rope_long_below else -1 - p for p in range(s.start, s.seq_len))
+        if s.start >= s.rope_long_below:
+            rows.positions += range(s.start, s.seq_len)
+        else:  # (a position below rope_long_below goes only to the modules: StepPlan.decode_only is False for it)
+            rows.positions += (p if p >= s.rope_long_below else -1 - p for p in range(s.start, s.seq_len))
     return rows
