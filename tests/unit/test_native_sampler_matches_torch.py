@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tokenmill import kernels
-from tokenmill.sampling.sampler import Sampler, SamplingBatch, _scaled, apply_filters
+from tokenmill.sampling.filters import apply_filters
+from tokenmill.sampling.sampler import Sampler, SamplingBatch, _scaled
 from tokenmill.sampling_params import SamplingParams as SP
 
 VOCAB = 2 * 4096 + 3  # past the torch path's candidates (256, 4096), and a tail after the last whole vector

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from tokenmill.sampling.filters import apply_filters
 from tokenmill.sampling.sampler import (
     Sampler,
     SamplingBatch,
-    apply_filters,
     apply_penalties,
     topk_logprobs,
 )
@@ -167,14 +167,14 @@ def _transformers_filters(logits: torch.Tensor, top_k: int, top_p: float) -> tor
      (4.0, 40, 1.0), (0.0, 5, 1.0)],
 )  # fmt: skip
 def test_top_k_and_top_p_keep_what_transformers_keeps(scale: float, top_k: int, top_p: float) -> None:
-    """Over a vocabulary larger than the candidates top-k and top-p look among (sampler.CANDIDATES, 256 then
+    """Over a vocabulary larger than the candidates top-k and top-p look among (filters.CANDIDATES, 256 then
     4096): a nucleus inside the first, inside the second, past both (the whole row sorted), a k past the first and
     past the second, a k alone, and all-tied rows (transformers' top-k keeps every token tied with the k-th;
     which tied tokens a top-p keeps follows the sort, so ties are not compared there). A row without filters
     beside them keeps all."""
-    from tokenmill.sampling import sampler
+    from tokenmill.sampling import filters
 
-    vocab = 2 * sampler.CANDIDATES[-1]
+    vocab = 2 * filters.CANDIDATES[-1]
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5)) * scale
     params = [SP(top_k=top_k, top_p=top_p), SP(), SP(top_k=top_k, top_p=top_p)]
     ours = apply_filters(logits, make_batch(params))
@@ -187,9 +187,9 @@ def test_top_k_and_top_p_keep_what_transformers_keeps(scale: float, top_k: int, 
     if scale == 0.0:
         assert kept == vocab  # every token ties
     elif top_k == 0 and scale < 1:
-        assert kept > sampler.CANDIDATES[-1]  # the flat row's nucleus reaches past the candidates
+        assert kept > filters.CANDIDATES[-1]  # the flat row's nucleus reaches past the candidates
     elif top_k == 0 and scale == 2:
-        assert sampler.CANDIDATES[0] < kept < sampler.CANDIDATES[-1]
+        assert filters.CANDIDATES[0] < kept < filters.CANDIDATES[-1]
 
 
 def test_inverse_transform_never_picks_a_token_without_mass() -> None:

@@ -13,7 +13,6 @@ other threads may read.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import replace
 from itertools import count
@@ -23,12 +22,14 @@ from tokenmill.engine.lookahead import draft_requests, run_limit
 from tokenmill.engine.lora_registry import LoraRegistry
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request_tokens import (
+    advance_grammar,
     advance_pooling,
     append_token,
     count_drafts,
     keep_tokens,
     new_sequences,
     pooling_output,
+    recompute,
 )
 from tokenmill.engine.sequence_input import sequence_input
 from tokenmill.engine.snapshot import engine_snapshot
@@ -55,7 +56,6 @@ from tokenmill.types import (
     SchedulerOutput,
 )
 
-log = logging.getLogger("tokenmill.engine")
 GENERATE = ModelTask()  # a model that generates and pools nothing
 
 
@@ -237,14 +237,8 @@ class EngineCore:
         for req in requeued:
             result.sampled.pop(req.request_id, None)
             result.prompt_logprobs.pop(req.request_id, None)
-            self._recompute(req)
+            recompute(req)
         return {req.request_id for req in requeued}
-
-    @staticmethod
-    def _recompute(req: Request) -> None:
-        """A requeued (preempted) request starts over: nothing of it is computed."""
-        req.num_computed_tokens, req.multi_step_limit = 0, 0
-        req.metrics.num_preemptions += 1
 
     def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
         """End the user requests whose sequences failed: every sample, with the error, blocks released."""
@@ -278,7 +272,7 @@ class EngineCore:
         """Apply one step to request state: the only place requests change while they run."""
         now = time.perf_counter()
         for request_id in so.preempted:
-            self._recompute(self._seqs[request_id])
+            recompute(self._seqs[request_id])
         for request_id, num_cached in so.num_cached_tokens.items():
             req = self._seqs[request_id]
             if req.metrics.num_preemptions == 0 and req.index == 0:
@@ -289,7 +283,7 @@ class EngineCore:
             if req.short_rope_steps == 0 and not req.finished:  # past LongRoPE's original context: computed again
                 req.rope_long_below = req.rope_long_from  # with the long factors, as transformers' Phi-3 generate
                 self.scheduler.requeue(req)
-                self._recompute(req)
+                recompute(req)
         return self._outputs(list(dict.fromkeys(self._seqs[s.request_id].parent_id for s in so.scheduled)))
 
     def _advance(self, req: Request, s: ScheduledRequest, num_steps: int, result: RunnerOutput, scheduled_at: float,
@@ -321,7 +315,7 @@ class EngineCore:
             self.stats.generation_tokens += 1
             self.thinking.accept(req.request_id, token)
             if self.structured.has(req.request_id):
-                self._advance_grammar(req, token)
+                advance_grammar(self.structured, req, token)
             if req.finished:  # a stop inside an accepted run: the rest is dropped
                 break
 
@@ -359,14 +353,6 @@ class EngineCore:
         if children[0].pooling is not None:
             return pooling_output(parent_id, children[0])
         return self.output.abort(parent_id)
-
-    def _advance_grammar(self, req: Request, token: int) -> None:
-        """Feed the sampled token to the request's grammar: the grammar's end is a stop."""
-        if not self.structured.accept(req.request_id, token):  # the mask allowed it, so only a backend fault
-            log.error("request %s: the grammar refused token %d it had allowed", req.request_id, token)
-            req.finish_reason = req.finish_reason or "error"
-        elif req.finish_reason in (None, "length") and self.structured.finished(req.request_id):
-            req.finish_reason = "stop"  # the grammar's end on the last token allowed is its end, as EOS there is
 
     def _propose(self) -> None:
         """Drafts for every running sequence that decodes next step (none above `spec_off_above` sequences, the

@@ -1,5 +1,6 @@
 """A user request's sequences as the core makes them, and what a step's results do to one sequence: its sampled tokens
-appended (and, past a stop string, taken back), its drafts counted, a pooling request's progress and its one output.
+appended (and, past a stop string, taken back), its drafts counted, its grammar advanced, a requeued sequence
+started over, a pooling request's progress and its one output.
 
 These are the engine core's own writes to a `Request`, kept apart so that `EngineCore.update_from_output` reads as
 the order of a step's effects; only the core calls them (types.py: a `Request` has one writer).
@@ -7,10 +8,14 @@ the order of a step's effects; only the core calls them (types.py: a `Request` h
 
 from __future__ import annotations
 
+import logging
 import time
 
 from tokenmill.outputs import PoolingOutput, RequestMetrics, RequestOutput
+from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.types import EngineRequest, Request, RunnerOutput
+
+log = logging.getLogger("tokenmill.engine")
 
 
 def new_sequences(request: EngineRequest, eos_token_ids: frozenset[int], metrics: RequestMetrics, arrival: int,
@@ -107,3 +112,18 @@ def pooling_output(parent_id: str, req: Request) -> RequestOutput:
     pooled = PoolingOutput(req.pooled) if req.pooled is not None else None
     return RequestOutput(parent_id, None, req.prompt_token_ids, [], finished=True, metrics=req.metrics,
                          pooled=pooled)  # fmt: skip
+
+
+def recompute(req: Request) -> None:
+    """A requeued (preempted) request starts over: nothing of it is computed."""
+    req.num_computed_tokens, req.multi_step_limit = 0, 0
+    req.metrics.num_preemptions += 1
+
+
+def advance_grammar(structured: StructuredOutputManager, req: Request, token: int) -> None:
+    """Feed the sampled token to the request's grammar: the grammar's end is a stop."""
+    if not structured.accept(req.request_id, token):  # the mask allowed it, so only a backend fault
+        log.error("request %s: the grammar refused token %d it had allowed", req.request_id, token)
+        req.finish_reason = req.finish_reason or "error"
+    elif req.finish_reason in (None, "length") and structured.finished(req.request_id):
+        req.finish_reason = "stop"  # the grammar's end on the last token allowed is its end, as EOS there is
