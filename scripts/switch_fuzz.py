@@ -5,6 +5,8 @@ looks where the parity tests' fixed prompts and switches do not.
     .venv/bin/python scripts/switch_fuzz.py --seeds 1-5
     # batch_invariant=True in bf16, int8 and int4: each prompt alone against all of them batched (greedy, seeded draws)
     .venv/bin/python scripts/switch_fuzz.py --mode invariant --seeds 1-3 --configs llama-gqa2,qwen3moe-top2of8-dense1
+    # the same over the K-quants and legacy types too (hidden 256: rows of whole superblocks), on the avx2 kernels
+    TOKENMILL_ISA=avx2 .venv/bin/python scripts/switch_fuzz.py --mode invariant --wide --seeds 1-3
 
 Per config and seed: 2-6 random prompts (some sharing a prefix, up to 90 tokens: past every tiny window and
 LongRoPE's original length), then three random sets of max_num_seqs, the step budget (4-512 tokens), prefix caching,
@@ -33,6 +35,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.make_model import hf_config, write_checkpoint
 
 LOGPROB_TOL = 1e-4
+WIDE = dict(hidden_size=256, intermediate_size=512)  # (--wide: every weight row a whole number of superblocks)
 
 
 def prompts_for(rng: random.Random) -> list[list[int]]:
@@ -120,9 +123,13 @@ def draw_params(rng: random.Random, max_tokens: int) -> SamplingParams:
                           seed=rng.randrange(1000))  # fmt: skip
 
 
-def check_invariant(folder: Path, rng: random.Random) -> list[str]:
+QUANTS = ("none", "int8", "int4")
+K_QUANTS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q4_1", "q4_k_m", "q5_k_m")  # (rows of 256: --wide)
+
+
+def check_invariant(folder: Path, rng: random.Random, quants: tuple[str, ...] = QUANTS) -> list[str]:
     prompts, max_tokens = prompts_for(rng), rng.randint(8, 40)
-    quant = rng.choice(["none", "int8", "int4"])
+    quant = rng.choice(quants)
     params = [draw_params(rng, max_tokens) for _ in prompts]
     fixed: dict[str, Any] = dict(dtype="bfloat16", quantization=quant, batch_invariant=True)
     alone = LLM(str(folder), **fixed, max_num_seqs=1, enable_prefix_caching=False, num_scheduler_steps=1)
@@ -146,20 +153,30 @@ def main() -> int:
     p.add_argument("--seeds", default="1", help="a seed, or a range a-b")
     p.add_argument("--configs", default="", help="comma-separated names of test_models.CONFIGS (default: all)")
     p.add_argument("--workdir", default="/tmp/switch_fuzz", help="where the checkpoints are written")
+    p.add_argument("--wide", action="store_true", help="hidden 256 and FFN rows of 512 (a K-quant's superblock is "
+                   "256): --mode invariant then draws the K-quants and legacy types too")  # fmt: skip
     args = p.parse_args()
     first, _, last = args.seeds.partition("-")
     names = args.configs.split(",") if args.configs else list(CONFIGS)
     failures = 0
     for seed in range(int(first), int(last or first) + 1):
-        rng, root = random.Random(seed), Path(args.workdir) / str(seed)
+        rng, root = random.Random(seed), Path(args.workdir) / (f"{seed}-wide" if args.wide else str(seed))
         tokenizer = build_tokenizer(root / "tokenizer") if not (root / "tokenizer").exists() else root / "tokenizer"
         for name in names:
             arch, overrides = CONFIGS[name]
             folder = root / name
             if not folder.exists():
-                write_checkpoint(hf_config(arch, **{**TINY, **SPREAD, **overrides}), tokenizer, folder, "float32", seed)
+                shape = {**TINY, **SPREAD, **overrides, **(WIDE if args.wide else {})}
+                if args.wide and "moe_intermediate_size" in overrides:
+                    shape["moe_intermediate_size"] = 256
+                if args.wide and "long_factor" in overrides.get("rope_scaling", {}):  # (its factors: head_dim 16)
+                    shape["num_attention_heads"] = WIDE["hidden_size"] // 16
+                write_checkpoint(hf_config(arch, **shape), tokenizer, folder, "float32", seed)
             try:
-                lines = (check_hf if args.mode == "hf" else check_invariant)(folder, rng)
+                if args.mode == "hf":
+                    lines = check_hf(folder, rng)
+                else:
+                    lines = check_invariant(folder, rng, QUANTS + K_QUANTS if args.wide else QUANTS)
             except Exception as e:  # (a fuzz reports every failure and goes on)
                 lines = ["error: " + "".join(traceback.format_exception_only(type(e), e)).strip()]
             for line in lines:
