@@ -15,6 +15,7 @@ import torch
 
 from tests.unit.conftest import kernel_levels
 from tests.unit.test_kernels import NO_AMX
+from tests.unit.tile_paths import amx_mode, tile_modes
 from tokenmill import kernels
 from tokenmill.kernels import kformats
 from tokenmill.kernels.formats import FORMATS, PackedWeight, pack, pack_block_weight, reference_linear, unpack
@@ -29,7 +30,7 @@ HALVES = {"q4_k": [(0, 0.02), (2, 0.01)], "q5_k": [(0, 0.02), (2, 0.01)], "q6_k"
           "iq4_nl": [(0, 0.005)], "iq4_xs": [(0, 0.0005)], "mxfp4": []}  # fmt: skip
 # MXFP4's e8m0 exponent byte: (offset, its range), scales 2^-9 .. 2^-1 (the panels hold 2^-24 .. 2^15)
 EXPONENTS = {"mxfp4": (0, 119, 128)}
-ROWS = [1, 2, 3, 4, 5, 8, 9, 13, 17, 70]  # every tile size, tiles split evenly, and a second block of 64 rows
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 70]  # every tile size, tiles split evenly, and a second block of 64 rows
 
 
 def random_rows(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -82,20 +83,21 @@ def _linear(ops: kernels.Kernels, p: PackedWeight, x: torch.Tensor, bias: torch.
 
 @pytest.mark.parametrize("fmt", list(KSPECS))
 def test_every_row_count_equals_the_reference(ops: kernels.Kernels, fmt: str) -> None:
+    """Each row count on the vector tiles, and on AMX's (from 9 rows) where this CPU has them: whichever the process's
+    switch was left at (a batch-invariant model turns AMX off)."""
     torch.manual_seed(0)
     for n, k in shapes(fmt):
         packed = pack_block_weight(decode_gguf_rows(fmt, torch.from_numpy(random_rows(fmt, n, k)), k))
         bias = torch.randn(n)
-        for rows in ROWS:
+        for rows, mode in ((r, m) for r in ROWS for m in tile_modes(ops)):
             x = torch.randn(rows, k)
+            with amx_mode(ops, mode):
+                got, got_bf16 = _linear(ops, packed, x, bias), _linear(ops, packed, x.bfloat16(), None)
             expected = reference_linear(x, packed, bias)
-            scale = expected.abs().max().item()
-            torch.testing.assert_close(_linear(ops, packed, x, bias), expected, rtol=0, atol=2e-5 * scale)
-            xb = x.bfloat16()
-            expected = reference_linear(xb, packed, None)
-            got = _linear(ops, packed, xb, None)
-            assert got.dtype == torch.bfloat16
-            torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+            torch.testing.assert_close(got, expected, rtol=0, atol=2e-5 * expected.abs().max().item())
+            expected = reference_linear(x.bfloat16(), packed, None)
+            assert got_bf16.dtype == torch.bfloat16
+            torch.testing.assert_close(got_bf16.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("fmt", list(KSPECS))

@@ -30,9 +30,11 @@ def reference(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, ctx: in
 
 
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
-# 64 and 96: AVX-512 BF16's path (96: a 64- and a 32-wide part); 18 over 2: more heads than its registers hold
+# 64 and 96: AVX-512 BF16's path (96: a 64- and a 32-wide part); 18 over 2: more heads than its registers hold;
+# groups of 3, 5 and 6 heads per KV head (Llama-3.2-3B, Qwen2.5-14B, Qwen2.5-1.5B) on that path: its other chunk sizes
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 4, 32), (8, 2, 64), (6, 1, 40), (18, 2, 64), (4, 2, 96)]
+    ("heads", "kv_heads", "head_dim"),
+    [(4, 4, 32), (8, 2, 64), (6, 1, 40), (18, 2, 64), (4, 2, 96), (12, 4, 64), (10, 2, 32), (12, 2, 128)],
 )
 @pytest.mark.parametrize("window", [None, 6, 13])  # 6: starts mid-block; 13: one sequence exactly its length
 def test_decode_attention_over_paged_blocks_equals_sdpa(

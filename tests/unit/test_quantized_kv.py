@@ -92,7 +92,8 @@ def test_decode_attention_over_quantized_blocks_equals_sdpa_over_them_widened(
 
 
 @pytest.mark.parametrize("storage", STORAGE)
-@pytest.mark.parametrize(("heads", "head_dim"), [(14, 64), (14, 40), (20, 96)])
+# 2 KV heads: groups of 7 and 10, and of 1, 3, 5 and 6 (each a chunk size of AVX-512 BF16's score and value steps)
+@pytest.mark.parametrize(("heads", "head_dim"), [(14, 64), (14, 40), (20, 96), (2, 64), (6, 32), (10, 64), (12, 128)])
 def test_decode_attention_over_quantized_blocks_gives_the_bits_of_their_bf16_widening(
     ops: kernels.Kernels, storage: torch.dtype, heads: int, head_dim: int
 ) -> None:
