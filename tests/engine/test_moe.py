@@ -124,6 +124,42 @@ def test_the_decode_stack_runs_sparse_layers_with_the_modules_bits(folder: Path,
     assert_pool_full(runs.engine)
 
 
+@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "q4_k")])
+def test_the_decode_stack_runs_experts_of_many_rows_as_the_modules(
+    make_checkpoint: Callable[..., Path], dtype: str, quantization: str
+) -> None:
+    """16 rows, two experts and both chosen: every expert multiplies all 16 rows in the decode stack's expert stages,
+    past the row count where a CPU with AMX takes its tiles (9), and the tokens and logprobs are the module path's."""
+    target.cpu_only("the CPU kernels")
+    shape = dict(num_experts=2, num_experts_per_tok=2, norm_topk_prob=True, hidden_size=256, moe_intermediate_size=256,
+                 head_dim=32)  # fmt: skip
+    folder = make_checkpoint("qwen3_moe", initializer_range=0.1, **shape)
+    llm = LLM(str(folder), dtype=dtype, quantization=quantization, num_scheduler_steps=1, max_num_seqs=16)
+    runner = llm.engine.runner
+    if llm.loaded.ops is None:
+        pytest.skip("no compiled CPU kernels here: the decode stack needs them")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:16]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def run() -> list[Any]:
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+    stack = runner.decode_stack
+    assert stack is not None
+    stack.profile(True)
+    stacked = run()
+    kinds = {kind for run in stack.stage_runs() for kind, *_ in run}
+    stack.profile(False)
+    assert {"experts_gate_up", "experts_down"} <= kinds
+    assert llm.engine.stats.max_batch_size == 16  # (the steps' rows: all 16 prompts decode together)
+    runner.decode_stack = None
+    tol = 1e-5 if dtype == "float32" else 0.05
+    for (tokens, logprobs), (want, want_logprobs) in zip(stacked, run(), strict=True):
+        assert tokens == want
+        assert max(abs(a[t] - b[t]) for a, b in zip(logprobs, want_logprobs) for t in a) < tol
+    runner.decode_stack = stack
+
+
 @pytest.mark.parametrize("quantization", ["int8", "q4_k_m"])
 def test_quantized_experts_keep_their_format_and_batch_invariance(folder: Path, quantization: str) -> None:
     """Every expert's linears take the format (the router stays in float); a batch still equals each alone."""
