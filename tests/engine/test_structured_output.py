@@ -219,7 +219,7 @@ def test_required_tool_calls_keep_each_tools_own_references(tiny: LLM) -> None:
     request = ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}], tools=functions, tool_choice="required"
     )
-    constraint = tools.constraint(tools.chat_plan(request, "auto", ""), parallel=True)
+    constraint = tools.constraint(tools.chat_plan(request, "auto", ""))
     assert constraint is not None
     manager = tiny.engine.structured
     grammar = manager.compile(constraint)

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.server.helpers import Server, sse_events
-from tests.server.test_structured_serve import ASK, TOOLS, WEATHER, hermes_server  # noqa: F401 (a fixture)
+from tests.server.test_structured_serve import ASK, PARIS, ROME, TOOLS, WEATHER, hermes_server  # noqa: F401 (a fixture)
 
 SYSTEM = "You are terse."
 USER = "Hello world!"
@@ -72,6 +72,20 @@ def test_greedy_text_and_usage_equal_chat_completions(
                      messages=[{"role": "user", "content": [{"type": "text", "text": "Hello "},
                                                             {"type": "text", "text": "world!"}]}])  # fmt: skip
     assert (_text(blocks), blocks.usage.input_tokens) == (_text(m), m.usage.input_tokens)
+
+
+def test_a_message_sent_back_as_the_sdk_dumps_it_continues_the_conversation(
+    client: anthropic.Anthropic, server: Server
+) -> None:
+    """`model_dump()` of a reply's blocks writes `citations: null` (the SDK types it optional): null is the field left
+    out, so the history goes back as the SDK gives it, and renders the prompt its plain dicts do."""
+    first = _create(client, server)
+    dumped = [b.model_dump() for b in first.content]
+    assert dumped[0]["citations"] is None
+    turn: Any = [*MESSAGES, {"role": "assistant", "content": dumped}, {"role": "user", "content": "And?"}]
+    plain: Any = [*MESSAGES, {"role": "assistant", "content": _text(first)}, {"role": "user", "content": "And?"}]
+    a, b = _create(client, server, messages=turn), _create(client, server, messages=plain)
+    assert (_text(a), a.usage.input_tokens) == (_text(b), b.usage.input_tokens)
 
 
 def test_stop_sequences_end_with_stop_reason_stop_sequence(client: anthropic.Anthropic, server: Server) -> None:
@@ -180,17 +194,24 @@ def test_a_tool_use_cut_by_max_tokens_keeps_its_partial_input(client: anthropic.
     assert isinstance(whole.content[0].input, dict) and whole.content[0].input == final.content[0].input
 
 
+def _blocks(content: list[Any]) -> list[tuple[str, Any]]:
+    """Each block's type and what it says (its text, or a tool use's name and input; not its new id)."""
+    return [(b.type, b.text if b.type == "text" else (b.name, b.input)) for b in content]
+
+
 def test_tool_use_the_model_writes_itself_is_parsed(hermes_server: Server) -> None:  # noqa: F811
     client = anthropic.Anthropic(base_url=hermes_server.url, api_key="x", timeout=120, max_retries=0)
     kw: Any = dict(model=hermes_server.model, messages=ASK, tools=ANTHROPIC_TOOLS, max_tokens=200, extra_body=GREEDY)
-    m = client.messages.create(**kw)
-    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text", "tool_use"], m.content
-    assert m.content[0].text == "Let me check."
-    assert (m.content[1].name, m.content[1].input) == ("get_weather", {"city": "Paris", "unit": "c"})
-    with client.messages.stream(**kw) as stream:
-        final = stream.get_final_message()
-    assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["text", "tool_use"]
-    assert final.content[0].text == "Let me check." and final.content[1].input == m.content[1].input
+    for one, want in ((False, [PARIS, ROME]), (True, [PARIS])):  # disable_parallel_tool_use: the first call
+        choice: Any = {"type": "auto", "disable_parallel_tool_use": one}
+        m = client.messages.create(**kw, tool_choice=choice)
+        assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text"] + ["tool_use"] * len(want)
+        assert m.content[0].text == "Let me check."
+        uses = [(b.name, b.input) for b in m.content[1:] if b.type == "tool_use"]
+        assert uses == [("get_weather", a) for a in want]
+        with client.messages.stream(**kw, tool_choice=choice) as stream:
+            final = stream.get_final_message()
+        assert final.stop_reason == "tool_use" and _blocks(final.content) == _blocks(m.content)
     # the tools reach the template: counted with them, the prompt is the chat endpoint's with the same tools
     oai = openai.OpenAI(base_url=f"{hermes_server.url}/v1", api_key="x", timeout=120, max_retries=0)
     chat = oai.chat.completions.create(model=hermes_server.model, messages=ASK, tools=TOOLS, max_tokens=1)

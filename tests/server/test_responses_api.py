@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.server.helpers import Server, assert_openai_error, sse_events
-from tests.server.test_structured_serve import ASK, TOOLS, WEATHER, Person, hermes_server  # noqa: F401 (a fixture)
+from tests.server.test_structured_serve import ASK, PARIS, ROME, TOOLS, WEATHER, Person, hermes_server  # noqa: F401 (a fixture)
 
 SERVER_FLAGS = ("--responses-store-size", "4", "--max-body-mb", "1")
 SYSTEM = "You are terse."
@@ -162,14 +162,15 @@ def test_a_streamed_forced_function_call_sends_its_arguments_as_they_are_generat
 def test_function_calls_the_model_writes_itself_are_parsed(hermes_server: Server) -> None:  # noqa: F811
     client = openai.OpenAI(base_url=f"{hermes_server.url}/v1", api_key="x", timeout=120, max_retries=0)
     kw: Any = dict(model=hermes_server.model, input=ASK, tools=FLAT_TOOLS, max_output_tokens=200, temperature=0)
-    r = client.responses.create(**kw)
-    assert [o.type for o in r.output] == ["message", "function_call"], r.output
-    assert r.output_text == "Let me check." and r.status == "completed"
-    assert (r.output[1].name, json.loads(r.output[1].arguments)) == ("get_weather", {"city": "Paris", "unit": "c"})
-    with client.responses.stream(**kw) as stream:
-        final = stream.get_final_response()
-    assert [o.type for o in final.output] == ["message", "function_call"] and final.output_text == "Let me check."
-    assert final.output[1].arguments == r.output[1].arguments
+    for parallel, want in ((True, [PARIS, ROME]), (False, [PARIS])):  # parallel_tool_calls false: the first call
+        r = client.responses.create(**kw, parallel_tool_calls=parallel)
+        assert [o.type for o in r.output] == ["message"] + ["function_call"] * len(want), r.output
+        assert r.output_text == "Let me check." and r.status == "completed" and r.parallel_tool_calls is parallel
+        assert [(o.name, json.loads(o.arguments)) for o in r.output[1:]] == [("get_weather", a) for a in want]
+        with client.responses.stream(**kw, parallel_tool_calls=parallel) as stream:
+            final = stream.get_final_response()
+        assert [o.type for o in final.output] == [o.type for o in r.output] and final.output_text == "Let me check."
+        assert [o.arguments for o in final.output[1:]] == [o.arguments for o in r.output[1:]]
     none = client.responses.create(**kw, tool_choice="none")  # no tools shown: no parsing
     assert [o.type for o in none.output] == ["message"]
 
@@ -251,6 +252,20 @@ def _bad_cases(model: str, stored: str) -> list[tuple[dict[str, Any], int, tuple
         ({**ok, "model": "gpt-nope"}, 404, ("gpt-nope",)),
         ({**ok, "input": "x" * (2 * 2**20)}, 413, ("request body too large",)),
     ]  # fmt: skip
+
+
+def test_null_is_a_parameter_left_out(client: openai.OpenAI, server: Server) -> None:
+    """The SDK types these optional and sends null for a None it is passed: null means the default, for fields
+    tokenmill implements (store, stream, background, parallel_tool_calls) and for those it lacks (service_tier);
+    a value for one it lacks stays a 400."""
+    want = _create(client, server)
+    nulls: Any = dict(store=None, stream=None, background=None, parallel_tool_calls=None, service_tier=None,
+                      top_logprobs=None, max_tool_calls=None, prompt=None, conversation=None)  # fmt: skip
+    r = _create(client, server, **nulls)
+    assert r.output_text == want.output_text and (r.store, r.background, r.parallel_tool_calls) == (True, False, True)
+    assert client.responses.retrieve(r.id).output_text == want.output_text  # stored, as by default
+    with pytest.raises(openai.BadRequestError, match="service_tier"):
+        _create(client, server, service_tier="flex")
 
 
 def test_bad_requests_get_openai_errors_and_the_server_stays_healthy(client: openai.OpenAI, server: Server) -> None:

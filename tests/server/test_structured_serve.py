@@ -143,12 +143,15 @@ HERMES_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+PARIS, ROME = {"city": "Paris", "unit": "c"}, {"city": "Rome", "unit": "f"}
+CALL = "Let me check." + "".join(f'\n<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(a)}}}\n</tool_call>'
+                                 for a in (PARIS, ROME))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def hermes_server(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Iterator[Server]:
-    """A tiny Llama trained here (a few seconds) to answer ASK with CALL, behind a Hermes-style template."""
+    """A tiny Llama trained here (a few seconds) to answer ASK with CALL (two calls), behind a Hermes-style
+    template."""
     from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("hermes")
@@ -165,23 +168,24 @@ def hermes_server(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path)
 def test_auto_tool_calls_are_parsed_from_the_model_output(hermes_server: Server) -> None:
     client = openai.OpenAI(base_url=f"{hermes_server.url}/v1", api_key="x", timeout=120, max_retries=0)
     kw: dict[str, Any] = dict(model=hermes_server.model, messages=ASK, tools=TOOLS, max_tokens=200, temperature=0)
-    r = client.chat.completions.create(**kw)
-    msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls", msg
-    assert msg.content == "Let me check." and msg.tool_calls and len(msg.tool_calls) == 1
-    assert msg.tool_calls[0].function.name == "get_weather"
-    assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris", "unit": "c"}
-    content, calls, finish = "", [], None
-    for chunk in client.chat.completions.create(**kw, stream=True):
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        calls += delta.tool_calls or []
-        finish = chunk.choices[0].finish_reason or finish
-    assert content == "Let me check." and finish == "tool_calls"
-    heads = [c for c in calls if c.id]  # the first piece of a call: id, type and name; then argument pieces
-    assert [(c.index, c.function.name) for c in heads] == [(0, "get_weather")] and len(calls) > 2
-    arguments = "".join(c.function.arguments or "" for c in calls)
-    assert arguments == msg.tool_calls[0].function.arguments
-    assert json.loads(arguments) == {"city": "Paris", "unit": "c"}
+    for parallel, want in ((True, [PARIS, ROME]), (False, [PARIS])):  # parallel_tool_calls false: the first call
+        r = client.chat.completions.create(**kw, parallel_tool_calls=parallel)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls", msg
+        assert msg.content == "Let me check." and msg.tool_calls and len(msg.tool_calls) == len(want)
+        assert {c.function.name for c in msg.tool_calls} == {"get_weather"}
+        assert [json.loads(c.function.arguments) for c in msg.tool_calls] == want
+        content, calls, finish = "", [], None
+        for chunk in client.chat.completions.create(**kw, parallel_tool_calls=parallel, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            calls += delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+        assert content == "Let me check." and finish == "tool_calls"
+        heads = [c for c in calls if c.id]  # the first piece of a call: id, type and name; then argument pieces
+        assert [(c.index, c.function.name) for c in heads] == [(i, "get_weather") for i in range(len(want))]
+        assert len(calls) > 2 * len(want)  # the arguments came in pieces
+        arguments = ["".join(c.function.arguments or "" for c in calls if c.index == i) for i in range(len(want))]
+        assert arguments == [c.function.arguments for c in msg.tool_calls]
     plain = client.chat.completions.create(**{**kw, "tool_choice": "none"})  # no tools shown: no parsing
     assert plain.choices[0].message.tool_calls is None

@@ -53,11 +53,12 @@ async def _prompt(body: CountTokensRequest, state: ServerState, engine: AsyncEng
         raise APIError(400, f"thinking of type {body.thinking.type!r} needs a reasoning parser, and this server has "
                        "none for its model (--reasoning-parser)", param="thinking")  # fmt: skip
     choice, name = body.tool_choice_mode()
+    parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
     try:
-        plan = tools.plan(body.template_tools(), choice, state.config.tool_call_parser, tok.chat_template_text, name)
+        plan = tools.plan(body.template_tools(), choice, state.config.tool_call_parser, tok.chat_template_text, name,
+                          parallel)  # fmt: skip
     except ValueError as e:
         raise APIError(400, str(e), param="tool_choice") from None
-    parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
     try:
         messages = body.template_messages()
     except ValueError as e:
@@ -69,7 +70,7 @@ async def _prompt(body: CountTokensRequest, state: ServerState, engine: AsyncEng
         token_ids = await run_in_threadpool(tok.apply_chat_template, messages, True, **extra)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    return Prompt(token_ids, answer_plan(plan, parser, tok, token_ids), tools.constraint(plan, parallel))
+    return Prompt(token_ids, answer_plan(plan, parser, tok, token_ids), tools.constraint(plan))
 
 
 @router.post("/v1/messages", response_model=None)

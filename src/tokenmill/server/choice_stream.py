@@ -84,14 +84,15 @@ class ChoiceStream:
     """One choice's text deltas in, chat `delta` fields out: `reasoning_content`, `content`, `tool_calls`."""
 
     def __init__(self, plan: AnswerPlan) -> None:
-        self.tools = ToolStream(plan.tools)
+        self.tools, self.parallel = ToolStream(plan.tools), plan.tools.parallel
         self.reasoning: ReasoningStream | None = None
         if plan.reasoning is not None:
             self.reasoning = plan.reasoning.stream(plan.opened, reads_harmony_calls(plan.tools))
 
     @property
     def calls(self) -> int:
-        return self.tools.calls + (len(self.reasoning.calls) if self.reasoning is not None else 0)
+        n = self.tools.calls + (len(self.reasoning.calls) if self.reasoning is not None else 0)
+        return n if self.parallel else min(n, 1)
 
     def feed(self, delta: str, finished: bool) -> dict[str, Any]:
         thought, calls = "", []
@@ -101,6 +102,10 @@ class ChoiceStream:
         out = self.tools.feed(delta, finished) if delta or finished else {}
         if calls:
             out["tool_calls"] = calls
+        if not self.parallel and "tool_calls" in out:  # one call allowed: the first's pieces, none of the others'
+            out["tool_calls"] = [c for c in out["tool_calls"] if c["index"] == 0]
+            if not out["tool_calls"]:
+                del out["tool_calls"]
         return {"reasoning_content": thought, **out} if thought else out
 
 
@@ -116,7 +121,7 @@ def read_answer(plan: AnswerPlan, text: str) -> tuple[str | None, str | None, li
     if plan.reasoning is not None:
         reasoning, text, harmony_calls = plan.reasoning.read(text, plan.opened, reads_harmony_calls(plan.tools))
     content, calls = parse(plan.tools, text)
-    calls = harmony_calls + calls
+    calls = (harmony_calls + calls)[: None if plan.tools.parallel else 1]
     if reasoning is not None and not content:
         content = None
     return reasoning, content, calls

@@ -114,7 +114,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     except ValueError as e:
         raise APIError(400, str(e), param="tool_choice") from None
     field, constraint = _structured(body)
-    forced = tools.constraint(plan, body.parallel_tool_calls)
+    forced = tools.constraint(plan)
     if forced is not None and constraint is not None:
         raise APIError(400, f"tool_choice={plan.mode!r} constrains the output already; drop {field}", param=field)
     field, constraint = ("tool_choice", forced) if forced is not None else (field, constraint)

@@ -1,13 +1,16 @@
 """Request bodies of the HTTP API, as pydantic v2 models. Unknown fields are rejected (400 naming the
 field), never silently ignored. Types are strict (`true` is not an integer, `1.5` is not one either), floats
-must be finite, integers fit in 64 bits, and text must be valid Unicode (no lone UTF-16 surrogates).
+must be finite, integers fit in 64 bits, and text must be valid Unicode (no lone UTF-16 surrogates). A null
+where a field takes none, or for a field tokenmill lacks, is that field left out: OpenAI's and Anthropic's SDKs
+type such fields optional, and send null for a None they are passed.
 Conversion to `SamplingParams` (which checks the ranges) lives here too."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Annotated, Any, Literal
+from functools import cache
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -30,6 +33,26 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """Drops the nulls this model could not take (see the module's docstring); a field that takes null keeps it."""
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        takes = _takes_null(cls)
+        return {k: v for k, v in data.items() if v is not None or k in takes}
+
+
+@cache
+def _takes_null(model: type[BaseModel]) -> frozenset[str]:
+    """The keys (names and aliases) of `model`'s fields whose type allows null."""
+    return frozenset(key for name, f in model.model_fields.items() if _nullable(f.annotation)
+                     for key in (name, f.alias) if key)  # fmt: skip
+
+
+def _nullable(annotation: Any) -> bool:
+    return annotation is Any or annotation is None or type(None) in get_args(annotation)
 
 
 class StreamOptions(_Strict):

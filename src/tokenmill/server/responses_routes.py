@@ -68,10 +68,11 @@ async def _prompt(body: ResponsesRequest, state: ServerState, engine: AsyncEngin
     parser = reasoning.pick(state.config.reasoning_parser, tok.chat_template_text)
     choice, name = body.tool_choice_mode()
     try:
-        plan = tools.plan(body.template_tools(), choice, state.config.tool_call_parser, tok.chat_template_text, name)
+        plan = tools.plan(body.template_tools(), choice, state.config.tool_call_parser, tok.chat_template_text, name,
+                          body.parallel_tool_calls)  # fmt: skip
     except ValueError as e:
         raise APIError(400, str(e), param="tool_choice") from None
-    forced, formatted = tools.constraint(plan, body.parallel_tool_calls), body.structured()
+    forced, formatted = tools.constraint(plan), body.structured()
     if forced is not None and formatted is not None:
         raise APIError(400, f"tool_choice={plan.mode!r} constrains the output already; drop text.format",
                        param="text.format")  # fmt: skip

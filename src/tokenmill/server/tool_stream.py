@@ -201,7 +201,8 @@ class ToolStream:
         pieces = self.reader.feed(delta)
         if pieces:
             out["tool_calls"] = pieces
-        if self.reader.state in ("broken", "done") and not self.reader.calls:  # not a call after all: content
+        # not a call after all (or cut by the output's end before its name was whole): content
+        if (finished or self.reader.state in ("broken", "done")) and not self.reader.calls:
             self.reader, self.gave_up = None, True
             if finished:
                 rest = self.text[self.sent :]

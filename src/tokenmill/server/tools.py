@@ -4,7 +4,8 @@
 - a named function: the output is constrained to that function's parameter schema, and is its arguments.
 - `"required"`: the output is constrained to a JSON array of `{"name", "parameters"}` calls (one at most when
   `parallel_tool_calls` is false), each object matching its tool's schema.
-- `"auto"` (the default with tools): the model writes freely; tool calls are parsed from its own format, the
+- `"auto"` (the default with tools): the model writes freely (with `parallel_tool_calls` false, its calls after
+  the first are dropped, as vLLM drops them); tool calls are parsed from its own format, the
   chat template's: Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, or Llama 3.x
   JSON (`{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`, several separated by `;`), or
   gpt-oss's harmony messages to a function (`openai`, vLLM's name: `<|channel|>commentary to=functions.NAME
@@ -42,14 +43,17 @@ class ToolPlan:
     parser: str  # "hermes" | "llama3_json"
     function: str | None = None  # the named function
     tools: list[dict[str, Any]] = field(default_factory=list)  # as the chat template takes them
+    parallel: bool = True  # False: one call at most (`parallel_tool_calls`, Anthropic's `disable_parallel_tool_use`)
 
 
 def plan(
-    tools: list[dict[str, Any]], choice: str | None, parser: str, chat_template: str, function: str | None = None
-) -> ToolPlan:
+    tools: list[dict[str, Any]], choice: str | None, parser: str, chat_template: str, function: str | None = None,
+    parallel: bool = True,
+) -> ToolPlan:  # fmt: skip
     """What a request's tools (as the chat template takes them) and tool choice mean: `choice` is "none", "auto",
-    "required", "named" (`function` names it) or None (auto with tools, none without). ValueError for a choice
-    that needs tools when none are given, or names a function that is not among them."""
+    "required", "named" (`function` names it) or None (auto with tools, none without); `parallel` False allows
+    one call. ValueError for a choice that needs tools when none are given, or names a function that is not among
+    them."""
     choice = choice or ("auto" if tools else "none")
     if parser == "auto":
         harmony = "<|channel|>" in chat_template
@@ -62,7 +66,7 @@ def plan(
         if function not in {t["function"]["name"] for t in tools}:
             raise ValueError(f"tool_choice names the function {function!r}, which is not in tools")
         return ToolPlan("named", parser, function, tools)
-    return ToolPlan(choice, parser, None, tools)
+    return ToolPlan(choice, parser, None, tools, parallel)
 
 
 def chat_plan(body: ChatCompletionRequest, parser: str, chat_template: str) -> ToolPlan:
@@ -71,14 +75,14 @@ def chat_plan(body: ChatCompletionRequest, parser: str, chat_template: str) -> T
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
         return plan(tools, "named", parser, chat_template, choice.function.name)
-    return plan(tools, choice, parser, chat_template)
+    return plan(tools, choice, parser, chat_template, parallel=body.parallel_tool_calls)
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
-def constraint(p: ToolPlan, parallel: bool) -> StructuredOutputsParams | None:
+def constraint(p: ToolPlan) -> StructuredOutputsParams | None:
     """The grammar a forced tool call needs (None for "auto" and "none")."""
     if p.mode == "named":
         tool = next(t for t in p.tools if t["function"]["name"] == p.function)
@@ -92,7 +96,7 @@ def constraint(p: ToolPlan, parallel: bool) -> StructuredOutputsParams | None:
               "required": ["name", "parameters"], "additionalProperties": False}
              for i, t in enumerate(p.tools)]  # fmt: skip
     array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-    if not parallel:
+    if not p.parallel:
         array["maxItems"] = 1
     return StructuredOutputsParams(json=array)
 
