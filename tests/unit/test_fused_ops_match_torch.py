@@ -56,6 +56,22 @@ def test_silu_mul_equals_torch_at_its_extremes(ops: kernels.Kernels, dtype: torc
     assert out[0, 0] == 0 and out[0, 0].signbit() == expected[0, 0].signbit()  # e^100 overflows: -0 * up, as torch
 
 
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize("width", [70, 16])  # 70: a tail past the vector lanes
+def test_clamped_swiglu_equals_torch_across_its_clamps(ops: kernels.Kernels, dtype: torch.dtype, tol: float,
+                                                       width: int) -> None:  # fmt: skip
+    """gpt-oss's clamped SwiGLU (ops/fused.h) against the module path's torch ops: gate clamped above at the limit,
+    up to [-limit, limit], (up + 1) * gate * sigmoid(alpha gate); values far past both clamps and at exp's ends."""
+    alpha, limit = 1.702, 7.0
+    gate_up = (torch.randn(5, 2 * width, generator=torch.Generator().manual_seed(width)) * 6).to(dtype)
+    gate_up[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -60.0, limit, -limit])
+    gate_up[1, width : width + 4] = torch.tensor([-100.0, 100.0, limit, -limit])
+    gate, up = gate_up.split(width, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    expected = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    torch.testing.assert_close(ops.clamped_swiglu(gate_up, alpha, limit), expected, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("v", [5, 16, 100, 4099])  # under one vector, whole vectors, a tail
 def test_argmax_equals_torch(ops: kernels.Kernels, v: int) -> None:
     """The first of equal maxima, the first NaN, all -inf, and maxima in the vector part and in the tail."""

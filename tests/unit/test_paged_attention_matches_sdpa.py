@@ -92,12 +92,13 @@ def test_prefill_attention_over_paged_blocks_equals_sdpa(
     ops: kernels.Kernels, dtype: torch.dtype, tol: float, heads: int, kv_heads: int, head_dim: int, window: int | None
 ) -> None:
     """Fresh prompts and chunks after a cached context, in one call: one token; a few; 130 fresh ones (several task
-    blocks of tokens and several key blocks of 64); 37 new after 63 cached; 3 after 67. q's token rows are slices of
-    wider rows (a fused qkv), and the rows before the first prefill (a step's decodes) are left alone."""
+    blocks of tokens and several key blocks of 64); 37 new after 63 cached; 3 after 67; 11 and 5 (rows = tokens x
+    heads per KV head: the score tiles' remainder of 11 on 16 lanes, the value tiles' of 5). q's token rows are
+    slices of wider rows (a fused qkv), and the rows before the first prefill (a step's decodes) are left alone."""
     block_size, num_blocks = 4, 120
     gen = torch.Generator().manual_seed(heads * head_dim)
     cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    specs = [(1, 1), (7, 7), (130, 130), (37, 100), (3, 70)]  # (new tokens, context length)
+    specs = [(1, 1), (7, 7), (130, 130), (37, 100), (3, 70), (11, 11), (5, 60)]  # (new tokens, context length)
     decodes = 2
     rows, seqs = decodes, []
     for n, ctx in specs:
