@@ -73,6 +73,18 @@ def test_linear_equals_the_reference(ops: kernels.Kernels, fmt: str, path: str, 
         _check_linear(ops, fmt, n, k, ROWS + extra)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("half_width", [True, False])
+def test_few_rows_on_either_tile_width(ops: kernels.Kernels, fmt: str, half_width: bool) -> None:
+    """1-3 rows take the ymm tiles on a Zen 4 and the zmm ones elsewhere (core/cpu.h: amd_half_width_512; the AVX-512
+    VNNI variants): each path on every CPU, whichever this one is (a switch elsewhere: the same tiles twice)."""
+    before = ops.module.set_half_width(half_width)
+    try:
+        _check_linear(ops, fmt, 37, 300, [1, 2, 3, 4])
+    finally:
+        ops.module.set_half_width(before)
+
+
 @pytest.mark.parametrize("fmt", PACKED)
 def test_blocked_gemm_across_its_row_and_k_blocks(ops: kernels.Kernels, fmt: str) -> None:
     # by default thresholds, more rows than one row block (linear/blocked.h: 192, linear/quant.h: 64) and K over

@@ -101,6 +101,23 @@ def test_every_row_count_equals_the_reference(ops: kernels.Kernels, fmt: str) ->
 
 
 @pytest.mark.parametrize("fmt", list(KSPECS))
+@pytest.mark.parametrize("half_width", [True, False])
+def test_few_rows_on_either_tile_width(ops: kernels.Kernels, fmt: str, half_width: bool) -> None:
+    """1-3 rows take the ymm K tiles on a Zen 4 and the zmm ones elsewhere (core/cpu.h: amd_half_width_512; the
+    AVX-512 VNNI variants): each path on every CPU, whichever this one is."""
+    n, k = shapes(fmt)[1]
+    packed = pack_block_weight(decode_gguf_rows(fmt, torch.from_numpy(random_rows(fmt, n, k, seed=3)), k))
+    before = ops.module.set_half_width(half_width)
+    try:
+        for rows in (1, 2, 3, 4):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            got, expected = _linear(ops, packed, x, None), reference_linear(x, packed, None)
+            torch.testing.assert_close(got, expected, rtol=0, atol=2e-5 * expected.abs().max().item())
+    finally:
+        ops.module.set_half_width(before)
+
+
+@pytest.mark.parametrize("fmt", list(KSPECS))
 def test_a_row_gives_the_same_bits_alone_in_a_batch_and_in_spans(ops: kernels.Kernels, fmt: str) -> None:
     n, k = 48, 8 * KSPECS[fmt].sb  # enough superblocks for several spans
     packed = pack_block_weight(decode_gguf_rows(fmt, torch.from_numpy(random_rows(fmt, n, k, seed=2)), k))

@@ -324,6 +324,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AMX tiles for bf16 and the quantized formats: -1 from amx_min_rows where the CPU has them, 0 never, 1 from one row (tests)");
   m.def("set_blocked_rows", [](int64_t rows) { return std::exchange(tmk::blocked_rows, rows); },
         "rows from which every linear takes the cache-blocked GEMM (0: each format's default); returns the old one");
+  m.def("set_half_width", [](bool on) { return std::exchange(tmk::amd_half_width_512, on); },
+        "1-3 rows in the ymm quantized tiles as on a Zen 4 (tests force either path); returns the old setting");
   m.def("set_kspans", [](bool on) { return std::exchange(tmk::kspans, on); },
         "register tiles over K spans where a panel takes several (tests, A/B); returns the old setting");
   m.def("read_sum", &tmk::read_sum, "stream a buffer once (the bandwidth probe)");

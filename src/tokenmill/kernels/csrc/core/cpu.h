@@ -34,8 +34,8 @@ inline const bool amd_avx512 = [] {
 // the quantized tiles keep to ymm registers there (arch/avx512bf16/qtile512.h, linear/kquant.h). A Zen 5 (family
 // 0x1A) has full-width 512-bit units and takes the zmm tiles from one row: on one (2026-12-02, scripts/kernel_ab.py,
 // 6 layers of the 1.5B shape) they ran Q5_K 1.9-2.4x, Q6_K 1.1-1.8x, Q4_0 1.2-1.4x and Q4_K 1.1-1.5x faster at 1 to 3
-// rows than the ymm ones, Q8_0 the same.
-inline const bool amd_half_width_512 = [] {
+// rows than the ymm ones, Q8_0 the same. Not const: tests force either path on any CPU (`set_half_width`).
+inline bool amd_half_width_512 = [] {
 #if defined(__x86_64__) || defined(__i386__)
   unsigned a, b, c, d;
   if (!amd_avx512 || !__get_cpuid(1, &a, &b, &c, &d)) return false;
