@@ -231,6 +231,7 @@ def _bad_cases(model: str, stored: str) -> list[tuple[dict[str, Any], int, tuple
         ({**ok, "tools": [{"type": "web_search"}]}, 400, ("'web_search'", "function tools only")),
         ({**ok, "tools": [{"type": "file_search", "vector_store_ids": ["vs"]}]}, 400, ("'file_search'",)),
         ({**ok, "tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, 400, ("'nope'",)),
+        ({**ok, "tools": FLAT_TOOLS * 2}, 400, ("tool names must be unique", "'get_weather'")),
         ({**ok, "tool_choice": {"type": "file_search"}}, 400, ("tool_choice",)),
         ({**ok, "tool_choice": "required"}, 400, ("needs tools",)),
         ({**ok, "tools": FLAT_TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, 400,

@@ -129,6 +129,8 @@ def test_bad_grammars_are_400s_and_the_server_stays_healthy(client: openai.OpenA
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=server.model, messages=ASK, max_tokens=4, tool_choice=tool_choice,
                                            tools=TOOLS if tool_choice != "required" else openai.omit)  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="tool names must be unique"):
+        client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS * 2, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="constrains the output already"):
         client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS, tool_choice="required",
                                        response_format={"type": "json_object"}, max_tokens=4)  # fmt: skip

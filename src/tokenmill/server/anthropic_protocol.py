@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from tokenmill.server.protocol import Int64, Text, _SamplingFields, _Strict
+from tokenmill.server.protocol import Int64, Text, _SamplingFields, _Strict, unique_tool_names
 
 CacheControl = dict[str, Any] | None  # {"type": "ephemeral", "ttl"?}: accepted, see the module docstring
 
@@ -141,6 +141,12 @@ class ToolDef(_Strict):
     type: Literal["custom"] | None = None
     cache_control: CacheControl = None
 
+    @model_validator(mode="after")
+    def _object_input(self) -> ToolDef:
+        if self.input_schema.get("type") != "object":  # (a tool_use block's input is an object)
+            raise ValueError(f'tool {self.name!r}: input_schema must be an object schema ("type": "object")')
+        return self
+
 
 class ToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
@@ -181,6 +187,11 @@ class CountTokensRequest(_Strict):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     cache_control: CacheControl = None
+
+    @model_validator(mode="after")
+    def _tools(self) -> CountTokensRequest:
+        unique_tool_names([t.name for t in self.tools or []])
+        return self
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as the chat template sees it (system first). ValueError when it cannot be one."""

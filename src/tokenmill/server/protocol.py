@@ -278,6 +278,13 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+def unique_tool_names(names: list[str]) -> None:
+    """ValueError for a name given to two tools: a call to it could not say which one it means."""
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"tool names must be unique: {twice!r} is given twice")
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
@@ -289,6 +296,11 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     thinking_token_budget: Int64 | None = None  # reasoning tokens before the end of thinking is forced
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        unique_tool_names([t.function.name for t in self.tools or []])
+        return self
 
 
 class GenerateRequest(_Strict):

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.server.protocol import Int64, Text, _SamplingFields, _Strict
+from tokenmill.server.protocol import Int64, Text, _SamplingFields, _Strict, unique_tool_names
 
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # the SDK's ReasoningEffort
 THINKING_OFF = ("none", "minimal")  # efforts that turn the thinking off where the template can (enable_thinking)
@@ -251,6 +251,7 @@ class ResponsesRequest(_Strict):
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
+        unique_tool_names([t.name for t in self.tools or [] if isinstance(t, FunctionTool)])
         if self.background and not self.store:
             raise ValueError("background=true needs store=true: a background response is read back from the store")
         bad = next((i for i in self.include or [] if i not in ALLOWED_INCLUDES), None)
