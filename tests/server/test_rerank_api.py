@@ -72,6 +72,8 @@ def test_top_n_and_return_documents(http: httpx.Client, scores: list[float]) -> 
     assert len(results) == 1 and set(results[0]) == {"index", "relevance_score"}
     assert results[0]["index"] == max(range(3), key=lambda i: scores[i])
     assert abs(results[0]["relevance_score"] - max(scores)) < TOL
+    every = http.post("/v1/rerank", json={**body, "top_n": 0}).json()["results"]  # 0: every document, as vLLM
+    assert sorted(r["index"] for r in every) == [0, 1, 2]
 
 
 def test_score_pairs_one_with_many_and_many_with_many(http: httpx.Client, scores: list[float]) -> None:
@@ -90,7 +92,7 @@ def test_score_pairs_one_with_many_and_many_with_many(http: httpx.Client, scores
 BAD: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/rerank", {"query": QUERY, "documents": []}, "documents"),
     ("/v1/rerank", {"query": QUERY, "documents": DOCS * 2}, "--max-pooling-inputs"),
-    ("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 0}, "top_n"),
+    ("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, "top_n"),
     ("/v1/rerank", {"query": QUERY, "documents": [{"txt": "x"}]}, "documents"),
     ("/v1/rerank", {"documents": DOCS}, "query"),
     ("/v1/rerank", {"query": QUERY, "documents": DOCS, "rank_fields": ["a"]}, "rank_fields"),

@@ -32,7 +32,7 @@ class RerankRequest(_Strict):
     model: Text | None = None
     query: Text
     documents: list[Text | RerankDocument]
-    top_n: Int64 | None = None  # the best `top_n` results (default: every document)
+    top_n: Int64 | None = None  # the best `top_n` results (default, or 0 as vLLM takes it: every document)
     return_documents: bool = True  # each result carries its document's text (Jina's and vLLM's default)
     instruction: Text | None = None  # a yes/no reranker's task description (Qwen3-Reranker's `<Instruct>`)
     user: Text | None = None

@@ -33,11 +33,12 @@ async def rerank(body: RerankRequest, raw: Request, state: State, engine: Engine
     state.check_model(body.model, adapters=False)
     docs = [d if isinstance(d, str) else d.text for d in body.documents]
     check_count(state, len(docs), "documents")
-    if body.top_n is not None and body.top_n < 1:
-        raise APIError(400, f"top_n={body.top_n} is invalid: allowed an integer >= 1", param="top_n")
+    if body.top_n is not None and body.top_n < 0:
+        raise APIError(400, f"top_n={body.top_n} is invalid: allowed an integer >= 0 (0: every document, as vLLM)",
+                       param="top_n")  # fmt: skip
     pairs = [(body.query, d) for d in docs]
     scores, call = await _scores(state, engine, raw, "rerank-", pairs, body.instruction, body.priority)
-    order = sorted(range(len(docs)), key=lambda i: -scores[i])[: body.top_n]
+    order = sorted(range(len(docs)), key=lambda i: -scores[i])[: body.top_n or None]
     results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}} if body.return_documents
                                                                else {})} for i in order]  # fmt: skip
     return {"id": call.id, "model": state.name_of(engine), "usage": call.usage(), "results": results}
