@@ -178,6 +178,48 @@ def test_echo(client: openai.OpenAI, server: Server, llm: LLM) -> None:
     assert _complete(client, server, max_tokens=6, echo=True).choices[0].text == PROMPT + expected
 
 
+def test_chat_streams_open_each_choice_in_order_for_the_sdks_stream_helper(client: openai.OpenAI,
+                                                                            server: Server) -> None:  # fmt: skip
+    """n > 1: each choice's role chunk comes first, in index order, as OpenAI's and vLLM's do: the SDK's
+    `chat.completions.stream` builds its choices as their first chunks come (a stop string held one choice's text
+    back, and a later index went first: IndexError), and takes a first chunk's logprobs into its snapshot before it
+    adds them again. Its final completion is the non-streamed one's, logprobs included."""
+    kw: Any = dict(model=server.model, messages=MESSAGES, max_tokens=12, n=3, temperature=1, seed=31,
+                   stop=["zzzzzzzz"], logprobs=True, top_logprobs=1)  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    with client.chat.completions.stream(**kw) as stream:
+        for _ in stream:  # (get_final_completion would refuse the choices that ran to max_tokens)
+            pass
+        final = stream.current_completion_snapshot
+    assert [c.message.content for c in final.choices] == [c.message.content for c in whole.choices]
+    for got, want in zip(final.choices, whole.choices, strict=True):
+        assert got.logprobs and want.logprobs and got.logprobs.content and want.logprobs.content
+        assert [t.token for t in got.logprobs.content] == [t.token for t in want.logprobs.content]
+    firsts = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True)][:3]
+    assert [(c.index, c.delta.role, c.delta.content, c.logprobs) for c in firsts] == [
+        (i, "assistant", "", None) for i in range(3)
+    ]
+
+
+def test_streamed_completion_logprobs_are_the_whole_ones(client: openai.OpenAI, server: Server) -> None:
+    """A stream's `text_offset`s go on from the text already sent, and `echo` leads the first chunk with the prompt's
+    tokens and their logprobs: joined, the chunks are the non-streamed response. Echoed or generated, a token has
+    `logprobs` alternatives (and its own), however many `prompt_logprobs` asks for."""
+    for echo in (False, True):
+        kw: Any = dict(max_tokens=6, logprobs=1, echo=echo, extra_body=IGNORE_EOS)
+        whole = _complete(client, server, **kw).choices[0]
+        chunks = [c.choices[0] for c in _complete(client, server, **kw, stream=True) if c.choices]
+        assert "".join(c.text for c in chunks) == whole.text
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            joined = [x for c in chunks if c.logprobs for x in getattr(c.logprobs, field)]
+            assert joined == getattr(whole.logprobs, field), (echo, field)
+        if echo:
+            assert chunks[0].text.startswith(PROMPT) and chunks[0].logprobs.token_logprobs[0] is None
+    wide = _complete(client, server, max_tokens=6, logprobs=1, echo=True,
+                     extra_body={**IGNORE_EOS, "prompt_logprobs": 4}).choices[0]  # fmt: skip
+    assert wide.logprobs.top_logprobs[0] is None and all(1 <= len(t) <= 2 for t in wide.logprobs.top_logprobs[1:])
+
+
 def test_stream_include_usage_final_chunk(client: openai.OpenAI, server: Server, llm: LLM) -> None:
     *body, last = list(_complete(client, server, max_tokens=7, stream=True, stream_options={"include_usage": True}))
     assert last.choices == [] and last.usage is not None

@@ -23,25 +23,29 @@ def _finite(logprob: float) -> float:
     return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN fails the comparison too
 
 
-def completion_logprobs(tok: Tokenizer, token_ids: list[int], entries: list[Logprobs | None]) -> dict[str, Any]:
+def completion_logprobs(tok: Tokenizer, token_ids: list[int], entries: list[Logprobs | None], top: int,
+                        offset: int = 0) -> tuple[dict[str, Any], int]:  # fmt: skip
+    """Completions' logprobs of these tokens, each with its `top` likeliest alternatives (an echoed prompt's entries
+    may hold more: `prompt_logprobs`), their `text_offset` going on from `offset`; and the offset after them (a
+    stream's next chunk starts there)."""
     tokens, values, tops, offsets = [], [], [], []
-    offset = 0
     for tid, entry in zip(token_ids, entries):
         text = _token_str(tok, tid)
         tokens.append(text)
         values.append(_finite(entry[tid]) if entry else None)
-        tops.append(_top_by_text(tok, entry) if entry else None)
+        tops.append(_top_by_text(tok, entry, top, tid) if entry else None)
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
-def _top_by_text(tok: Tokenizer, entry: Logprobs) -> dict[str, float]:
-    """{token text: logprob}, most likely first. Tokens that decode alike (parts of characters all read U+FFFD)
-    share a key: it keeps the likeliest one's value, not whichever came last."""
+def _top_by_text(tok: Tokenizer, entry: Logprobs, top: int, chosen: int) -> dict[str, float]:
+    """{token text: logprob} of the `top` likeliest and the chosen token, most likely first. Tokens that decode
+    alike (parts of characters all read U+FFFD) share a key: it keeps the likeliest one's value."""
     tops: dict[str, float] = {}
-    for t, lp in sorted(entry.items(), key=lambda kv: -_finite(kv[1])):
-        tops.setdefault(_token_str(tok, t), _finite(lp))
+    for rank, (t, lp) in enumerate(sorted(entry.items(), key=lambda kv: -_finite(kv[1]))):
+        if rank < top or t == chosen:
+            tops.setdefault(_token_str(tok, t), _finite(lp))
     return tops
 
 

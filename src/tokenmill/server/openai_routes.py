@@ -6,7 +6,7 @@ Must not import torch.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
@@ -68,13 +68,17 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
     if body.echo:
         call.echo_texts = await run_in_threadpool(lambda: [tok.decode(p, skip_special_tokens=False) for p in prompts])
 
+    offsets: dict[int, int] = {}  # choice index -> its text_offset so far (a stream's chunks go on from it)
+
     def choice(
-        index: int, ids: list[int], lp: list[Logprobs] | None, text: str, finish: str | None, first: bool,
+        index: int, ids: list[int], lp: list[Logprobs | None] | None, text: str, finish: str | None, first: bool,
         stop: int | str | None,
     ) -> dict[str, Any] | None:  # fmt: skip
         if not (text or ids or finish):
             return None  # a prompt's prefill step before its first token (vLLM sends none either)
-        logprobs = completion_logprobs(tok, ids, list(lp)) if lp is not None else None
+        logprobs = None
+        if lp is not None and want_lp is not None:
+            logprobs, offsets[index] = completion_logprobs(tok, ids, lp, want_lp, offsets.get(index, 0))
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
 
     if body.stream:
@@ -89,7 +93,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
                 ids, entries = list(c.token_ids), list[Logprobs | None](c.logprobs)
                 if body.echo and out.prompt_logprobs is not None:
                     ids, entries = out.prompt_token_ids + ids, list(out.prompt_logprobs) + entries
-                lp = completion_logprobs(tok, ids, entries)
+                lp, _ = completion_logprobs(tok, ids, entries, want_lp)
             if body.echo:
                 text = call.echo_texts[i] + text
             choice_body = {"index": i * call.n + c.index, "text": text, "logprobs": lp,
@@ -137,18 +141,16 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     streams: dict[int, ChoiceStream] = {}
 
     def choice(
-        index: int, ids: list[int], lp: list[Logprobs] | None, text: str, finish: str | None, first: bool,
+        index: int, ids: list[int], lp: list[Logprobs | None] | None, text: str, finish: str | None, first: bool,
         stop: int | str | None,
     ) -> dict[str, Any] | None:  # fmt: skip
         cs = streams.setdefault(index, ChoiceStream(answer))
         delta: dict[str, Any] = cs.feed(text, finish is not None)
         if not (delta or finish):
             return None  # nothing to send yet (a tag's first characters, a call's name still being written)
-        if first:
-            delta = {"role": "assistant", **delta}
         if cs.calls and finish == "stop":
             finish = "tool_calls"
-        logprobs = chat_logprobs(tok, ids, lp, top) if lp is not None else None
+        logprobs = chat_logprobs(tok, ids, cast(list[Logprobs], lp), top) if lp is not None else None  # (no echo)
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
 
     if body.stream:

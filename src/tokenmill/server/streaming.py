@@ -174,7 +174,7 @@ async def run_to_end(call: Call, raw: Request) -> dict[int, RequestOutput]:
 # it, as vLLM's `stop_reason`) -> choice, or None when there is nothing to send yet (its tokens and logprobs then
 # go with the choice's next chunk)
 ChoiceBuilder = Callable[
-    [int, list[int], list[Logprobs] | None, str, str | None, bool, int | str | None], dict[str, Any] | None
+    [int, list[int], list[Logprobs | None] | None, str, str | None, bool, int | str | None], dict[str, Any] | None
 ]
 
 
@@ -196,11 +196,10 @@ async def stream_events(
 
     finals: dict[int, RequestOutput] = {}
     try:
-        for i, text in enumerate(call.echo_texts):
-            for j in range(call.n):
-                echoed = choice(i * call.n + j, [], None, text, None, True, None)
-                if echoed is not None:
-                    yield chunk([echoed])
+        if call.kind == "chat.completion":  # each choice's role first, in index order (the SDK's stream helper
+            for index in range(len(call.prompts) * call.n):  # builds its choices as their first chunks come)
+                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])  # fmt: skip
         async for i, out in merged(call):
             for c in out.outputs:
                 index = i * call.n + c.index
@@ -208,8 +207,15 @@ async def stream_events(
                 first, done = index not in sent, sent.get(index, 0)
                 if index in ended or not (delta or c.finish_reason or first):
                     continue  # tokens whose text is held back keep their logprobs for the next chunk
-                lp = c.logprobs[done:] if c.logprobs is not None else None
-                built = choice(index, c.token_ids[done:], lp, delta, c.finish_reason, first, c.stop_reason)
+                ids = list(c.token_ids[done:])
+                lp: list[Logprobs | None] | None = list(c.logprobs[done:]) if c.logprobs is not None else None
+                if first and call.echo_texts:  # completions' echo leads the choice's first chunk, once the prompt
+                    if not (c.token_ids or c.finish_reason):  # is computed: its text, and its tokens' logprobs
+                        continue
+                    delta, ids = call.echo_texts[i] + delta, out.prompt_token_ids + ids
+                    if lp is not None:
+                        lp = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lp
+                built = choice(index, ids, lp, delta, c.finish_reason, first, c.stop_reason)
                 if built is None:
                     continue
                 sent[index] = len(c.token_ids)
