@@ -54,6 +54,8 @@ CASES: list[tuple[str, str, str, Any, int]] = [
     ("seed-string", "POST", CMPL, cmpl(seed="1"), 400),
     ("max-tokens-bool", "POST", CMPL, cmpl(max_tokens=True), 400),
     ("max-tokens-zero", "POST", CMPL, cmpl(max_tokens=0), 400),
+    ("max-tokens-zero-echo-streamed", "POST", CMPL, cmpl(max_tokens=0, echo=True, stream=True), 400),
+    ("stream-options-without-stream", "POST", CMPL, cmpl(stream_options={"include_usage": True}), 400),
     ("max-tokens-float", "POST", CMPL, cmpl(max_tokens=1.5), 400),
     ("max-tokens-past-64-bits", "POST", CMPL, cmpl(max_tokens=2**64), 400),
     ("max-tokens-past-context", "POST", CMPL, cmpl(max_tokens=10_000), 400),

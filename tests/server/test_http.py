@@ -164,6 +164,15 @@ def test_prompt_too_long_uses_openai_wording(http: httpx.Client) -> None:
         "(600 in the messages, 10 in the completion)."
     )
     assert want in error["message"]
+    assert error["code"] == "context_length_exceeded"  # (OpenAI's code, which clients look for)
+
+
+def test_a_body_sent_as_another_content_type_is_told_to_send_json(http: httpx.Client) -> None:
+    """`curl -d` sends form-encoded: the body is the right JSON, but FastAPI reads JSON only under its type."""
+    body = json.dumps(_body(max_tokens=2)).encode()
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+        assert_openai_error(http.post("/v1/completions", content=body, headers={"content-type": kind}), 400,
+                            "Content-Type: application/json", kind)  # fmt: skip
 
 
 def test_unknown_model_is_404(http: httpx.Client, server: Server) -> None:

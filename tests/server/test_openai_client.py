@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.server.helpers import FORWARD_PATHS, Server, offline, offline_chat
-from tokenmill import LLM
+from tokenmill import LLM, SamplingParams
 
 PROMPT = "The quick brown fox"
 MESSAGES: list[dict[str, Any]] = [
@@ -218,6 +218,18 @@ def test_streamed_completion_logprobs_are_the_whole_ones(client: openai.OpenAI, 
     wide = _complete(client, server, max_tokens=6, logprobs=1, echo=True,
                      extra_body={**IGNORE_EOS, "prompt_logprobs": 4}).choices[0]  # fmt: skip
     assert wide.logprobs.top_logprobs[0] is None and all(1 <= len(t) <= 2 for t in wide.logprobs.top_logprobs[1:])
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+    """echo with max_tokens 0 (how lm-eval asks for a prompt's loglikelihood): the prompt's text and its tokens'
+    logprobs, the engine's prompt logprobs, and no token generated."""
+    r = _complete(client, server, max_tokens=0, echo=True, logprobs=1)
+    choice, ids = r.choices[0], llm.tokenizer.encode(PROMPT)
+    assert (choice.text, choice.finish_reason, r.usage.completion_tokens) == (PROMPT, "length", 0)
+    assert choice.logprobs is not None and len(choice.logprobs.tokens) == len(ids)
+    want = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=1))[0].prompt_logprobs
+    assert want is not None and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([e[t] for e, t in zip(want[1:], ids[1:])], abs=1e-3)
 
 
 def test_stream_include_usage_final_chunk(client: openai.OpenAI, server: Server, llm: LLM) -> None:

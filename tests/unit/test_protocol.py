@@ -1,11 +1,17 @@
-"""Request bodies: what a chat message carries into the chat template."""
+"""Request bodies: what a chat message carries into the chat template, and how bad fields are named."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
 
 from tests.conftest import load_twice
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import bad_value
 from tokenmill.server.protocol import ChatCompletionRequest
 
 NAMED_TEMPLATE = (
@@ -26,3 +32,48 @@ def test_message_name_reaches_the_chat_template(tokenizer_dir: Path, tmp_path: P
     for tok in load_twice(folder, tmp_path / "cache"):
         text = tok.decode(tok.apply_chat_template(messages, add_generation_prompt=False), skip_special_tokens=False)
         assert text == "<|im_start|>user (bob)\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+
+
+def test_text_parts_join_by_newlines_and_take_cache_control() -> None:
+    """Several text parts are one text joined by newlines, as vLLM joins them (no words fused); `cache_control` on a
+    part (Anthropic's, which agent frameworks send here too) is accepted and changes nothing."""
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Context."},
+                                                   {"type": "text", "text": "Question?",
+                                                    "cache_control": {"type": "ephemeral"}}]}]}
+    )  # fmt: skip
+    assert body.messages[0].as_template_dict()["content"] == "Context.\nQuestion?"
+
+
+@pytest.mark.parametrize(
+    ("part", "says"),
+    [({"type": "text"}, "Field required"), ({"type": "text", "text": 5}, "valid string"),
+     ({"type": "text", "text": "hi", "colour": "red"}, "colour"),
+     ({"type": "image_url", "image_url": {}}, "'image_url'")],
+)  # fmt: skip
+def test_a_bad_content_part_is_named_for_what_is_wrong(part: dict[str, Any], says: str) -> None:
+    """A malformed text part's error names its field (it said "parts of type 'text' are not supported"); a part of
+    another type is refused by its type."""
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [part]}]})
+    text = str(err.value)
+    assert says in text and ("not supported" in text) == (part["type"] != "text"), text
+
+
+@pytest.mark.parametrize("key", ["²", "٣", "-1", "1.5", " 7"])
+def test_logit_bias_keys_are_ascii_token_ids(key: str) -> None:
+    """Keys are token ids in ASCII digits: a superscript or an Arabic-Indic digit is no id (str.isdigit says it is)."""
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "logit_bias": {key: 5}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"^logit_bias=.*keys are token ids"):
+        body.sampling_params(SamplingParams(), 4, None, None, None)
+
+
+def test_validation_errors_name_what_their_start_does_not() -> None:
+    """A logit_bias id past the vocabulary names the parameter; a prompt past the context carries OpenAI's code
+    `context_length_exceeded`, which clients look for."""
+    bias = bad_value(ValueError("logit_bias names token id 99999, out of range: allowed [0, 383]"))
+    assert (bias.status, bias.param, bias.code) == (400, "logit_bias", None)
+    long = bad_value(ValueError("This model's maximum context length is 512 tokens. However, you requested 600"))
+    assert (long.param, long.code) == (None, "context_length_exceeded")
+    assert bad_value(ValueError("seed=1.5 is invalid: allowed an integer")).param == "seed"

@@ -63,11 +63,20 @@ def error_response(path: str, err: APIError) -> JSONResponse:
     return JSONResponse(body_for(path, err.status, err.message, err.param, err.code), err.status, headers=err.headers)
 
 
+# what a validation message names that its start does not: (pattern, param, code)
+_NAMED = ((re.compile(r"^logit_bias names token id"), "logit_bias", None),
+          (re.compile(r"^This model's maximum context length"), None, "context_length_exceeded"))  # fmt: skip
+
+
 def bad_value(e: ValueError) -> APIError:
-    """A ValueError from parameter validation -> 400 naming the parameter when the message starts with it."""
+    """A ValueError from parameter validation -> 400 naming the parameter when the message starts with it (a prompt
+    past the context: OpenAI's code `context_length_exceeded`, which clients look for)."""
     message = str(e)
     match = re.match(r"^(\w+)=", message)
-    return APIError(400, message, param=match.group(1) if match else None)
+    if match:
+        return APIError(400, message, param=match.group(1))
+    param, code = next(((p, c) for pattern, p, c in _NAMED if pattern.match(message)), (None, None))
+    return APIError(400, message, param=param, code=code)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -105,6 +114,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if request.method == "POST" and kind != "application/json":  # (FastAPI reads no other body as JSON)
+            message = f"send the body as JSON with Content-Type: application/json (it came as {kind or 'no type'})"
         return JSONResponse(body_for(request.url.path, 400, message, param), 400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -56,9 +56,15 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
     field, constraint = _structured(body)
     _check_prompt_logprobs(body)
     echo_lp = want_lp if (body.echo and want_lp is not None) else None
+    # echo with max_tokens 0: the prompt and its logprobs, nothing generated (lm-eval's loglikelihood requests; vLLM
+    # runs them as one token it drops, and so does this)
+    score_only = body.echo and body.max_tokens == 0
+    if score_only and body.stream:
+        raise APIError(400, "max_tokens=0 with echo (the prompt scored, nothing generated) is returned whole: set "
+                       "stream to false", param="stream")  # fmt: skip
     try:
         params = body.sampling_params(
-            engine.default_sampling_params(), body.max_tokens, want_lp,
+            engine.default_sampling_params(), 1 if score_only else body.max_tokens, want_lp,
             max(body.prompt_logprobs, echo_lp or 0) if body.prompt_logprobs is not None else echo_lp, constraint,
         )  # fmt: skip
     except ValueError as e:
@@ -88,21 +94,22 @@ async def completions(body: CompletionRequest, raw: Request, state: State, engin
     for i in range(len(prompts)):
         out = finals[i]
         for c in out.outputs:
-            text, lp = c.text, None
+            text, lp = "" if score_only else c.text, None
             if want_lp is not None and c.logprobs is not None:
-                ids, entries = list(c.token_ids), list[Logprobs | None](c.logprobs)
+                ids, entries = ([], []) if score_only else (list(c.token_ids), list[Logprobs | None](c.logprobs))
                 if body.echo and out.prompt_logprobs is not None:
                     ids, entries = out.prompt_token_ids + ids, list(out.prompt_logprobs) + entries
                 lp, _ = completion_logprobs(tok, ids, entries, want_lp)
             if body.echo:
                 text = call.echo_texts[i] + text
-            choice_body = {"index": i * call.n + c.index, "text": text, "logprobs": lp,
-                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
+            finish, stop = ("length", None) if score_only else (c.finish_reason, c.stop_reason)
+            choice_body = {"index": i * call.n + c.index, "text": text, "logprobs": lp, "finish_reason": finish,
+                           "stop_reason": stop}  # fmt: skip
             if body.prompt_logprobs is not None:
                 choice_body["prompt_logprobs"] = prompt_logprobs(tok, out.prompt_logprobs or [], body.prompt_logprobs)
             choices.append(choice_body)
     return {"id": call.id, "object": "text_completion", "created": call.created, "model": call.model,
-            "choices": choices, "usage": call.final_usage(finals),
+            "choices": choices, "usage": call.usage(0) if score_only else call.final_usage(finals),
             "timings": timings(call.finished)}  # fmt: skip
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from functools import cache
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tokenmill.sampling_params import INT64, SamplingParams, StructuredOutputsParams
 
@@ -115,6 +115,12 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
     prompt_logprobs: Int64 | None = None  # vLLM's: per prompt token, its logprob and the top k
 
+    @model_validator(mode="after")
+    def _stream_options(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:  # (as vLLM and OpenAI refuse it)
+            raise ValueError("stream_options is allowed only with stream: true")
+        return self
+
     def structured(self) -> tuple[str, StructuredOutputsParams] | None:
         """(the field it came from, the constraint) for the one structured-output field given, or None.
         Raises ValueError when several are given or the one given is malformed."""
@@ -178,7 +184,7 @@ class _SamplingFields(_Strict):
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
             return None
-        bad = next((k for k in self.logit_bias if not k.isdigit()), None)
+        bad = next((k for k in self.logit_bias if not (k.isascii() and k.isdigit())), None)  # ("²" and "٣": digits)
         if bad is not None:
             raise ValueError(f"logit_bias={self.logit_bias!r} is invalid: keys are token ids, and {bad!r} is not one")
         return {int(k): v for k, v in self.logit_bias.items()}
@@ -193,6 +199,7 @@ class CompletionRequest(_SamplingFields):
 class TextPart(_Strict):
     type: Literal["text"]
     text: Text
+    cache_control: dict[str, Any] | None = None  # Anthropic's, which agent frameworks send here too: ignored
 
 
 class OtherPart(BaseModel):
@@ -201,6 +208,16 @@ class OtherPart(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     type: str
+
+
+def _part_kind(value: Any) -> str:
+    """A part of type text is read as one (a malformed one's error names its field), any other as OtherPart."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "text" if kind == "text" else "other"
+
+
+ContentPart = Annotated[Annotated[TextPart, Tag("text")] | Annotated[OtherPart, Tag("other")],
+                        Discriminator(_part_kind)]  # fmt: skip
 
 
 class FunctionCall(_Strict):
@@ -216,7 +233,7 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart | OtherPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: Text | None = None  # a tool turn: which call this is the result of
@@ -229,8 +246,9 @@ class ChatMessage(_Strict):
         return self
 
     def text(self) -> str:
+        """The content; text parts joined by newlines, as vLLM joins them."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content if isinstance(part, TextPart))
+            return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
 
     def as_template_dict(self) -> dict[str, Any]:
