@@ -289,6 +289,9 @@ def test_tokenize_detokenize_round_trip(http: httpx.Client, llm: LLM) -> None:
     assert r.status_code == 200 and r.json()["prompt"] == PROMPT
     r = http.post("/tokenize", json={"model": SERVED_MODEL_NAME, "messages": MESSAGES})
     assert r.status_code == 200 and r.json()["tokens"] == llm.tokenizer.apply_chat_template(MESSAGES)
+    bare = http.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}).json()["tokens"]
+    assert bare == llm.tokenizer.apply_chat_template(MESSAGES, False) != r.json()["tokens"]  # (vLLM's field)
+    assert_openai_error(http.post("/tokenize", json={"prompt": PROMPT, "messages": MESSAGES}), 400, "not both")
 
 
 def _stats(http: httpx.Client) -> dict[str, Any]:

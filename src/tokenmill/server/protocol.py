@@ -331,7 +331,14 @@ class TokenizeRequest(_Strict):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # a prompt's (a conversation's special tokens are its chat template's)
+    add_generation_prompt: bool = True  # messages': the assistant turn's opening, as vLLM's /tokenize
+
+    @model_validator(mode="after")
+    def _one(self) -> TokenizeRequest:
+        if self.prompt is not None and self.messages is not None:
+            raise ValueError("give prompt or messages, not both")
+        return self
 
 
 class DetokenizeRequest(_Strict):

@@ -137,7 +137,8 @@ async def tokenize(body: TokenizeRequest, state: State, engine: Engine) -> dict[
     tok = engine.tokenizer
     if body.messages is not None:
         try:
-            tokens = await run_in_threadpool(tok.apply_chat_template, [m.as_template_dict() for m in body.messages])
+            tokens = await run_in_threadpool(tok.apply_chat_template, [m.as_template_dict() for m in body.messages],
+                                             body.add_generation_prompt)  # fmt: skip
         except ValueError as e:
             raise bad_value(e) from None
     elif body.prompt is not None:
