@@ -3,13 +3,9 @@ order puts them after the penalties and the temperature)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from tokenmill.sampling.sampler import SamplingBatch
-
+from tokenmill.sampling.batch import SamplingBatch
 
 # How many of each row's most likely tokens (`torch.topk`) the filters look among, first, then if some row may
 # keep tokens past them; past those, whole rows are sorted. top-p starts at the first, top-k alone at its largest k
