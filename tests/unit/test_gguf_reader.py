@@ -180,3 +180,23 @@ def test_a_big_endian_file_or_a_bad_alignment_is_refused(tmp_path: Path) -> None
     (tmp_path / "a.gguf").write_bytes(data.replace(key + (64).to_bytes(4, "little"), key + (48).to_bytes(4, "little")))
     with pytest.raises(GGUFError, match="general.alignment is 48, not a power of two"):
         GGUFFile(tmp_path / "a.gguf")
+
+
+@pytest.mark.parametrize(("field", "value"), [("type", Q.Q4_0), ("type", Q.F32), ("offset", 32), ("offset", 0)])
+def test_a_tensor_table_whose_offsets_or_types_were_changed_is_refused(written: Path, tmp_path: Path, field: str,
+                                                                       value: int) -> None:  # fmt: skip
+    """A tensor's data starts where the one before it ends, padded (every writer's layout, and llama.cpp's rule): a
+    type changed (its bytes shrink or grow over the next tensor's) or an offset moved (a gap, or the first tensor's
+    bytes read twice) is a corrupt table, not garbage weights."""
+    data = bytearray(written.read_bytes())
+    name = b"q8_0.weight"
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name) + 4 + 2 * 8  # past the name and 2 dims
+    assert int.from_bytes(data[at : at + 4], "little") == Q.Q8_0
+    if field == "type":
+        data[at : at + 4] = int(value).to_bytes(4, "little")
+    else:
+        offset = int.from_bytes(data[at + 4 : at + 12], "little")
+        data[at + 4 : at + 12] = (offset + value if value else 0).to_bytes(8, "little")
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=r"tensor table is corrupt|holds \d+ of its"):
+        GGUFFile(tmp_path / "bad.gguf")

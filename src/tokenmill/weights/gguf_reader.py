@@ -136,6 +136,7 @@ class GGUFFile:
         whole = np.frombuffer(self._buf, np.uint8)  # [file bytes], read-only
         self._span = (whole.ctypes.data, whole.nbytes)  # where the map lies in this process's memory
         self.tensors = [_tensor(whole, self.data_offset, *info) for info in infos]
+        _check_layout(self.tensors, self.data_offset, self.alignment)
         if len({t.name for t in self.tensors}) != len(self.tensors):
             names = [t.name for t in self.tensors]
             raise GGUFError(f"the tensor {next(n for n in names if names.count(n) > 1)!r} appears twice")
@@ -272,6 +273,18 @@ def _alignment(fields: dict[str, GGUFField]) -> int:
     if f.value == 0 or f.value & (f.value - 1):
         raise GGUFError(f"general.alignment is {f.value}, not a power of two")
     return int(f.value)
+
+
+def _check_layout(tensors: list[GGUFTensor], data_start: int, alignment: int) -> None:
+    """Each tensor's data starts where the one before it ends, padded to the alignment, as every GGUF writer lays
+    them out and llama.cpp requires: an overlap or a gap means a corrupt table (an offset or a type changed)."""
+    expected = 0
+    for t in tensors:
+        at = t.data_offset - data_start
+        if at != expected:
+            raise GGUFError(f"tensor {t.name!r} starts at data offset {at}, where the tensors before it end at "
+                            f"{expected}: the tensor table is corrupt (an offset or a type changed)")  # fmt: skip
+        expected += -(-t.n_bytes // alignment) * alignment
 
 
 def _tensor(
