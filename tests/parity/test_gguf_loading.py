@@ -287,6 +287,53 @@ def test_unsupported_phi3_variants_are_one_clear_error(tmp_path: Path, variant: 
     assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
 
 
+U32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.STRING
+
+
+def _llama_meta_gguf(path: Path, embd: tuple[int, ...] = (384, 64), **keys: Any) -> Path:
+    """A llama file's metadata (hidden 64, 4 heads) with `keys` (llama.*, a value or a (value, GGUF type) pair)
+    put over it, and an embedding of numpy shape `embd`: enough for the config, where bad values are refused."""
+    import numpy as np
+
+    V = gguf.GGUFValueType
+    meta: dict[str, Any] = {"context_length": (512, V.UINT32), "embedding_length": (64, V.UINT32),
+                            "block_count": (2, V.UINT32), "feed_forward_length": (96, V.UINT32),
+                            "attention.head_count": (4, V.UINT32), "attention.head_count_kv": (2, V.UINT32),
+                            "attention.layer_norm_rms_epsilon": (1e-5, V.FLOAT32),
+                            "rope.freq_base": (10000.0, V.FLOAT32), **keys}  # fmt: skip
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, (value, kind) in meta.items():
+        writer.add_key_value(f"llama.{key}", value, kind)
+    writer.add_tensor("token_embd.weight", np.zeros(embd, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(**{"attention.head_count": (0, U32)}), r"llama.attention.head_count is 0; allowed"),
+        (dict(**{"attention.head_count_kv": (0, U32)}), r"head_count_kv is 0; allowed an integer"),
+        (dict(context_length=("abc", STR)), r"llama.context_length is 'abc'; allowed an integer"),
+        (dict(**{"attention.layer_norm_rms_epsilon": ("x", STR)}), r"epsilon is 'x'; allowed a"),
+        (dict(**{"rope.freq_base": (0.0, gguf.GGUFValueType.FLOAT32)}), r"llama.rope.freq_base is 0.0; allowed a"),
+        (dict(embd=(64,)), r"token_embd.weight has shape \[64\]; allowed \[hidden, vocab\]"),
+    ],
+)  # fmt: skip
+def test_bad_metadata_values_are_one_line_naming_the_key(tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    """Counts of 0 (a division by zero's traceback before), a string for a number, a RoPE base of 0 (every logit
+    NaN before, with no error) and an embedding of one dimension: one line naming the file and the key."""
+    from tokenmill.errors import ModelLoadError
+
+    path = _llama_meta_gguf(tmp_path / "meta.gguf", **change)
+    with pytest.raises(ModelLoadError, match=message) as e:
+        LLM(str(path))
+    assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
+
+
 def test_cli_reports_a_bad_gguf_in_one_line(exported: Callable[..., Any], tmp_path: Path) -> None:
     from tests.unit.test_cli import assert_one_line_error, run_cli
 

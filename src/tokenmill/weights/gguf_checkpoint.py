@@ -20,6 +20,7 @@ vocabulary) and dequantized, where needed, by the `gguf` package.
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Iterator
@@ -102,6 +103,21 @@ class GGUFCheckpoint:
             value = value[0]
         return value
 
+    def _count(self, key: str, default: Any = None, low: int = 1) -> int:
+        """`{arch}.key` as a whole number >= low (a count or a length): one line naming the key where it is not."""
+        value = self._meta(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < low:
+            raise ModelLoadError(f"{self.path}: {self.arch}.{key} is {value!r}; allowed an integer >= {low}")
+        return int(value)
+
+    def _positive(self, key: str, default: Any = None) -> float:
+        """`{arch}.key` as a finite number > 0 (an epsilon, a RoPE base or factor): one line naming the key where
+        it is not (a RoPE base of 0 made every logit NaN)."""
+        value = self._meta(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise ModelLoadError(f"{self.path}: {self.arch}.{key} is {value!r}; allowed a finite number > 0")
+        return float(value)
+
     @property
     def dtype(self) -> str:
         """The compute dtype "auto" means: float32 for an all-F32 file, else bfloat16."""
@@ -118,8 +134,11 @@ class GGUFCheckpoint:
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise ModelLoadError(f"{self.path} has no token_embd.weight tensor")
+        if len(embd.shape) != 2:
+            raise ModelLoadError(f"{self.path}: token_embd.weight has shape {list(embd.shape)}; allowed [hidden, "
+                                 "vocab]")  # fmt: skip
         vocab = int(embd.shape[1])  # ggml order: [hidden, vocab]
-        hidden, heads = int(self._meta("embedding_length")), int(self._meta("attention.head_count"))
+        hidden, heads = self._count("embedding_length"), self._count("attention.head_count")
         eos = [self._field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         common = {
             "architectures": [GGUF_ARCHS[self.arch]],
@@ -131,37 +150,37 @@ class GGUFCheckpoint:
             "torch_dtype": self.dtype,
         }
         if self.arch == "gpt2":
-            return {**common, "n_embd": hidden, "n_head": heads, "n_layer": int(self._meta("block_count")),
-                    "n_positions": int(self._meta("context_length")),
-                    "n_inner": int(self._meta("feed_forward_length")),
-                    "layer_norm_epsilon": float(self._meta("attention.layer_norm_epsilon")),
+            return {**common, "n_embd": hidden, "n_head": heads, "n_layer": self._count("block_count"),
+                    "n_positions": self._count("context_length"),
+                    "n_inner": self._count("feed_forward_length"),
+                    "layer_norm_epsilon": self._positive("attention.layer_norm_epsilon"),
                     "activation_function": "gelu_new", "tie_word_embeddings": True}  # fmt: skip
-        head_dim = int(self._meta("attention.key_length", hidden // heads))
+        head_dim = self._count("attention.key_length", hidden // heads)
         config = {
             **common,
             "hidden_size": hidden,
-            "num_hidden_layers": int(self._meta("block_count")),
-            "intermediate_size": int(self._meta("feed_forward_length")),
+            "num_hidden_layers": self._count("block_count"),
+            "intermediate_size": self._count("feed_forward_length"),
             "num_attention_heads": heads,
-            "num_key_value_heads": int(self._meta("attention.head_count_kv", heads)),
+            "num_key_value_heads": self._count("attention.head_count_kv", heads),
             "head_dim": head_dim,
-            "rms_norm_eps": float(self._meta("attention.layer_norm_rms_epsilon")),
-            "max_position_embeddings": int(self._meta("context_length")),
+            "rms_norm_eps": self._positive("attention.layer_norm_rms_epsilon"),
+            "max_position_embeddings": self._count("context_length"),
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
             "rope_parameters": self._rope(head_dim),
         }
-        rotated = int(self._meta("rope.dimension_count", head_dim))
+        rotated = self._count("rope.dimension_count", head_dim)
         if rotated != head_dim:
             raise ModelLoadError(
                 f"{self.path}: RoPE over {rotated} of each head's {head_dim} dimensions (rope.dimension_count) is "
                 "not supported; supported: RoPE over the whole head"
             )
-        window = int(self._meta("attention.sliding_window", 0)) if self.arch in WINDOWED else 0
+        window = self._count("attention.sliding_window", 0, low=0) if self.arch in WINDOWED else 0
         if window:  # (ModelConfig drops a window no shorter than the context)
             config["sliding_window"] = window
         if self.arch == "gpt-oss":
             return self._gpt_oss(config)
-        if int(self._meta("expert_count", 0)):
+        if self._count("expert_count", 0, low=0):
             return self._experts(config)
         return self._gemma3(config) if self.arch == "gemma3" else config
 
@@ -172,16 +191,16 @@ class GGUFCheckpoint:
         if self.arch not in ("qwen3moe", "llama"):
             raise ModelLoadError(f"{self.path}: experts in a GGUF {self.arch} file are not supported; supported: "
                                  "qwen3moe, and llama files with experts (Mixtral)")  # fmt: skip
-        shared, gating = int(self._meta("expert_shared_count", 0)), int(self._meta("expert_gating_func", 1))
+        shared, gating = self._count("expert_shared_count", 0, low=0), self._count("expert_gating_func", 1, low=0)
         if shared or gating != _SOFTMAX_GATING:
             what = f"{shared} shared experts" if shared else f"router gating function {gating}"
             raise ModelLoadError(f"{self.path}: a mixture of experts with {what} is not supported; supported: a "
                                  "softmax router over routed experts only")  # fmt: skip
         n = config["num_hidden_layers"]
         moe = {
-            "num_experts": int(self._meta("expert_count")),
-            "num_experts_per_tok": int(self._meta("expert_used_count")),
-            "moe_intermediate_size": int(self._meta("expert_feed_forward_length", config["intermediate_size"])),
+            "num_experts": self._count("expert_count", low=0),
+            "num_experts_per_tok": self._count("expert_used_count"),
+            "moe_intermediate_size": self._count("expert_feed_forward_length", config["intermediate_size"]),
             "norm_topk_prob": bool(self._meta("expert_weights_norm", True)),
             "mlp_only_layers": [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors],
         }
@@ -194,14 +213,14 @@ class GGUFCheckpoint:
         carry taken as transformers' GptOssConfig has it (YaRN's betas 32 and 1, untruncated; the SwiGLU's 1.702 and
         7.0)."""
         rope = {**config["rope_parameters"], "truncate": False,
-                "beta_fast": float(self._meta("rope.scaling.yarn_beta_fast", 32.0)),
-                "beta_slow": float(self._meta("rope.scaling.yarn_beta_slow", 1.0))}  # fmt: skip
+                "beta_fast": self._positive("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": self._positive("rope.scaling.yarn_beta_slow", 1.0)}  # fmt: skip
         n = config["num_hidden_layers"]
         return {**config, "model_type": "gpt_oss", "rope_parameters": rope,
-                "num_local_experts": int(self._meta("expert_count")),
-                "num_experts_per_tok": int(self._meta("expert_used_count")),
-                "intermediate_size": int(self._meta("expert_feed_forward_length", config["intermediate_size"])),
-                "sliding_window": int(self._meta("attention.sliding_window")),
+                "num_local_experts": self._count("expert_count", low=0),
+                "num_experts_per_tok": self._count("expert_used_count"),
+                "intermediate_size": self._count("expert_feed_forward_length", config["intermediate_size"]),
+                "sliding_window": self._count("attention.sliding_window", low=0),
                 "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]}  # fmt: skip
 
     def _gemma3(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -213,23 +232,26 @@ class GGUFCheckpoint:
         n = config["num_hidden_layers"]
         if isinstance(pattern, list):  # newer files: a flag per layer, true where it slides
             sliding = [bool(x) for x in pattern]
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+            sliding = [(i + 1) % pattern != 0 for i in range(n)]
         else:
-            sliding = [(i + 1) % int(pattern) != 0 for i in range(n)]
+            raise ModelLoadError(f"{self.path}: {self.arch}.attention.sliding_window_pattern is {pattern!r}; allowed "
+                                 "an integer >= 1 or a flag per layer")  # fmt: skip
         return {**config, "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
-                "sliding_window": int(self._meta("attention.sliding_window")),
+                "sliding_window": self._count("attention.sliding_window", low=0),
                 "layer_types": ["sliding_attention" if x else "full_attention" for x in sliding],
                 "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE, "query_pre_attn_scalar": scalar}  # fmt: skip
 
     def _rope(self, head_dim: int) -> dict[str, Any]:
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self._meta("rope.freq_base", 10000.0))}
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self._positive("rope.freq_base", 10000.0)}
         kind = str(self._meta("rope.scaling.type", "none"))
         if kind == "linear":
-            rope.update(rope_type="linear", factor=float(self._meta("rope.scaling.factor")))
+            rope.update(rope_type="linear", factor=self._positive("rope.scaling.factor"))
         elif kind == "yarn":
             rope.update(
                 rope_type="yarn",
-                factor=float(self._meta("rope.scaling.factor")),
-                original_max_position_embeddings=int(self._meta("rope.scaling.original_context_length")),
+                factor=self._positive("rope.scaling.factor"),
+                original_max_position_embeddings=self._count("rope.scaling.original_context_length"),
             )
         elif kind != "none":
             raise ModelLoadError(f"{self.path}: RoPE scaling {kind!r} is not supported (none, linear, yarn)")
@@ -254,7 +276,7 @@ class GGUFCheckpoint:
             rope_type="longrope",
             long_factor=self._factors(long, head_dim),
             short_factor=self._factors(short, head_dim),
-            original_max_position_embeddings=int(self._meta("rope.scaling.original_context_length")),
+            original_max_position_embeddings=self._count("rope.scaling.original_context_length"),
         )
         scale = self._field(f"{self.arch}.rope.scaling.attn_factor")
         if scale is not None:  # (else the model derives HF's default from the two context lengths)
