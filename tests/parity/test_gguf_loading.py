@@ -334,6 +334,60 @@ def test_bad_metadata_values_are_one_line_naming_the_key(tmp_path: Path, change:
     assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
 
 
+def _rewritten(good: Path, path: Path, **changes: Any) -> Path:
+    """`good` copied with its tokenizer keys changed: tokenizer.ggml.KEY -> a value, a (value, type), or None (drop)."""
+    import numpy as np
+
+    reader = gguf.GGUFReader(good)
+    writer = gguf.GGUFWriter(path, arch=str(reader.fields["general.architecture"].contents()))
+    for name, kv in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value, kind = kv.contents(), kv.types[0]
+        sub = kv.types[1] if len(kv.types) > 1 else None
+        key = name.removeprefix("tokenizer.ggml.")
+        if key in changes:
+            if changes[key] is None:
+                continue
+            value, kind = changes[key] if isinstance(changes[key], tuple) else (changes[key], kind)
+        writer.add_key_value(name, value, kind, sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_shape=tuple(int(x) for x in t.shape[::-1]),
+                          raw_dtype=t.tensor_type)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_tokenizer_lists_that_disagree_are_one_line(exported: Callable[..., Any], tmp_path: Path) -> None:
+    """A token_type or tokens list of another length than the vocabulary's (control tokens read as text before, or
+    ids past the embedding), a special id outside it, a tokenizer model the loaders lack, or BPE without merges: one
+    line naming the key, before any tokenizer is built."""
+    from tokenmill.errors import ModelLoadError
+
+    _, good = exported("llama")
+    reader = gguf.GGUFReader(good)
+    types, tokens = reader.fields["tokenizer.ggml.token_type"].contents(), reader.fields["tokenizer.ggml.tokens"]
+    rows = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")  # ggml order: [hidden, vocab]
+    cases: list[tuple[dict[str, Any], str]] = [
+        (dict(token_type=types[:-5]), rf"token_type holds {len(types) - 5} entries for the {len(types)} tokens"),
+        (dict(eos_token_id=10**6), r"tokenizer.ggml.eos_token_id is 1000000; allowed an id in \[0, "),
+        (dict(model="t5"), r"tokenizer.ggml.model is 't5'; supported: gpt2 \(byte-level BPE\), llama"),
+        (dict(merges=None), r"a byte-level BPE tokenizer needs tokenizer.ggml.merges"),
+        (
+            dict(tokens=tokens.contents() + [f"extra{i}" for i in range(1000)], token_type=types + [1] * 1000),
+            rf"{len(types) + 1000} tokens \(tokenizer.ggml.tokens\) for {rows} rows of token_embd.weight",
+        ),
+    ]
+    for i, (change, message) in enumerate(cases):
+        path = _rewritten(good, tmp_path / f"bad{i}.gguf", **change)
+        with pytest.raises(ModelLoadError, match=message) as e:
+            LLM(str(path))
+        assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
+
+
 def test_cli_reports_a_bad_gguf_in_one_line(exported: Callable[..., Any], tmp_path: Path) -> None:
     from tests.unit.test_cli import assert_one_line_error, run_cli
 
@@ -366,9 +420,9 @@ def test_a_file_larger_than_memory_fails_in_one_line_before_loading(
             writer.add_key_value(name, kv.contents(), kv.types[0], sub_type=sub)
     rows = (have + 2**30) // (4 * 4096) + 1
     for t in [*reader.tensors, None]:
-        shape, nbytes = ((4096, rows), rows * 4096 * 4) if t is None else (tuple(t.shape), int(t.n_bytes))
+        shape, nbytes = ((4096, rows), rows * 4096 * 4) if t is None else (tuple(t.shape), int(t.n_bytes))  # ggml order
         raw = gguf.GGMLQuantizationType.F32 if t is None else t.tensor_type
-        writer.add_tensor_info("spare.weight" if t is None else t.name, shape[::-1] if t is None else shape,
+        writer.add_tensor_info("spare.weight" if t is None else t.name, shape[::-1],
                                np.dtype(np.float32), nbytes, raw_dtype=raw)  # fmt: skip
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

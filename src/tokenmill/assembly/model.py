@@ -123,6 +123,8 @@ def read_checkpoint(cfg: EngineConfig) -> tuple[Path, GGUFCheckpoint | None, dic
     path = resolve_model(cfg.model or default_model_ref(), cfg.revision)
     gguf = GGUFCheckpoint(path) if is_gguf(path) else None
     hf_config = gguf.hf_config() if gguf else read_json(path / "config.json", required=True)
+    if gguf:
+        gguf.check_tokenizer(int(hf_config["vocab_size"]))
     return path, gguf, hf_config, family_for(hf_config).config_from_hf(hf_config)
 
 

@@ -33,6 +33,7 @@ import torch
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.raw_blocks import GGUF_BLOCK_TYPES, RawBlocks
 from tokenmill.weights.gguf_names import gguf_experts, gguf_to_hf, hf_expert_name
+from tokenmill.weights.gguf_vocab import check_vocabulary
 
 if TYPE_CHECKING:
     from tokenmill.weights.gguf_reader import GGUFTensor
@@ -129,8 +130,12 @@ class GGUFCheckpoint:
         kinds = GGUF_BLOCK_TYPES
         return {kinds[t.tensor_type.name] for t in self.reader.tensors if t.tensor_type.name in kinds}
 
+    def check_tokenizer(self, vocab_size: int) -> None:
+        """ModelLoadError where the tokenizer metadata cannot describe the embedding's `vocab_size` rows of tokens
+        (gguf_vocab.py): before a tokenizer is built from it."""
+        check_vocabulary(self.reader.fields, self.path, vocab_size)
+
     def hf_config(self) -> dict[str, Any]:
-        """The file's metadata as a config.json dict, in the names our families read."""
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise ModelLoadError(f"{self.path} has no token_embd.weight tensor")
