@@ -4,6 +4,7 @@ and neither process outlives the other, nor leaves a request waiting when the ot
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -112,6 +113,28 @@ def test_a_killed_engine_ends_open_streams_and_the_server_exits_1(checkpoint: Pa
         assert not reader.is_alive(), "the stream hung after its engine died"
         assert failed or any("error" in line for line in lines), lines[-3:]
         assert server.proc.wait(30) == 1
+
+
+def test_sigterm_to_the_whole_group_lets_the_stream_finish(checkpoint: Path, tmp_path: Path, llm: LLM) -> None:
+    """systemd's stop and timeout(1) send SIGTERM to the server's whole process group, its engine process too: the
+    engine leaves the stop to the server, which drains the open stream and exits 0 (the stream was cut with
+    "the engine's process exited with status -15", and the server exited 1)."""
+    want = offline(llm, PROMPT, 40).text
+    with running(checkpoint, tmp_path, "--threads", "1") as server:
+        engine = _engine_process(server)
+        text, signalled = "", False
+        body = {"model": server.model, "prompt": PROMPT, "max_tokens": 40, "stream": True, "ignore_eos": True,
+                "temperature": 0}  # fmt: skip
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+                    if not signalled:  # both at once, as a group's signal reaches them
+                        engine.send_signal(signal.SIGTERM)
+                        server.proc.send_signal(signal.SIGTERM)
+                        signalled = True
+        assert text == want
+        assert server.proc.wait(30) == 0
 
 
 def test_a_killed_server_takes_its_engine_with_it(checkpoint: Path, tmp_path: Path) -> None:

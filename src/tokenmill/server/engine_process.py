@@ -191,7 +191,10 @@ def main(argv: list[str]) -> int:
     from tokenmill.server.logs import configure_logging
 
     _die_with_server(int(argv[2]))
+    # a Ctrl-C, systemd's stop (KillMode=control-group) and timeout(1) signal the whole group: the server drains its
+    # requests through this process, then stops it (its "stop" message; it dies with the server in any case)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     gc.disable()  # (as the server's start: the collector would walk the imports' objects again and again)
     link = Link(Connection(int(argv[1])))
     cfg, log_level, log_format = link.recv()
