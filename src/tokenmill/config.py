@@ -4,6 +4,8 @@ model_config.py's. Nothing here touches devices or reads the environment.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -166,14 +168,20 @@ class EngineConfig:
         self._check_parallel()
         self._check_batch_invariant()
         self._check_lora()
-        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: allowed values > 0")
-        if not self.pooling_share >= 0:
-            raise ValueError(f"pooling_share={self.pooling_share!r} is invalid: allowed values >= 0 (0: no limit)")
-        if not self.prefix_cache_ram_gb >= 0:
-            raise ValueError(f"prefix_cache_ram_gb={self.prefix_cache_ram_gb!r} is invalid: allowed values >= 0")
-        if not self.prefix_cache_disk_gb > 0:
-            raise ValueError(f"prefix_cache_disk_gb={self.prefix_cache_disk_gb!r} is invalid: allowed values > 0")
+        # (a float flag's inf or nan passed every `>= 0` before and failed later with a traceback)
+        if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < math.inf:
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: allowed finite values > 0")
+        if not 0 <= self.pooling_share < math.inf:
+            raise ValueError(f"pooling_share={self.pooling_share!r} is invalid: allowed finite values >= 0 (0: no "
+                             "limit)")  # fmt: skip
+        if not 0 <= self.prefix_cache_ram_gb < math.inf:
+            raise ValueError(f"prefix_cache_ram_gb={self.prefix_cache_ram_gb!r} is invalid: allowed finite values >= 0")
+        if not 0 < self.prefix_cache_disk_gb < math.inf:
+            raise ValueError(f"prefix_cache_disk_gb={self.prefix_cache_disk_gb!r} is invalid: allowed finite values "
+                             "> 0")  # fmt: skip
+        cpus = 4 * (os.cpu_count() or 1)
+        if self.threads is not None and self.threads > cpus:  # (100000 threads: a segfault in torch's pool)
+            raise ValueError(f"threads={self.threads} is invalid: allowed 1 to {cpus} (4 per logical CPU here)")
 
     def _check_batch_invariant(self) -> None:
         """The mode holds for the CPU kernels over the paged pool; the other paths' sums depend on the batch."""

@@ -167,6 +167,18 @@ def test_serve_flag_errors_are_one_line(folder: Path, tmp_path: Path) -> None:
     assert_one_line_error(run_cli("serve", str(folder), "--api-key-file", missing), "--api-key-file", "cannot be read")
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [("--prefix-cache-ram-gb", "inf", "allowed finite values >= 0"), ("--kv-cache-memory-gb", "inf", "finite"),
+     ("--max-body-mb", "inf", "finite"), ("--grammar-compile-timeout", "-1", "allowed finite values > 0"),
+     ("--grace-period", "-5", "allowed finite values >= 0"), ("--threads", "100000", "per logical CPU")],
+)  # fmt: skip
+def test_serve_values_past_what_can_run_are_one_line(folder: Path, flag: str, value: str, says: str) -> None:
+    """inf passed every `>= 0` check and failed later in a traceback; a negative grammar timeout failed every
+    grammar as the client's fault; 100000 threads segfaulted in torch's pool."""
+    assert_one_line_error(run_cli("serve", str(folder), flag, value), value, says)
+
+
 def test_serve_on_a_taken_port_is_one_line_before_the_model_loads(folder: Path) -> None:
     """The port is tried first: a taken one (another server) is one line and exit 2, before the model loads (at
     --log-level info a load would add its own line, and for a large model take minutes)."""

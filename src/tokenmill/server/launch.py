@@ -21,6 +21,7 @@ import errno
 import functools
 import gc
 import logging
+import math
 import os
 import signal
 import socket
@@ -66,8 +67,13 @@ def server_config(args: argparse.Namespace, name: str) -> Any:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={value} is invalid: allowed an integer >= 1")
-    if not args.max_body_mb > 0:
-        raise ValueError(f"--max-body-mb={args.max_body_mb} is invalid: allowed values > 0")
+    if not 0 < args.max_body_mb < math.inf:
+        raise ValueError(f"--max-body-mb={args.max_body_mb} is invalid: allowed finite values > 0")
+    if not 0 < args.grammar_compile_timeout < math.inf:  # (a negative one failed every grammar, as the client's)
+        raise ValueError(f"--grammar-compile-timeout={args.grammar_compile_timeout} is invalid: allowed finite "
+                         "values > 0")  # fmt: skip
+    if not 0 <= args.grace_period < math.inf:
+        raise ValueError(f"--grace-period={args.grace_period} is invalid: allowed finite values >= 0")
     return ServerConfig(name, api_key(args), args.max_waiting_requests, args.max_n, args.max_prompts,
                         int(args.max_body_mb * 2**20), args.public_docs, args.tool_call_parser,
                         args.grammar_compile_timeout, args.responses_store_size, args.reasoning_parser,
