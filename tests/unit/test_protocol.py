@@ -77,3 +77,17 @@ def test_validation_errors_name_what_their_start_does_not() -> None:
     long = bad_value(ValueError("This model's maximum context length is 512 tokens. However, you requested 600"))
     assert (long.param, long.code) == (None, "context_length_exceeded")
     assert bad_value(ValueError("seed=1.5 is invalid: allowed an integer")).param == "seed"
+
+
+def test_a_chat_template_that_does_not_parse_is_found_at_load(tokenizer_dir: Path, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """A template that is not valid Jinja loads with one warning naming it (plain prompts still run), and a chat is
+    refused as the model's fault, not the messages'; before, /health said ready and every chat request got a 400
+    blaming `messages`."""
+    folder = shutil.copytree(tokenizer_dir, tmp_path / "tok")
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }")
+    for tok in load_twice(folder, tmp_path / "cache"):
+        assert tok.template_problem is not None and "does not parse (line 1" in tok.template_problem
+        with pytest.raises(ValueError, match=r"^this model's chat template does not parse .*: fix its chat template"):
+            tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+        assert tok.encode("Hi") and "does not parse" in caplog.text

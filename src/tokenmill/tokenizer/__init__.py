@@ -9,6 +9,7 @@ Must not import torch: the server side uses it too.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.tokenizer.backend import TokenizerBackend
+
+log = logging.getLogger("tokenmill.tokenizer")
 
 # How many earlier tokens to re-decode with each new one, so word boundaries and spaces come out right.
 _CONTEXT_TOKENS = 5
@@ -34,6 +37,8 @@ _BYTE_OF = _byte_alphabet()
 class Tokenizer:
     """The tokenizer of a checkpoint folder, or the one stored in a GGUF file's metadata."""
 
+    template_problem: str | None = None  # why the chat template does not parse, found at load (None: it does)
+
     def __init__(self, source: Path | str, model_type: str | None = None, gguf_metadata: Any = None) -> None:
         """`model_type`: a GGUF's (its config's `model_type`), which names the tokenizer class at once; without it
         transformers reads the whole file's metadata again to learn it (seconds for a 150k vocabulary).
@@ -49,6 +54,13 @@ class Tokenizer:
                 self.backend = verdict.load(source)
         except Exception as e:
             raise ModelLoadError(f"cannot load the tokenizer from {source}: {str(e).splitlines()[0]}") from None
+        if self.backend.chat_template:
+            from tokenmill.tokenizer.chat_template import syntax_problem
+
+            self.template_problem = syntax_problem(self.backend.chat_template)
+            if self.template_problem is not None:  # (plain prompts still run: a warning, not a failed load)
+                log.warning("%s: its %s; chat requests will be refused, plain completions run", source,
+                            self.template_problem)  # fmt: skip
 
     @property
     def rust(self) -> Any:
@@ -137,6 +149,8 @@ class Tokenizer:
         """Token ids of a conversation rendered through the tokenizer's own chat template."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        if self.template_problem is not None:  # the model's files are at fault, not the messages
+            raise ValueError(f"this model's {self.template_problem}: fix its chat template; plain prompts still run")
         from jinja2 import TemplateError
 
         try:

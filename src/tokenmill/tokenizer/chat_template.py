@@ -107,6 +107,19 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def syntax_problem(templates: str | dict[str, str] | None) -> str | None:
+    """Why a chat template (or one of several named ones) does not parse, in one line; None where every one does.
+    Checked at load: such a template failed only at the first chat request, which blamed the request."""
+    from jinja2 import TemplateSyntaxError
+
+    for name, template in templates.items() if isinstance(templates, dict) else [("", templates or "")]:
+        try:
+            _compile(template)
+        except TemplateSyntaxError as e:
+            return f"{'the ' + repr(name) + ' ' if name else ''}chat template does not parse (line {e.lineno}: {e})"
+    return None
+
+
 @lru_cache(maxsize=16)
 def _compile(template: str) -> Any:
     import jinja2
