@@ -341,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     except (TokenmillError, ValueError) as e:
         print(f"tokenmill {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as e:  # a path it cannot write or read (an --out under /proc, a folder where a file goes)
+        where = f": {e.filename}" if e.filename else ""
+        print(f"tokenmill {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

@@ -116,6 +116,14 @@ def test_make_model_tiny_loads_in_both(tokenizer_dir: Path, tmp_path: Path) -> N
     assert_one_line_error(bad, "--tokenizer")
 
 
+def test_make_model_to_a_path_it_cannot_write_is_one_line(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """An --out under a folder that cannot exist, or a folder where the GGUF file goes: one line naming the path
+    (FileNotFoundError's and IsADirectoryError's tracebacks before)."""
+    base = ["make-model", "--arch", "llama", "--shape", "tiny", "--tokenizer", str(tokenizer_dir)]
+    assert_one_line_error(run_cli(*base, "--out", "/proc/nope/x"), "/proc/nope")
+    assert_one_line_error(run_cli(*base, "--gguf", "bf16", "--out", str(tmp_path)), str(tmp_path))
+
+
 def test_make_model_device_draws_there_or_says_why_not(tokenizer_dir: Path, tmp_path: Path) -> None:
     import torch
 
