@@ -91,3 +91,10 @@ def test_gpt_oss_20b_config_as_released() -> None:
     assert cfg.moe.clamped_swiglu == (1.702, 7.0) and cfg.torch_dtype == "bfloat16"
     made = _config("gpt_oss", **SHAPES["gpt-oss-20b"])
     assert (made.layer_windows(), made.rope, made.moe) == (cfg.layer_windows(), cfg.rope, cfg.moe)
+
+
+@pytest.mark.parametrize("archs", ["LlamaForCausalLM", [5], {"a": 1}])
+def test_architectures_that_are_not_a_list_of_names_say_so(archs: Any) -> None:
+    """A string was read as a list of its letters ("architecture 'L' is not supported")."""
+    with pytest.raises(ConfigError, match=r"architectures is .*; allowed a list of names"):
+        family_for({"architectures": archs, "model_type": "llama"})

@@ -37,6 +37,8 @@ def family_for(hf: dict[str, Any]) -> ModelFamily:
     """The family of a parsed config.json: by its first `architectures` name (a pooling model's: the causal one that
     runs it, models/pooling.py), else by its `model_type`."""
     archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):  # ("LlamaForCausalLM" read as "L")
+        raise ConfigError(f'architectures is {archs!r}; allowed a list of names, e.g. ["LlamaForCausalLM"]')
     if archs and archs[0] in POOLING_ARCHITECTURES:
         archs = [POOLING_ARCHITECTURES[archs[0]][0]]
     for family in FAMILIES:
