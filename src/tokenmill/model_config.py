@@ -8,6 +8,7 @@ Nothing here touches devices or reads the environment.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,7 +219,11 @@ def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     v4 = hf.get("rope_scaling")
     if isinstance(v4, dict):
         params.update(v4)
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
+        raise ConfigError(f"rope_theta={theta!r} is invalid: allowed a finite number > 0 (0 made every "
+                          "logit NaN)")  # fmt: skip
+    theta = float(theta)
     kind = str(params.pop("rope_type", params.pop("type", "default")))
     if kind in ("yarn", "longrope"):
         original = hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048)

@@ -71,6 +71,19 @@ def test_unknown_architecture_lists_supported(folder: Path, tmp_path: Path) -> N
         LLM(str(bad))
 
 
+def test_a_rope_base_of_zero_and_bad_generation_defaults_are_named(folder: Path, tmp_path: Path) -> None:
+    """rope_theta 0 made every logit NaN with no error; generation_config.json's temperature -1 was refused without
+    naming the file."""
+    bad = _copy(folder, tmp_path)
+    _edit_config(bad, rope_parameters={"rope_type": "default", "rope_theta": 0.0})
+    with pytest.raises(ConfigError, match=r"config.json.*rope_theta=0.0 is invalid: allowed a finite number > 0"):
+        LLM(str(bad))
+    _edit_config(bad, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    (bad / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ConfigError, match=r"^generation_config.json: temperature=-1 is invalid"):
+        LLM(str(bad)).get_default_sampling_params()
+
+
 def test_missing_folder_and_missing_config(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(str(tmp_path / "nope" / "model"))

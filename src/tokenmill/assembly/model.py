@@ -83,7 +83,10 @@ class LoadedModel:
             kwargs["temperature"] = 0.0
         if isinstance(gen.get("max_new_tokens"), int):
             kwargs["max_tokens"] = gen["max_new_tokens"]
-        return SamplingParams(**kwargs)
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:  # (the message named the value, not the file it came from)
+            raise ConfigError(f"generation_config.json: {e}") from None
 
 
 def resolve_device(device: str) -> torch.device:

@@ -53,7 +53,9 @@ class Tokenizer:
             else:
                 self.backend = verdict.load(source)
         except Exception as e:
-            raise ModelLoadError(f"cannot load the tokenizer from {source}: {str(e).splitlines()[0]}") from None
+            said = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:400]  # (one line, whole:
+            raise ModelLoadError(f"cannot load the tokenizer from {source}: {said}") from None  # a validation error's
+            # first line named the field and left out what was wrong with it)
         if self.backend.chat_template:
             from tokenmill.tokenizer.chat_template import syntax_problem
 
