@@ -187,6 +187,15 @@ def test_serve_values_past_what_can_run_are_one_line(folder: Path, flag: str, va
     assert_one_line_error(run_cli("serve", str(folder), flag, value), value, says)
 
 
+@pytest.mark.parametrize(
+    "args", [["latency", "--repeat", "0"], ["throughput", "--num-prompts", "0"], ["probe", "--seconds", "-1"],
+             ["probe", "--megabytes", "0"], ["compare", "--num-prompts", "-2"]],
+)  # fmt: skip
+def test_bench_counts_of_zero_are_one_line(args: list[str]) -> None:
+    """A run of --repeat 0 recorded NaN, --num-prompts 0 a rate of 0.0, probe --seconds -1 a garbage peak."""
+    assert_one_line_error(run_cli("bench", *args), f"argument {args[1]}", "invalid: allowed")
+
+
 def test_serve_on_a_taken_port_is_one_line_before_the_model_loads(folder: Path) -> None:
     """The port is tried first: a taken one (another server) is one line and exit 2, before the model loads (at
     --log-level info a load would add its own line, and for a large model take minutes)."""

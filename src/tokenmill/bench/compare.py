@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.bandwidth import read_bandwidth_gb_s
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
@@ -383,7 +384,7 @@ def add_compare_parser(sub: Any) -> None:
     )
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="bfloat16")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--num-prompts", type=int, default=3)
+    p.add_argument("--num-prompts", type=positive_int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--gguf", default=None, help="use this GGUF for llama.cpp instead of converting")

@@ -14,6 +14,7 @@ import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.bandwidth import read_bandwidth_gb_s
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
@@ -198,9 +199,9 @@ def _plot(run: Run, rows: list[dict[str, Any]]) -> None:
 def add_latency_parser(sub: Any, engine_args: Any) -> None:
     p = sub.add_parser("latency", help="single-stream pp/tg tokens/s (llama-bench style)")
     engine_args(p)
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--gen-tokens", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--prompt-tokens", type=positive_int, default=512)
+    p.add_argument("--gen-tokens", type=positive_int, default=128)
+    p.add_argument("--repeat", type=positive_int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above, each trial draws, seeded")

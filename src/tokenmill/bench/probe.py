@@ -7,6 +7,8 @@ import argparse
 import json
 from typing import Any
 
+from tokenmill.bench.arg_types import positive_float, positive_int
+
 
 def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     import torch
@@ -41,7 +43,7 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
 def add_probe_parser(sub: Any) -> None:
     p = sub.add_parser("probe", help="the memory read bandwidth and the arithmetic peaks of torch's threads")
     p.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own count)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each probe; the best is reported")
-    p.add_argument("--seconds", type=float, default=0.2, help="length of one run of an arithmetic probe")
-    p.add_argument("--megabytes", type=int, default=1024, help="the bandwidth probe's buffer")
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs of each probe; the best is reported")
+    p.add_argument("--seconds", type=positive_float, default=0.2, help="length of one run of an arithmetic probe")
+    p.add_argument("--megabytes", type=positive_int, default=1024, help="the bandwidth probe's buffer")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.latency import measure as measure_latency
 from tokenmill.bench.stats import summarize
 from tokenmill.bench.store import Run
@@ -289,7 +290,7 @@ def add_sweep_parser(sub: Any, engine_args: Any) -> None:
     p.add_argument("--gen-lengths", default="16,32,64,128", help="kv_cache: output lengths")
     p.add_argument("--prompt-lengths", default="32,128,512,1024", help="prompt_length: prompt lengths")
     p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--num-prompts", type=int, default=16, help="switches: prompts per workload")
+    p.add_argument("--num-prompts", type=positive_int, default=16, help="switches: prompts per workload")
     p.add_argument("--quality-text", default=None, help="quantization: text for top-1 agreement and perplexity")
     p.add_argument("--grounded-text", default=None, help="spec_decode: the text prompts quote from")
     p.add_argument("--spec-k", default="0,2,4,6", help="spec_decode: drafts per step (0: off)")

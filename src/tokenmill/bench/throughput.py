@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.flops import FORMULA, compute_peaks, flops_summary, matmul_params, report_rows
 from tokenmill.bench.latency import peak_rss_mb
 from tokenmill.bench.plots import cdf_plot
@@ -128,9 +129,9 @@ def _flops(llm: Any, rows: list[dict[str, Any]], duration_s: float) -> dict[str,
 def add_throughput_parser(sub: Any, engine_args: Any) -> None:
     p = sub.add_parser("throughput", help="offline throughput: all prompts at once")
     engine_args(p)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=positive_int, default=32)
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--output-dir", default="bench-results")
