@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from tokenmill.errors import TokenmillError
 from tokenmill.kv_cache import KVManager
 from tokenmill.runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
@@ -144,7 +145,10 @@ def build_draft_proposer(target: LoadedModel, cfg: EngineConfig, max_len: int) -
                         num_kv_blocks=None, kv_cache_memory_gb=None, touch_kv_cache=False,
                         max_num_seqs=cfg.speculative_disable_by_batch_size, enable_prefix_caching=False,
                         enforce_eager=True)  # fmt: skip
-    draft = load(draft_cfg)
+    try:
+        draft = load(draft_cfg)
+    except TokenmillError as e:  # (the message named a model, not the flag that gave it)
+        raise type(e)(f"speculative_model={cfg.speculative_model!r}: {e}") from None
     max_len = min(max_len, draft.max_model_len)  # a draft with a shorter context drafts for shorter sequences
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ValueError(f"speculative_model={cfg.speculative_model!r} has another tokenizer than the model; "
