@@ -124,6 +124,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,  # (0 failed every request, not the load)
         }
         for name, value in checks.items():
             if value < 1:

@@ -78,7 +78,10 @@ def test_a_rope_base_of_zero_and_bad_generation_defaults_are_named(folder: Path,
     _edit_config(bad, rope_parameters={"rope_type": "default", "rope_theta": 0.0})
     with pytest.raises(ConfigError, match=r"config.json.*rope_theta=0.0 is invalid: allowed a finite number > 0"):
         LLM(str(bad))
-    _edit_config(bad, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    _edit_config(bad, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=0)
+    with pytest.raises(ConfigError, match=r"max_position_embeddings=0 must be >= 1"):  # (every request failed)
+        LLM(str(bad))
+    _edit_config(bad, max_position_embeddings=512)
     (bad / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(ConfigError, match=r"^generation_config.json: temperature=-1 is invalid"):
         LLM(str(bad)).get_default_sampling_params()
