@@ -213,6 +213,15 @@ def test_the_tokenizer_class_named_by_the_model_type_tokenizes_as_transformers_o
     assert named.eos_token_id == chosen.eos_token_id and named.chat_template_text == chosen.chat_template_text
 
 
+def _finish(writer: gguf.GGUFWriter, path: Path) -> Path:
+    """Write what `writer` holds (header, keys, tensors) to `path`."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def _write_gguf(path: Path, arch: str, tensor_type: str = "F32") -> Path:
     """A minimal GGUF: `arch`, one 32x32 tensor stored as `tensor_type` (a block type gets zero bytes)."""
     import numpy as np
@@ -224,11 +233,7 @@ def _write_gguf(path: Path, arch: str, tensor_type: str = "F32") -> Path:
     else:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         writer.add_tensor("token_embd.weight", np.zeros((32, 32 // block * size), dtype=np.uint8), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
 
 
 def test_bad_files_are_one_clear_error(exported: Callable[..., Any], tmp_path: Path) -> None:
@@ -263,11 +268,7 @@ def _phi3_gguf(path: Path, rotated: int = 16, factors: dict[str, int] | None = N
     writer.add_tensor("token_embd.weight", np.zeros((384, 64), dtype=np.float32))
     for kind, n in (factors or {}).items():
         writer.add_tensor(f"rope_factors_{kind}.weight", np.ones(n, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
 
 
 @pytest.mark.parametrize(
@@ -305,11 +306,7 @@ def _llama_meta_gguf(path: Path, embd: tuple[int, ...] = (384, 64), **keys: Any)
     for key, (value, kind) in meta.items():
         writer.add_key_value(f"llama.{key}", value, kind)
     writer.add_tensor("token_embd.weight", np.zeros(embd, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
 
 
 @pytest.mark.parametrize(
@@ -354,11 +351,7 @@ def _rewritten(good: Path, path: Path, **changes: Any) -> Path:
     for t in reader.tensors:
         writer.add_tensor(t.name, np.array(t.data), raw_shape=tuple(int(x) for x in t.shape[::-1]),
                           raw_dtype=t.tensor_type)  # fmt: skip
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
 
 
 def test_tokenizer_lists_that_disagree_are_one_line(exported: Callable[..., Any], tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from tokenmill.server.protocol import Int64, Text, _SamplingFields, _Strict, unique_tool_names
+from tokenmill.server.protocol import Int64, Text, _SamplingFields, _Strict, type_tag, unique_tool_names
 
 CacheControl = dict[str, Any] | None  # {"type": "ephemeral", "ttl"?}: accepted, see the module docstring
 
@@ -58,16 +58,8 @@ class UnsupportedBlock(BaseModel):
         raise ValueError(f"unknown content block type {self.type!r}: allowed text, tool_use and tool_result")
 
 
-def _block_tag(known: tuple[str, ...]) -> Any:
-    def tag(value: Any) -> str | None:
-        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-        return kind if kind in known else "other"
-
-    return tag
-
-
 ResultPart = Annotated[
-    Annotated[TextBlock, Tag("text")] | Annotated[UnsupportedBlock, Tag("other")], Discriminator(_block_tag(("text",)))
+    Annotated[TextBlock, Tag("text")] | Annotated[UnsupportedBlock, Tag("other")], Discriminator(type_tag(("text",)))
 ]
 
 
@@ -86,7 +78,7 @@ Block = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
     | Annotated[UnsupportedBlock, Tag("other")],
-    Discriminator(_block_tag(("text", "tool_use", "tool_result", "thinking"))),
+    Discriminator(type_tag(("text", "tool_use", "tool_result", "thinking"))),
 ]  # fmt: skip
 
 

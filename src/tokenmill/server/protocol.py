@@ -210,14 +210,19 @@ class OtherPart(BaseModel):
     type: str
 
 
-def _part_kind(value: Any) -> str:
-    """A part of type text is read as one (a malformed one's error names its field), any other as OtherPart."""
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "text" if kind == "text" else "other"
+def type_tag(known: tuple[str, ...], default: str | None = None) -> Any:
+    """A union's discriminator by `type`: a known type's model reads the value (so a malformed one's error names its
+    field), any other type the catch-all tagged "other" (whose own validator says what is not supported)."""
+
+    def tag(value: Any) -> str:
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+        return kind if kind in known else "other"
+
+    return tag
 
 
 ContentPart = Annotated[Annotated[TextPart, Tag("text")] | Annotated[OtherPart, Tag("other")],
-                        Discriminator(_part_kind)]  # fmt: skip
+                        Discriminator(type_tag(("text",)))]  # fmt: skip
 
 
 class FunctionCall(_Strict):

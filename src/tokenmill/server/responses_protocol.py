@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.server.protocol import Int64, Text, _SamplingFields, _Strict, unique_tool_names
+from tokenmill.server.protocol import Int64, Text, _SamplingFields, _Strict, type_tag, unique_tool_names
 
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # the SDK's ReasoningEffort
 THINKING_OFF = ("none", "minimal")  # efforts that turn the thinking off where the template can (enable_thinking)
@@ -60,14 +60,6 @@ class UnsupportedTool(_Unsupported):
     def _refuse(self) -> UnsupportedTool:
         raise ValueError(f"tools of type {self.type!r} are not supported: tokenmill serves function tools only, "
                          "which your code runs")  # fmt: skip
-
-
-def _tag(known: tuple[str, ...], default: str | None = None) -> Any:
-    def tag(value: Any) -> str:
-        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
-        return kind if kind in known else "other"
-
-    return tag
 
 
 class TextPart(_Strict):
@@ -170,7 +162,7 @@ InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[UnsupportedItem, Tag("other")],
-    Discriminator(_tag(("message", "function_call", "function_call_output", "reasoning"), default="message")),
+    Discriminator(type_tag(("message", "function_call", "function_call_output", "reasoning"), default="message")),
 ]  # fmt: skip
 
 
@@ -184,7 +176,7 @@ class FunctionTool(_Strict):
 
 ToolDef = Annotated[
     Annotated[FunctionTool, Tag("function")] | Annotated[UnsupportedTool, Tag("other")],
-    Discriminator(_tag(("function",))),
+    Discriminator(type_tag(("function",))),
 ]
 
 
