@@ -161,8 +161,13 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} is invalid: allowed an integer >= 1")
-        if self.touch_kv_cache and self.kv_cache != "paged":
-            raise ValueError(f"touch_kv_cache needs kv_cache='paged'; kv_cache={self.kv_cache!r} has no pool to touch")
+        pool = [
+            n
+            for n in ("touch_kv_cache", "num_kv_blocks", "kv_cache_memory_gb")
+            if getattr(self, n) not in (None, False)
+        ]
+        if pool and self.kv_cache != "paged":  # (the pool's size was ignored silently without one)
+            raise ValueError(f"{', '.join(pool)} needs kv_cache='paged'; kv_cache={self.kv_cache!r} has no block pool")
         parse_task(self.task)
         self._check_speculation()
         self._check_parallel()

@@ -245,6 +245,9 @@ def test_touch_kv_cache_makes_the_pool_resident_at_start(folder: Path) -> None:
     assert pool > 150 * 2**20 and lazy < pool / 2 and touched > 0.9 * pool, (lazy, touched, pool)
     with pytest.raises(ValueError, match="touch_kv_cache needs kv_cache='paged'"):
         _llm(folder, kv_cache="contiguous", touch_kv_cache=True)
+    for sizing in ({"num_kv_blocks": 64}, {"kv_cache_memory_gb": 0.5}):  # (ignored silently before)
+        with pytest.raises(ValueError, match=f"{next(iter(sizing))} needs kv_cache='paged'; kv_cache='contiguous'"):
+            _llm(folder, kv_cache="contiguous", **sizing)
 
 
 def test_a_stop_found_by_the_server_ends_one_sample_and_frees_its_blocks(folder: Path) -> None:
