@@ -87,6 +87,17 @@ def test_a_rope_base_of_zero_and_bad_generation_defaults_are_named(folder: Path,
         LLM(str(bad)).get_default_sampling_params()
 
 
+def test_a_weight_file_that_is_not_a_regular_file_is_refused(folder: Path, tmp_path: Path) -> None:
+    """A FIFO named model.safetensors blocked the load forever (opening it waits for a writer)."""
+    import os
+
+    bad = _copy(folder, tmp_path)
+    (bad / "model.safetensors").unlink()
+    os.mkfifo(bad / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"model.safetensors is not a regular file"):
+        LLM(str(bad))
+
+
 def test_missing_folder_and_missing_config(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(str(tmp_path / "nope" / "model"))

@@ -28,6 +28,10 @@ def weight_files(folder: Path) -> list[Path]:
                 raise ModelLoadError(f"weight file {f} is listed in {INDEX_FILE} but does not exist")
         return files
     files = sorted(folder.glob("*.safetensors"))
+    for f in files:  # (a FIFO or a device under the name blocked the load forever)
+        if not f.is_file():
+            raise ModelLoadError(f"weight file {f} is not a regular file (a pipe, device or folder); tokenmill maps "
+                                 "safetensors files")  # fmt: skip
     if files:
         return files
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
