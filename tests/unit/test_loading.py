@@ -87,6 +87,23 @@ def test_a_rope_base_of_zero_and_bad_generation_defaults_are_named(folder: Path,
         LLM(str(bad)).get_default_sampling_params()
 
 
+def test_an_eos_id_outside_the_vocabulary_is_left_out(
+    folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """config.json's eos_token_id 10^9 reached min_tokens' mask of the logits (an index error in every request that
+    set min_tokens); llama.cpp leaves such ids out with a warning, and so does the load here."""
+    from tokenmill import SamplingParams
+
+    bad = _copy(folder, tmp_path)
+    _edit_config(bad, eos_token_id=[10**9, -1, 1])
+    with caplog.at_level("WARNING", logger="tokenmill.engine"):
+        llm = LLM(str(bad), dtype="float32")
+    assert any("EOS ids [-1, 1000000000] lie outside the vocabulary" in r.getMessage() for r in caplog.records)
+    assert 1 in llm.loaded.eos_token_ids and 10**9 not in llm.loaded.eos_token_ids
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, min_tokens=4))[0].outputs[0]
+    assert len(out.token_ids) == 4 and 1 not in out.token_ids
+
+
 def test_a_weight_file_that_is_not_a_regular_file_is_refused(folder: Path, tmp_path: Path) -> None:
     """A FIFO named model.safetensors blocked the load forever (opening it waits for a writer)."""
     import os

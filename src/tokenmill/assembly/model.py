@@ -64,15 +64,24 @@ class LoadedModel:
     ops: FusedOps | None = None  # the fused ops the model and the paged KV cache use (None: pure torch)
     task: ModelTask = field(default_factory=ModelTask)  # generation and/or pooling (assembly/task.py)
 
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """EOS ids from generation_config.json, config.json and the tokenizer, together."""
+    def __post_init__(self) -> None:
+        if self.model is not None and self._named_eos_ids() - self.eos_token_ids:  # (the engine's load: once)
+            log.warning("%s: EOS ids %s lie outside the vocabulary (%d tokens) and are ignored", self.path.name,
+                        sorted(self._named_eos_ids() - self.eos_token_ids), self.config.vocab_size)  # fmt: skip
+
+    def _named_eos_ids(self) -> set[int]:
         ids = set(self.config.eos_token_ids)
         eos = self.generation_config.get("eos_token_id")
         ids |= set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+        return {i for i in ids if isinstance(i, int)}
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """EOS ids from generation_config.json, config.json and the tokenizer, together; those outside the vocabulary
+        are left out, as llama.cpp leaves out such special ids (min_tokens masks every EOS id's logit)."""
+        return frozenset(i for i in self._named_eos_ids() if 0 <= i < self.config.vocab_size)
 
     def default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json sampling defaults (what vLLM uses when none are given)."""
