@@ -67,7 +67,7 @@ def test_an_fp8_checkpoint_runs_in_fp8_on_the_gpu(make_checkpoint: Callable[...,
     folder = write_fp8(make_checkpoint("qwen3", **SPREAD), tmp_path / "fp8", (32, 32))
     gpu = LLM(str(folder), dtype="bfloat16", device="cuda")
     assert any(isinstance(m, Fp8Linear) for m in gpu.loaded.model.modules())
-    cpu = LLM(str(folder), dtype="float32")
+    cpu = LLM(str(folder), dtype="float32", device="cpu")  # (the default device is the GPU here)
     ids = list(range(7, 40))
     logits = []
     with torch.inference_mode():

@@ -129,9 +129,11 @@ class CudaBlockLinear(nn.Module):
 
     @classmethod
     def from_kernel_linear(cls, linear: Blocks, ops: CudaKernels) -> CudaBlockLinear:
-        """A GGUF's blocks (loaded as a `KernelLinear`), the same numbers in the GPU's layout."""
-        q, d = formats.unpack_blocks(linear.packed())
-        return cls(q, d, linear.bias, linear.format, linear.in_features, ops)
+        """A GGUF's blocks (loaded as a `KernelLinear`), the same numbers in the GPU's layout, on the kernels' device
+        (a KernelLinear made on the CPU left them there, where the GPU's kernels cannot read them)."""
+        q, d = (t.to(ops.device_type) for t in formats.unpack_blocks(linear.packed()))
+        bias = None if linear.bias is None else linear.bias.to(ops.device_type)
+        return cls(q, d, bias, linear.format, linear.in_features, ops)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.format}, triton"
