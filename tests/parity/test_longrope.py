@@ -39,8 +39,11 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _hf_greedy(hf: Any, ids: list[int], n: int) -> list[int]:
+    """HF's greedy tokens with every step's forward over the whole sequence (no cache): the factors its model picks
+    by a forward's length, without `generate`'s cache drop at the switch, which transformers 5.17 got wrong (it
+    dropped the cache but still fed only the last token: another token at the switch on any device)."""
     with torch.no_grad():
-        out = hf.generate(target.ids_tensor([ids]), max_new_tokens=n, do_sample=False)
+        out = hf.generate(target.ids_tensor([ids]), max_new_tokens=n, do_sample=False, use_cache=False)
     return out[0, len(ids) :].tolist()
 
 
