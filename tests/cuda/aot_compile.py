@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tokenmill.kernels.cuda import attention, int8, moe, pointwise, prefill
+from tokenmill.kernels.cuda import attention, fp8, int8, moe, pointwise, prefill
 
 Case = tuple[str, Any, dict[str, str], dict[str, Any]]
 
@@ -88,7 +88,14 @@ def _cases() -> list[Case]:
                            blocks_ptr="*i64", weight_ptr="*fp32", P="i32", N="i32", K="i32"),
                       dict(TOP_K=2, GATHER=True, WEIGHTED=True, BM=moe.BM, BN=64, BK=64,
                            IEEE=dt == "fp32")))  # fmt: skip
+        cases.append((f"fp8_rows {dt}", fp8._fp8_rows, dict(x_ptr=f"*{dt}", q_ptr="*fp8e4nv", scale_ptr="*fp32",
+                      K="i32"), dict(BLOCK=1024)))  # fmt: skip
     return cases
+
+
+def archs(case: Case) -> tuple[int, ...]:
+    """The targets a variant compiles for: fp8's only where FP8 exists (Ada's 8.9, Hopper's 9.0)."""
+    return (90,) if case[0].startswith("fp8") else (80, 90)
 
 
 def compile_case(case: Case, arch: int) -> str | None:
@@ -112,7 +119,7 @@ def _run(job: tuple[int, int]) -> str:
 def main(parts: list[str]) -> int:
     """Every variant on sm_80 and sm_90, on all cores (each compile is single-threaded)."""
     jobs = [(i, arch) for i, case in enumerate(_cases()) if not parts or any(p in case[0] for p in parts)
-            for arch in (80, 90)]  # fmt: skip
+            for arch in archs(case)]  # fmt: skip
     with concurrent.futures.ProcessPoolExecutor(os.cpu_count() or 1) as pool:
         lines = list(pool.map(_run, jobs))
     print("\n".join(lines))

@@ -284,3 +284,26 @@ def test_fused_moe_is_each_chosen_experts_swiglu_times_its_weight(dtype: torch.d
             want[t * top_k + j] = weights[t, j].item() * (act @ w2[e].float().T)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(got.cpu(), want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "k"), [(1, 896), (3, 2500), (4, 40)])
+def test_fp8_rows_quantize_the_activations_as_the_torch_path(dtype: torch.dtype, m: int, k: int) -> None:
+    """`Fp8Linear`'s activations in one launch: the scales of `quantize_rows` (an all-zero row's 1 too), and its
+    float8 values (rows wider than a block, a row narrower than one)."""
+    from tokenmill.models.gpu_linear import quantize_rows
+
+    x = _randn(m, k, dtype=dtype, seed=k) * 3
+    if m > 1:
+        x[1] = 0
+    q, scale = OPS.fp8_rows(x)
+    want_q, want_scale = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (m, k) and torch.equal(scale, want_scale)
+    if DEV == "cuda":
+        assert torch.equal(q.float(), want_q.float())
+    else:  # Triton's interpreter casts to float8 by truncation, and a value that rounds up to a power of two
+        # (127.9 -> 128) comes out half of it (64): one e4m3 step apart at most, but at those
+        got, want = q.float(), want_q.float()
+        carried = torch.frexp(want)[0].abs() == 0.5  # torch's result a power of two
+        assert ((got - want).abs() <= want.abs() / 8 + 2**-9)[~carried].all()
+        assert (got == want).float().mean() > 0.5

@@ -189,6 +189,26 @@ def test_quantized_linears_hold_the_cpu_paths_values_and_multiply_them(quantizat
     torch.testing.assert_close(gpu(x), want, atol=1e-4, rtol=1e-5)
 
 
+def test_an_fp8_linear_quantizes_its_activations_in_the_triton_kernel() -> None:
+    """`Fp8Linear` bound to the kernels: its activations in one launch (`fp8_rows`), its product as torch's path
+    gives it (equal on a GPU; under the interpreter, whose float8 cast truncates, close)."""
+    from tokenmill.models.gpu_linear import Fp8Linear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, bias=True).to(DEV)
+    ops = CudaKernels(DEV)
+    calls: dict[str, int] = {}
+    ops.fp8_rows = _counted(ops.fp8_rows, "fp8_rows", calls)  # type: ignore[method-assign]
+    bound, plain = Fp8Linear.from_linear(linear, ops), Fp8Linear.from_linear(linear)
+    x = torch.randn(3, 96, device=DEV, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32)
+    got, want = bound(x), plain(x)
+    assert calls == {"fp8_rows": 1}
+    if DEV == "cuda":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.1)
+
+
 @pytest.mark.parametrize(
     ("arch", "overrides"),
     [("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])),

@@ -6,7 +6,8 @@ linear's weight is held as float8 e4m3 [N, K] with one float32 scale per output 
 fp8 with channel scales); each call quantizes the activations per row the same way (dynamic, no calibration) and
 multiplies in `torch._scaled_mm` (row-wise scales: cuBLASLt on the GPU, fp32 accumulation, the scales applied in the
 epilogue), so the weights are read as bytes, half of bf16's. The LM head stays in the model's dtype, as vLLM's.
-Every op is a torch op on the device: a decode step's CUDA graph captures it.
+With the GPU's Triton kernels (`--gpu-kernels`, the default) the activations are quantized in one launch
+(kernels/cuda/fp8.py), else in torch's ops; every op runs on the device: a decode step's CUDA graph captures it.
 
 The CPU has int8 (Q8_0 in tokenmill's kernels) instead: torch's CPU `_scaled_mm` is a reference implementation,
 20-30x slower than bf16, so the CPU refuses fp8 (models/linear.py `_kind`). The tests run `Fp8Linear` on the CPU
@@ -54,18 +55,20 @@ class Fp8Linear(nn.Module):
     scale: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 ops: CudaKernels | None = None) -> None:  # fmt: skip
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.ops = ops  # the GPU's Triton kernels: the activations quantized in one launch (kernels/cuda/fp8.py)
         self.register_buffer("weight", weight.contiguous())  # [N, K] float8 e4m3
         self.register_buffer("scale", scale.reshape(1, -1).float().contiguous())  # [1, N] float32
         self.register_buffer("bias", None if bias is None else bias.detach().contiguous())  # [N], the model's dtype
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+    def from_linear(cls, linear: nn.Linear, ops: CudaKernels | None = None) -> Fp8Linear:
         """`linear`'s weight quantized per output row."""
         q, scale = quantize_rows(linear.weight.detach())
-        return cls(q, scale, linear.bias)
+        return cls(q, scale, linear.bias, ops)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, fp8 e4m3, row scales"
@@ -75,7 +78,8 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         x2 = x.reshape(-1, self.in_features)  # [M, K]
-        q, sx = quantize_rows(x2)
+        ops = self.ops if self.ops is not None and x2.device.type == self.ops.device_type else None
+        q, sx = ops.fp8_rows(x2) if ops is not None else quantize_rows(x2)
         # scale_b [1, N] and the weight's transpose (column-major [K, N]): the layout cuBLASLt's row-wise FP8 takes.
         # A GPU writes row-wise scaled products in bf16 (torch refuses float32 out but on Hopper's cuBLAS 12.9+,
         # and float16 out in older releases): a float16 or float32 model's products are bf16, then its dtype

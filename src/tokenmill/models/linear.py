@@ -294,7 +294,7 @@ def prepare_linears(
                 if kind == "fp8" and f"{where}.{name}".lstrip(".") == "lm_head":
                     continue  # (the head stays in the model's dtype, as vLLM's fp8)
                 if kind == "fp8":
-                    new = Fp8Linear.from_linear(child)
+                    new = Fp8Linear.from_linear(child, gpu_ops)
                 elif kind == "packed":
                     new = PackedLinear(child)
                 elif gpu_ops is not None and kind in ("q8_0", "q4_0"):

@@ -40,12 +40,12 @@ class CudaKernels:
     def __init__(self, device_type: str = "cuda") -> None:
         """`device_type` "cpu" only under Triton's interpreter (TRITON_INTERPRET=1, set before this is made): the
         tests run whole models through these kernels that way."""
-        from tokenmill.kernels.cuda import attention, int8, moe, pointwise, prefill
+        from tokenmill.kernels.cuda import attention, fp8, int8, moe, pointwise, prefill
 
         reaper.before_spawn()  # Triton's compiler jobs (ptxas)
         self.device_type = device_type
         self._attention, self._int8, self._moe, self._pointwise = attention, int8, moe, pointwise
-        self._prefill = prefill
+        self._prefill, self._fp8 = prefill, fp8
 
     def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """[rows, D] contiguous: residual += x (in place, when given), then rmsnorm(residual or x) * weight."""
@@ -139,6 +139,14 @@ class CudaKernels:
         out [M, N] in x's dtype."""
         self._int8.launch_q8_linear(x.contiguous(), q, d, bias, out)
         return out
+
+    def fp8_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (float8 e4m3 [M, K], float32 scales [M, 1]): `gpu_linear.quantize_rows` in one launch."""
+        x = x.contiguous()
+        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        self._fp8.launch_fp8_rows(x, q, scale)
+        return q, scale
 
     def fused_moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
                   ) -> torch.Tensor:  # fmt: skip
