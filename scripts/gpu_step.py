@@ -6,7 +6,7 @@
 Loads the model on the GPU (bf16), decodes once so the step's CUDA graph is recorded, then:
 - replays that graph back to back and times it with CUDA events: the GPU time of a whole step (ms);
 - runs the same step eagerly under torch.profiler: how many kernels a step launches, their summed time, and the
-  most launched by name (what the next fusion should take);
+  most launched by name (what the next fusion should take) and those that take the most GPU time;
 - times a 4 GiB read (a sum) to get the GPU's memory bandwidth, and from it what the weights alone take.
 The step's overhead beyond the weights is the replay time less the weights' time. Prints one JSON line.
 """
@@ -68,6 +68,10 @@ def main() -> None:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     names = Counter(e.name[:60] for e in kernels).most_common(12)
+    times: Counter[str] = Counter()  # each kernel's summed GPU time in the eager step, ms: where the step's time goes
+    for e in kernels:
+        times[e.name[:60]] += e.device_time / 1e3
+    most_time = [(name, round(ms, 4)) for name, ms in times.most_common(12)]
     gbs = _bandwidth_gbs()
     wbytes = weight_bytes(llm.loaded.model)
     weights_ms = wbytes / gbs / 1e6
@@ -76,7 +80,7 @@ def main() -> None:
         bucket=[rows, width], step_ms=round(replay_ms, 4), kernels_per_step=len(kernels),
         kernel_ms_eager=round(sum(e.device_time for e in kernels) / 1e3, 4), weight_mb=round(wbytes / 1e6, 1),
         probe_gbs=round(gbs, 1), weights_ms=round(weights_ms, 4), overhead_ms=round(replay_ms - weights_ms, 4),
-        weights_share_of_step=round(weights_ms / replay_ms, 3), most_launched=names,
+        weights_share_of_step=round(weights_ms / replay_ms, 3), most_launched=names, most_time=most_time,
     )), flush=True)  # fmt: skip
 
 
