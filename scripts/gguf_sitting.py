@@ -8,7 +8,7 @@ of the FMA peak (`--flops-model F --probe-threads 2`: the AVX2 target's measure)
 docs/benchmarks.md's tables have them. Say what else was running; never run it beside a build or tests.
 
     .venv/bin/python scripts/gguf_sitting.py F.gguf [F2.gguf ...] --llama-server /tmp/llbuild/bin/llama-server \
-        --tokenizer ../shared/tokenizers/qwen2
+        --tokenizer ../shared/tokenizers/qwen2 [--pp512]
 """
 
 from __future__ import annotations
@@ -54,6 +54,22 @@ def bench(model: str, tokenizer: str, out: Path, streams: int) -> dict:
     return json.loads((newest / "summary" / "summary.json").read_text())
 
 
+def prefill_tok_s(cmd: list[str], model: str, tokenizer: str, out: Path) -> float:
+    """pp512 through the server: 512 / TTFT p50 of 4 requests of 512 in / 1 out, one at a time, a fresh server."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(proc)
+        subprocess.run(TM + ["bench", "serve", "--url", f"http://127.0.0.1:{PORT}", "--model", model, "--tokenizer",
+                             tokenizer, "--workload", "custom", "--request-rate", "inf", "--warmup", "1",
+                             "--max-concurrency", "1", "--num-prompts", "4", "--input-len", "512", "--output-len", "1",
+                             "--output-dir", str(out)], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    newest = max(out.glob("custom_*"), key=lambda p: p.stat().st_mtime)
+    return 512 / (json.loads((newest / "summary" / "summary.json").read_text())["ttft_ms"]["p50"] / 1000)
+
+
 def tree_rss_mb(pid: int) -> float:
     root = psutil.Process(pid)
     return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 1e6
@@ -79,9 +95,23 @@ def main() -> None:
     p.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
     p.add_argument("--tokenizer", required=True, help="the files' tokenizer folder, for the load generator")
     p.add_argument("--output-dir", default="bench-results/gguf-sitting")
+    p.add_argument(
+        "--pp512",
+        action="store_true",
+        help="only pp512 per file: 512 / TTFT p50 of 4 prompts of 512 "
+        "tokens, against llama-server -np 1 (with -np 16 a slot holds 512 tokens, too few for 513)",
+    )
     a = p.parse_args()
     out = Path(a.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if a.pp512:
+        print("| file | pp512 tok/s |\n|---|---|")
+        for f in a.files:
+            ours = prefill_tok_s(TM + ["serve", f, "--port", str(PORT)], f, a.tokenizer, out)
+            one_slot = [a.llama_server, "-m", f, "-t", "2", "-tb", "2", "-np", "1", "-c", "8192", "--port", str(PORT)]
+            theirs = prefill_tok_s(one_slot, f, a.tokenizer, out)
+            print(f"| {Path(f).name} | {ours:.0f} vs {theirs:.0f} ({ours / theirs:.2f}×) |", flush=True)
+        return
     print(
         "| file | one stream, output tok/s (decode: 1000 / TPOT p50) | 16 streams, output tok/s "
         "| TTFT p50 at 16, ms | model GFLOPS at 16 (share of the FMA peak) | start to healthy, s "
