@@ -42,12 +42,14 @@ def wait_healthy(proc: subprocess.Popen[bytes], timeout: float = 600.0) -> float
     raise SystemExit(f"no healthy server within {timeout:.0f} s")
 
 
-def bench(model: str, tokenizer: str, out: Path, streams: int) -> dict:
-    n, length = (4, 64) if streams == 1 else (32, 128)
+def bench(model: str, tokenizer: str, out: Path, streams: int, shape: tuple[int, int, int] | None = None) -> dict:
+    """One `bench serve` run against the server on PORT: its summary. `shape`: (requests, input, output tokens);
+    by default one stream's 4 of 64 / 64, or 16 streams' 32 of 128 / 128 with the model's GFLOPS."""
+    n, length_in, length_out = shape or ((4, 64, 64) if streams == 1 else (32, 128, 128))
     flops = [] if streams == 1 else ["--flops-model", model, "--probe-threads", "2"]
     cmd = TM + ["bench", "serve", "--url", f"http://127.0.0.1:{PORT}", "--model", model, "--tokenizer", tokenizer,
                 "--workload", "custom", "--request-rate", "inf", "--warmup", "1", "--max-concurrency", str(streams),
-                "--num-prompts", str(n), "--input-len", str(length), "--output-len", str(length),
+                "--num-prompts", str(n), "--input-len", str(length_in), "--output-len", str(length_out),
                 "--output-dir", str(out), *flops]  # fmt: skip
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     newest = max(out.glob("custom_*"), key=lambda p: p.stat().st_mtime)
@@ -59,15 +61,11 @@ def prefill_tok_s(cmd: list[str], model: str, tokenizer: str, out: Path) -> floa
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(proc)
-        subprocess.run(TM + ["bench", "serve", "--url", f"http://127.0.0.1:{PORT}", "--model", model, "--tokenizer",
-                             tokenizer, "--workload", "custom", "--request-rate", "inf", "--warmup", "1",
-                             "--max-concurrency", "1", "--num-prompts", "4", "--input-len", "512", "--output-len", "1",
-                             "--output-dir", str(out)], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        summary = bench(model, tokenizer, out, 1, (4, 512, 1))
     finally:
         proc.terminate()
         proc.wait(60)
-    newest = max(out.glob("custom_*"), key=lambda p: p.stat().st_mtime)
-    return 512 / (json.loads((newest / "summary" / "summary.json").read_text())["ttft_ms"]["p50"] / 1000)
+    return 512 / (summary["ttft_ms"]["p50"] / 1000)
 
 
 def tree_rss_mb(pid: int) -> float:

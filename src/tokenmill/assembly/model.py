@@ -65,9 +65,10 @@ class LoadedModel:
     task: ModelTask = field(default_factory=ModelTask)  # generation and/or pooling (assembly/task.py)
 
     def __post_init__(self) -> None:
-        if self.model is not None and self._named_eos_ids() - self.eos_token_ids:  # (the engine's load: once)
+        outside = self._named_eos_ids() - self.eos_token_ids
+        if self.model is not None and outside:  # (the engine's load: once)
             log.warning("%s: EOS ids %s lie outside the vocabulary (%d tokens) and are ignored", self.path.name,
-                        sorted(self._named_eos_ids() - self.eos_token_ids), self.config.vocab_size)  # fmt: skip
+                        sorted(outside), self.config.vocab_size)  # fmt: skip
 
     def _named_eos_ids(self) -> set[int]:
         ids = set(self.config.eos_token_ids)
