@@ -62,8 +62,19 @@ void linear(uintptr_t x_ptr, bool bf16, int64_t M, int64_t Kx, uintptr_t w_ptr, 
   // the calling thread alone, because waking a second thread costs more than it saves
   const int64_t n_panels = (N + P - 1) / P;
   const uint16_t* xh = bf16 ? (const uint16_t*)x_ptr : nullptr;  // [M, Kx] bfloat16: the pair tiles' input
+  // where the pair tiles take the rows, pair-major (linear/pair_rows.h: a lone row is that already)
+  const bool pair_major = takes_pair_major(F, bf16, Kx, K, M);
+  thread_local std::vector<int32_t> xp;
+  if (pair_major && M > 1) {
+    xp.resize(M * pair_row_words(K));
+    int32_t* xp_ptr = xp.data();
+    at::parallel_for(0, M, std::max<int64_t>(1, (64 << 10) / K), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) write_pairs(xh + i * Kx, M, K, i, xp_ptr);
+    });
+    xh = (const uint16_t*)xp_ptr;
+  }
   at::parallel_for(0, n_panels, panels_per_chunk(F, K, M, 256 << 10), [&](int64_t begin, int64_t end) {
-    linear_range(F, xf_ptr, M, K, w, N, K, bias, o32, o16, begin, end, xh, Kx);
+    linear_range(F, xf_ptr, M, K, w, N, K, bias, o32, o16, begin, end, xh, Kx, pair_major);
   });
 }
 

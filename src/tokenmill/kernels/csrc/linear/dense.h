@@ -10,6 +10,7 @@
 #include "core/simd.h"
 #include "linear/common.h"
 #include "linear/dense_tiles.h"
+#include "linear/pair_rows.h"
 #include "linear/pair_tile.h"
 
 namespace tmk {
@@ -19,11 +20,6 @@ namespace tmk {
 // Where a block's rows take several tiles, 16 rows as 5 + 5 + 6 ran 1.11x faster than as 4 x 4 when the mask no
 // longer cost a sum its register (Xeon, avx2 variant: docs/benchmarks.md)
 constexpr int MT_DENSE = W == 4 ? 2 : (W == 8 ? 6 : 8);
-// rows of one bf16 pair tile: with 16 lanes a row needs one accumulator and no widened weights. 16, not 12: a
-// 16-row decode step in one tile reads each weight once, 16 vdpbf16ps per 64 bytes, which two cores can feed from
-// memory; as two tiles of 8 the first waited on memory while the second ran from cache
-constexpr int MT_PAIRS = W == 16 ? 16 : MT_DENSE;
-
 // `rows` <= MT rows of x times a dense panel, in the tile of exactly that many (one row: 4 accumulator sets)
 template <typename T, int MT>
 void panel_rows(const T* panel, const float* x, int64_t ldx, int64_t K, int64_t rows, vf (*acc)[V]) {
@@ -37,12 +33,6 @@ void panel_rows(const T* panel, const float* x, int64_t ldx, int64_t K, int64_t 
 // 24 KB of L1
 constexpr int64_t KSPAN = SPAN_BYTES / (4 * P);
 constexpr int64_t KSPAN_ROWS = 48;  // rows at most (the sums wait on the stack)
-
-// the first row of tile t of `rows` rows in `tiles` tiles: sizes that differ by one at most. With tiles of 4 rows or
-// more (8 and 16 lanes) no tile of a block of 2 rows or more then holds a lone row, which sums in another order
-// (panel_rows: a row alone takes 4 sets of sums); nor with 4 lanes' tiles of 2 for an even count, as
-// `--batch-invariant` pads them
-constexpr int64_t tile_start(int64_t rows, int64_t tiles, int64_t t) { return t * rows / tiles; }
 
 // `rows` rows of x (2..KSPAN_ROWS) times a bf16 panel, in `tiles` tiles (tile_start: 2 rows or more each), with K cut
 // into spans: every tile runs over one span before the next span starts, so a span's weights come from memory once, for
@@ -72,65 +62,75 @@ void panel_spans(const uint16_t* panel, const float* x, int64_t ldx, int64_t K, 
   }
 }
 
-// the same for bf16 activation pairs (linear/pair_tile.h: tile_bf16_pairs)
+// rows [r0, r0 + n) of x times a bf16 panel over spans of K (panel_spans), in `tiles` tiles -> their outputs
+inline void spans_to_outputs(const uint16_t* panel, const float* x, int64_t ldx, int64_t K, int64_t r0, int64_t n,
+                             int64_t tiles, int64_t n0, int64_t n_valid, int64_t N, const float* bias, float* out32,
+                             uint16_t* out16) {
+  vf sums[KSPAN_ROWS][V];
+  panel_spans<MT_DENSE>(panel, x + r0 * ldx, ldx, K, n, tiles, sums);
+  for (int64_t m = 0; m < n; ++m) {
+    float lane[P];
+    for (int v = 0; v < V; ++v) {
+      vf acc = {};
+      acc += sums[m][v];  // as the tiles add their sums to zeroed accumulators
+      store(lane + v * W, acc);
+    }
+    store_outputs(lane, r0 + m, n0, n_valid, N, bias, out32, out16);
+  }
+}
+
+// the same for bf16 activation pairs: a tile's rows pair-major from `xt` (linear/pair_rows.h), or `rows` rows
+// ldxh apart (linear/pair_tile.h: tile_bf16_pairs)
 template <int MT>
-void pair_rows(const uint16_t* panel, const uint16_t* xh, int64_t ldxh, int64_t K, int64_t rows, vf (*acc)[V]) {
+void pair_rows(const uint16_t* panel, const uint16_t* xt, int64_t ldxh, bool pair_major, int64_t K, int64_t rows,
+               vf (*acc)[V]) {
   with_rows<MT>(rows, [&](auto r) {
     constexpr int R = decltype(r)::value;
-    tile_bf16_pairs<R, R == 1 ? 4 : 1>(panel, xh, ldxh, K, acc);
+    if (pair_major) tile_bf16_pairs<R, R == 1 ? 4 : 1, true>(panel, xt, 0, K, acc);
+    else tile_bf16_pairs<R, R == 1 ? 4 : 1>(panel, xt, ldxh, K, acc);
   });
 }
 
 // Output panels [p_begin, p_end) of out[M, N] = x[M, K] @ w^T (+ bias) for a dense format (T: uint16_t for bf16,
 // float for f32); x float32 (see prep_row), out in float32 (out32) or bfloat16 (out16). For bf16, `xh` (when
-// not null) holds the same rows as bfloat16 pairs (row stride ldxh), and the pair tiles take them.
+// not null) holds the same rows as bfloat16 pairs, pair-major (linear/pair_rows.h) or ldxh apart, and the pair
+// tiles take them.
 template <typename T>
 void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* packed, int64_t N, int64_t K,
                    const float* bias, float* out32, uint16_t* out16, int64_t p_begin, int64_t p_end,
-                   const uint16_t* xh, int64_t ldxh) {
+                   const uint16_t* xh, int64_t ldxh, bool pair_major) {
   const int64_t stride = K * P * (int64_t)sizeof(T);
-  const int64_t mt = xh ? MT_PAIRS : MT_DENSE;
-  // Rows in blocks of ~384 KB of x, which stay in L2 while every panel of the range passes over them: a long
-  // prompt's rows, all re-read from L3 for each panel, held the pair tiles back
-  const int64_t block = std::max<int64_t>(mt, (384 << 10) / (K * (xh ? 2 : 4)) / mt * mt);
-  for (int64_t r0 = 0; r0 < M; r0 += block)
-  for (int64_t p = p_begin; p < p_end; ++p) {
-    const T* panel = (const T*)(packed + p * stride);
-    const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
+  const int64_t mt = xh ? MT_PAIRS : MT_DENSE, block = row_block(K, xh ? 2 : 4, mt);
+  for (int64_t r0 = 0; r0 < M; r0 += block) {
     // the block's rows in the fewest tiles, of even sizes: 8 rows as 4 + 4, not 6 + 2; 16 as 5 + 5 + 6
     const int64_t r1 = std::min(M, r0 + block);
-    const int64_t n = r1 - r0, tiles = (n + mt - 1) / mt;
-    if constexpr (std::is_same_v<T, uint16_t>) {
-      // (every tile of 2 rows or more: a 4-lane build's tiles of at most 2 rows leave 3 rows as 1 + 2)
-      const bool spans = kspans && tiles > 1 && n / tiles >= 2 && K / 2 > KSPAN && n <= KSPAN_ROWS;
-      if (!xh && spans) {
-        vf sums[KSPAN_ROWS][V];
-        panel_spans<MT_DENSE>(panel, x + r0 * ldx, ldx, K, n, tiles, sums);
-        for (int64_t m = 0; m < r1 - r0; ++m) {
-          float lane[P];
-          for (int v = 0; v < V; ++v) {
-            vf acc = {};
-            acc += sums[m][v];  // as the tiles add their sums to zeroed accumulators
-            store(lane + v * W, acc);
-          }
-          store_outputs(lane, r0 + m, n0, n_valid, N, bias, out32, out16);
-        }
-        continue;
-      }
-    }
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t m0 = r0 + tile_start(n, tiles, t), rows = r0 + tile_start(n, tiles, t + 1) - m0;
-      vf acc[std::max(MT_DENSE, MT_PAIRS)][V] = {};
+    const int64_t n = r1 - r0, tiles = tile_count(n, mt);
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const T* panel = (const T*)(packed + p * stride);
+      const int64_t n0 = p * P, n_valid = std::min<int64_t>(P, N - n0);
       if constexpr (std::is_same_v<T, uint16_t>) {
-        if (xh) pair_rows<MT_PAIRS>(panel, xh + m0 * ldxh, ldxh, K, rows, acc);
-        else panel_rows<T, MT_DENSE>(panel, x + m0 * ldx, ldx, K, rows, acc);
-      } else {
-        panel_rows<T, MT_DENSE>(panel, x + m0 * ldx, ldx, K, rows, acc);
+        // (every tile of 2 rows or more: a 4-lane build's tiles of at most 2 rows leave 3 rows as 1 + 2)
+        const bool spans = kspans && tiles > 1 && n / tiles >= 2 && K / 2 > KSPAN && n <= KSPAN_ROWS;
+        if (!xh && spans) {
+          spans_to_outputs(panel, x, ldx, K, r0, n, tiles, n0, n_valid, N, bias, out32, out16);
+          continue;
+        }
       }
-      for (int64_t m = 0; m < rows; ++m) {
-        float lane[P];
-        for (int v = 0; v < V; ++v) store(lane + v * W, acc[m][v]);
-        store_outputs(lane, m0 + m, n0, n_valid, N, bias, out32, out16);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m0 = r0 + tile_start(n, tiles, t), rows = r0 + tile_start(n, tiles, t + 1) - m0;
+        vf acc[std::max(MT_DENSE, MT_PAIRS)][V] = {};
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          if (xh && pair_major) pair_rows<MT_PAIRS>(panel, xh + 2 * m0 * pair_row_words(K), 0, true, K, rows, acc);
+          else if (xh) pair_rows<MT_PAIRS>(panel, xh + m0 * ldxh, ldxh, false, K, rows, acc);
+          else panel_rows<T, MT_DENSE>(panel, x + m0 * ldx, ldx, K, rows, acc);
+        } else {
+          panel_rows<T, MT_DENSE>(panel, x + m0 * ldx, ldx, K, rows, acc);
+        }
+        for (int64_t m = 0; m < rows; ++m) {
+          float lane[P];
+          for (int v = 0; v < V; ++v) store(lane + v * W, acc[m][v]);
+          store_outputs(lane, m0 + m, n0, n_valid, N, bias, out32, out16);
+        }
       }
     }
   }

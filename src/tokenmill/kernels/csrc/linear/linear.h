@@ -12,6 +12,7 @@
 #include "linear/amx.h"
 #include "linear/blocked.h"
 #include "linear/format.h"
+#include "linear/pair_rows.h"
 #include "linear/pair_tile.h"
 #include "linear/qrow.h"
 #include "linear/type_traits.h"
@@ -32,12 +33,15 @@ inline int64_t amx_even(Format F, int64_t M, int64_t panels) {
 // formats in integers (linear/quant.h), the dense ones in register tiles or, from blocked_min_rows(), the blocked
 // GEMM. `xh`: the rows as the model's bfloat16 (row stride ldxh), or null; a bf16 weight's tiles multiply those
 // pairs where use_bf16_dot() (AVX-512 BF16), which needs K == the rows' width (even, no padding to read past).
+// `pair_major`: xh holds the rows pair-major instead (linear/pair_rows.h), as the caller readies them where
+// takes_pair_major() (then ldxh is K and x is not read).
 inline void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t N, int64_t K,
                          const float* bias, float* o32, uint16_t* o16, int64_t p_begin, int64_t p_end,
-                         const uint16_t* xh = nullptr, int64_t ldxh = 0) {
+                         const uint16_t* xh = nullptr, int64_t ldxh = 0, bool pair_major = false) {
   const FormatKernels& t = format_kernels(F);
   if (!use_bf16_dot() || ldxh != K) xh = nullptr;
-  const LinearArgs a{x, M, ldx, w, N, K, bias, o32, o16, xh, ldxh};
+  const LinearArgs a{x, M, ldx, w, N, K, bias, o32, o16, xh, ldxh, pair_major && xh};
+  if (a.pair_major) return t.tiles(a, p_begin, p_end);
   if (amx_takes(F, M) && (xh || !t.amx_pairs)) return t.amx(a, p_begin, p_end);
   // the pair tiles beat the blocked GEMM at every M where vdpbf16ps does them (two products per lane and
   // instruction against one FMA), so a weight with pairs never takes it
@@ -50,6 +54,12 @@ inline void linear_range(Format F, const float* x, int64_t M, int64_t ldx, const
 // vdpbf16ps here, the rows not padded (linear_range).
 inline bool pairs_apply(Format F, bool bf16, int64_t Kx, int64_t K) {
   return format_kernels(F).bf16_pairs && bf16 && Kx == K && use_bf16_dot() && bf16_dot_native();
+}
+
+// The pair tiles, not the AMX ones, take M bf16 rows Kx wide: the caller readies them pair-major
+// (linear/pair_rows.h) and tells linear_range so. Also where the pairs are FMAs (use_bf16_dot() forced on: tests).
+inline bool takes_pair_major(Format F, bool bf16, int64_t Kx, int64_t K, int64_t M) {
+  return format_kernels(F).bf16_pairs && bf16 && Kx == K && use_bf16_dot() && !amx_takes(F, M);
 }
 
 // How many output panels one thread's chunk should take: at least ~`bytes` of weight reads (more rows, fewer).

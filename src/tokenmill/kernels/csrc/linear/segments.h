@@ -41,7 +41,8 @@ inline RowPrep row_prep(const LinearSpec& w) {
 // output panels [p_begin, p_end) of linear `w` (linear_range's arguments otherwise): each segment's share, its
 // weight addressed so that panel p of the whole is its panel p - (its first panel)
 inline void linear_spec_range(const LinearSpec& w, const float* x, int64_t M, int64_t ldx, float* o32, uint16_t* o16,
-                              int64_t p_begin, int64_t p_end, const uint16_t* xh, int64_t ldxh) {
+                              int64_t p_begin, int64_t p_end, const uint16_t* xh, int64_t ldxh,
+                              bool pair_major = false) {
   const int64_t N = w[2], K = w[3];
   for (int s = 0; s < 3; ++s) {
     const Segment seg = segment(w, s);
@@ -52,7 +53,7 @@ inline void linear_spec_range(const LinearSpec& w, const float* x, int64_t M, in
     if (lo >= hi) continue;
     const Format F = (Format)seg.format;
     const uint8_t* base = (const uint8_t*)(uintptr_t)(seg.weight - p0 * panel_bytes(F, K));
-    linear_range(F, x, M, ldx, base, N, K, (const float*)w[4], o32, o16, lo, hi, xh, ldxh);
+    linear_range(F, x, M, ldx, base, N, K, (const float*)w[4], o32, o16, lo, hi, xh, ldxh, pair_major);
   }
 }
 

@@ -32,6 +32,7 @@ struct LinearArgs {
   uint16_t* o16;
   const uint16_t* xh;  // the rows as the model's bf16 (ldxh apart) where the bf16 pair tiles take them, else null
   int64_t ldxh;
+  bool pair_major;  // xh holds them pair-major (linear/pair_rows.h)
 };
 using LinearKernel = void (*)(const LinearArgs& a, int64_t p_begin, int64_t p_end);
 
@@ -51,10 +52,10 @@ struct FormatKernels {
 
 // the kernels' own signatures, from one call's operands
 inline void run_dense_bf16(const LinearArgs& a, int64_t p0, int64_t p1) {
-  linear_panels<uint16_t>(a.x, a.M, a.ldx, a.w, a.N, a.K, a.bias, a.o32, a.o16, p0, p1, a.xh, a.ldxh);
+  linear_panels<uint16_t>(a.x, a.M, a.ldx, a.w, a.N, a.K, a.bias, a.o32, a.o16, p0, p1, a.xh, a.ldxh, a.pair_major);
 }
 inline void run_dense_f32(const LinearArgs& a, int64_t p0, int64_t p1) {
-  linear_panels<float>(a.x, a.M, a.ldx, a.w, a.N, a.K, a.bias, a.o32, a.o16, p0, p1, nullptr, 0);
+  linear_panels<float>(a.x, a.M, a.ldx, a.w, a.N, a.K, a.bias, a.o32, a.o16, p0, p1, nullptr, 0, false);
 }
 template <Format F>
 void run_blocked(const LinearArgs& a, int64_t p0, int64_t p1) {

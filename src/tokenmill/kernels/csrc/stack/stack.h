@@ -80,7 +80,7 @@ class DecodeStack : StackStages {
     max_k_ = std::max(max_k_, gu_K);
     const int64_t base = l * kStagesPerLayer;
     pool_.set_stage(base + 6, [this, l](int64_t b) { this->post_norm(l, b); });
-    pool_.set_stage(base + 7, [this, m](int64_t c) { moe_.gate_up(m, c, normed_, xq_.data(), max_k_); });
+    pool_.set_stage(base + 7, [this, m](int64_t c) { moe_.gate_up(m, c, normed_, xq(), max_k_); });
     pool_.set_stage(base + 8, [this, m](int64_t r) { moe_.silu(m, r); });
     pool_.set_stage(base + 9, [this, m](int64_t c) { moe_.down(m, c); });
   }

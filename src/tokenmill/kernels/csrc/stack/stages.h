@@ -78,20 +78,28 @@ class StackStages {
     return {c * per, std::min(n_panels, c * per + per)};
   }
 
-  // row b of `src` (width Kx, the model dtype) -> xq_ row b, ready for linear `w` (unless the bf16 pair tiles read
-  // src itself); only its columns [k0, k1) where k1 >= 0 (multiples of the rows' group, as prep_row)
+  // row b of `src` (width Kx, the model dtype) -> xq(), ready for linear `w`: pair-major where the pair tiles take
+  // the step's rows (linear/pair_rows.h; a lone row is that already, and they read src), else prep_row's row b
+  // (unless the AMX tiles read src itself); only its columns [k0, k1) where k1 >= 0 (multiples of the rows' group,
+  // as prep_row)
   void prep(const char* src, int64_t Kx, const LinearSpec& w, int64_t b, int64_t k0 = 0, int64_t k1 = -1) {
-    if (!pairs_apply((Format)w[1], bf16_, Kx, w[3]))
-      prep_row(src, bf16_, Kx, w[3], row_prep(w), xq_.data() + b * max_k_, k0, k1);
+    const Format F = (Format)w[1];
+    if (takes_pair_major(F, bf16_, Kx, w[3], B_)) {
+      if (B_ > 1) write_pairs((const uint16_t*)src, B_, w[3], b, (int32_t*)xq(), k0 / 2, k1 < 0 ? -1 : k1 / 2);
+    } else if (!pairs_apply(F, bf16_, Kx, w[3])) {
+      prep_row(src, bf16_, Kx, w[3], row_prep(w), xq() + b * max_k_, k0, k1);
+    }
   }
 
-  // output panels of chunk c of linear `w`, from the xq_ rows (max_k_ floats apart), or for a bf16 model from its
-  // input rows `src` (`width` wide, the model dtype) where the bf16 pair tiles apply; then, for layer l's projection
-  // p (l >= 0: stack/lora.h), the adapter rows' updates of those columns
+  // output panels of chunk c of linear `w`, from the rows prep readied, or for a bf16 model from its input rows
+  // `src` (`width` wide, the model dtype) where the AMX tiles or a lone row's pair tile read them; then, for layer
+  // l's projection p (l >= 0: stack/lora.h), the adapter rows' updates of those columns
   void panels(const LinearSpec& w, int64_t c, char* out, const char* src, int64_t width, int64_t l = -1, int p = 0) {
     const auto [begin, end] = chunk_panels(w, c);
-    linear_spec_range(w, xq_.data(), B_, max_k_, bf16_ ? nullptr : (float*)out, bf16_ ? (uint16_t*)out : nullptr,
-                      begin, end, bf16_ ? (const uint16_t*)src : nullptr, width);
+    const bool pair_major = takes_pair_major((Format)w[1], bf16_, width, w[3], B_);
+    const uint16_t* xh = !bf16_ ? nullptr : pair_major && B_ > 1 ? (const uint16_t*)xq() : (const uint16_t*)src;
+    linear_spec_range(w, xq(), B_, max_k_, bf16_ ? nullptr : (float*)out, bf16_ ? (uint16_t*)out : nullptr, begin,
+                      end, xh, width, pair_major);
     if (l >= 0 && lora_.on()) lora_.add_columns(l, p, Act{out, bf16_}, w[2], begin * P, std::min(w[2], end * P));
   }
 
@@ -235,7 +243,7 @@ class StackStages {
     moe_.route(s.moe, b, normed);
     const MoELayer& m = moe_.layer(s.moe);
     if (!pairs_apply(m.gu, bf16_, D_, m.gu_K))
-      prep_row(normed, bf16_, D_, m.gu_K, row_prep(m.gu), xq_.data() + b * max_k_);
+      prep_row(normed, bf16_, D_, m.gu_K, row_prep(m.gu), xq() + b * max_k_);
   }
 
   // chunk c: columns [k0, k1) of row c / silu_parts_, its part c % silu_parts_ in whole groups of the down
@@ -249,8 +257,7 @@ class StackStages {
     const int64_t k1 = last ? I_ : (part + 1) * blocks / silu_parts_ * group;
     silu_mul_rows(Act{gate_up_ + (b * 2 * I_ + k0) * e_, bf16_}, Act{act_ + (b * I_ + k0) * e_, bf16_}, 1, I_,
                   k1 - k0);
-    if (!pairs_apply((Format)w[1], bf16_, I_, w[3]))
-      prep_row(act_ + b * I_ * e_, bf16_, I_, w[3], row_prep(w), xq_.data() + b * max_k_, k0, last ? w[3] : k1);
+    prep(act_ + b * I_ * e_, I_, w, b, k0, last ? w[3] : k1);
     lora_.row_ready(l, StackLoras::DOWN, b, Act{act_, bf16_}, I_);  // (a step with adapter rows: a row in one part)
   }
 
@@ -267,7 +274,7 @@ class StackStages {
     hidden_ = scratch_[0].data(), residual_ = scratch_[1].data(), normed_ = scratch_[2].data();
     qkv_ = scratch_[3].data(), q_ = scratch_[4].data(), attn_ = scratch_[5].data();
     gate_up_ = scratch_[6].data(), act_ = scratch_[7].data();
-    xq_.assign(B * max_k_, 0.f);
+    xq_.assign(B * std::max(max_k_, pair_row_words(max_k_)) + 16, 0.f);  // (+ 16: xq() on a line's start)
     splits_done_.reset(new std::atomic<int64_t>[B * Hkv_]);
     for (int64_t i = 0; i < B * Hkv_; ++i) splits_done_[i].store(0, std::memory_order_relaxed);
     rows_ = B;
@@ -293,6 +300,8 @@ class StackStages {
   char *hidden_ = nullptr, *residual_ = nullptr, *normed_ = nullptr, *qkv_ = nullptr, *q_ = nullptr,
        *attn_ = nullptr, *gate_up_ = nullptr, *act_ = nullptr;
   std::vector<float> xq_;
+  // xq_ from its first 64-byte line: prep's pair-major rows write whole lines of their own
+  float* xq() { return (float*)(((uintptr_t)xq_.data() + 63) & ~(uintptr_t)63); }
   int64_t rows_ = 0;
   // this step's inputs (set by run, read by the stages)
   int64_t B_ = 0, max_blocks_ = 0, block_size_ = 0, silu_parts_ = 1;

@@ -5,10 +5,12 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "core/cpu.h"
 #include "core/simd.h"
 #include "linear/common.h"
+#include "linear/pair_rows.h"
 
 #if !TM_BF16_PAIRS
 #error "arch/avx512bf16/pair_tile.h is for 16-lane builds with AVX-512 BF16 (the avx512bf16 variant)"
@@ -16,7 +18,24 @@
 
 namespace tmk {
 
-template <int MT, int S>
+// acc += w . (row M's pair at `pairs`, broadcast; pair-major rows are PG words apart), as one vdpbf16ps with the pair as its embedded-broadcast
+// memory operand. GCC's intrinsic never folds the broadcast, and a separate vpbroadcastd per row and pair put twice
+// the instructions through the front end of a Zen 4. One asm statement per row, its accumulator through a temporary
+// (an asm operand that names an array element kept the whole array on the stack).
+template <int M>
+inline __m512 dp_broadcast(__m512 acc, __m512 w, const int32_t* pairs) {
+  asm("vdpbf16ps %c2(%1)%{1to16%}, %3, %0" : "+v"(acc) : "r"(pairs), "i"(M * PG * 4), "v"(w));
+  return acc;
+}
+
+template <size_t... M>
+inline void dp_rows(__m512* a, __m512 w, const int32_t* pairs, std::index_sequence<M...>) {
+  ((a[M] = dp_broadcast<M>(a[M], w, pairs)), ...);
+}
+
+// PairMajor: xh holds the MT rows' pairs pair-major (linear/pair_rows.h), so one pointer and constant offsets reach
+// every row's pair; otherwise the rows lie ldxh apart.
+template <int MT, int S, bool PairMajor = false>
 inline void tile_bf16_pairs(const uint16_t* panel, const uint16_t* xh, int64_t ldxh, int64_t K, vf (*acc)[V]) {
   const int64_t pairs = K / 2;
   static_assert(V == 1, "one 16-channel vector per panel row");
@@ -26,19 +45,30 @@ inline void tile_bf16_pairs(const uint16_t* panel, const uint16_t* xh, int64_t l
   __m512 a[S][MT];
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < MT; ++m) a[s][m] = _mm512_setzero_ps();
-  auto step = [&](int64_t j, __m512* set) {
-    if (prefetch) prefetch_ahead(panel, j);
-    const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(panel + j * 2 * P));
-    for (int m = 0; m < MT; ++m) {
-      int32_t pair;  // x[m][2j] in the low half, x[m][2j + 1] in the high one: the same order as the weights
-      std::memcpy(&pair, xh + m * ldxh + 2 * j, 4);
-      set[m] = _mm512_dpbf16_ps(set[m], w, (__m512bh)_mm512_set1_epi32(pair));
+  if constexpr (PairMajor && MT > 1 && S == 1) {
+    for (int64_t g = 0; g * PG < pairs; ++g) {
+      const int32_t* at = (const int32_t*)xh + g * MT * PG;  // row 0's pair j; row m's PG words further
+      for (int64_t j = g * PG; j < std::min(pairs, g * PG + PG); ++j, ++at) {
+        prefetch_ahead(panel, j);
+        const __m512 w = _mm512_castsi512_ps(_mm512_loadu_si512((const void*)(panel + j * 2 * P)));
+        dp_rows(a[0], w, at, std::make_index_sequence<MT>{});
+      }
     }
-  };
-  int64_t j = 0;
-  for (; j + S <= pairs; j += S)
-    for (int s = 0; s < S; ++s) step(j + s, a[s]);
-  for (; j < pairs; ++j) step(j, a[0]);
+  } else {
+    auto dp = [&](int64_t j, __m512* set) {
+      if (prefetch) prefetch_ahead(panel, j);
+      const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(panel + j * 2 * P));
+      for (int m = 0; m < MT; ++m) {
+        int32_t pair;  // x[m][2j] in the low half, x[m][2j + 1] in the high one: the same order as the weights
+        std::memcpy(&pair, PairMajor ? xh + 2 * ((j / PG * MT + m) * PG + j % PG) : xh + m * ldxh + 2 * j, 4);
+        set[m] = _mm512_dpbf16_ps(set[m], w, (__m512bh)_mm512_set1_epi32(pair));
+      }
+    };
+    int64_t j = 0;
+    for (; j + S <= pairs; j += S)
+      for (int s = 0; s < S; ++s) dp(j + s, a[s]);
+    for (; j < pairs; ++j) dp(j, a[0]);
+  }
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < MT; ++m) acc[m][0] += (vf)a[s][m];
 }
