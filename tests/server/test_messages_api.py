@@ -67,11 +67,13 @@ def test_greedy_text_and_usage_equal_chat_completions(
     assert [b.type for b in m.content] == ["text"] and _text(m) == chat.choices[0].message.content
     assert (m.stop_reason, m.stop_sequence) == ("max_tokens", None)
     assert (m.usage.input_tokens, m.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
-    # the same conversation as text blocks renders the same prompt
+    # the conversation as text blocks renders the prompt of the chat completions' text parts: joined by newlines
+    parts: Any = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world!"}]
     blocks = _create(client, server, system=[{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
-                     messages=[{"role": "user", "content": [{"type": "text", "text": "Hello "},
-                                                            {"type": "text", "text": "world!"}]}])  # fmt: skip
-    assert (_text(blocks), blocks.usage.input_tokens) == (_text(m), m.usage.input_tokens)
+                     messages=[{"role": "user", "content": parts}])  # fmt: skip
+    split = oai.chat.completions.create(model=server.model, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}])  # fmt: skip
+    assert (_text(blocks), blocks.usage.input_tokens) == (split.choices[0].message.content, split.usage.prompt_tokens)
 
 
 def test_a_message_sent_back_as_the_sdk_dumps_it_continues_the_conversation(

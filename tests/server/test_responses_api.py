@@ -53,12 +53,18 @@ def test_greedy_text_and_usage_equal_chat_completions(client: openai.OpenAI, ser
     assert r.status == "incomplete" and r.incomplete_details and r.incomplete_details.reason == "max_output_tokens"
     assert _usage(r) == (chat.usage.prompt_tokens, 12, chat.usage.prompt_tokens + 12)
     assert (r.instructions, r.max_output_tokens, r.temperature) == (SYSTEM, 12, 0)
-    # the same conversation as items renders the same prompt
+    # the conversation as items renders the prompt of the chat completions' text parts: joined by newlines
     items: Any = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": SYSTEM}]},
-                  {"role": "user", "content": [{"type": "input_text", "text": "Hello "},
+                  {"role": "user", "content": [{"type": "input_text", "text": "Hello"},
                                                {"type": "input_text", "text": "world!"}]}]  # fmt: skip
     same = _create(client, server, instructions=openai.omit, input=items)
-    assert (same.output_text, _usage(same)) == (r.output_text, _usage(r))
+    parts: Any = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world!"}]
+    split = _chat(client, server, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}], 12)
+    want = split.usage
+    assert (same.output_text, _usage(same)) == (
+        split.choices[0].message.content,
+        (want.prompt_tokens, want.completion_tokens, want.total_tokens),
+    )
 
 
 def test_previous_response_id_continues_the_stored_conversation(client: openai.OpenAI, server: Server) -> None:

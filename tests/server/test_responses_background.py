@@ -120,6 +120,12 @@ def test_a_streamed_background_response_can_be_streamed_again_from_any_event(
 
     events, final = _released(hold, stream)
     assert [e.sequence_number for e in events] == list(range(len(events))) and events[-1].type == "response.completed"
+    # queued until the engine's first output, as OpenAI's background streams (it said in_progress at once)
+    assert [(e.type, e.response.status) for e in events[:3]] == [  # type: ignore[union-attr]
+        ("response.created", "queued"),
+        ("response.queued", "queued"),
+        ("response.in_progress", "in_progress"),
+    ]
     assert final.background and final.status == "incomplete" and final.output_text
     with client.responses.stream(response_id=final.id, starting_after=3) as again:
         rest = list(again)

@@ -11,8 +11,10 @@ from pydantic import ValidationError
 
 from tests.conftest import load_twice
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.anthropic_protocol import MessagesRequest
 from tokenmill.server.errors import bad_value
 from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.responses_protocol import ResponsesRequest, template_messages
 
 NAMED_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}{{ ' (' + m['name'] + ')' if m['name'] is defined else '' }}"
@@ -91,3 +93,27 @@ def test_a_chat_template_that_does_not_parse_is_found_at_load(tokenizer_dir: Pat
         with pytest.raises(ValueError, match=r"^this model's chat template does not parse .*: fix its chat template"):
             tok.apply_chat_template([{"role": "user", "content": "Hi"}])
         assert tok.encode("Hi") and "does not parse" in caplog.text
+
+
+def test_responses_and_messages_join_text_parts_by_newlines_as_chat_does() -> None:
+    """A Responses input message's text parts, a function_call_output's, an Anthropic user turn's text blocks and a
+    tool_result's are one text joined by newlines, as the chat completions' parts (they were joined with nothing,
+    fusing the last word of one part with the first of the next)."""
+    parts = [{"type": "input_text", "text": "Context."}, {"type": "input_text", "text": "Question?"}]
+    responses = ResponsesRequest.model_validate({"model": "m", "input": [
+        {"role": "user", "content": parts},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": parts},
+    ]})  # fmt: skip
+    said = template_messages(None, responses.input_items())
+    assert [m["content"] for m in said if m["role"] in ("user", "tool")] == ["Context.\nQuestion?"] * 2
+    blocks = [{"type": "text", "text": "Context."}, {"type": "text", "text": "Question?"}]
+    messages = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": blocks},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}, {"type": "text", "text": "Now."},
+                                          {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": blocks}, *blocks]},
+    ]})  # fmt: skip
+    turns = [(m["role"], m["content"]) for m in messages.template_messages()]
+    assert turns == [("user", "Context.\nQuestion?"), ("assistant", "Let me look.\nNow."),
+                     ("tool", "Context.\nQuestion?"), ("user", "Context.\nQuestion?")]  # fmt: skip

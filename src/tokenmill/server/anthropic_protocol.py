@@ -71,7 +71,7 @@ class ToolResultBlock(_Strict):
     cache_control: CacheControl = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)  # type: ignore[union-attr]
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)  # type: ignore[union-attr]
 
 
 Block = Annotated[
@@ -116,14 +116,15 @@ class Message(_Strict):
                                      "earlier assistant message's tool_use block has")  # fmt: skip
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
             elif out and out[-1]["role"] == "user":  # consecutive text blocks: one user message
-                out[-1]["content"] += _joined([b])
+                out[-1]["content"] += "\n" + _joined([b])
             else:
                 out.append({"role": "user", "content": _joined([b])})
         return out
 
 
 def _joined(blocks: list[Any]) -> str:
-    return "".join(b.text for b in blocks if isinstance(b, TextBlock))
+    """The text blocks' texts joined by newlines, as the chat completions' text parts (and vLLM's): no words fused."""
+    return "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
 
 
 class ToolDef(_Strict):

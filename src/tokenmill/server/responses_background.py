@@ -75,7 +75,7 @@ class BackgroundRun:
         if self.events is None:
             update(await _whole(call, answer, head, first))
         else:  # the last response is written (`update`) before the last event, and nothing awaits in between
-            async for event in response_events(call, answer, head, update, first):
+            async for event in response_events(call, answer, head, update, first, queued=True):
                 self.events.append(event)
                 self._wake()
         self._end()

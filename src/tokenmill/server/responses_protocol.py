@@ -302,7 +302,8 @@ def template_messages(instructions: str | None, items: list[dict[str, Any]]) -> 
     message, a `developer` message as a system one, consecutive `function_call` items as one assistant message's
     `tool_calls` (after its text, if the model wrote some), each `function_call_output` as a `tool` message, and
     `reasoning` items as the next assistant message's `reasoning_content` (as the Messages API passes thinking
-    blocks; dropped when no assistant turn follows). ValueError for an output whose call_id no earlier function_call
+    blocks; dropped when no assistant turn follows). Several text parts are one text joined by newlines, as the chat
+    completions' parts are. ValueError for an output whose call_id no earlier function_call
     has."""
     out: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     called: set[str] = set()
@@ -314,7 +315,7 @@ def template_messages(instructions: str | None, items: list[dict[str, Any]]) -> 
             continue
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
-            out.append({"role": role, "content": "".join(p["text"] for p in item["content"])})
+            out.append({"role": role, "content": "\n".join(p["text"] for p in item["content"])})
         elif kind == "function_call":
             called.add(item["call_id"])
             call = {"id": item["call_id"], "type": "function",
@@ -327,7 +328,7 @@ def template_messages(instructions: str | None, items: list[dict[str, Any]]) -> 
                 raise ValueError(f"function_call_output for call_id {item['call_id']!r}, which no earlier "
                                  "function_call item has (in this input or the previous response's)")  # fmt: skip
             output = item["output"]
-            text = output if isinstance(output, str) else "".join(p["text"] for p in output)
+            text = output if isinstance(output, str) else "\n".join(p["text"] for p in output)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         if thought and out[-1]["role"] == "assistant":
             out[-1]["reasoning_content"] = out[-1].get("reasoning_content", "") + thought

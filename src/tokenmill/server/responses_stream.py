@@ -1,7 +1,9 @@
 """A streamed Responses API answer: OpenAI's typed server-sent events, each with its `sequence_number`, in the
 order the `openai` SDK's `responses.stream()` assembles:
 
-1. `response.created`, `response.in_progress` (the response with no output yet);
+1. `response.created`, `response.in_progress` (the response with no output yet); a background response's
+   `response.created` and `response.queued` say `queued`, and its `response.in_progress` comes with the engine's
+   first output, as OpenAI's background streams go;
 2. per output item, `response.output_item.added`, then
    - reasoning (with a reasoning parser, while the model thinks): `response.content_part.added` (a
      `reasoning_text` part), `response.reasoning_text.delta`s, `response.reasoning_text.done`,
@@ -140,20 +142,31 @@ async def response_events(
     head: ResponseHead,
     on_done: Callable[[dict[str, Any]], None],
     on_first: Callable[[], None] | None = None,
+    queued: bool = False,
 ) -> AsyncIterator[str]:
     """The response's SSE. `on_done` gets the last response object, finished or failed (to store it), before the last
-    event; `on_first` is called when the engine's first output comes."""
+    event; `on_first` is called when the engine's first output comes. `queued` (background): the response starts
+    `queued` and goes `in_progress` with that output."""
     emit = Events()
     started = head.body("in_progress", [], None)
-    yield emit("response.created", response=started)
-    yield emit("response.in_progress", response=started)
+    if queued:
+        waiting = head.body("queued", [], None)
+        yield emit("response.created", response=waiting)
+        yield emit("response.queued", response=waiting)
+    else:
+        yield emit("response.created", response=started)
+        yield emit("response.in_progress", response=started)
     text, items = ChoiceStream(answer), Items(emit)
     final: RequestOutput | None = None
+    first = True
     try:
         async for _, out in merged(call):
-            if on_first is not None:
-                on_first()
-                on_first = None
+            if first:
+                first = False
+                if on_first is not None:
+                    on_first()
+                if queued:
+                    yield emit("response.in_progress", response=started)
             c = out.outputs[0]
             for event in items.feed(text.feed(out.new_text[0], c.finish_reason is not None)):
                 yield event
