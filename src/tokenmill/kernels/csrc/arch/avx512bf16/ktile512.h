@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "arch/avx512bf16/dp_broadcast.h"
 #include "arch/isa.h"
 #include "core/cpu.h"
 #include "linear/format.h"
@@ -121,11 +122,7 @@ inline void ksub512(const uint8_t* blk, const QRow* x, int64_t b, int s, __m512i
   for (int gg = 0; gg < G; ++gg) {
     const int g = s * G + gg;
     const __m512i w = kgroup512<F>(blk, g);
-    for (int m = 0; m < MT; ++m) {
-      int32_t four;
-      std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
-      isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(four));
-    }
+    for (int m = 0; m < MT; ++m) isum[m] = dpbusd_broadcast(isum[m], w, (const uint8_t*)x[m].q + b * QK + 4 * g);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <utility>
 
+#include "arch/avx512bf16/dp_broadcast.h"
 #include "core/cpu.h"
 #include "core/simd.h"
 #include "linear/common.h"
@@ -18,19 +19,9 @@
 
 namespace tmk {
 
-// acc += w . (row M's pair at `pairs`, broadcast; pair-major rows are PG words apart), as one vdpbf16ps with the pair as its embedded-broadcast
-// memory operand. GCC's intrinsic never folds the broadcast, and a separate vpbroadcastd per row and pair put twice
-// the instructions through the front end of a Zen 4. One asm statement per row, its accumulator through a temporary
-// (an asm operand that names an array element kept the whole array on the stack).
-template <int M>
-inline __m512 dp_broadcast(__m512 acc, __m512 w, const int32_t* pairs) {
-  asm("vdpbf16ps %c2(%1)%{1to16%}, %3, %0" : "+v"(acc) : "r"(pairs), "i"(M * PG * 4), "v"(w));
-  return acc;
-}
-
 template <size_t... M>
 inline void dp_rows(__m512* a, __m512 w, const int32_t* pairs, std::index_sequence<M...>) {
-  ((a[M] = dp_broadcast<M>(a[M], w, pairs)), ...);
+  ((a[M] = dpbf16_broadcast<M * PG * 4>(a[M], w, pairs)), ...);  // row M's pair PG words on
 }
 
 // PairMajor: xh holds the MT rows' pairs pair-major (linear/pair_rows.h), so one pointer and constant offsets reach

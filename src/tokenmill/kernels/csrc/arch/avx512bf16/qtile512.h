@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "arch/avx512bf16/dp_broadcast.h"
 #include "arch/isa.h"
 #include "core/cpu.h"
 #include "linear/format.h"
@@ -62,13 +63,12 @@ inline void qtile512(const uint8_t* panel, const QRow* x, int64_t nb, float (*su
         w = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(q + g * 32))), nibbles);
       }
       for (int m = 0; m < MT; ++m) {
-        int32_t four;
         if constexpr (F == Q8_0) {
+          int32_t four;
           std::memcpy(&four, x[m].u + b * QK + 4 * g, 4);
           isum[m] = _mm512_dpbusd_epi32(isum[m], _mm512_set1_epi32(four), w);
-        } else {
-          std::memcpy(&four, x[m].q + b * QK + 4 * g, 4);
-          isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(four));
+        } else {  // (Q8_0's broadcast is vpdpbusd's unsigned operand, which takes no memory)
+          isum[m] = dpbusd_broadcast(isum[m], w, x[m].q + b * QK + 4 * g);
         }
       }
     }
